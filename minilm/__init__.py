@@ -1,0 +1,7 @@
+"""minilm: MiniMind-class language models, pretrained with Ray. The library is pure PyTorch."""
+
+from .config import ConfigError, ModelConfig, TrainConfig
+from .model import MiniMindForCausalLM
+
+__all__ = ["ConfigError", "ModelConfig", "TrainConfig", "MiniMindForCausalLM"]
+__version__ = "0.1.0"

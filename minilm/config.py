@@ -1,0 +1,216 @@
+"""Model and training configuration, validated before any work starts.
+
+`ModelConfig` mirrors MiniMind's `MiniMindConfig` fields and defaults, so a config written by
+either side describes the same network. `TrainConfig` holds everything the optimizer loop needs.
+Both validate themselves and raise one `ConfigError` that lists every bad field at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+DTYPES = ("auto", "bf16", "fp16", "fp32")
+
+
+class ConfigError(ValueError):
+    """A configuration a user wrote is wrong; the message names every bad field."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in self.problems))
+
+
+def _default_intermediate_size(hidden_size: int) -> int:
+    # MiniMind's SwiGLU width: ~pi * hidden, rounded up to a multiple of 64.
+    return math.ceil(hidden_size * math.pi / 64) * 64
+
+
+@dataclass
+class ModelConfig:
+    hidden_size: int = 768
+    num_hidden_layers: int = 8
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 4
+    vocab_size: int = 6400
+    intermediate_size: int | None = None  # None: ceil(hidden_size * pi / 64) * 64
+    max_position_embeddings: int = 32768
+    rope_theta: float = 1e6
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+    dropout: float = 0.0
+    use_moe: bool = False
+    num_experts: int = 4
+    num_experts_per_tok: int = 1
+    norm_topk_prob: bool = True
+    router_aux_loss_coef: float = 5e-4
+    bos_token_id: int = 1
+    eos_token_id: int = 2
+    pad_token_id: int = 0
+
+    def __post_init__(self) -> None:
+        if self.intermediate_size is None and isinstance(self.hidden_size, int) and self.hidden_size > 0:
+            self.intermediate_size = _default_intermediate_size(self.hidden_size)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def problems(self) -> list[str]:
+        p: list[str] = []
+        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                     "vocab_size", "intermediate_size", "max_position_embeddings"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                p.append(f"{name} must be a positive integer, got {v!r}")
+        if not p:
+            if self.hidden_size % self.num_attention_heads:
+                p.append(f"num_attention_heads ({self.num_attention_heads}) must divide hidden_size "
+                         f"({self.hidden_size})")
+            elif self.head_dim % 2:
+                p.append(f"head_dim = hidden_size / num_attention_heads = {self.head_dim} must be even for RoPE")
+            if self.num_attention_heads % self.num_key_value_heads:
+                p.append(f"num_key_value_heads ({self.num_key_value_heads}) must divide num_attention_heads "
+                         f"({self.num_attention_heads})")
+        if not self.rope_theta > 0:
+            p.append(f"rope_theta must be > 0, got {self.rope_theta!r}")
+        if not self.rms_norm_eps > 0:
+            p.append(f"rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            p.append(f"dropout must be in [0, 1), got {self.dropout!r}")
+        if self.use_moe:
+            if not isinstance(self.num_experts, int) or self.num_experts < 1:
+                p.append(f"num_experts must be >= 1, got {self.num_experts!r}")
+            elif not isinstance(self.num_experts_per_tok, int) or not 1 <= self.num_experts_per_tok <= self.num_experts:
+                p.append(f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
+                         f"got {self.num_experts_per_tok!r}")
+        if self.router_aux_loss_coef < 0:
+            p.append(f"router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef!r}")
+        return p
+
+    def validate(self) -> ModelConfig:
+        problems = self.problems()
+        if problems:
+            raise ConfigError(problems)
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        return _from_dict(cls, d, "model config")
+
+
+@dataclass
+class TrainConfig:
+    lr: float = 5e-4
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1
+    epochs: int = 1
+    max_steps: int | None = None  # optimizer steps; None: run `epochs` full epochs
+    micro_batch_size: int = 16
+    global_batch_size: int = 64  # sequences per optimizer step, the invariant across world sizes
+    grad_clip: float = 1.0
+    dtype: str = "auto"
+    seq_len: int = 512
+    log_every: int = 10
+    checkpoint_every: int = 100
+    seed: int = 42
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    max_nonfinite_steps: int = 5  # this many non-finite gradient steps in a row stop the run
+
+    def problems(self, world_size: int | None = None, total_steps: int | None = None) -> list[str]:
+        p: list[str] = []
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            p.append(f"lr must be a positive number, got {self.lr!r}")
+        if not _is_int(self.warmup_steps) or self.warmup_steps < 0:
+            p.append(f"warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            p.append(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+        if not _is_int(self.epochs) or self.epochs < 1:
+            p.append(f"epochs must be an integer >= 1, got {self.epochs!r}")
+        if self.max_steps is not None and (not _is_int(self.max_steps) or self.max_steps < 1):
+            p.append(f"max_steps must be an integer >= 1, got {self.max_steps!r}")
+        for name in ("micro_batch_size", "global_batch_size", "seq_len", "log_every", "checkpoint_every",
+                     "max_nonfinite_steps"):
+            v = getattr(self, name)
+            if not _is_int(v) or v < 1:
+                p.append(f"{name} must be an integer >= 1, got {v!r}")
+        if _is_int(self.micro_batch_size) and _is_int(self.global_batch_size) and \
+                self.micro_batch_size >= 1 and self.global_batch_size >= 1:
+            if self.global_batch_size % self.micro_batch_size:
+                p.append(f"global_batch_size ({self.global_batch_size}) must be a multiple of "
+                         f"micro_batch_size ({self.micro_batch_size})")
+            elif world_size is not None:
+                try:
+                    accumulation_steps(self.global_batch_size, self.micro_batch_size, world_size)
+                except ConfigError as e:
+                    p.extend(e.problems)
+        if not (isinstance(self.grad_clip, (int, float)) and self.grad_clip > 0):
+            p.append(f"grad_clip must be > 0, got {self.grad_clip!r}")
+        if self.dtype not in DTYPES:
+            p.append(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if not (isinstance(self.weight_decay, (int, float)) and self.weight_decay >= 0):
+            p.append(f"weight_decay must be >= 0, got {self.weight_decay!r}")
+        betas = tuple(self.betas) if isinstance(self.betas, (list, tuple)) else ()
+        if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas):
+            p.append(f"betas must be two numbers in [0, 1), got {self.betas!r}")
+        steps = total_steps if total_steps is not None else self.max_steps
+        if steps is not None and _is_int(self.warmup_steps) and _is_int(steps) and self.warmup_steps >= steps:
+            p.append(f"warmup_steps ({self.warmup_steps}) must be smaller than the total optimizer steps ({steps})")
+        return p
+
+    def validate(self, world_size: int | None = None, total_steps: int | None = None) -> TrainConfig:
+        problems = self.problems(world_size, total_steps)
+        if problems:
+            raise ConfigError(problems)
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["betas"] = list(self.betas)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+        cfg = _from_dict(cls, d, "train config")
+        cfg.betas = tuple(cfg.betas)
+        return cfg
+
+
+def accumulation_steps(global_batch_size: int, micro_batch_size: int, world_size: int) -> int:
+    """Micro-steps per optimizer step so that every step sees exactly `global_batch_size` sequences."""
+    per_step = micro_batch_size * world_size
+    if world_size < 1 or global_batch_size % per_step:
+        raise ConfigError([
+            f"global_batch_size {global_batch_size} is not divisible by micro_batch_size {micro_batch_size} "
+            f"x world size {world_size}; world sizes that keep it: "
+            f"{', '.join(map(str, valid_world_sizes(global_batch_size, micro_batch_size))) or 'none'}"
+        ])
+    return global_batch_size // per_step
+
+
+def valid_world_sizes(global_batch_size: int, micro_batch_size: int, limit: int = 1024) -> list[int]:
+    if micro_batch_size < 1 or global_batch_size % micro_batch_size:
+        return []
+    n = global_batch_size // micro_batch_size
+    return [w for w in range(1, min(n, limit) + 1) if n % w == 0]
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _from_dict(cls, d: dict[str, Any], what: str):
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ConfigError([f"unknown {what} field(s): {', '.join(unknown)} (known: {', '.join(sorted(known))})"])
+    return cls(**d)
+
+
+__all__ = ["ConfigError", "ModelConfig", "TrainConfig", "accumulation_steps", "valid_world_sizes", "DTYPES"]

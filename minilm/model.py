@@ -1,0 +1,272 @@
+"""The MiniMind architecture in plain PyTorch, readable top to bottom.
+
+Pre-norm decoder: RMSNorm -> grouped-query attention (q/k RMSNorm, RoPE, SDPA) -> residual ->
+RMSNorm -> SwiGLU FFN or a top-k mixture of SwiGLU experts -> residual; tied embeddings.
+Parameter names are MiniMind's (`model.layers.{i}.self_attn.q_proj.weight`, ...), so a MiniMind
+state dict loads with `strict=True` and an exported one loads into MiniMind.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+
+
+@dataclass
+class CausalLMOutput:
+    logits: torch.Tensor
+    loss: torch.Tensor | None  # next-token cross entropy (labels shifted inside)
+    aux_loss: torch.Tensor  # MoE load-balancing loss summed over layers; 0 for dense or in eval
+    past_key_values: list | None = None
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 even under autocast: the mean of squares underflows in bf16.
+        xf = x.float()
+        return (self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps))).type_as(x)
+
+
+def rope_tables(head_dim: int, max_positions: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape (max_positions, head_dim), halves duplicated (rotate-half layout)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    angles = torch.outer(torch.arange(max_positions).float(), inv_freq)
+    return torch.cat([angles.cos(), angles.cos()], -1), torch.cat([angles.sin(), angles.sin()], -1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (batch, seq, heads, head_dim); cos/sin: (seq, head_dim)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.dropout = cfg.dropout
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x, cos, sin, past_key_value=None, use_cache=False):
+        b, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if past_key_value is not None:
+            k = torch.cat([past_key_value[0], k], dim=1)
+            v = torch.cat([past_key_value[1], v], dim=1)
+        present = (k, v) if use_cache else None
+        # GQA: each kv head serves num_heads / num_kv_heads query heads.
+        rep = self.num_heads // self.num_kv_heads
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        if past_key_value is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        elif t == 1:  # one new token attends to every cached position
+            y = F.scaled_dot_product_attention(q, k, v)
+        else:  # several new tokens after a cache: causal, offset by the cache length
+            mask = torch.ones(t, k.shape[2], dtype=torch.bool, device=x.device).tril(k.shape[2] - t)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        y = y.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)
+        return self.resid_dropout(self.o_proj(y)), present
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoEFeedForward(nn.Module):
+    """Top-k routed SwiGLU experts with MiniMind's load-balancing loss.
+
+    Tokens are sorted by expert and each expert runs once on its contiguous slice (a loop over
+    experts, never over tokens). An expert that receives no token still runs on an empty slice,
+    so its parameters get a (zero) gradient every step and DDP needs no find_unused_parameters.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_experts, self.top_k = cfg.num_experts, cfg.num_experts_per_tok
+        self.norm_topk_prob, self.aux_coef = cfg.norm_topk_prob, cfg.router_aux_loss_coef
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = nn.ModuleList(FeedForward(cfg) for _ in range(cfg.num_experts))
+        self.aux_loss = torch.zeros(())
+        # Share of routed (token, slot) pairs per expert in the last forward: watch for collapse.
+        self.register_buffer("expert_load", torch.zeros(cfg.num_experts), persistent=False)
+
+    def forward(self, x):
+        b, t, h = x.shape
+        x_flat = x.reshape(-1, h)
+        probs = F.softmax(self.gate(x_flat), dim=-1, dtype=torch.float32)
+        topk_prob, topk_idx = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob and self.top_k > 1:
+            topk_prob = topk_prob / (topk_prob.sum(dim=-1, keepdim=True) + 1e-20)
+
+        flat_expert = topk_idx.reshape(-1)  # (tokens * top_k,)
+        order = torch.argsort(flat_expert, stable=True)
+        counts = torch.bincount(flat_expert, minlength=self.num_experts)
+        token_of = order // self.top_k  # source token of each sorted (token, slot) pair
+        expert_in = x_flat[token_of]
+        outputs = [expert(chunk) for expert, chunk in zip(self.experts, expert_in.split(counts.tolist()))]
+        weighted = torch.cat(outputs) * topk_prob.reshape(-1)[order, None].to(x.dtype)
+        y = torch.zeros_like(x_flat).index_add_(0, token_of, weighted.to(x_flat.dtype))
+
+        load = counts.float() / x_flat.shape[0]  # tokens routed to each expert, over all slots
+        with torch.no_grad():
+            self.expert_load.copy_(counts.float() / flat_expert.numel())
+        if self.training and self.aux_coef > 0:
+            self.aux_loss = self.num_experts * self.aux_coef * (load * probs.mean(0)).sum()
+        else:
+            self.aux_loss = probs.new_zeros(())
+        return y.view(b, t, h)
+
+
+class MiniMindBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MoEFeedForward(cfg) if cfg.use_moe else FeedForward(cfg)
+
+    def forward(self, x, cos, sin, past_key_value=None, use_cache=False):
+        attn, present = self.self_attn(self.input_layernorm(x), cos, sin, past_key_value, use_cache)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), present
+
+
+class MiniMindModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.layers = nn.ModuleList(MiniMindBlock(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+        self.register_buffer("freqs_cos", cos, persistent=False)  # not in the state dict, as in MiniMind
+        self.register_buffer("freqs_sin", sin, persistent=False)
+
+    def forward(self, input_ids, past_key_values=None, use_cache=False):
+        start = past_key_values[0][0].shape[1] if past_key_values else 0
+        t = input_ids.shape[1]
+        cos, sin = self.freqs_cos[start:start + t], self.freqs_sin[start:start + t]
+        x = self.dropout(self.embed_tokens(input_ids))
+        presents = []
+        for i, layer in enumerate(self.layers):
+            x, present = layer(x, cos, sin, past_key_values[i] if past_key_values else None, use_cache)
+            presents.append(present)
+        return self.norm(x), presents
+
+
+class MiniMindForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig | None = None):
+        super().__init__()
+        self.config = (config or ModelConfig()).validate()
+        self.model = MiniMindModel(self.config)
+        self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
+        if self.config.tie_word_embeddings:
+            self.model.embed_tokens.weight = self.lm_head.weight
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, input_ids, labels=None, past_key_values=None, use_cache=False) -> CausalLMOutput:
+        hidden, presents = self.model(input_ids, past_key_values, use_cache)
+        logits = self.lm_head(hidden)
+        loss = None
+        if labels is not None:
+            # Position t predicts token t+1; -100 marks positions without a target.
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+        return CausalLMOutput(logits, loss, self.aux_loss(), presents if use_cache else None)
+
+    def moe_layers(self) -> list[MoEFeedForward]:
+        return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoEFeedForward)]
+
+    def aux_loss(self) -> torch.Tensor:
+        losses = [m.aux_loss for m in self.moe_layers()]
+        return torch.stack(losses).sum() if losses else self.lm_head.weight.new_zeros((), dtype=torch.float32)
+
+    def expert_load(self) -> torch.Tensor | None:
+        """(layers, experts) share of routed tokens per expert in the last forward; None for dense."""
+        layers = self.moe_layers()
+        return torch.stack([m.expert_load for m in layers]) if layers else None
+
+    # ---- sizes and FLOPs (nanoGPT-style estimates) -------------------------------------------
+    def num_params(self, active: bool = False) -> int:
+        """Unique parameters; with active=True, only the top-k experts' share of each MoE layer."""
+        total = sum(p.numel() for p in self.parameters())
+        if active and self.config.use_moe:
+            per_expert = sum(p.numel() for p in self.moe_layers()[0].experts[0].parameters())
+            unused = self.config.num_experts - self.config.num_experts_per_tok
+            total -= len(self.moe_layers()) * unused * per_expert
+        return total
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 x active matmul params + attention (PaLM appendix B)."""
+        c = self.config
+        n = self.num_params(active=True) - c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
+        n += c.vocab_size * c.hidden_size  # the lm_head matmul runs; the embedding lookup does not
+        return 6 * n + 12 * c.num_hidden_layers * c.hidden_size * seq_len
+
+    def estimate_mfu(self, tokens_per_s: float, seq_len: int, peak_flops: float) -> float:
+        return self.flops_per_token(seq_len) * tokens_per_s / peak_flops
+
+    # ---- generation ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, input_ids, max_new_tokens=64, temperature=0.8, top_p=0.9, eos_token_id=None,
+                 generator: torch.Generator | None = None):
+        """Sample with a KV cache; temperature 0 is greedy. Returns prompt + continuation."""
+        past, ids, x = None, input_ids, input_ids
+        for _ in range(max_new_tokens):
+            if ids.shape[1] >= self.config.max_position_embeddings:
+                break
+            out = self(x, past_key_values=past, use_cache=True)
+            past, logits = out.past_key_values, out.logits[:, -1].float()
+            if temperature <= 0:
+                nxt = logits.argmax(-1, keepdim=True)
+            else:
+                probs = F.softmax(logits / temperature, dim=-1)
+                sorted_p, sorted_i = probs.sort(dim=-1, descending=True)
+                drop = sorted_p.cumsum(-1) - sorted_p > top_p  # keep the smallest set reaching top_p
+                sorted_p = sorted_p.masked_fill(drop, 0.0)
+                nxt = sorted_i.gather(-1, torch.multinomial(sorted_p, 1, generator=generator))
+            ids = torch.cat([ids, nxt], dim=1)
+            x = nxt
+            if eos_token_id is not None and bool((nxt == eos_token_id).all()):
+                break
+        return ids
+
+
+__all__ = ["CausalLMOutput", "MiniMindForCausalLM", "MoEFeedForward", "FeedForward", "Attention", "RMSNorm",
+           "rope_tables", "apply_rope"]

@@ -1,0 +1,200 @@
+"""One optimizer step per worker, exactly as the seed lists it.
+
+    for each of accumulation_steps micro-batches:
+        autocast forward -> loss = (lm_loss + aux_loss) / accumulation_steps -> scaled backward
+        (inside DDP no_sync() on every micro-step but the last: one all-reduce per optimizer step)
+    at the boundary: unscale_ -> clip_grad_norm_ -> step (skipped if the norm is not finite)
+                     -> scaler.update -> zero_grad(set_to_none=True)
+
+No Ray here: the same functions drive the single-process entry (`minilm.train`) and the Ray job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .config import TrainConfig
+
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+class NonFiniteLossError(RuntimeError):
+    """Too many optimizer steps in a row had a non-finite loss or gradient norm."""
+
+
+# ---- precision --------------------------------------------------------------------------------
+
+def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
+    """Map --dtype to a torch dtype for this device; `auto` picks the fastest safe choice."""
+    device_type = torch.device(device).type
+    if name == "auto":
+        if device_type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cpu_bf16_is_faster() else torch.float32
+    if name == "fp16" and device_type != "cuda":
+        raise ValueError("dtype fp16 needs a CUDA device (CPU autocast supports bf16 or fp32); use --dtype bf16 or fp32")
+    if name not in TORCH_DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose auto, bf16, fp16 or fp32")
+    return TORCH_DTYPES[name]
+
+
+def cpu_bf16_is_faster(size: int = 512, repeats: int = 8) -> bool:
+    """Start-up probe: is a bf16 matmul faster than fp32 on this CPU? (Only with native bf16 units.)"""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+
+    def best(x, y) -> float:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            x @ y
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    best(a, b)  # warm-up
+    return best(a.bfloat16(), b.bfloat16()) < 0.8 * best(a, b)
+
+
+def autocast(device_type: str, dtype: torch.dtype):
+    """Autocast for bf16/fp16; fp32 runs without it. fp32 master weights are kept either way."""
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device_type, dtype=dtype)
+
+
+def make_grad_scaler(dtype: torch.dtype, device_type: str) -> torch.amp.GradScaler:
+    # Only fp16 needs loss scaling: bf16 has fp32's exponent range.
+    return torch.amp.GradScaler(device_type, enabled=(dtype == torch.float16))
+
+
+# ---- optimizer --------------------------------------------------------------------------------
+
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices (linear and embedding weights) only, not on norm gains."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    fused = bool(params) and params[0].is_cuda
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), fused=fused)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+# ---- the step ---------------------------------------------------------------------------------
+
+@dataclass
+class StepMetrics:
+    """What one optimizer step measured on this worker (tensors stay on device until logged)."""
+
+    loss: torch.Tensor  # mean over the accumulation window of lm_loss + aux_loss
+    lm_loss: torch.Tensor
+    aux_loss: torch.Tensor
+    grad_norm: torch.Tensor  # before clipping, in unscaled units
+    lr: float
+    skipped: bool  # the optimizer step was skipped (non-finite gradient norm)
+    sequences: int
+    tokens: int
+
+
+def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+                   micro_batches: Sequence[torch.Tensor], *, lr: float, grad_clip: float,
+                   dtype: torch.dtype = torch.float32) -> StepMetrics:
+    """Run len(micro_batches) micro-steps and one optimizer step.
+
+    Each micro-batch is a (micro_batch_size, seq_len + 1) tensor of token ids already on the
+    model's device; it is both input and labels (the model shifts the labels).
+    """
+    accumulation_steps = len(micro_batches)
+    device_type = micro_batches[0].device.type
+    set_lr(optimizer, lr)
+    lm_sum = torch.zeros((), device=micro_batches[0].device)
+    aux_sum = torch.zeros((), device=micro_batches[0].device)
+    for i, input_ids in enumerate(micro_batches):
+        last = i == accumulation_steps - 1
+        # DDP all-reduces gradients in backward; skip that on all micro-steps but the last.
+        sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
+        with sync:
+            with autocast(device_type, dtype):
+                out = model(input_ids, labels=input_ids)
+            # Divide before backward so the accumulated gradient is the mean over the window,
+            # the same gradient one big batch would give.
+            loss = (out.loss + out.aux_loss) / accumulation_steps
+            scaler.scale(loss).backward()
+        lm_sum += out.loss.detach().float()
+        aux_sum += out.aux_loss.detach().float()
+
+    # Gradients are scaled (fp16); bring them to true units before clipping against grad_clip.
+    scaler.unscale_(optimizer)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    skipped = not bool(torch.isfinite(grad_norm))
+    if scaler.is_enabled():
+        scaler.step(optimizer)  # skips by itself when it found inf/nan in the gradients
+    elif not skipped:
+        optimizer.step()
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+
+    m = micro_batches[0]
+    lm_loss, aux_loss = lm_sum / accumulation_steps, aux_sum / accumulation_steps
+    return StepMetrics(loss=lm_loss + aux_loss, lm_loss=lm_loss, aux_loss=aux_loss, grad_norm=grad_norm.detach(),
+                       lr=lr, skipped=skipped, sequences=m.shape[0] * accumulation_steps,
+                       tokens=m.shape[0] * (m.shape[1] - 1) * accumulation_steps)
+
+
+class NonFiniteGuard:
+    """Counts skipped steps; stops the run after `max_in_a_row` consecutive non-finite steps.
+
+    With a GradScaler, overflowing gradients are the scaler's normal calibration, so only a
+    non-finite *loss* counts towards the limit there.
+    """
+
+    def __init__(self, max_in_a_row: int):
+        self.max_in_a_row = max_in_a_row
+        self.skipped_total = 0
+        self.in_a_row = 0
+        self.first_step_in_a_row = -1
+
+    def update(self, metrics: StepMetrics, optimizer_step: int, scaler_enabled: bool = False) -> None:
+        if not metrics.skipped:
+            self.in_a_row = 0
+            return
+        self.skipped_total += 1
+        counts = not scaler_enabled or not bool(torch.isfinite(metrics.loss))
+        if not counts:
+            return
+        if self.in_a_row == 0:
+            self.first_step_in_a_row = optimizer_step
+        self.in_a_row += 1
+        if self.in_a_row >= self.max_in_a_row:
+            raise NonFiniteLossError(
+                f"stopping: {self.in_a_row} optimizer steps in a row ({self.first_step_in_a_row}..{optimizer_step}) "
+                f"had a non-finite loss or gradient norm (last loss {float(metrics.loss):.4g}, "
+                f"grad_norm {float(metrics.grad_norm):.4g}); lower --lr, add --warmup-steps, or check the data")
+
+    def state_dict(self) -> dict:
+        return {"skipped_total": self.skipped_total, "in_a_row": self.in_a_row,
+                "first_step_in_a_row": self.first_step_in_a_row}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.skipped_total = int(state["skipped_total"])
+        self.in_a_row = int(state["in_a_row"])
+        self.first_step_in_a_row = int(state["first_step_in_a_row"])
+
+
+def mean_across_workers(values: torch.Tensor) -> torch.Tensor:
+    """Average a small metrics tensor over all workers (identity when not distributed)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        values = values.clone()
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+        values /= dist.get_world_size()
+    return values
