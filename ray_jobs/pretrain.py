@@ -1,0 +1,223 @@
+"""Pretrain a MiniMind-class model with Ray Train.
+
+    python -m ray_jobs.pretrain                                   # small model, built-in corpus, local Ray
+    python -m ray_jobs.pretrain --data data/tok --num-workers 2-8 --name run1 --storage-path s3://bucket/runs
+    ray job submit --working-dir . -- python -m ray_jobs.pretrain --name run1 --resume auto
+
+Every ModelConfig / TrainConfig field is a flag (--hidden-size, --global-batch-size, ...), and
+`--config FILE.yaml` sets any of them (flags win). Checkpoints are Ray Train checkpoints under
+STORAGE/NAME; `--resume auto` continues the latest complete one, from any driver process, at any
+world size that keeps the global batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from minilm import checkpoint as C
+from minilm import data as D
+from minilm.config import ConfigError, valid_world_sizes
+from minilm.progress import MetricsLog, format_duration
+
+from .cli import EXIT_FAILED, UsageError, add_config_flags, build_configs, ensure_ray, fail, load_yaml, \
+    parse_num_workers
+
+RUN_KEYS = {"data", "num_workers", "use_gpu", "cpus_per_worker", "storage_path", "name", "resume", "max_failures",
+            "keep_checkpoints", "exit_after_steps", "exit_after_minutes", "val_samples", "backend_timeout_s",
+            "num_cpus", "elastic_check_seconds"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m ray_jobs.pretrain", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--config", help="YAML file of option: value (any flag below, underscores or dashes)")
+    r = p.add_argument_group("run")
+    r.add_argument("--data", help="prepared data dir (ray_jobs.prepare); default: the built-in demo corpus, "
+                                  "prepared once into ~/.cache/minilm")
+    r.add_argument("--num-workers", help="N, or MIN-MAX for an elastic run (default 2)")
+    r.add_argument("--use-gpu", choices=["auto", "true", "false"], help="default auto: GPUs if the cluster has any")
+    r.add_argument("--cpus-per-worker", type=float, help="default 1")
+    r.add_argument("--storage-path", help="local path or pyarrow URI (s3://, gs://); default ./runs")
+    r.add_argument("--name", help="run name; resume finds checkpoints by it (default: minilm-<time>)")
+    r.add_argument("--resume", help="auto (default): continue RUN's latest complete checkpoint; never; or a "
+                                    "checkpoint PATH")
+    r.add_argument("--max-failures", type=int, help="worker-group restarts Ray Train may do (default 0)")
+    r.add_argument("--keep-checkpoints", type=int, help="CheckpointConfig(num_to_keep) (default 3)")
+    r.add_argument("--exit-after-steps", type=int, help="checkpoint and exit cleanly after this optimizer step")
+    r.add_argument("--exit-after-minutes", type=float, help="checkpoint and exit cleanly after this many minutes")
+    r.add_argument("--val-samples", type=int, help="held-out sequences for val_loss (default 0)")
+    r.add_argument("--elastic-check-seconds", type=float, help="how often Ray checks to resize an elastic run")
+    r.add_argument("--backend-timeout-s", type=int, help="collective timeout (gloo/nccl), default 600")
+    r.add_argument("--num-cpus", type=int, help="logical CPUs of a local Ray (default max(8, 2 x cores))")
+    r.add_argument("--record-sample-ids", help=argparse.SUPPRESS)  # test-only: per-step sample ids per rank
+    add_config_flags(p)
+    return p
+
+
+RUN_DEFAULTS = {"num_workers": "2", "use_gpu": "auto", "cpus_per_worker": 1.0, "storage_path": "./runs",
+                "resume": "auto", "max_failures": 0, "keep_checkpoints": 3, "val_samples": 0,
+                "backend_timeout_s": 600, "elastic_check_seconds": 60.0}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except UsageError as e:
+        return fail(str(e))
+    except ConfigError as e:
+        return fail(str(e))
+    except (D.DataError, C.CheckpointError) as e:
+        return fail(str(e))
+    except KeyboardInterrupt:
+        return fail("interrupted; continue with --resume auto and the same --name", 130)
+
+
+def run(args: argparse.Namespace) -> int:
+    file_values = load_yaml(args.config)
+    demo = not (args.data or file_values.get("data"))
+    model_cfg, train_cfg, rest = build_configs(args, file_values, RUN_KEYS, demo=demo)
+    opts = {**RUN_DEFAULTS, **rest}
+    model_cfg.validate()
+    min_w, max_w = parse_num_workers(opts["num_workers"])
+    bad = [w for w in range(min_w, max_w + 1) if w not in valid_world_sizes(train_cfg.global_batch_size,
+                                                                             train_cfg.micro_batch_size)]
+    if bad:
+        valid = valid_world_sizes(train_cfg.global_batch_size, train_cfg.micro_batch_size)
+        raise UsageError(f"--num-workers {opts['num_workers']}: world size(s) {', '.join(map(str, bad))} cannot keep "
+                         f"global_batch_size {train_cfg.global_batch_size} with micro_batch_size "
+                         f"{train_cfg.micro_batch_size}; valid world sizes: {', '.join(map(str, valid)) or 'none'}")
+    train_cfg.validate(world_size=min_w)
+    for key in ("max_failures", "keep_checkpoints", "val_samples"):
+        if not isinstance(opts[key], int) or opts[key] < (1 if key == "keep_checkpoints" else 0):
+            raise UsageError(f"{'--' + key.replace('_', '-')} must be an integer >= "
+                             f"{1 if key == 'keep_checkpoints' else 0}, got {opts[key]!r}")
+    if opts.get("exit_after_steps") is not None and opts["exit_after_steps"] < 1:
+        raise UsageError("--exit-after-steps must be >= 1")
+    if opts.get("exit_after_minutes") is not None and not opts["exit_after_minutes"] > 0:
+        raise UsageError("--exit-after-minutes must be > 0")
+    if not opts["cpus_per_worker"] > 0:
+        raise UsageError("--cpus-per-worker must be > 0")
+
+    name = opts.get("name") or time.strftime("minilm-%Y%m%d-%H%M%S")
+    storage = opts["storage_path"]
+    local_storage = "://" not in storage
+    if local_storage:
+        storage = str(Path(storage).expanduser().resolve())
+    run_dir = Path(storage) / name if local_storage else None
+
+    resume_path = None
+    if opts["resume"] not in ("auto", "never"):
+        resume_path = Path(opts["resume"]).expanduser().resolve()
+        C.verify(resume_path)  # missing, partial or corrupt: refused here, before any worker starts
+    elif opts["resume"] == "never" and run_dir is not None and any(run_dir.glob("checkpoint_*")):
+        raise UsageError(f"run {name} already has checkpoints in {run_dir}; use --resume auto to continue it, "
+                         f"or another --name")
+
+    ensure_ray(opts.get("num_cpus"))
+    if demo:
+        from .demo_data import demo_data_dir
+
+        data_dir = demo_data_dir(train_cfg.seq_len, model_cfg.vocab_size)
+    else:
+        data_dir = Path(opts["data"]).expanduser().resolve()
+    prepared = D.open_prepared(data_dir)
+    D.check_compatible(prepared, vocab_size=model_cfg.vocab_size, seq_len=train_cfg.seq_len)
+    train_ids, _ = D.split_ids(prepared.num_sequences, opts["val_samples"])
+    per_epoch = D.steps_per_epoch(len(train_ids), train_cfg.global_batch_size)
+    if per_epoch == 0:
+        raise D.DataError(f"{data_dir}: {len(train_ids)} training sequences do not fill one global batch of "
+                          f"{train_cfg.global_batch_size}")
+    total_steps = train_cfg.max_steps or per_epoch * train_cfg.epochs
+    train_cfg.validate(world_size=min_w, total_steps=total_steps)
+
+    if opts.get("record_sample_ids"):
+        Path(opts["record_sample_ids"]).mkdir(parents=True, exist_ok=True)
+    config = {
+        "model": model_cfg.to_dict(), "train": train_cfg.to_dict(),
+        "run": {"name": name, "run_id": f"{name}-{int(time.time())}", "data_dir": str(data_dir),
+                "run_dir": str(run_dir) if run_dir else None, "val_samples": opts["val_samples"],
+                "resume_path": str(resume_path) if resume_path else None,
+                "exit_after_steps": opts.get("exit_after_steps"), "exit_after_minutes": opts.get("exit_after_minutes"),
+                "record_sample_ids": opts.get("record_sample_ids")},
+    }
+    trainer = make_trainer(config, opts, storage, name, (min_w, max_w))
+    print(f"run {name}: storage {storage}/{name}, data {data_dir} ({prepared.num_sequences} sequences, "
+          f"{per_epoch} steps per epoch), workers {opts['num_workers']}", flush=True)
+    t0 = time.time()
+    import ray.train
+
+    try:
+        result = trainer.fit()
+    except ray.train.TrainingFailedError as e:
+        return fail(f"training failed: {worker_error_summary(e)}", EXIT_FAILED)
+    summarize(result, run_dir, time.time() - t0)
+    return 0
+
+
+def make_trainer(config: dict, opts: dict, storage: str, name: str, workers: tuple[int, int]):
+    import ray
+    from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from .worker import train_func
+
+    use_gpu = opts["use_gpu"] == "true" or (opts["use_gpu"] == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
+    min_w, max_w = workers
+    scaling = ScalingConfig(num_workers=min_w if min_w == max_w else (min_w, max_w), use_gpu=use_gpu,
+                            resources_per_worker={"CPU": opts["cpus_per_worker"]},
+                            elastic_resize_monitor_interval_s=opts["elastic_check_seconds"])
+    run_config = RunConfig(name=name, storage_path=storage,
+                           failure_config=FailureConfig(max_failures=opts["max_failures"]),
+                           checkpoint_config=CheckpointConfig(num_to_keep=opts["keep_checkpoints"]),
+                           logging_config=LoggingConfig(log_level="WARNING"),  # our log line, not Ray's per report
+                           worker_runtime_env={"env_vars": {"OMP_NUM_THREADS": str(max(1, int(opts["cpus_per_worker"])))}})
+    return TorchTrainer(train_func, train_loop_config=config, scaling_config=scaling, run_config=run_config,
+                        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo",
+                                                 timeout_s=opts["backend_timeout_s"]))
+
+
+def worker_error_summary(e: BaseException) -> str:
+    """The worker's own exception line, not Ray's 40-line wrapper."""
+    text = str(e)
+    for line in reversed(text.splitlines()):
+        line = line.strip()
+        if line and ("Error" in line.split(":")[0] or "Preempted" in line.split(":")[0]):
+            return line
+    return text.strip().splitlines()[-1] if text.strip() else type(e).__name__
+
+
+def summarize(result, run_dir: Path | None, wall_s: float) -> None:
+    metrics = result.metrics or {}
+    ckpt = result.checkpoint
+    print("\n=== run summary ===", flush=True)
+    if not metrics:
+        print("no optimizer step was run (the run had already reached its last step)")
+    else:
+        print(f"steps {metrics['optimizer_step']}/{metrics['total_steps']}  samples {metrics['samples_seen']}  "
+              f"tokens {metrics['tokens_seen']:,}  final loss {metrics['loss']:.4f}  wall {format_duration(wall_s)}",
+              flush=True)
+    if ckpt is not None:
+        print(f"checkpoint  {ckpt.path}")
+        weights = Path(ckpt.path) / "weights"
+        if run_dir is not None and weights.is_dir():
+            final = run_dir / "weights"
+            shutil.rmtree(final, ignore_errors=True)
+            shutil.copytree(weights, final)
+            print(f"weights     {final}  (minilm.load_pretrained / python -m minilm.sample --weights {final})")
+    if run_dir is not None and (run_dir / "metrics.jsonl").is_file():
+        records = MetricsLog(run_dir / "metrics.jsonl").read()
+        if records:
+            first, last = records[0], records[-1]
+            print(f"metrics     {run_dir / 'metrics.jsonl'}  loss {first['loss']:.4f} -> {last['loss']:.4f}")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
+    sys.exit(main())
