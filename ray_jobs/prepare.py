@@ -12,8 +12,16 @@ Inputs, read in the order given (a directory is walked recursively, a glob is ex
 * `.parquet`: one document per row of the `--text-field` column;
 * a folder written by `datasets.Dataset.save_to_disk` (it holds dataset_info.json and state.json).
 
-The driver reads and checks every record, so a bad one is reported as `file:line`; with
-`--on-bad-record skip` it is counted by reason in the manifest instead. Records go to Ray in blocks
+The driver reads and checks every record, so a bad one is reported as `file:line` (parquet and
+datasets: `file: row N`) and stops the run; with `--on-bad-record skip` it is skipped, counted by
+reason in the manifest (`skipped_by_reason`: malformed_json, not_an_object, missing_text_field,
+non_string_text, invalid_utf8) and the first few are shown as warnings. An empty text (`""`) is
+always skipped and counted as `empty_text`, never an error; an input with no record at all is an
+error, or with `skip` listed in the manifest's `empty_inputs`. `documents_read` counts the documents
+packed, `documents_skipped` the records skipped.
+
+Without `--tokenizer`, a byte-level BPE of `--vocab-size` tokens is trained on the first 8 MB of
+usable text (in input order) before tokenizing. Records go to Ray in blocks
 (`ray.data.from_arrow_refs`); `map_batches` encodes each block with the tokenizer's batched
 `encode_batch_fast` in Ray tasks; blocks come back in input order (preserve_order, and checked), are
 packed into rows of seq_len + 1 and written as shards. The same inputs and options give the same
@@ -40,7 +48,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 # Module-level imports stay light (stdlib only): Ray workers import this module to run
@@ -51,6 +59,7 @@ EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130
 
 FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".txt": "txt", ".parquet": "parquet"}
+# the skip reasons counted in the manifest's skipped_by_reason
 REASONS = ("malformed_json", "not_an_object", "missing_text_field", "non_string_text", "invalid_utf8",
            "empty_text")
 MAX_SKIP_WARNINGS = 10
@@ -171,7 +180,12 @@ def resolve_inputs(specs: list[str], exclude: Path | None = None,
         size = _dir_bytes(p) if kind == "hf" else p.stat().st_size
         sources.append(Source(path=p, display=display, kind=kind, bytes=size))
 
+    visited: set[Path] = set()
+
     def walk(d: Path, display: str, top: str) -> None:
+        if d.resolve() in visited:  # a symlink loop, or a folder reached twice
+            return
+        visited.add(d.resolve())
         for child in sorted(d.iterdir(), key=lambda c: c.name):
             shown = os.path.join(display, child.name)
             if child.name.startswith(".") or excluded(child):
@@ -362,12 +376,17 @@ def _read_parquet(src: Source, text_field: str) -> Iterator[tuple[str, str | Bad
 
 
 def _read_hf(src: Source, text_field: str) -> Iterator[tuple[str, str | Bad, int]]:
-    try:
-        import datasets
+    import datasets
 
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
         ds = datasets.load_from_disk(str(src.path))
     except Exception as e:  # datasets raises FileNotFoundError / various for a damaged folder
         raise UserError(f"{src.display}: cannot load the datasets folder ({type(e).__name__}: {e})") from None
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
     if not isinstance(ds, datasets.Dataset):
         raise UserError(f"{src.display}: is a {type(ds).__name__}, not a single Dataset; pass one split's folder")
     names = list(ds.column_names)
@@ -379,6 +398,22 @@ def _read_hf(src: Source, text_field: str) -> Iterator[tuple[str, str | Bad, int
 READERS = {"jsonl": _read_jsonl, "txt": _read_txt, "parquet": _read_parquet, "hf": _read_hf}
 
 
+class SkipWarnings:
+    """Prints the first few skipped records (each once, though the tokenizer pass reads them too)."""
+
+    def __init__(self, warn: Callable[[str], None], limit: int = MAX_SKIP_WARNINGS):
+        self.warn = warn
+        self.limit = limit
+        self.shown: set[str] = set()
+
+    def __call__(self, where: str, detail: str) -> None:
+        if where in self.shown or len(self.shown) >= self.limit:
+            return
+        self.shown.add(where)
+        self.warn(f"skipping {where}: {detail}" + (f" (showing the first {self.limit} skips; the manifest "
+                                                   f"counts them all)" if len(self.shown) == self.limit else ""))
+
+
 class RecordReader:
     """Yields (text, utf8_bytes) of every usable record, in input order, counting what it skips.
 
@@ -387,7 +422,7 @@ class RecordReader:
     """
 
     def __init__(self, sources: list[Source], text_field: str, on_bad: str,
-                 warn: Callable[[str], None] | None = None):
+                 warn: Callable[[str, str], None] | None = None):
         self.sources = sources
         self.text_field = text_field
         self.on_bad = on_bad
@@ -408,14 +443,14 @@ class RecordReader:
         self.per_source[self._current]["skipped"] += 1
         if len(self.examples) < 100:
             self.examples.append(f"{where}: {bad.detail}")
-        if self.warn is not None and sum(self.skipped.values()) <= MAX_SKIP_WARNINGS:
-            self.warn(f"skipping {where}: {bad.detail}")
+        if self.warn is not None:
+            self.warn(where, bad.detail)
 
     def __iter__(self) -> Iterator[tuple[str, int]]:
         for i, src in enumerate(self.sources):
             self._current = i
             records = 0
-            for where, rec, _ in READERS[src.kind](src, self.text_field):
+            for where, rec, _ in self._read(src):
                 records += 1
                 if isinstance(rec, Bad):
                     self._skip(src, where, rec)
@@ -423,7 +458,7 @@ class RecordReader:
                 try:
                     nbytes = len(rec.encode("utf-8"))
                 except UnicodeEncodeError as e:  # a lone surrogate, from a \ud800 escape in JSON
-                    self._skip(src, where, Bad("invalid_utf8", f"text holds a lone surrogate "
+                    self._skip(src, where, Bad("invalid_utf8", f"{self.text_field!r} holds a lone surrogate "
                                                                f"{rec[e.start]!r}: not valid Unicode"))
                     continue
                 self.per_source[i]["documents"] += 1
@@ -436,7 +471,13 @@ class RecordReader:
                                     hint="remove it, or pass --on-bad-record skip to skip empty inputs")
                 self.empty_inputs.append(src.display)
                 if self.warn is not None:
-                    self.warn(f"skipping {src.display}: the input is empty (no records)")
+                    self.warn(src.display, "the input is empty (no records)")
+
+    def _read(self, src: Source) -> Iterator[tuple[str, str | Bad, int]]:
+        try:
+            yield from READERS[src.kind](src, self.text_field)
+        except OSError as e:
+            raise UserError(f"{src.display}: cannot read it ({e.strerror or e})") from None
 
     @property
     def documents_skipped(self) -> int:
@@ -462,6 +503,14 @@ class Progress:
         self.start = time.perf_counter()
         self._last = 0.0
         self._shown = False
+
+    def restart(self, status: str | None = None) -> None:
+        """Count rates from now (after Ray has started); on a terminal, show `status` meanwhile."""
+        self.start = time.perf_counter()
+        if status and self.live:
+            self.stream.write(f"\r\033[K{status}")
+            self.stream.flush()
+            self._shown = True
 
     def message(self, text: str) -> None:
         if self._shown:
@@ -504,7 +553,8 @@ def _encode_block(batch, tokenizer_json: str, tokenizer_sha256: str, eos_id: int
 
         tok = _TOKENIZER_CACHE[tokenizer_sha256] = Tokenizer.from_str(tokenizer_json)
     texts = batch.column("text").to_pylist()
-    encodings = tok.encode_batch_fast(texts, add_special_tokens=False)
+    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # _fast (no offsets) since tokenizers 0.20
+    encodings = encode(texts, add_special_tokens=False)
     lengths = np.fromiter((len(e.ids) + 1 for e in encodings), dtype=np.int64, count=len(encodings))
     offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
     np.cumsum(lengths, out=offsets[1:])
@@ -516,32 +566,36 @@ def _encode_block(batch, tokenizer_json: str, tokenizer_sha256: str, eos_id: int
     return pa.table({"doc": batch.column("doc"), "ids": ids})
 
 
-def _quiet_ray_logs() -> None:
-    for name in ("ray", "ray.data", "ray.data._internal", "ray.data._internal.execution"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+_RAY_DATA_LOGGERS = ("ray.data", "ray.data._internal.execution.streaming_executor",
+                     "ray.data._internal.progress")
 
 
-def start_ray(num_cpus: int | None) -> bool:
+def start_ray(num_cpus: int | None, warn: Callable[[str], None] = lambda m: None) -> bool:
     """Use the running Ray, or RAY_ADDRESS's, or start a local one; True when this call started it."""
     import ray
 
     if ray.is_initialized():
+        if num_cpus:
+            warn("--num-cpus is ignored: this process already runs Ray")
         return False
     if os.environ.get("RAY_ADDRESS"):
+        if num_cpus:
+            warn(f"--num-cpus is ignored: connecting to the running Ray at RAY_ADDRESS={os.environ['RAY_ADDRESS']}")
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False, logging_level=logging.ERROR)
     else:
         ray.init(num_cpus=num_cpus or max(2, os.cpu_count() or 2), include_dashboard=False,
                  log_to_driver=False, logging_level=logging.ERROR)
-    _quiet_ray_logs()
     return True
 
 
 @contextmanager
 def _data_context():
-    """Ordered, quiet Ray Data execution for this run; the process-wide context is restored after."""
+    """Ordered, quiet Ray Data execution for this run; the process-wide context and log levels are
+    restored after (prepare may run inside another Ray program, e.g. pretrain's demo data)."""
     import ray.data
 
     ctx = ray.data.DataContext.get_current()
+    levels = {name: logging.getLogger(name).level for name in _RAY_DATA_LOGGERS}
     saved = {k: getattr(ctx, k) for k in ("enable_progress_bars", "print_on_execution_start",
                                           "enable_auto_log_stats") if hasattr(ctx, k)}
     saved_order = ctx.execution_options.preserve_order
@@ -549,12 +603,15 @@ def _data_context():
         for k in saved:
             setattr(ctx, k, False)
         ctx.execution_options.preserve_order = True
-        _quiet_ray_logs()
+        for name in levels:
+            logging.getLogger(name).setLevel(logging.ERROR)
         yield ctx
     finally:
         for k, v in saved.items():
             setattr(ctx, k, v)
         ctx.execution_options.preserve_order = saved_order
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
 
 
 def _blocks(reader: RecordReader) -> Iterator[list[tuple[int, list[str], int]]]:
@@ -597,8 +654,10 @@ def tokenize_and_pack(reader: RecordReader, writer, tokenizer_json: str, tokeniz
 
         if not ray_ready:
             t0 = time.perf_counter()
-            stats["started_ray"] = start_ray(num_cpus)
+            progress.restart("prepare: starting Ray ...")
+            stats["started_ray"] = start_ray(num_cpus, lambda m: progress.message(f"warning: {m}"))
             stats["ray_start_s"] = time.perf_counter() - t0
+            progress.restart("prepare: tokenizing ...")
             ray_ready = True
         import ray
         import ray.data
@@ -645,6 +704,7 @@ def run(args: argparse.Namespace, argv: list[str], progress: Progress | None = N
 
     progress = progress or Progress()
     warn = lambda m: progress.message(f"warning: {m}")  # noqa: E731
+    skip_warn = SkipWarnings(warn)
     t_start = time.perf_counter()
     output = Path(args.output)
     sources = resolve_inputs(args.input, exclude=output, warn=warn)
@@ -661,7 +721,7 @@ def run(args: argparse.Namespace, argv: list[str], progress: Progress | None = N
             source = os.path.abspath(src_path)
         else:
             vocab = args.vocab_size or T.DEFAULT_VOCAB_SIZE
-            train_reader = RecordReader(sources, args.text_field, args.on_bad_record, warn=None)
+            train_reader = RecordReader(sources, args.text_field, args.on_bad_record, warn=skip_warn)
             tok = T.train_tokenizer((text for text, _ in train_reader), vocab)
             if train_reader.documents == 0:
                 raise _no_records(train_reader)
@@ -673,7 +733,7 @@ def run(args: argparse.Namespace, argv: list[str], progress: Progress | None = N
         tok_sha = file_sha256(tok_path)
         ids = T.special_ids(tok)
 
-        reader = RecordReader(sources, args.text_field, args.on_bad_record, warn=warn)
+        reader = RecordReader(sources, args.text_field, args.on_bad_record, warn=skip_warn)
         writer = packing.ShardWriter(out.tmp, args.seq_len, args.rows_per_shard or packing.DEFAULT_ROWS_PER_SHARD,
                                      eos_id=ids["eos_token_id"])
         t0 = time.perf_counter()
@@ -695,7 +755,7 @@ def run(args: argparse.Namespace, argv: list[str], progress: Progress | None = N
             tokenizer={"path": packing.TOKENIZER_FILE, "source": source, "sha256": tok_sha,
                        "vocab_size": T.vocab_size_of(tok), **ids},
             inputs=[{"path": os.path.abspath(s.path), "bytes": s.bytes, "format": s.kind, **counts}
-                    for s, counts in zip(sources, reader.per_source)],
+                    for s, counts in zip(sources, reader.per_source, strict=True)],
             documents_read=reader.documents,
             documents_skipped=reader.documents_skipped,
             skipped_by_reason=dict(reader.skipped),
@@ -724,18 +784,19 @@ def _no_records(reader: RecordReader) -> UserError:
 
 def summary_line(output: str, manifest: dict, stats: dict) -> str:
     m = manifest
-    dt = max(stats.get("elapsed_s", 0.0), 1e-9)
     skipped = ""
     if m["documents_skipped"] or m.get("empty_inputs"):
         reasons = ", ".join(f"{r} {n}" for r, n in m["skipped_by_reason"].items())
         if m.get("empty_inputs"):
             reasons += (", " if reasons else "") + f"empty inputs {len(m['empty_inputs'])}"
         skipped = f"; skipped {m['documents_skipped']} record(s) ({reasons})"
+    dt = max(stats.get("pipeline_s", 0.0), 1e-9)
     return (f"prepared {output}: {m['num_sequences']:,} sequences of {m['seq_len']}+1 tokens in "
             f"{len(m['shards'])} shard(s) from {m['documents_read']:,} documents "
             f"({m['document_tokens']:,} tokens, {m['dropped_tail_tokens']} tail tokens dropped){skipped}; "
-            f"{m['text_bytes'] / 1e6 / dt:.2f} MB/s, {_si(m['document_tokens'] / dt)} tokens/s in {dt:.1f}s; "
-            f"fingerprint {m['fingerprint'][:16]}")
+            f"tokenized at {m['text_bytes'] / 1e6 / dt:.2f} MB/s, {_si(m['document_tokens'] / dt)} tokens/s; "
+            f"{stats.get('elapsed_s', 0.0):.1f}s in all (Ray start {stats.get('ray_start_s', 0.0):.1f}s, "
+            f"tokenizer {stats.get('tokenizer_s', 0.0):.1f}s); fingerprint {m['fingerprint'][:16]}")
 
 
 def main(argv: list[str] | None = None) -> int:

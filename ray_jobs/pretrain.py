@@ -29,7 +29,7 @@ from .cli import EXIT_FAILED, UsageError, add_config_flags, build_configs, ensur
 
 RUN_KEYS = {"data", "num_workers", "use_gpu", "cpus_per_worker", "storage_path", "name", "resume", "max_failures",
             "keep_checkpoints", "exit_after_steps", "exit_after_minutes", "val_samples", "backend_timeout_s",
-            "num_cpus", "elastic_check_seconds"}
+            "num_cpus", "elastic_check_seconds", "record_sample_ids"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -176,10 +176,17 @@ def make_trainer(config: dict, opts: dict, storage: str, name: str, workers: tup
                            failure_config=FailureConfig(max_failures=opts["max_failures"]),
                            checkpoint_config=CheckpointConfig(num_to_keep=opts["keep_checkpoints"]),
                            logging_config=LoggingConfig(log_level="WARNING"),  # our log line, not Ray's per report
-                           worker_runtime_env={"env_vars": {"OMP_NUM_THREADS": str(max(1, int(opts["cpus_per_worker"])))}})
+                           worker_runtime_env={"env_vars": worker_env(opts)})
     return TorchTrainer(train_func, train_loop_config=config, scaling_config=scaling, run_config=run_config,
                         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo",
                                                  timeout_s=opts["backend_timeout_s"]))
+
+
+def worker_env(opts: dict) -> dict[str, str]:
+    env = {"OMP_NUM_THREADS": str(max(1, int(opts["cpus_per_worker"])))}
+    # MINILM_* settings (cache dir, test hooks) reach the workers even on an already-running cluster.
+    env.update({k: v for k, v in os.environ.items() if k.startswith("MINILM_")})
+    return env
 
 
 def worker_error_summary(e: BaseException) -> str:

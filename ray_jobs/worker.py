@@ -67,14 +67,14 @@ def train_func(config: dict) -> None:
         log(f"resumed run {run['name']} at optimizer step {step} (epoch {pos.epoch}, {pos.samples_seen} samples): "
             f"world size {resumed['world_size']} -> {world_size}, "
             f"accumulation {resumed['accumulation_steps']} -> {accumulation}")
-        if metrics_log and rank == 0:
-            metrics_log.truncate_after(step)
     else:
         log(f"starting run {run['name']} fresh: {total_steps} optimizer steps of {train_cfg.global_batch_size} "
             f"sequences, world size {world_size} x accumulation {accumulation} x micro-batch "
             f"{train_cfg.micro_batch_size}, dtype {str(dtype).removeprefix('torch.')}, "
             f"{model.num_params() / 1e6:.2f}M parameters ({model.num_params(active=True) / 1e6:.2f}M active)")
 
+    if metrics_log and rank == 0:
+        metrics_log.truncate_after(step)  # steps about to be redone leave the file: its step axis never goes back
     if world_size > 1:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     raw_model: MiniMindForCausalLM = model.module if world_size > 1 else model
@@ -87,7 +87,8 @@ def train_func(config: dict) -> None:
     record_ids = run.get("record_sample_ids")
     exit_after_steps = run.get("exit_after_steps")
 
-    t_interval, tokens_interval, wait_interval = time.perf_counter(), 0, 0.0
+    test_step_delay = float(os.environ.get("MINILM_TEST_STEP_DELAY_S", "0") or 0)  # fault tests: widen the window
+    t_interval, tokens_interval, wait_mark = time.perf_counter(), 0, 0.0
     t_start, step_at_start = t_interval, step
     while step < total_steps:
         micro_batches, sample_ids = stream.next_step()
@@ -96,6 +97,8 @@ def train_func(config: dict) -> None:
         m = optimizer_step(model, optimizer, scaler, micro_batches, lr=lr, grad_clip=train_cfg.grad_clip, dtype=dtype)
         guard.update(m, step, scaler.is_enabled())
         step += 1
+        if test_step_delay:
+            time.sleep(test_step_delay)
         tokens_interval += m.tokens * world_size
         if record_ids:
             with open(Path(record_ids) / f"rank{rank}.jsonl", "a") as f:
@@ -110,7 +113,6 @@ def train_func(config: dict) -> None:
             continue
 
         now = time.perf_counter()
-        wait_interval = stream.data_wait_s - wait_interval
         losses = mean_across_workers(torch.stack([m.loss, m.lm_loss, m.aux_loss]).float())
         elapsed = now - t_interval
         tokens_per_s = tokens_interval / elapsed
@@ -123,7 +125,7 @@ def train_func(config: dict) -> None:
             "tokens_seen": pos.samples_seen * train_cfg.seq_len,
             "epoch": (step - 1) // per_epoch,
             "epochs": -(-total_steps // per_epoch), "world_size": world_size, "accumulation_steps": accumulation,
-            "skipped_steps": guard.skipped_total, "data_wait_frac": wait_interval / elapsed,
+            "skipped_steps": guard.skipped_total, "data_wait_frac": (stream.data_wait_s - wait_mark) / elapsed,
             "eta_s": (now - t_start) / max(1, step - step_at_start) * (total_steps - step),
         }
         if raw_model.config.use_moe:
@@ -132,7 +134,7 @@ def train_func(config: dict) -> None:
             say(format_log_line(metrics))
             if metrics_log:
                 metrics_log.append({**metrics, "time": time.time(), "run_id": run_id})
-        t_interval, tokens_interval, wait_interval = now, 0, stream.data_wait_s
+        t_interval, tokens_interval, wait_mark = now, 0, stream.data_wait_s
 
         state = None
         if checkpointing:
@@ -173,10 +175,25 @@ def report(metrics, state, rank, model, optimizer, scaler, prepared, run) -> Non
             C.save_resume_state(tmp, model=model, optimizer=optimizer, scaler=scaler, state=state)
             C.export_weights(Path(tmp) / "weights", model, model.config, prepared.tokenizer_path)
             checkpoint = ray.train.Checkpoint.from_directory(tmp)
-        ray.train.report(public, checkpoint=checkpoint, checkpoint_dir_name=f"checkpoint_{state['optimizer_step']:08d}")
+        ray.train.report(public, checkpoint=checkpoint,
+                         checkpoint_dir_name=checkpoint_dir_name(run.get("run_dir"), state["optimizer_step"]))
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def checkpoint_dir_name(run_dir: str | None, step: int) -> str:
+    """checkpoint_<step>, or checkpoint_<step>_<k> when a folder of that name is already there (a step
+    redone after falling back past a corrupt or unregistered checkpoint must not write into it)."""
+    name = f"checkpoint_{step:08d}"
+    if run_dir is None:
+        return name
+    k = 0
+    candidate = name
+    while (Path(run_dir) / candidate).exists():
+        k += 1
+        candidate = f"{name}_{k}"
+    return candidate
 
 
 def restore(model, optimizer, scaler, guard, run, train_cfg, prepared, log) -> dict | None:

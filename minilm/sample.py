@@ -1,0 +1,45 @@
+"""Print a sampled continuation from a weights export.
+
+    python -m minilm.sample --weights runs/demo/weights --prompt "The os module" --max-new-tokens 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from .checkpoint import CheckpointError, load_pretrained
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m minilm.sample", description=__doc__.split("\n")[0])
+    p.add_argument("--weights", required=True, help="a weights export folder (model.safetensors + config.json)")
+    p.add_argument("--prompt", default="", help="text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    p.add_argument("--top-p", type=float, default=0.9)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
+        print("error: need --max-new-tokens >= 1, --temperature >= 0 and 0 < --top-p <= 1", file=sys.stderr)
+        return 2
+    try:
+        model, tokenizer = load_pretrained(args.weights)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if tokenizer is None:
+        print(f"error: {args.weights} has no tokenizer.json", file=sys.stderr)
+        return 2
+    ids = [model.config.bos_token_id] + tokenizer.encode(args.prompt).ids
+    out = model.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                         top_p=args.top_p, eos_token_id=model.config.eos_token_id,
+                         generator=torch.Generator().manual_seed(args.seed))
+    print(tokenizer.decode(out[0, 1:].tolist()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

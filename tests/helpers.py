@@ -1,0 +1,68 @@
+"""Test helpers: small prepared datasets written directly in the on-disk format of docs/data.md."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _tokenizer(vocab_size: int, path: Path) -> str:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 10, trainer=trainer)
+    tok.save(str(path))
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def make_prepared(out: Path, *, num_sequences: int, seq_len: int, vocab_size: int, seed: int = 0,
+                  rows_per_shard: int = 200) -> Path:
+    """Sequences drawn from a few repeating token patterns, so a tiny model's loss falls quickly."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    patterns = rng.integers(3, vocab_size, size=(8, 24))
+    rows = np.stack([np.resize(np.roll(patterns[i % 8], i), seq_len + 1) for i in range(num_sequences)])
+    rows = rows.astype(np.int32)
+    shards = []
+    for k, start in enumerate(range(0, num_sequences, rows_per_shard)):
+        part = rows[start:start + rows_per_shard]
+        table = pa.table({"sample_id": pa.array(np.arange(start, start + len(part)), pa.int64()),
+                          "input_ids": pa.FixedSizeListArray.from_arrays(pa.array(part.reshape(-1), pa.int32()),
+                                                                         seq_len + 1)})
+        name = f"shard-{k:05d}.parquet"
+        pq.write_table(table, out / name)
+        shards.append({"file": name, "first_sample_id": start, "num_sequences": len(part),
+                       "sha256": hashlib.sha256((out / name).read_bytes()).hexdigest()})
+    tok_sha = _tokenizer(vocab_size, out / "tokenizer.json")
+    fingerprint = hashlib.sha256(json.dumps([tok_sha, seq_len, [s["sha256"] for s in shards]]).encode()).hexdigest()
+    manifest = {"format": "minilm-packed-v1", "seq_len": seq_len, "num_sequences": num_sequences,
+                "num_tokens": num_sequences * (seq_len + 1), "shards": shards,
+                "tokenizer": {"path": "tokenizer.json", "sha256": tok_sha, "vocab_size": vocab_size,
+                              "eos_token_id": 2, "bos_token_id": 1, "pad_token_id": 0},
+                "fingerprint": fingerprint}
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    return out
+
+
+def run_module(module: str, args: list[str], env: dict | None = None, timeout: float = 300,
+               check: bool = False) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{module} exited {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\n"
+                             f"stderr:\n{proc.stderr[-4000:]}")
+    return proc
