@@ -1,7 +1,7 @@
 """minilm: MiniMind-class language models, pretrained with Ray. The library is pure PyTorch."""
 
-from .config import ConfigError, ModelConfig, TrainConfig
 from .checkpoint import load_pretrained
+from .config import ConfigError, ModelConfig, TrainConfig
 from .model import MiniMindForCausalLM
 
 __all__ = ["ConfigError", "ModelConfig", "TrainConfig", "MiniMindForCausalLM", "load_pretrained"]

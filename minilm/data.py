@@ -81,9 +81,19 @@ def open_prepared(path: str | os.PathLike) -> PreparedData:
         manifest = json.loads(mpath.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DataError(f"{mpath} is not valid JSON ({e})") from None
-    if manifest.get("format") != FORMAT:
-        raise DataError(f"{mpath}: format {manifest.get('format')!r} is not {FORMAT!r}")
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise DataError(f"{mpath}: format {got!r} is not {FORMAT!r}")
+    missing = [k for k in ("seq_len", "num_sequences", "shards", "tokenizer", "fingerprint") if k not in manifest]
+    if missing:
+        raise DataError(f"{mpath}: missing {', '.join(missing)}")
     data = PreparedData(path, manifest)
+    expected_first = 0
+    for shard in manifest["shards"]:
+        if int(shard["first_sample_id"]) != expected_first:
+            raise DataError(f"{mpath}: shard {shard['file']} starts at sample {shard['first_sample_id']}, "
+                            f"expected {expected_first} (sample ids must be contiguous across shards)")
+        expected_first += int(shard["num_sequences"])
     for shard in data.shard_paths:
         if not shard.is_file():
             raise DataError(f"{path}: shard {shard.name} listed in {MANIFEST} is missing")
@@ -130,6 +140,9 @@ class SequenceStore:
             table = pq.read_table(self.data.shard_paths[i], columns=["sample_id", "input_ids"], memory_map=True)
             col = table.column("input_ids").combine_chunks()
             rows = np.asarray(col.flatten()).reshape(len(col), -1)
+            if rows.shape[1] != self.data.seq_len + 1:
+                raise DataError(f"{self.data.shard_paths[i]}: rows have {rows.shape[1]} tokens, the manifest says "
+                                f"seq_len + 1 = {self.data.seq_len + 1}")
             ids = table.column("sample_id").to_numpy()
             if len(ids) and (ids[0] != self._starts[i] or np.any(np.diff(ids) != 1)):
                 raise DataError(f"{self.data.shard_paths[i]}: sample_id column is not the contiguous range "
@@ -140,6 +153,9 @@ class SequenceStore:
     def take(self, sample_ids: np.ndarray) -> np.ndarray:
         """Rows for `sample_ids`, in that order: (len(sample_ids), seq_len + 1) int32."""
         sample_ids = np.asarray(sample_ids, dtype=np.int64)
+        if len(sample_ids) and (sample_ids.min() < 0 or sample_ids.max() >= self.data.num_sequences):
+            raise DataError(f"{self.data.path}: sample ids must be in [0, {self.data.num_sequences}), got "
+                            f"{sample_ids.min()}..{sample_ids.max()}")
         shard_of = np.searchsorted(self._starts, sample_ids, side="right") - 1
         out = np.empty((len(sample_ids), self.data.seq_len + 1), dtype=np.int32)
         for i in np.unique(shard_of):

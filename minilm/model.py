@@ -135,7 +135,7 @@ class MoEFeedForward(nn.Module):
         counts = torch.bincount(flat_expert, minlength=self.num_experts)
         token_of = order // self.top_k  # source token of each sorted (token, slot) pair
         expert_in = x_flat[token_of]
-        outputs = [expert(chunk) for expert, chunk in zip(self.experts, expert_in.split(counts.tolist()))]
+        outputs = [expert(chunk) for expert, chunk in zip(self.experts, expert_in.split(counts.tolist()), strict=True)]
         weighted = torch.cat(outputs) * topk_prob.reshape(-1)[order, None].to(x.dtype)
         y = torch.zeros_like(x_flat).index_add_(0, token_of, weighted.to(x_flat.dtype))
 

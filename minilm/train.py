@@ -35,7 +35,6 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, sequences: torch.Tenso
           log=print, model: MiniMindForCausalLM | None = None) -> tuple[MiniMindForCausalLM, list[dict]]:
     """Train on `sequences` (N, seq_len + 1) with world size 1; returns the model and per-step metrics."""
     model_cfg.validate()
-    accumulation = train_cfg.global_batch_size // train_cfg.micro_batch_size
     per_epoch = D.steps_per_epoch(len(sequences), train_cfg.global_batch_size)
     if per_epoch == 0:
         raise ValueError(f"{len(sequences)} sequences do not fill one global batch of {train_cfg.global_batch_size}")

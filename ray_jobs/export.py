@@ -10,7 +10,6 @@ Writes a half-precision safetensors export (model.safetensors + config.json + to
 from __future__ import annotations
 
 import argparse
-
 import sys
 from pathlib import Path
 

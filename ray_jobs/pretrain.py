@@ -24,8 +24,16 @@ from minilm import data as D
 from minilm.config import ConfigError, valid_world_sizes
 from minilm.progress import MetricsLog, format_duration
 
-from .cli import EXIT_FAILED, UsageError, add_config_flags, build_configs, ensure_ray, fail, load_yaml, \
-    parse_num_workers
+from .cli import (
+    EXIT_FAILED,
+    UsageError,
+    add_config_flags,
+    build_configs,
+    ensure_ray,
+    fail,
+    load_yaml,
+    parse_num_workers,
+)
 
 RUN_KEYS = {"data", "num_workers", "use_gpu", "cpus_per_worker", "storage_path", "name", "resume", "max_failures",
             "keep_checkpoints", "exit_after_steps", "exit_after_minutes", "val_samples", "backend_timeout_s",

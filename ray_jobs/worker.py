@@ -14,6 +14,7 @@ import signal
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import ray.train
@@ -26,8 +27,14 @@ from minilm.config import ModelConfig, TrainConfig, accumulation_steps
 from minilm.model import MiniMindForCausalLM
 from minilm.progress import MetricsLog, format_log_line, peak_flops
 from minilm.schedule import get_lr
-from minilm.step import NonFiniteGuard, make_grad_scaler, make_optimizer, mean_across_workers, optimizer_step, \
-    resolve_dtype
+from minilm.step import (
+    NonFiniteGuard,
+    make_grad_scaler,
+    make_optimizer,
+    mean_across_workers,
+    optimizer_step,
+    resolve_dtype,
+)
 
 from .stream import RankStream
 
@@ -36,125 +43,168 @@ class Preempted(RuntimeError):
     """SIGTERM reached a worker; a checkpoint was written at the step boundary before exiting."""
 
 
+@dataclass
+class Worker:
+    """Everything one rank's loop needs, built once per (re)start of the worker group."""
+
+    rank: int
+    world_size: int
+    model_cfg: ModelConfig
+    train_cfg: TrainConfig
+    run: dict
+    prepared: D.PreparedData
+    model: torch.nn.Module  # DDP-wrapped when world_size > 1
+    raw_model: MiniMindForCausalLM
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    guard: NonFiniteGuard
+    dtype: torch.dtype
+    accumulation: int
+    steps_per_epoch: int
+    total_steps: int
+    step: int
+    run_id: str
+    stream: RankStream | None = None
+    metrics_log: MetricsLog | None = None
+
+    def log(self, message: str) -> None:
+        if self.rank == 0:
+            say(message)
+
+
 def train_func(config: dict) -> None:
+    w = setup(config)
+    cfg = w.train_cfg
+    stop = StopSignal(w.run.get("exit_after_minutes"))
+    exit_after_steps = w.run.get("exit_after_steps")
+    meter = Meter(w, peak_flops(ray.train.torch.get_device(), w.dtype))
+    while w.step < w.total_steps:
+        micro_batches, sample_ids = w.stream.next_step()
+        torch.manual_seed(cfg.seed * 1_000_003 + w.step * 1009 + w.rank)  # dropout RNG: a function of the step
+        lr = get_lr(w.step, w.total_steps, cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio)
+        m = optimizer_step(w.model, w.optimizer, w.scaler, micro_batches, lr=lr, grad_clip=cfg.grad_clip, dtype=w.dtype)
+        w.guard.update(m, w.step, w.scaler.is_enabled())
+        w.step += 1
+        meter.add(m.tokens * w.world_size)
+        _test_hooks(w, sample_ids)
+
+        sigterm, time_up = stop.check(w.world_size)
+        exiting = sigterm or time_up or (exit_after_steps is not None and w.step >= exit_after_steps)
+        checkpointing = exiting or w.step == w.total_steps or w.step % cfg.checkpoint_every == 0
+        if checkpointing or w.step % cfg.log_every == 0:
+            report(w, meter.metrics(m, lr), checkpointing)
+        if sigterm:
+            raise Preempted(f"SIGTERM at optimizer step {w.step}: checkpoint written, exiting for a restart")
+        if exiting:
+            w.log(f"exiting after optimizer step {w.step} as asked (--exit-after-steps/--exit-after-minutes); "
+                  f"continue with --resume auto")
+            return
+
+
+def setup(config: dict) -> Worker:
+    """Build the model and optimizer, restore the checkpoint if there is one, open the data stream."""
     ctx = ray.train.get_context()
     rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
-    model_cfg = ModelConfig.from_dict(config["model"])
-    train_cfg = TrainConfig.from_dict(config["train"])
-    run = config["run"]
-    log = say if rank == 0 else (lambda msg: None)
-
+    model_cfg, train_cfg, run = ModelConfig.from_dict(config["model"]), TrainConfig.from_dict(config["train"]), config["run"]
     device = ray.train.torch.get_device()
     dtype = resolve_dtype(train_cfg.dtype, device)
-    accumulation = accumulation_steps(train_cfg.global_batch_size, train_cfg.micro_batch_size, world_size)
     prepared = D.open_prepared(run["data_dir"])
-    train_ids, val_ids = D.split_ids(prepared.num_sequences, run["val_samples"])
+    train_ids, _ = D.split_ids(prepared.num_sequences, run["val_samples"])
     per_epoch = D.steps_per_epoch(len(train_ids), train_cfg.global_batch_size)
-    total_steps = train_cfg.max_steps or per_epoch * train_cfg.epochs
 
     torch.manual_seed(train_cfg.seed)  # identical initial weights on every rank
     model = MiniMindForCausalLM(model_cfg).to(device)
-    optimizer = make_optimizer(model, train_cfg)
-    scaler = make_grad_scaler(dtype, device.type)
-    guard = NonFiniteGuard(train_cfg.max_nonfinite_steps)
-    metrics_log = MetricsLog(Path(run["run_dir"]) / "metrics.jsonl") if run.get("run_dir") else None
+    w = Worker(rank=rank, world_size=world_size, model_cfg=model_cfg, train_cfg=train_cfg, run=run, prepared=prepared,
+               model=model, raw_model=model, optimizer=make_optimizer(model, train_cfg),
+               scaler=make_grad_scaler(dtype, device.type), guard=NonFiniteGuard(train_cfg.max_nonfinite_steps),
+               dtype=dtype, accumulation=accumulation_steps(train_cfg.global_batch_size, train_cfg.micro_batch_size,
+                                                            world_size),
+               steps_per_epoch=per_epoch, total_steps=train_cfg.max_steps or per_epoch * train_cfg.epochs,
+               step=0, run_id=run["run_id"],
+               metrics_log=MetricsLog(Path(run["run_dir"]) / "metrics.jsonl") if run.get("run_dir") else None)
 
-    step, run_id = 0, run["run_id"]
-    resumed = restore(model, optimizer, scaler, guard, run, train_cfg, prepared, log)
+    resumed = restore(w)
     if resumed is not None:
-        step, run_id = int(resumed["optimizer_step"]), resumed.get("run_id", run_id)
-        pos = D.DataPosition.at(step, per_epoch, train_cfg.global_batch_size)
-        log(f"resumed run {run['name']} at optimizer step {step} (epoch {pos.epoch}, {pos.samples_seen} samples): "
-            f"world size {resumed['world_size']} -> {world_size}, "
-            f"accumulation {resumed['accumulation_steps']} -> {accumulation}")
+        w.step, w.run_id = int(resumed["optimizer_step"]), resumed.get("run_id", w.run_id)
+        pos = D.DataPosition.at(w.step, per_epoch, train_cfg.global_batch_size)
+        w.log(f"resumed run {run['name']} at optimizer step {w.step} (epoch {pos.epoch}, {pos.samples_seen} samples): "
+              f"world size {resumed['world_size']} -> {world_size}, "
+              f"accumulation {resumed['accumulation_steps']} -> {w.accumulation}")
     else:
-        log(f"starting run {run['name']} fresh: {total_steps} optimizer steps of {train_cfg.global_batch_size} "
-            f"sequences, world size {world_size} x accumulation {accumulation} x micro-batch "
-            f"{train_cfg.micro_batch_size}, dtype {str(dtype).removeprefix('torch.')}, "
-            f"{model.num_params() / 1e6:.2f}M parameters ({model.num_params(active=True) / 1e6:.2f}M active)")
+        w.log(f"starting run {run['name']} fresh: {w.total_steps} optimizer steps of {train_cfg.global_batch_size} "
+              f"sequences, world size {world_size} x accumulation {w.accumulation} x micro-batch "
+              f"{train_cfg.micro_batch_size}, dtype {str(dtype).removeprefix('torch.')}, "
+              f"{model.num_params() / 1e6:.2f}M parameters ({model.num_params(active=True) / 1e6:.2f}M active)")
+    if w.metrics_log and rank == 0:
+        w.metrics_log.truncate_after(w.step)  # steps about to be redone leave the file: its step axis never goes back
 
-    if metrics_log and rank == 0:
-        metrics_log.truncate_after(step)  # steps about to be redone leave the file: its step axis never goes back
     if world_size > 1:
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
-    raw_model: MiniMindForCausalLM = model.module if world_size > 1 else model
-    stream = RankStream(data_dir=run["data_dir"], train_ids=train_ids, seed=train_cfg.seed,
-                        global_batch_size=train_cfg.global_batch_size, micro_batch_size=train_cfg.micro_batch_size,
-                        world_size=world_size, rank=rank, start_step=step, steps_per_epoch=per_epoch, device=device,
-                        reader_cpus=run.get("reader_cpus", 0.0))
-    peak = peak_flops(device, dtype)
-    stop = StopSignal(run.get("exit_after_minutes"))
-    record_ids = run.get("record_sample_ids")
-    exit_after_steps = run.get("exit_after_steps")
+        w.model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+    w.stream = RankStream(data_dir=run["data_dir"], train_ids=train_ids, seed=train_cfg.seed,
+                          global_batch_size=train_cfg.global_batch_size, micro_batch_size=train_cfg.micro_batch_size,
+                          world_size=world_size, rank=rank, start_step=w.step, steps_per_epoch=per_epoch,
+                          device=device, reader_cpus=run.get("reader_cpus", 0.0))
+    return w
 
-    test_step_delay = float(os.environ.get("MINILM_TEST_STEP_DELAY_S", "0") or 0)  # fault tests: widen the window
-    t_interval, tokens_interval, wait_mark = time.perf_counter(), 0, 0.0
-    t_start, step_at_start = t_interval, step
-    while step < total_steps:
-        micro_batches, sample_ids = stream.next_step()
-        torch.manual_seed(train_cfg.seed * 1_000_003 + step * 1009 + rank)  # dropout RNG: a function of the step
-        lr = get_lr(step, total_steps, train_cfg.lr, train_cfg.warmup_steps, train_cfg.min_lr_ratio)
-        m = optimizer_step(model, optimizer, scaler, micro_batches, lr=lr, grad_clip=train_cfg.grad_clip, dtype=dtype)
-        guard.update(m, step, scaler.is_enabled())
-        step += 1
-        if test_step_delay:
-            time.sleep(test_step_delay)
-        tokens_interval += m.tokens * world_size
-        if record_ids:
-            with open(Path(record_ids) / f"rank{rank}.jsonl", "a") as f:
-                f.write(json.dumps({"optimizer_step": step, "world_size": world_size,
-                                    "sample_ids": sample_ids.tolist()}) + "\n")
 
-        sigterm, time_up = stop.check(world_size)
-        exiting = sigterm or time_up or (exit_after_steps is not None and step >= exit_after_steps)
-        last = step == total_steps
-        checkpointing = last or exiting or step % train_cfg.checkpoint_every == 0
-        if not (checkpointing or step % train_cfg.log_every == 0):
-            continue
+class Meter:
+    """Throughput, data wait and ETA over each log interval."""
 
-        now = time.perf_counter()
+    def __init__(self, w: Worker, peak_flops: float):
+        self.w, self.peak = w, peak_flops
+        self.t_start = self.t_mark = time.perf_counter()
+        self.step_at_start, self.tokens, self.wait_mark = w.step, 0, 0.0
+
+    def add(self, tokens: int) -> None:
+        self.tokens += tokens
+
+    def metrics(self, m, lr: float) -> dict:
+        w, now = self.w, time.perf_counter()
         losses = mean_across_workers(torch.stack([m.loss, m.lm_loss, m.aux_loss]).float())
-        elapsed = now - t_interval
-        tokens_per_s = tokens_interval / elapsed
-        pos = D.DataPosition.at(step, per_epoch, train_cfg.global_batch_size)
+        elapsed = now - self.t_mark
+        tokens_per_s = self.tokens / elapsed
+        pos = D.DataPosition.at(w.step, w.steps_per_epoch, w.train_cfg.global_batch_size)
         metrics = {
             "loss": float(losses[0]), "lm_loss": float(losses[1]), "aux_loss": float(losses[2]), "lr": lr,
             "grad_norm": float(m.grad_norm), "tokens_per_s": tokens_per_s,
-            "mfu": raw_model.estimate_mfu(tokens_per_s / world_size, train_cfg.seq_len, peak),
-            "optimizer_step": step, "total_steps": total_steps, "samples_seen": pos.samples_seen,
-            "tokens_seen": pos.samples_seen * train_cfg.seq_len,
-            "epoch": (step - 1) // per_epoch,
-            "epochs": -(-total_steps // per_epoch), "world_size": world_size, "accumulation_steps": accumulation,
-            "skipped_steps": guard.skipped_total, "data_wait_frac": (stream.data_wait_s - wait_mark) / elapsed,
-            "eta_s": (now - t_start) / max(1, step - step_at_start) * (total_steps - step),
+            "mfu": w.raw_model.estimate_mfu(tokens_per_s / w.world_size, w.train_cfg.seq_len, self.peak),
+            "optimizer_step": w.step, "total_steps": w.total_steps, "samples_seen": pos.samples_seen,
+            "tokens_seen": pos.samples_seen * w.train_cfg.seq_len, "epoch": (w.step - 1) // w.steps_per_epoch,
+            "epochs": -(-w.total_steps // w.steps_per_epoch), "world_size": w.world_size,
+            "accumulation_steps": w.accumulation, "skipped_steps": w.guard.skipped_total,
+            "data_wait_frac": (w.stream.data_wait_s - self.wait_mark) / elapsed,
+            "eta_s": (now - self.t_start) / max(1, w.step - self.step_at_start) * (w.total_steps - w.step),
         }
-        if raw_model.config.use_moe:
-            metrics["expert_load"] = [[round(float(x), 4) for x in layer] for layer in raw_model.expert_load()]
-        if rank == 0:
-            say(format_log_line(metrics))
-            if metrics_log:
-                metrics_log.append({**metrics, "time": time.time(), "run_id": run_id})
-        t_interval, tokens_interval, wait_mark = now, 0, stream.data_wait_s
+        if w.raw_model.config.use_moe:
+            metrics["expert_load"] = [[round(float(x), 4) for x in layer] for layer in w.raw_model.expert_load()]
+        self.t_mark, self.tokens, self.wait_mark = now, 0, w.stream.data_wait_s
+        return metrics
 
-        state = None
-        if checkpointing:
-            state = {
-                "optimizer_step": step, "epoch": pos.epoch, "samples_seen": pos.samples_seen,
-                "world_size": world_size, "micro_batch_size": train_cfg.micro_batch_size,
-                "accumulation_steps": accumulation, "global_batch_size": train_cfg.global_batch_size,
-                "total_steps": total_steps, "model_config": model_cfg.to_dict(), "train_config": train_cfg.to_dict(),
-                "data_fingerprint": prepared.fingerprint, "tokenizer_sha256": prepared.tokenizer_sha256,
-                "run_id": run_id, "run_name": run["name"], "nonfinite_guard": guard.state_dict(),
-                "rng": "derived: torch.manual_seed(seed * 1000003 + optimizer_step * 1009 + rank) every step",
-                "loss": metrics["loss"],
-            }
-        report(metrics, state, rank, raw_model, optimizer, scaler, prepared, run)
-        if sigterm:
-            raise Preempted(f"SIGTERM at optimizer step {step}: checkpoint written, exiting for a restart")
-        if exiting:
-            log(f"exiting after optimizer step {step} as asked (--exit-after-steps/--exit-after-minutes); "
-                f"continue with --resume auto")
-            return
+
+def checkpoint_state(w: Worker, metrics: dict) -> dict:
+    """state.json of a resume checkpoint: the position (optimizer step) and what it must match on resume."""
+    pos = D.DataPosition.at(w.step, w.steps_per_epoch, w.train_cfg.global_batch_size)
+    return {
+        "optimizer_step": w.step, "epoch": pos.epoch, "samples_seen": pos.samples_seen, "world_size": w.world_size,
+        "micro_batch_size": w.train_cfg.micro_batch_size, "accumulation_steps": w.accumulation,
+        "global_batch_size": w.train_cfg.global_batch_size, "total_steps": w.total_steps,
+        "model_config": w.model_cfg.to_dict(), "train_config": w.train_cfg.to_dict(),
+        "data_fingerprint": w.prepared.fingerprint, "tokenizer_sha256": w.prepared.tokenizer_sha256,
+        "run_id": w.run_id, "run_name": w.run["name"], "nonfinite_guard": w.guard.state_dict(),
+        "rng": "derived: torch.manual_seed(seed * 1000003 + optimizer_step * 1009 + rank) every step",
+        "loss": metrics["loss"],
+    }
+
+
+def _test_hooks(w: Worker, sample_ids: torch.Tensor) -> None:
+    """Test-only: record consumed sample ids (--record-sample-ids); slow steps down (fault tests)."""
+    if w.run.get("record_sample_ids"):
+        with open(Path(w.run["record_sample_ids"]) / f"rank{w.rank}.jsonl", "a") as f:
+            f.write(json.dumps({"optimizer_step": w.step, "world_size": w.world_size,
+                                "sample_ids": sample_ids.tolist()}) + "\n")
+    delay = float(os.environ.get("MINILM_TEST_STEP_DELAY_S", "0") or 0)
+    if delay:
+        time.sleep(delay)
 
 
 def say(message: str) -> None:
@@ -162,21 +212,26 @@ def say(message: str) -> None:
     print(message, file=sys.__stdout__, flush=True)
 
 
-def report(metrics, state, rank, model, optimizer, scaler, prepared, run) -> None:
-    """Every rank reports (a barrier); rank 0 attaches the checkpoint and a weights export."""
+def report(w: Worker, metrics: dict, checkpointing: bool) -> None:
+    """Every rank reports at the same steps (a barrier); rank 0 logs and attaches checkpoint + weights export."""
+    if w.rank == 0:
+        say(format_log_line(metrics))
+        if w.metrics_log:
+            w.metrics_log.append({**metrics, "time": time.time(), "run_id": w.run_id})
     public = {k: v for k, v in metrics.items() if k != "expert_load"}
-    if state is None:
+    if not checkpointing:
         ray.train.report(public)
         return
-    tmp = tempfile.mkdtemp(prefix="minilm-ckpt-") if rank == 0 else None
+    tmp = tempfile.mkdtemp(prefix="minilm-ckpt-") if w.rank == 0 else None
     try:
         checkpoint = None
-        if rank == 0:
-            C.save_resume_state(tmp, model=model, optimizer=optimizer, scaler=scaler, state=state)
-            C.export_weights(Path(tmp) / "weights", model, model.config, prepared.tokenizer_path)
+        if w.rank == 0:
+            C.save_resume_state(tmp, model=w.raw_model, optimizer=w.optimizer, scaler=w.scaler,
+                                state=checkpoint_state(w, metrics))
+            C.export_weights(Path(tmp) / "weights", w.raw_model, w.model_cfg, w.prepared.tokenizer_path)
             checkpoint = ray.train.Checkpoint.from_directory(tmp)
         ray.train.report(public, checkpoint=checkpoint,
-                         checkpoint_dir_name=checkpoint_dir_name(run.get("run_dir"), state["optimizer_step"]))
+                         checkpoint_dir_name=checkpoint_dir_name(w.run.get("run_dir"), w.step))
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -196,9 +251,10 @@ def checkpoint_dir_name(run_dir: str | None, step: int) -> str:
     return candidate
 
 
-def restore(model, optimizer, scaler, guard, run, train_cfg, prepared, log) -> dict | None:
+def restore(w: Worker) -> dict | None:
     """Load the checkpoint this run continues from, if any; return its state.json."""
-    path = _checkpoint_to_resume(run, log)
+    model, train_cfg, prepared = w.raw_model, w.train_cfg, w.prepared
+    path = _checkpoint_to_resume(w.run, w.log)
     if path is None:
         return None
     resume = C.load_resume_state(path)
@@ -217,9 +273,9 @@ def restore(model, optimizer, scaler, guard, run, train_cfg, prepared, log) -> d
     if problems:
         raise C.CheckpointError(f"cannot resume from {path}: " + "; ".join(problems))
     model.load_state_dict(resume.model_state, strict=True)
-    optimizer.load_state_dict(resume.optimizer_state)
-    scaler.load_state_dict(resume.scaler_state)
-    guard.load_state_dict(s["nonfinite_guard"])
+    w.optimizer.load_state_dict(resume.optimizer_state)
+    w.scaler.load_state_dict(resume.scaler_state)
+    w.guard.load_state_dict(s["nonfinite_guard"])
     return s
 
 
@@ -251,8 +307,8 @@ class StopSignal:
         self.sigterm = False
         try:
             signal.signal(signal.SIGTERM, self._on_sigterm)
-        except ValueError:  # not the main thread: Ray's own SIGTERM handling applies
-            pass
+        except ValueError:  # Ray runs train_func in a thread; Ray's own handler lives in the main thread
+            _defer_ray_sigterm_exit(self._on_sigterm)
 
     def _on_sigterm(self, *_):
         self.sigterm = True
@@ -264,6 +320,31 @@ class StopSignal:
         if world_size > 1 and dist.is_initialized():
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         return bool(flags[0] > 0), bool(flags[1] > 0)
+
+
+def _defer_ray_sigterm_exit(on_sigterm) -> None:
+    """Let the first SIGTERM reach the step boundary instead of exiting the worker at once.
+
+    Ray's worker SIGTERM handler (main thread) exits through
+    `ray._private.worker.raise_sys_exit_with_custom_error_message`, looked up at call time. The
+    first SIGTERM only sets our flag, so the loop checkpoints at the next step boundary and then
+    raises; a second SIGTERM exits as Ray would. If Ray renames that function, SIGTERM exits as usual.
+    """
+    import ray._private.worker as ray_worker
+
+    original = getattr(ray_worker, "raise_sys_exit_with_custom_error_message", None)
+    if original is None:
+        return
+    seen = []
+
+    def deferred(message, exit_code=1, *args, **kwargs):
+        if "SIGTERM" in str(message) and not seen:
+            seen.append(time.time())
+            on_sigterm()
+            return
+        return original(message, exit_code, *args, **kwargs)
+
+    ray_worker.raise_sys_exit_with_custom_error_message = deferred
 
 
 __all__ = ["train_func", "Preempted"]

@@ -258,3 +258,30 @@ def test_zero_argument_run_finishes_and_loss_falls(ray_address, tmp_path):
     assert records[-1]["optimizer_step"] == 200
     assert records[-1]["loss"] < records[0]["loss"] - 1.0
     assert "=== run summary ===" in proc.stdout
+
+
+def test_sigterm_to_a_worker_checkpoints_at_the_step_boundary(ray_address, tiny_data, storage, baseline):
+    import psutil
+
+    args = tiny_args(tiny_data, storage, "sigterm", "--num-workers", "2", "--max-failures", "1")
+    proc = subprocess.Popen([sys.executable, "-m", "ray_jobs.pretrain", *args], cwd=ROOT,
+                            env=run_env(ray_address, MINILM_TEST_STEP_DELAY_S="0.5"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    marker = storage / "sigterm" / "checkpoint_00000004" / "COMPLETE.json"
+    deadline = time.time() + 240
+    while not marker.is_file() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    time.sleep(1.0)  # mid-way between checkpoints
+    workers = [p for p in psutil.process_iter(["cmdline"]) if "RayTrainWorker" in " ".join(p.info["cmdline"] or [])]
+    assert workers
+    workers[-1].send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    import re
+
+    stopped = re.search(r"SIGTERM at optimizer step (\d+): checkpoint written", out)
+    assert stopped, out[-3000:]
+    k = int(stopped.group(1))
+    assert k % 4 != 0 or k > 4  # an extra checkpoint at the boundary, not the periodic one
+    assert f"resumed run sigterm at optimizer step {k} " in out  # nothing redone
+    assert bitwise_equal(final_weights(storage, "sigterm"), baseline["weights"])
