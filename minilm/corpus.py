@@ -1,0 +1,115 @@
+"""A built-in demo corpus that needs no download: the prose that ships with every Python.
+
+Documents are the docstrings of the standard library (modules, classes, functions; each cleaned
+with `inspect.cleandoc`) and the reference-manual topics `pydoc` carries (`pydoc_data/topics.py`),
+read with `ast` from the stdlib source files, never imported. Files are visited in sorted path
+order, and a file's docstrings in source order (depth first), so the corpus is the same on every
+run of the same Python (on another Python version it differs: the manifest's fingerprint tells).
+
+Skipped: test suites, idlelib, turtledemo, site-packages and other non-library folders; docstrings
+shorter than `MIN_CHARS`; repeats of a docstring seen before. The corpus stops before `MAX_BYTES`.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import sysconfig
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+MIN_CHARS = 80
+MAX_BYTES = 4 << 20  # UTF-8 bytes of text, all documents together
+SKIP_DIRS = frozenset({
+    "test", "tests", "idle_test", "idlelib", "turtledemo", "site-packages", "dist-packages",
+    "__pycache__", "lib-dynload", "_bundled", "__phello__",
+})
+_DOC_NODES = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+
+
+def stdlib_dir() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def _source_files(root: Path) -> Iterator[Path]:
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames
+                             if d not in SKIP_DIRS and not d.startswith(("config-", ".")))
+        for name in sorted(filenames):
+            if name.endswith(".py"):
+                yield Path(dirpath) / name
+
+
+def _docstrings(node: ast.AST) -> Iterator[str]:
+    """Docstrings of `node` and of the classes and functions inside it, in source order."""
+    if isinstance(node, _DOC_NODES):
+        doc = ast.get_docstring(node, clean=True)
+        if doc and doc.strip():
+            yield doc.strip()
+    for child in ast.iter_child_nodes(node):
+        yield from _docstrings(child)
+
+
+def _pydoc_topics(tree: ast.Module) -> Iterator[str]:
+    """The values of the `topics = {...}` dict literal in pydoc_data/topics.py, in source order."""
+    for stmt in tree.body:
+        if (isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Dict)
+                and any(isinstance(t, ast.Name) and t.id == "topics" for t in stmt.targets)):
+            for value in stmt.value.values:
+                if isinstance(value, ast.Constant) and isinstance(value.value, str):
+                    yield value.value.strip()
+
+
+def _file_documents(path: Path, root: Path) -> Iterator[str]:
+    try:
+        source = path.read_bytes()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # SyntaxWarning for odd escapes in old modules
+            tree = ast.parse(source, filename=str(path))
+    except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
+        return
+    yield from _docstrings(tree)
+    if path.relative_to(root).as_posix() == "pydoc_data/topics.py":
+        yield from _pydoc_topics(tree)
+
+
+def demo_corpus_documents(max_bytes: int = MAX_BYTES, min_chars: int = MIN_CHARS,
+                          root: str | os.PathLike | None = None) -> Iterator[str]:
+    """The demo corpus, one document (a docstring or a pydoc topic) per item, deterministically."""
+    root = Path(root) if root is not None else stdlib_dir()
+    seen: set[str] = set()
+    used = 0
+    for path in _source_files(root):
+        for doc in _file_documents(path, root):
+            if len(doc) < min_chars or doc in seen:
+                continue
+            n = len(doc.encode("utf-8", "surrogatepass"))
+            if used + n > max_bytes:
+                return
+            try:
+                doc.encode("utf-8")
+            except UnicodeEncodeError:  # a lone surrogate written as an escape: not text
+                continue
+            seen.add(doc)
+            used += n
+            yield doc
+
+
+def write_demo_corpus(path: str | os.PathLike, max_bytes: int = MAX_BYTES) -> dict:
+    """Write the demo corpus as MiniMind-style JSONL (`{"text": ...}` per line) to `path`.
+
+    Returns {"path", "documents", "text_bytes", "bytes"}. The file is the same bytes on every run.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    docs = text_bytes = 0
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8", newline="\n") as f:
+        for doc in demo_corpus_documents(max_bytes=max_bytes):
+            f.write(json.dumps({"text": doc}, ensure_ascii=False) + "\n")
+            docs += 1
+            text_bytes += len(doc.encode("utf-8"))
+    os.replace(tmp, path)
+    return {"path": str(path), "documents": docs, "text_bytes": text_bytes, "bytes": path.stat().st_size}

@@ -1,0 +1,339 @@
+"""Packing token ids into fixed-length rows, and writing them as the shards docs/data.md describes.
+
+Every document is followed by the EOS id and the documents are concatenated in input order; the
+stream is cut into rows of `seq_len + 1` tokens (no padding) and the incomplete tail is dropped and
+counted. Rows go to parquet shards of `rows_per_shard` rows (the last one may be shorter) with
+fixed writer options, so the same rows always give the same bytes (for one pyarrow version).
+
+The output directory is written atomically: everything goes to a sibling `DIR.tmp-<pid>`, the
+manifest last, and only then is it renamed to DIR. An interrupted prepare leaves no DIR that
+`minilm.data.open_prepared` accepts (the temporary folder is removed, or by the next prepare).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .data import FORMAT, MANIFEST, file_sha256
+from .tokenizer import EOS_ID
+
+SHARD_NAME = "shard-{:05d}.parquet"
+TOKENIZER_FILE = "tokenizer.json"
+DEFAULT_ROWS_PER_SHARD = 8192
+ROW_GROUP_ROWS = 1024
+# Fixed writer options: no dictionary (token ids compress better without one), zstd at a fixed
+# level, no statistics; parquet files carry no timestamps, so equal rows give equal bytes.
+PARQUET_OPTIONS = {
+    "compression": "zstd",
+    "compression_level": 3,
+    "use_dictionary": False,
+    "write_statistics": False,
+    "version": "2.6",
+    "data_page_version": "1.0",
+    "store_schema": True,  # keeps the fixed_size_list type when read back
+}
+_SHARD_RE = re.compile(r"shard-\d{5}\.parquet")
+
+
+class OutputError(ValueError):
+    """The output directory cannot be used (it holds other data, or is not a directory)."""
+
+
+# ---- rows and shards --------------------------------------------------------------------------------
+
+def shard_schema(seq_len: int):
+    import pyarrow as pa
+
+    return pa.schema([("sample_id", pa.int64()), ("input_ids", pa.list_(pa.int32(), seq_len + 1))])
+
+
+def rows_table(first_sample_id: int, rows: np.ndarray):
+    """A shard's table: `rows` (n, seq_len + 1) with sample ids first_sample_id.. first_sample_id + n - 1."""
+    import pyarrow as pa
+
+    rows = np.ascontiguousarray(rows, dtype=np.int32)
+    n, row_len = rows.shape
+    ids = pa.FixedSizeListArray.from_arrays(pa.array(rows.reshape(-1), pa.int32()), row_len)
+    sample_ids = pa.array(np.arange(first_sample_id, first_sample_id + n, dtype=np.int64))
+    return pa.Table.from_arrays([sample_ids, ids], schema=shard_schema(row_len - 1))
+
+
+def write_shard(path: str | os.PathLike, first_sample_id: int, rows: np.ndarray) -> str:
+    """Write one shard and return its sha256. The file is flushed to disk before returning."""
+    import pyarrow.parquet as pq
+
+    table = rows_table(first_sample_id, rows)
+    with open(path, "wb") as f:
+        pq.write_table(table, f, row_group_size=ROW_GROUP_ROWS, **PARQUET_OPTIONS)
+        f.flush()
+        os.fsync(f.fileno())
+    return file_sha256(path)
+
+
+def pack_documents(docs: Iterable[Sequence[int]], seq_len: int, eos_id: int = EOS_ID) -> tuple[np.ndarray, int]:
+    """(rows, dropped_tail_tokens): `docs` each followed by `eos_id`, concatenated, cut into rows.
+
+    The in-memory reference of what `ShardWriter` writes to disk.
+    """
+    parts = []
+    for doc in docs:
+        parts.append(np.asarray(doc, dtype=np.int32))
+        parts.append(np.array([eos_id], dtype=np.int32))
+    stream = np.concatenate(parts) if parts else np.zeros(0, np.int32)
+    n = len(stream) // (seq_len + 1)
+    return stream[: n * (seq_len + 1)].reshape(n, seq_len + 1), len(stream) - n * (seq_len + 1)
+
+
+@dataclass
+class PackResult:
+    seq_len: int
+    shards: list[dict] = field(default_factory=list)  # {"file", "first_sample_id", "num_sequences", "sha256"}
+    num_sequences: int = 0
+    documents: int = 0
+    stream_tokens: int = 0  # document tokens plus one EOS per document
+    dropped_tail_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_sequences * (self.seq_len + 1)
+
+
+class ShardWriter:
+    """Streams documents (or an EOS-separated token stream) into shards in `directory`."""
+
+    def __init__(self, directory: str | os.PathLike, seq_len: int,
+                 rows_per_shard: int = DEFAULT_ROWS_PER_SHARD, eos_id: int = EOS_ID):
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be at least 1, got {seq_len}")
+        if rows_per_shard < 1:
+            raise ValueError(f"rows_per_shard must be at least 1, got {rows_per_shard}")
+        self.directory = Path(directory)
+        self.row_len = seq_len + 1
+        self.rows_per_shard = rows_per_shard
+        self.eos_id = eos_id
+        self.result = PackResult(seq_len=seq_len)
+        self._chunks: list[np.ndarray] = []
+        self._buffered = 0
+        self._closed = False
+
+    def add_document(self, ids: Sequence[int]) -> None:
+        doc = np.asarray(ids, dtype=np.int32)
+        self.add_stream(np.append(doc, np.int32(self.eos_id)), documents=1)
+
+    def add_stream(self, tokens: np.ndarray, documents: int = 0) -> None:
+        """Append tokens that already carry an EOS after each document (`documents` of them)."""
+        if self._closed:
+            raise RuntimeError("ShardWriter is closed")
+        tokens = np.ascontiguousarray(tokens, dtype=np.int32)
+        self._chunks.append(tokens)
+        self._buffered += len(tokens)
+        self.result.stream_tokens += len(tokens)
+        self.result.documents += documents
+        if self._buffered >= self.rows_per_shard * self.row_len:
+            self._flush(final=False)
+
+    def _flush(self, final: bool) -> None:
+        buf = np.concatenate(self._chunks) if self._chunks else np.zeros(0, np.int32)
+        shard_tokens = self.rows_per_shard * self.row_len
+        pos = 0
+        while len(buf) - pos >= shard_tokens:
+            self._write(buf[pos: pos + shard_tokens])
+            pos += shard_tokens
+        if final:
+            rows = (len(buf) - pos) // self.row_len
+            if rows:
+                self._write(buf[pos: pos + rows * self.row_len])
+                pos += rows * self.row_len
+            self.result.dropped_tail_tokens = len(buf) - pos
+            pos = len(buf)
+        rest = buf[pos:]
+        self._chunks = [rest] if len(rest) else []
+        self._buffered = len(rest)
+
+    def _write(self, tokens: np.ndarray) -> None:
+        rows = tokens.reshape(-1, self.row_len)
+        name = SHARD_NAME.format(len(self.result.shards))
+        first = self.result.num_sequences
+        sha = write_shard(self.directory / name, first, rows)
+        self.result.shards.append({"file": name, "first_sample_id": first, "num_sequences": len(rows),
+                                   "sha256": sha})
+        self.result.num_sequences += len(rows)
+
+    def close(self) -> PackResult:
+        """Write what is left as the last shard (whole rows only) and return the totals."""
+        if not self._closed:
+            self._flush(final=True)
+            self._closed = True
+        return self.result
+
+
+# ---- manifest ---------------------------------------------------------------------------------------
+
+def compute_fingerprint(tokenizer_sha256: str, seq_len: int, shard_sha256s: Sequence[str]) -> str:
+    """sha256 of the canonical JSON {"format", "seq_len", "shards": [sha256...], "tokenizer_sha256"}.
+
+    Two prepared datasets with the same fingerprint hold the same token rows in the same order,
+    made with the same tokenizer.
+    """
+    payload = {"format": FORMAT, "seq_len": int(seq_len), "shards": list(shard_sha256s),
+               "tokenizer_sha256": tokenizer_sha256}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def build_manifest(result: PackResult, *, tokenizer: dict, inputs: list[dict], documents_read: int,
+                   documents_skipped: int, skipped_by_reason: dict[str, int], command: str,
+                   extra: dict | None = None) -> dict:
+    """The manifest of docs/data.md. `tokenizer` holds path, source, sha256, vocab_size and special ids."""
+    from . import __version__
+
+    manifest = {
+        "format": FORMAT,
+        "seq_len": result.seq_len,
+        "num_sequences": result.num_sequences,
+        "num_tokens": result.num_tokens,
+        "dropped_tail_tokens": result.dropped_tail_tokens,
+        "documents_read": documents_read,
+        "documents_skipped": documents_skipped,
+        "skipped_by_reason": dict(sorted(skipped_by_reason.items())),
+        "shards": result.shards,
+        "tokenizer": tokenizer,
+        "inputs": inputs,
+        "fingerprint": compute_fingerprint(tokenizer["sha256"], result.seq_len,
+                                           [s["sha256"] for s in result.shards]),
+        "command": command,
+        "created_by": f"minilm {__version__}",
+    }
+    if extra:
+        manifest.update({k: v for k, v in extra.items() if k not in manifest})
+    return manifest
+
+
+def write_manifest(directory: str | os.PathLike, manifest: dict) -> Path:
+    path = Path(directory) / MANIFEST
+    tmp = path.with_name(MANIFEST + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+# ---- the output directory, written atomically ----------------------------------------------------
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _ours(name: str) -> bool:
+    return name in (MANIFEST, MANIFEST + ".tmp", TOKENIZER_FILE) or bool(_SHARD_RE.fullmatch(name))
+
+
+def describe_existing(path: Path) -> str | None:
+    """None when `path` is free to write (absent or empty); else what is there, in words."""
+    if not path.exists():
+        return None
+    if not path.is_dir():
+        return "a file that is not a directory"
+    names = sorted(p.name for p in path.iterdir())
+    if not names:
+        return None
+    if MANIFEST in names:
+        try:
+            m = json.loads((path / MANIFEST).read_text())
+            return (f"a prepared dataset ({m.get('num_sequences')} sequences of seq_len {m.get('seq_len')}, "
+                    f"fingerprint {str(m.get('fingerprint'))[:12]})")
+        except (OSError, ValueError):
+            return "a prepared dataset with an unreadable manifest.json"
+    if all(_ours(n) for n in names):
+        return "an incomplete prepared dataset (no manifest.json)"
+    return f"other files ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+
+
+class AtomicOutput:
+    """Builds DIR in `DIR.tmp-<pid>` and renames it into place on `commit()`.
+
+    Refuses an existing DIR that holds a prepared dataset (complete or not) unless `overwrite`, and
+    always refuses one that holds anything else: --overwrite never deletes foreign files.
+    """
+
+    def __init__(self, final: str | os.PathLike, overwrite: bool = False):
+        self.final = Path(final)
+        existing = describe_existing(self.final)
+        if existing is not None:
+            if existing.startswith("a file") or existing.startswith("other files"):
+                raise OutputError(f"output {self.final} already exists and holds {existing}; refusing to "
+                                  f"replace it (--overwrite only replaces a prepared dataset): choose "
+                                  f"another --output")
+            if not overwrite:
+                raise OutputError(f"output {self.final} already holds {existing}; pass --overwrite to replace "
+                                  f"it (this is refused even when the inputs are the same)")
+        self.final.parent.mkdir(parents=True, exist_ok=True)
+        self._remove_stale_temps()
+        self.tmp = self.final.with_name(f"{self.final.name}.tmp-{os.getpid()}")
+        if self.tmp.exists():
+            shutil.rmtree(self.tmp)
+        self.tmp.mkdir()
+        self.committed = False
+
+    def _remove_stale_temps(self) -> None:
+        pattern = re.compile(re.escape(self.final.name) + r"\.(tmp|old)-(\d+)")
+        for p in self.final.parent.iterdir():
+            m = pattern.fullmatch(p.name)
+            if m and p.is_dir() and int(m.group(2)) != os.getpid() and not _pid_alive(int(m.group(2))):
+                shutil.rmtree(p, ignore_errors=True)
+
+    def commit(self) -> Path:
+        """Move the finished temp folder to DIR (replacing an old dataset there)."""
+        if not (self.tmp / MANIFEST).is_file():
+            raise RuntimeError("commit() before the manifest was written")
+        _fsync_dir(self.tmp)
+        old = None
+        if self.final.exists():
+            old = self.final.with_name(f"{self.final.name}.old-{os.getpid()}")
+            os.rename(self.final, old)
+        os.rename(self.tmp, self.final)
+        _fsync_dir(self.final.parent)
+        self.committed = True
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        return self.final
+
+    def abort(self) -> None:
+        """Remove the temp folder (nothing of this run is left behind)."""
+        if not self.committed:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def __enter__(self) -> AtomicOutput:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.abort()
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

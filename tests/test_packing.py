@@ -1,0 +1,236 @@
+"""Packing documents into rows, the shard files, the manifest and the atomic output folder (no Ray)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minilm import packing as P
+from minilm.data import DataError, SequenceStore, file_sha256, open_prepared
+
+EOS = 2
+docs_strategy = st.lists(st.lists(st.integers(3, 299), min_size=0, max_size=40), min_size=0, max_size=30)
+
+
+def stream_of(docs):
+    out = []
+    for d in docs:
+        out += list(d) + [EOS]
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(docs=docs_strategy, seq_len=st.integers(1, 20))
+def test_pack_documents_keeps_every_token_in_order(docs, seq_len):
+    rows, dropped = P.pack_documents(docs, seq_len)
+    stream = stream_of(docs)
+    assert rows.shape == (len(stream) // (seq_len + 1), seq_len + 1)
+    assert rows.dtype == np.int32
+    assert dropped == len(stream) % (seq_len + 1)
+    assert rows.reshape(-1).tolist() + stream[len(stream) - dropped:] == stream
+
+
+def write_dataset(directory, docs, seq_len, rows_per_shard, tokenizer_sha="t" * 64, by_stream=False):
+    w = P.ShardWriter(directory, seq_len, rows_per_shard)
+    if by_stream:  # the pipeline's path: EOS already in the stream, any chunking
+        stream = np.array(stream_of(docs), np.int32)
+        for chunk in np.array_split(stream, 7):
+            w.add_stream(chunk)
+        w.result.documents = len(docs)
+    else:
+        for d in docs:
+            w.add_document(d)
+    result = w.close()
+    (directory / P.TOKENIZER_FILE).write_text("{}")
+    manifest = P.build_manifest(
+        result, tokenizer={"path": P.TOKENIZER_FILE, "source": "test", "sha256": tokenizer_sha, "vocab_size": 300,
+                           "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+        inputs=[], documents_read=len(docs), documents_skipped=0, skipped_by_reason={}, command="test")
+    P.write_manifest(directory, manifest)
+    return manifest
+
+
+@settings(max_examples=25, deadline=None)
+@given(docs=docs_strategy, seq_len=st.integers(1, 12), rows_per_shard=st.integers(1, 5),
+       by_stream=st.booleans())
+def test_shards_hold_exactly_the_packed_rows(tmp_path_factory, docs, seq_len, rows_per_shard, by_stream):
+    d = tmp_path_factory.mktemp("ds")
+    rows, dropped = P.pack_documents(docs, seq_len)
+    m = write_dataset(d, docs, seq_len, rows_per_shard, by_stream=by_stream)
+    assert m["num_sequences"] == len(rows)
+    assert m["num_tokens"] == len(rows) * (seq_len + 1)
+    assert m["dropped_tail_tokens"] == dropped
+    assert len(m["shards"]) == -(-len(rows) // rows_per_shard)
+    assert all(s["num_sequences"] == rows_per_shard for s in m["shards"][:-1])
+    if not len(rows):
+        return
+    data = open_prepared(d)
+    got = SequenceStore(data).take(np.arange(data.num_sequences))
+    np.testing.assert_array_equal(got, rows)
+    # random access in any order
+    order = np.random.default_rng(0).permutation(len(rows))
+    np.testing.assert_array_equal(SequenceStore(data).take(order), rows[order])
+
+
+def test_shard_format(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(1)
+    docs = [rng.integers(3, 6400, rng.integers(0, 50)).tolist() for _ in range(200)]
+    m = write_dataset(tmp_path, docs, 16, 64)
+    assert [s["file"] for s in m["shards"]] == [f"shard-{i:05d}.parquet" for i in range(len(m["shards"]))]
+    first = 0
+    for s in m["shards"]:
+        table = pq.read_table(tmp_path / s["file"])
+        assert table.schema.names == ["sample_id", "input_ids"]
+        assert table.schema.field("sample_id").type == pa.int64()
+        assert table.schema.field("input_ids").type == pa.list_(pa.int32(), 17)
+        assert table.column("sample_id").to_pylist() == list(range(first, first + s["num_sequences"]))
+        assert s["first_sample_id"] == first
+        assert s["sha256"] == file_sha256(tmp_path / s["file"])
+        first += s["num_sequences"]
+    assert first == m["num_sequences"]
+
+
+def test_same_rows_same_bytes(tmp_path):
+    rng = np.random.default_rng(2)
+    docs = [rng.integers(3, 300, rng.integers(1, 30)).tolist() for _ in range(300)]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    ma = write_dataset(tmp_path / "a", docs, 8, 100)
+    mb = write_dataset(tmp_path / "b", docs, 8, 100, by_stream=True)
+    for s in ma["shards"]:
+        assert (tmp_path / "a" / s["file"]).read_bytes() == (tmp_path / "b" / s["file"]).read_bytes()
+    assert ma["fingerprint"] == mb["fingerprint"]
+    assert ma["shards"] == mb["shards"]
+
+
+def test_fingerprint_depends_on_tokenizer_seq_len_and_shards():
+    base = P.compute_fingerprint("a" * 64, 16, ["x", "y"])
+    assert base == P.compute_fingerprint("a" * 64, 16, ["x", "y"])
+    assert len({base, P.compute_fingerprint("b" * 64, 16, ["x", "y"]), P.compute_fingerprint("a" * 64, 17, ["x", "y"]),
+                P.compute_fingerprint("a" * 64, 16, ["y", "x"]), P.compute_fingerprint("a" * 64, 16, ["x"])}) == 5
+
+
+def test_manifest_fields(tmp_path):
+    m = write_dataset(tmp_path, [[5, 6, 7]] * 10, 3, 2)
+    on_disk = json.loads((tmp_path / "manifest.json").read_text())
+    assert on_disk == m
+    for key in ("format", "seq_len", "num_sequences", "num_tokens", "dropped_tail_tokens", "documents_read",
+                "documents_skipped", "skipped_by_reason", "shards", "tokenizer", "inputs", "fingerprint",
+                "command", "created_by"):
+        assert key in m
+    assert m["format"] == "minilm-packed-v1"
+    assert m["num_sequences"] == 10 and m["dropped_tail_tokens"] == 0
+    assert m["created_by"].startswith("minilm ")
+
+
+def test_writer_rejects_bad_sizes(tmp_path):
+    with pytest.raises(ValueError):
+        P.ShardWriter(tmp_path, 0)
+    with pytest.raises(ValueError):
+        P.ShardWriter(tmp_path, 4, rows_per_shard=0)
+
+
+# ---- the atomic output folder --------------------------------------------------------------------------
+
+def finished(out: P.AtomicOutput, docs=([5, 6, 7],) * 8):
+    write_dataset(out.tmp, list(docs), 3, 4)
+    return out.commit()
+
+
+def test_atomic_output_appears_only_on_commit(tmp_path):
+    final = tmp_path / "data" / "tok"
+    out = P.AtomicOutput(final)
+    assert out.tmp.parent == final.parent and out.tmp.name == f"tok.tmp-{os.getpid()}"
+    write_dataset(out.tmp, [[5, 6, 7]] * 8, 3, 4)
+    assert not final.exists()
+    out.commit()
+    out.abort()  # a no-op after commit
+    assert open_prepared(final).num_sequences == 8
+    assert sorted(p.name for p in final.parent.iterdir()) == ["tok"]
+
+
+def test_atomic_output_abort_leaves_nothing(tmp_path):
+    final = tmp_path / "tok"
+    with P.AtomicOutput(final) as out:
+        P.ShardWriter(out.tmp, 3, 2).add_document([4] * 20)
+        (out.tmp / "shard-00000.parquet").write_bytes(b"partial")
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(DataError, match="does not exist"):
+        open_prepared(final)
+
+
+def test_incomplete_folder_is_refused_by_open_prepared(tmp_path):
+    """What a crash before the rename would leave, were it renamed: shards, no manifest."""
+    out = P.AtomicOutput(tmp_path / "tok")
+    w = P.ShardWriter(out.tmp, 3, 2)
+    for _ in range(10):
+        w.add_document([5, 6, 7])
+    w.close()
+    with pytest.raises(DataError, match="no manifest.json"):
+        open_prepared(out.tmp)
+    with pytest.raises(RuntimeError, match="before the manifest"):
+        out.commit()
+    out.abort()
+
+
+def test_existing_dataset_is_refused_unless_overwrite(tmp_path):
+    final = tmp_path / "tok"
+    finished(P.AtomicOutput(final))
+    with pytest.raises(P.OutputError, match="already holds a prepared dataset.*--overwrite"):
+        P.AtomicOutput(final)
+    out = P.AtomicOutput(final, overwrite=True)
+    assert open_prepared(final).num_sequences == 8  # the old one stays until commit
+    finished(out, docs=([5, 6, 7],) * 12)
+    assert open_prepared(final).num_sequences == 12
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tok"]
+
+
+def test_incomplete_dataset_needs_overwrite(tmp_path):
+    final = tmp_path / "tok"
+    final.mkdir()
+    (final / "shard-00000.parquet").write_bytes(b"x")
+    with pytest.raises(P.OutputError, match="incomplete prepared dataset"):
+        P.AtomicOutput(final)
+    finished(P.AtomicOutput(final, overwrite=True))
+    assert open_prepared(final).num_sequences == 8
+
+
+def test_foreign_folder_is_never_replaced(tmp_path):
+    final = tmp_path / "mine"
+    final.mkdir()
+    (final / "notes.txt").write_text("precious")
+    for overwrite in (False, True):
+        with pytest.raises(P.OutputError, match="other files"):
+            P.AtomicOutput(final, overwrite=overwrite)
+    assert (final / "notes.txt").read_text() == "precious"
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(P.OutputError, match="not a directory"):
+        P.AtomicOutput(tmp_path / "afile", overwrite=True)
+
+
+def test_empty_existing_folder_is_used(tmp_path):
+    final = tmp_path / "tok"
+    final.mkdir()
+    finished(P.AtomicOutput(final))
+    assert open_prepared(final).num_sequences == 8
+
+
+def test_stale_temp_folders_are_removed(tmp_path):
+    dead = tmp_path / "tok.tmp-999999999"  # no such pid
+    dead.mkdir()
+    (dead / "shard-00000.parquet").write_bytes(b"x")
+    alive = tmp_path / f"tok.tmp-{os.getppid()}"  # a live process: maybe another prepare
+    alive.mkdir()
+    other = tmp_path / "other.tmp-999999999"
+    other.mkdir()
+    out = P.AtomicOutput(tmp_path / "tok")
+    assert not dead.exists() and alive.exists() and other.exists()
+    out.abort()

@@ -1,0 +1,605 @@
+"""`python -m ray_jobs.prepare`: inputs, bad records, determinism, atomicity.
+
+Error paths are found while the driver reads, before Ray starts, so most of them run without Ray;
+the tests that tokenize use one local Ray for the module (tests marked `ray`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from minilm import tokenizer as T
+from minilm.data import DataError, SequenceStore, file_sha256, open_prepared
+from ray_jobs import prepare as PR
+
+ROOT = Path(__file__).resolve().parents[1]
+SEQ = 16
+
+
+def make_docs(n: int, seed: int = 0) -> list[str]:
+    rng = np.random.default_rng(seed)
+    words = ["the", "model", "packs", "tokens", "into", "rows", "of", "fixed", "length", "and", "every",
+             "document", "ends", "with", "EOS", "数据", "训练", "模型", "😀", "🚀", "naïve", "café", "—", "42"]
+    return [" ".join(rng.choice(words, size=int(rng.integers(1, 60)))) + "." for _ in range(n)]
+
+
+DOCS = make_docs(120)
+
+
+def write_jsonl(path: Path, docs, field="text") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for d in docs:
+            f.write(json.dumps({field: d, "id": 0}, ensure_ascii=False) + "\n")
+    return path
+
+
+def expected_rows(tok, docs, seq_len=SEQ):
+    stream = []
+    for d in docs:
+        stream += tok.encode(d, add_special_tokens=False).ids + [2]
+    n = len(stream) // (seq_len + 1)
+    return np.array(stream[: n * (seq_len + 1)], np.int32).reshape(n, seq_len + 1), len(stream) - n * (seq_len + 1)
+
+
+def read_all(out: Path) -> np.ndarray:
+    data = open_prepared(out)
+    return SequenceStore(data).take(np.arange(data.num_sequences))
+
+
+def manifest_of(out: Path) -> dict:
+    return json.loads((out / "manifest.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def tok_path(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    T.save_tokenizer(T.train_tokenizer(DOCS, 300), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tok(tok_path):
+    return T.load_tokenizer(tok_path)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=4, include_dashboard=False)
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+def prep(capsys, *args) -> tuple[int, str]:
+    """Run the CLI in this process: (exit status, stderr)."""
+    code = PR.main([str(a) for a in args])
+    return code, capsys.readouterr().err
+
+
+def cli(*args, env=None, timeout=180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ray_jobs.prepare", *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def assert_clean_error(err: str, *needles: str) -> None:
+    assert "Traceback" not in err
+    assert err.startswith("error: ") or "\nerror: " in err or ": error: " in err, err
+    for n in needles:
+        assert n in err, err
+
+
+# ---- bad flags -------------------------------------------------------------------------------------
+
+def test_missing_input_flag_cli():
+    r = cli("--output", "x")
+    assert r.returncode == 2
+    assert "the following arguments are required: --input" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--seq-len", "0"], "--seq-len must be at least 1"),
+    (["--vocab-size", "2"], "--vocab-size 2 is too small"),
+    (["--vocab-size", "100"], "needs at least 259"),
+    (["--rows-per-shard", "0"], "--rows-per-shard must be at least 1"),
+    (["--num-cpus", "0"], "--num-cpus must be at least 1"),
+    (["--vocab-size", "300", "--tokenizer", "t.json"], "not allowed with argument"),
+    (["--on-bad-record", "ignore"], "invalid choice"),
+    (["--seq-len", "abc"], "invalid int value"),
+])
+def test_bad_flags(capsys, tmp_path, flags, needle):
+    src = write_jsonl(tmp_path / "c.jsonl", DOCS[:3])
+    code, err = prep(capsys, "--input", src, "--output", tmp_path / "out", *flags)
+    assert code == 2
+    assert needle in err
+    assert not (tmp_path / "out").exists()
+
+
+# ---- bad inputs, error mode (no Ray needed: the driver stops at the first bad record) -------------------
+
+BAD_LINES = {
+    "malformed_json": ('{"text": "a" "b"}', "malformed JSON (Expecting ',' delimiter at column 14)"),
+    "not_an_object": ('["text", "a list"]', "a JSON list, not an object with 'text'"),
+    "missing_text_field": ('{"content": "no text key"}', "no 'text' field (keys: content)"),
+    "non_string_text": ('{"text": 17}', "'text' is int, not a string"),
+    "null_text": ('{"text": null}', "'text' is null, not a string"),
+    "lone_surrogate": ('{"text": "bad \\ud800 surrogate"}', "'text' holds a lone surrogate '\\ud800': not valid Unicode"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_LINES))
+def test_bad_record_names_file_and_line(capsys, tmp_path, case):
+    line, message = BAD_LINES[case]
+    src = tmp_path / "corpus.jsonl"
+    src.write_text('{"text": "fine"}\n\n{"text": "also fine"}\n' + line + '\n{"text": "after"}\n')
+    code, err = prep(capsys, "--input", src, "--output", tmp_path / "out", "--vocab-size", 300)
+    assert code == 2
+    assert_clean_error(err, f"corpus.jsonl:4: {message}", "--on-bad-record skip")
+    assert not (tmp_path / "out").exists()
+    assert list(tmp_path.iterdir()) == [src]  # no temporary folder left behind
+
+
+def test_malformed_json_cli(tmp_path):
+    """The real command line: exit status 2, file:line, the JSON error, no traceback."""
+    src = tmp_path / "corpus.jsonl"
+    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS[:16]) + '{"text": "unterminated\n')
+    r = cli("--input", src, "--output", tmp_path / "out", "--vocab-size", "300", "--seq-len", SEQ)
+    assert r.returncode == 2
+    assert_clean_error(r.stderr, "error: ", "corpus.jsonl:17: malformed JSON (Unterminated string")
+    assert not (tmp_path / "out").exists()
+
+
+def test_invalid_utf8_jsonl(capsys, tmp_path):
+    src = tmp_path / "corpus.jsonl"
+    src.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    code, err = prep(capsys, "--input", src, "--output", tmp_path / "out")
+    assert code == 2
+    assert_clean_error(err, "corpus.jsonl:2: invalid UTF-8 (byte 0xe9 at column 14)")
+
+
+def test_invalid_utf8_txt(capsys, tmp_path):
+    src = tmp_path / "notes.txt"
+    src.write_bytes(b"line one\nline two\nbad \xff byte\n")
+    code, err = prep(capsys, "--input", src, "--output", tmp_path / "out")
+    assert code == 2
+    assert_clean_error(err, "notes.txt:3: invalid UTF-8 (byte 0xff at column 5)")
+
+
+def test_empty_file_is_an_error(capsys, tmp_path):
+    write_jsonl(tmp_path / "a.jsonl", DOCS[:5])
+    (tmp_path / "b.jsonl").write_text("\n\n")
+    code, err = prep(capsys, "--input", tmp_path / "a.jsonl", tmp_path / "b.jsonl", "--output", tmp_path / "out")
+    assert code == 2
+    assert_clean_error(err, "b.jsonl: the input is empty (no records)")
+
+
+def test_missing_path(capsys, tmp_path):
+    code, err = prep(capsys, "--input", tmp_path / "nope.jsonl", "--output", tmp_path / "out")
+    assert code == 2
+    assert_clean_error(err, "nope.jsonl does not exist")
+    code, err = prep(capsys, "--input", str(tmp_path / "*.jsonl"), "--output", tmp_path / "out")
+    assert code == 2
+    assert_clean_error(err, "no file matches this pattern")
+
+
+def test_unsupported_inputs(capsys, tmp_path):
+    (tmp_path / "data.csv").write_text("text\nhello\n")
+    code, err = prep(capsys, "--input", tmp_path / "data.csv", "--output", tmp_path / "out")
+    assert code == 2
+    assert_clean_error(err, "unsupported file type '.csv'")
+    (tmp_path / "only").mkdir()
+    (tmp_path / "only" / "README.md").write_text("x")
+    code, err = prep(capsys, "--input", tmp_path / "only", "--output", tmp_path / "out")
+    assert code == 2
+    assert "warning: ignoring 1 file(s) of unsupported type" in err
+    assert_clean_error(err, "no input files found")
+
+
+def test_no_usable_record(capsys, tmp_path):
+    src = tmp_path / "corpus.jsonl"
+    src.write_text('{"text": 1}\n{"txt": "x"}\nnot json\n{"text": ""}\n')
+    code, err = prep(capsys, "--input", src, "--output", tmp_path / "out", "--on-bad-record", "skip")
+    assert code == 2
+    assert_clean_error(err, "the inputs hold no usable record (1 empty_text, 1 malformed_json, "
+                            "1 missing_text_field, 1 non_string_text)")
+    assert "warning: skipping " in err and "corpus.jsonl:3: malformed JSON" in err
+    assert list(tmp_path.iterdir()) == [src]
+
+
+def test_bad_tokenizer(capsys, tmp_path):
+    src = write_jsonl(tmp_path / "c.jsonl", DOCS[:5])
+    (tmp_path / "tok.json").write_text("{}")
+    code, err = prep(capsys, "--input", src, "--output", tmp_path / "out", "--tokenizer", tmp_path / "tok.json")
+    assert code == 2
+    assert_clean_error(err, "tok.json is not a tokenizers JSON file")
+    code, err = prep(capsys, "--input", src, "--output", tmp_path / "out", "--tokenizer", tmp_path / "no.json")
+    assert code == 2
+    assert_clean_error(err, "no.json does not exist")
+    assert not (tmp_path / "out").exists()
+
+
+def test_parquet_errors(capsys, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"body": ["a", "b"]}), tmp_path / "nocol.parquet")
+    pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "ints.parquet")
+    pq.write_table(pa.table({"text": ["ok", None, "x"]}), tmp_path / "nulls.parquet")
+    (tmp_path / "junk.parquet").write_bytes(b"not parquet at all")
+    for name, needle in [("nocol", "nocol.parquet: row 1: no 'text' column (columns: body)"),
+                         ("ints", "ints.parquet: row 1: column 'text' has type int64, not string"),
+                         ("nulls", "nulls.parquet: row 2: 'text' is null, not a string"),
+                         ("junk", "junk.parquet: not a readable parquet file")]:
+        code, err = prep(capsys, "--input", tmp_path / f"{name}.parquet", "--output", tmp_path / "out")
+        assert code == 2
+        assert_clean_error(err, needle)
+
+
+def test_dataset_dict_is_refused(capsys, tmp_path):
+    import datasets
+
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["a"]})}).save_to_disk(tmp_path / "dd")
+    code, err = prep(capsys, "--input", tmp_path / "dd", "--output", tmp_path / "out")
+    assert code == 2
+    assert_clean_error(err, "is a datasets DatasetDict (splits: train)", os.path.join(str(tmp_path / "dd"), "train"))
+
+
+def test_damaged_datasets_folder(capsys, tmp_path):
+    import datasets
+
+    datasets.Dataset.from_dict({"text": ["a", "b"]}).save_to_disk(tmp_path / "ds")
+    for f in (tmp_path / "ds").glob("*.arrow"):
+        f.unlink()
+    code, err = prep(capsys, "--input", tmp_path / "ds", "--output", tmp_path / "out")
+    assert code == 2
+    assert_clean_error(err, "ds: cannot load the datasets folder")
+
+
+def test_existing_output_is_refused(capsys, tmp_path):
+    src = write_jsonl(tmp_path / "c.jsonl", DOCS[:5])
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "manifest.json").write_text(json.dumps({"num_sequences": 3, "seq_len": 16, "fingerprint": "abc"}))
+    code, err = prep(capsys, "--input", src, "--output", out)
+    assert code == 2
+    assert_clean_error(err, "already holds a prepared dataset", "pass --overwrite")
+    (out / "manifest.json").unlink()
+    (out / "mine.txt").write_text("keep me")
+    code, err = prep(capsys, "--input", src, "--output", out, "--overwrite")
+    assert code == 2
+    assert_clean_error(err, "refusing to replace it")
+    assert (out / "mine.txt").read_text() == "keep me"
+
+
+# ---- reading inputs (no Ray) --------------------------------------------------------------------------
+
+@pytest.fixture
+def mixed_inputs(tmp_path):
+    """A folder with every input kind, nested, plus things to ignore; returns (folder, docs in read order)."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root = tmp_path / "corpus"
+    docs = make_docs(60, seed=3)
+    write_jsonl(root / "a.jsonl", docs[0:10])
+    (root / "b.txt").write_text(docs[10] + "\n\n" + docs[11], encoding="utf-8")  # one document per file
+    pq.write_table(pa.table({"text": docs[12:25], "n": list(range(13))}), root / "c.parquet", row_group_size=5)
+    datasets.Dataset.from_dict({"text": docs[25:40]}).save_to_disk(str(root / "d_hf"))
+    write_jsonl(root / "e" / "nested.jsonl", docs[40:50])
+    (root / "e" / "z.txt").write_text(docs[50], encoding="utf-8")
+    (root / ".hidden.jsonl").write_text('{"text": "hidden"}\n')
+    (root / "README.md").write_text("ignored, with a warning")
+    expected = docs[0:10] + [docs[10] + "\n\n" + docs[11]] + docs[12:40] + docs[40:50] + [docs[50]]
+    return root, expected
+
+
+def test_directory_walk_reads_every_format_in_sorted_order(mixed_inputs):
+    root, expected = mixed_inputs
+    warnings = []
+    sources = PR.resolve_inputs([str(root)], warn=warnings.append)
+    assert [(Path(s.display).relative_to(root).as_posix(), s.kind) for s in sources] == [
+        ("a.jsonl", "jsonl"), ("b.txt", "txt"), ("c.parquet", "parquet"), ("d_hf", "hf"),
+        ("e/nested.jsonl", "jsonl"), ("e/z.txt", "txt")]
+    assert len(warnings) == 1 and "README.md" in warnings[0]
+    reader = PR.RecordReader(sources, "text", "error")
+    assert [t for t, _ in reader] == expected
+    assert reader.documents == len(expected) and reader.documents_skipped == 0
+    assert [c["documents"] for c in reader.per_source] == [10, 1, 13, 15, 10, 1]
+
+
+def test_globs_and_repeats(mixed_inputs, tmp_path):
+    root, _ = mixed_inputs
+    warnings = []
+    sources = PR.resolve_inputs([str(root / "**" / "*.jsonl"), str(root / "a.jsonl")], warn=warnings.append)
+    assert [Path(s.display).name for s in sources] == ["a.jsonl", "nested.jsonl"]
+    assert any("reading it once" in w for w in warnings)
+
+
+def test_output_folder_is_not_read_as_input(tmp_path):
+    write_jsonl(tmp_path / "in" / "a.jsonl", DOCS[:3])
+    write_jsonl(tmp_path / "in" / "out" / "x.jsonl", DOCS[:3])
+    write_jsonl(tmp_path / "in" / "out.tmp-123" / "x.jsonl", DOCS[:3])
+    sources = PR.resolve_inputs([str(tmp_path / "in")], exclude=tmp_path / "in" / "out")
+    assert [Path(s.display).name for s in sources] == ["a.jsonl"]
+
+
+def test_text_field_and_bom(tmp_path):
+    src = tmp_path / "c.jsonl"
+    src.write_bytes(b"\xef\xbb\xbf" + json.dumps({"content": "with a BOM"}).encode() + b"\r\n")
+    reader = PR.RecordReader(PR.resolve_inputs([str(src)]), "content", "error")
+    assert [t for t, _ in reader] == ["with a BOM"]
+
+
+def test_progress_line_only_on_a_terminal():
+    import io
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    tty, pipe = Tty(), io.StringIO()
+    for stream in (tty, pipe):
+        p = PR.Progress(stream)
+        p.update(1000, 250_000, 1_000_000, force=True)
+        p.message("warning: something")
+        p.done()
+    assert "docs (" in tty.getvalue() and "tokens (" in tty.getvalue() and "/s)" in tty.getvalue()
+    assert pipe.getvalue() == "warning: something\n"
+
+
+# ---- full runs (Ray) ----------------------------------------------------------------------------------
+
+@pytest.mark.ray
+def test_every_token_of_every_document_in_order(ray_cluster, capsys, tmp_path, tok, tok_path):
+    src = write_jsonl(tmp_path / "corpus.jsonl", DOCS)
+    out = tmp_path / "out"
+    code, err = prep(capsys, "--input", src, "--output", out, "--tokenizer", tok_path, "--seq-len", SEQ,
+                     "--rows-per-shard", 7)
+    assert code == 0, err
+    rows, dropped = expected_rows(tok, DOCS)
+    np.testing.assert_array_equal(read_all(out), rows)
+    m = manifest_of(out)
+    assert m["num_sequences"] == len(rows) and m["num_tokens"] == rows.size
+    assert m["dropped_tail_tokens"] == dropped
+    assert m["document_tokens"] == rows.size + dropped
+    assert m["documents_read"] == len(DOCS) and m["documents_skipped"] == 0 and m["skipped_by_reason"] == {}
+    assert len(m["shards"]) == -(-len(rows) // 7) and len(m["shards"]) > 2
+    for s in m["shards"]:
+        assert file_sha256(out / s["file"]) == s["sha256"]
+    assert (out / "tokenizer.json").read_bytes() == tok_path.read_bytes()
+    assert m["tokenizer"] == {"path": "tokenizer.json", "source": str(tok_path), "sha256": file_sha256(tok_path),
+                              "vocab_size": 300, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+    assert m["inputs"] == [{"path": str(src), "bytes": src.stat().st_size, "format": "jsonl",
+                            "documents": len(DOCS), "skipped": 0}]
+    assert m["seq_len"] == SEQ and m["format"] == "minilm-packed-v1"
+    assert m["command"].startswith("python -m ray_jobs.prepare --input ")
+    assert f"prepared {out}: {len(rows)} sequences of {SEQ}+1 tokens" in err
+    assert "tokens/s" in err and "MB/s" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.jsonl", "out"]
+
+
+@pytest.mark.ray
+def test_same_input_same_bytes(ray_cluster, capsys, tmp_path, tok_path, monkeypatch):
+    src = write_jsonl(tmp_path / "corpus.jsonl", DOCS * 3)
+    args = ["--input", src, "--seq-len", SEQ, "--rows-per-shard", 20, "--vocab-size", 300]
+    assert prep(capsys, *args, "--output", tmp_path / "a")[0] == 0
+    # different block and wave sizes (many Ray blocks, several waves) must not change a byte
+    monkeypatch.setattr(PR, "BLOCK_BYTES", 3000)
+    monkeypatch.setattr(PR, "WAVE_BYTES", 20000)
+    assert prep(capsys, *args, "--output", tmp_path / "b")[0] == 0
+    ma, mb = manifest_of(tmp_path / "a"), manifest_of(tmp_path / "b")
+    assert ma["fingerprint"] == mb["fingerprint"]
+    assert ma["shards"] == mb["shards"] and len(ma["shards"]) > 1
+    for s in ma["shards"]:
+        assert (tmp_path / "a" / s["file"]).read_bytes() == (tmp_path / "b" / s["file"]).read_bytes()
+    assert (tmp_path / "a" / "tokenizer.json").read_bytes() == (tmp_path / "b" / "tokenizer.json").read_bytes()
+    # the trained tokenizer is the one train_tokenizer makes from the same texts
+    trained = T.tokenizer_to_str(T.train_tokenizer(DOCS * 3, 300))
+    assert (tmp_path / "a" / "tokenizer.json").read_text(encoding="utf-8") == trained
+    assert ma["tokenizer"]["source"] == "trained" and ma["tokenizer"]["vocab_size"] == 300
+
+
+@pytest.mark.ray
+def test_skip_mode_counts_every_reason(ray_cluster, capsys, tmp_path, tok, tok_path):
+    good = DOCS[:40]
+    lines = [json.dumps({"text": d}) for d in good]
+    bad = ['{"text": "a" "b"}', '[1, 2]', '{"body": "x"}', '{"text": 3}', '{"text": null}',
+           '{"text": "\\udc80"}', '{"text": ""}', '{broken']
+    for i, b in enumerate(bad):
+        lines.insert(3 + 4 * i, b)
+    src = tmp_path / "corpus.jsonl"
+    src.write_bytes(("\n".join(lines) + "\n").encode() + b'{"text": "\xff"}\n')
+    (tmp_path / "empty.jsonl").write_text("")
+    code, err = prep(capsys, "--input", src, tmp_path / "empty.jsonl", "--output", tmp_path / "out",
+                     "--tokenizer", tok_path, "--seq-len", SEQ, "--on-bad-record", "skip")
+    assert code == 0, err
+    m = manifest_of(tmp_path / "out")
+    want = {"malformed_json": 2, "not_an_object": 1, "missing_text_field": 1, "non_string_text": 2,
+            "invalid_utf8": 2, "empty_text": 1}
+    assert m["skipped_by_reason"] == want
+    assert m["documents_skipped"] == 9 and m["documents_read"] == len(good)
+    assert m["empty_inputs"] == [str(tmp_path / "empty.jsonl")]
+    assert [i["skipped"] for i in m["inputs"]] == [9, 0]
+    assert "warning: skipping " + str(src) + ":4: malformed JSON" in err
+    assert "warning: skipping " + str(tmp_path / "empty.jsonl") + ": the input is empty" in err
+    assert ("skipped 9 record(s) (empty_text 1, invalid_utf8 2, malformed_json 2, missing_text_field 1, "
+            "non_string_text 2, not_an_object 1, empty inputs 1)") in err
+    rows, _ = expected_rows(tok, good)
+    np.testing.assert_array_equal(read_all(tmp_path / "out"), rows)
+
+
+@pytest.mark.ray
+def test_every_input_format(ray_cluster, capsys, tmp_path, tok, tok_path, mixed_inputs):
+    root, expected = mixed_inputs
+    out = tmp_path / "out"
+    code, err = prep(capsys, "--input", root, "--output", out, "--tokenizer", tok_path, "--seq-len", SEQ)
+    assert code == 0, err
+    assert "warning: ignoring 1 file(s) of unsupported type" in err
+    m = manifest_of(out)
+    assert [i["format"] for i in m["inputs"]] == ["jsonl", "txt", "parquet", "hf", "jsonl", "txt"]
+    assert m["documents_read"] == len(expected)
+    np.testing.assert_array_equal(read_all(out), expected_rows(tok, expected)[0])
+    # a glob over the same files, and the files one by one, give the same dataset
+    files = [root / "a.jsonl", root / "b.txt", root / "c.parquet", root / "d_hf", root / "e" / "nested.jsonl",
+             root / "e" / "z.txt"]
+    assert prep(capsys, "--input", *files, "--output", tmp_path / "one", "--tokenizer", tok_path,
+                "--seq-len", SEQ)[0] == 0
+    assert manifest_of(tmp_path / "one")["fingerprint"] == m["fingerprint"]
+    code, err = prep(capsys, "--input", str(root / "*.jsonl"), str(root / "e" / "*"), "--output", tmp_path / "glob",
+                     "--tokenizer", tok_path, "--seq-len", SEQ)
+    assert code == 0, err
+    want = expected[:10] + expected[-11:]
+    assert manifest_of(tmp_path / "glob")["documents_read"] == len(want)
+    np.testing.assert_array_equal(read_all(tmp_path / "glob"), expected_rows(tok, want)[0])
+
+
+@pytest.mark.ray
+def test_text_field_option(ray_cluster, capsys, tmp_path, tok, tok_path):
+    src = write_jsonl(tmp_path / "c.jsonl", DOCS[:50], field="content")
+    code, err = prep(capsys, "--input", src, "--output", tmp_path / "out", "--tokenizer", tok_path,
+                     "--seq-len", SEQ, "--text-field", "content")
+    assert code == 0, err
+    np.testing.assert_array_equal(read_all(tmp_path / "out"), expected_rows(tok, DOCS[:50])[0])
+
+
+@pytest.mark.ray
+def test_empty_text_is_skipped_and_counted_even_in_error_mode(ray_cluster, capsys, tmp_path, tok, tok_path):
+    src = write_jsonl(tmp_path / "c.jsonl", DOCS[:20] + [""] + DOCS[20:40])
+    code, err = prep(capsys, "--input", src, "--output", tmp_path / "out", "--tokenizer", tok_path,
+                     "--seq-len", SEQ)
+    assert code == 0, err
+    m = manifest_of(tmp_path / "out")
+    assert m["skipped_by_reason"] == {"empty_text": 1} and m["documents_read"] == 40
+    assert "skipped 1 record(s) (empty_text 1)" in err
+    assert f"warning: skipping {src}:21: 'text' is empty" in err
+    np.testing.assert_array_equal(read_all(tmp_path / "out"), expected_rows(tok, DOCS[:40])[0])
+
+
+@pytest.mark.ray
+def test_too_little_text_for_one_sequence(ray_cluster, capsys, tmp_path, tok_path):
+    src = write_jsonl(tmp_path / "c.jsonl", ["tiny"])
+    code, err = prep(capsys, "--input", src, "--output", tmp_path / "out", "--tokenizer", tok_path,
+                     "--seq-len", 512)
+    assert code == 2
+    assert_clean_error(err, "fewer than one sequence of seq_len + 1 = 513")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl"]
+
+
+@pytest.mark.ray
+def test_overwrite(ray_cluster, capsys, tmp_path, tok_path):
+    src = write_jsonl(tmp_path / "c.jsonl", DOCS)
+    args = ["--input", src, "--output", tmp_path / "out", "--tokenizer", tok_path, "--seq-len", SEQ]
+    assert prep(capsys, *args)[0] == 0
+    first = manifest_of(tmp_path / "out")
+    code, err = prep(capsys, *args)
+    assert code == 2
+    assert_clean_error(err, "already holds a prepared dataset", "--overwrite")
+    write_jsonl(src, DOCS[:60])
+    assert prep(capsys, *args, "--overwrite")[0] == 0
+    second = manifest_of(tmp_path / "out")
+    assert second["documents_read"] == 60 and second["fingerprint"] != first["fingerprint"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl", "out"]
+
+
+# ---- atomicity ------------------------------------------------------------------------------------------
+
+@pytest.mark.ray
+def test_failure_midway_leaves_nothing(ray_cluster, capsys, tmp_path, tok_path, monkeypatch):
+    from minilm import packing
+
+    src = write_jsonl(tmp_path / "c.jsonl", DOCS * 2)
+    real = packing.write_shard
+    calls = []
+
+    def failing(path, first, rows):
+        calls.append(path)
+        if len(calls) == 3:
+            raise OSError(28, "No space left on device")
+        return real(path, first, rows)
+
+    monkeypatch.setattr(packing, "write_shard", failing)
+    args = PR.build_parser().parse_args(["--input", str(src), "--output", str(tmp_path / "out"), "--tokenizer",
+                                         str(tok_path), "--seq-len", str(SEQ), "--rows-per-shard", "5"])
+    with pytest.raises(OSError, match="No space left"):
+        PR.run(args, [])
+    assert len(calls) == 3 and calls[0].parent.name.startswith("out.tmp-")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl"]
+    with pytest.raises(DataError):
+        open_prepared(tmp_path / "out")
+
+    def interrupted(path, first, rows):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(packing, "write_shard", interrupted)
+    code, err = prep(capsys, "--input", src, "--output", tmp_path / "out", "--tokenizer", tok_path,
+                     "--seq-len", SEQ)
+    assert code == 130
+    assert "interrupted: nothing was written to" in err and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl"]
+
+
+def _start_and_wait_for_temp(tmp_path, src, tok_path, env):
+    proc = subprocess.Popen([sys.executable, "-m", "ray_jobs.prepare", "--input", str(src), "--output",
+                             str(tmp_path / "out"), "--tokenizer", str(tok_path), "--seq-len", str(SEQ)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    temp = tmp_path / f"out.tmp-{proc.pid}"
+    deadline = time.monotonic() + 60
+    while not temp.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert temp.exists(), proc.communicate()
+    return proc, temp
+
+
+@pytest.mark.ray
+def test_killed_prepare_leaves_no_dataset(ray_cluster, capsys, tmp_path, tok_path):
+    """SIGTERM: the temp folder is removed; SIGKILL: it stays, is never DIR, and the next run clears it."""
+    src = write_jsonl(tmp_path / "c.jsonl", DOCS * 20)
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
+
+    proc, temp = _start_and_wait_for_temp(tmp_path, src, tok_path, env)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "interrupted: nothing was written to" in err and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl"]
+
+    proc, temp = _start_and_wait_for_temp(tmp_path, src, tok_path, env)
+    proc.kill()
+    proc.communicate(timeout=60)
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(DataError):
+        open_prepared(tmp_path / "out")
+    with pytest.raises(DataError, match="no manifest.json"):
+        open_prepared(temp)  # even the leftover is refused
+    code, err = prep(capsys, "--input", src, "--output", tmp_path / "out", "--tokenizer", tok_path,
+                     "--seq-len", SEQ)
+    assert code == 0, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl", "out"]
+
+
+@pytest.mark.ray
+def test_cli_end_to_end(ray_cluster, tmp_path, tok_path):
+    """The real command line, connecting to the running Ray through RAY_ADDRESS."""
+    src = write_jsonl(tmp_path / "c.jsonl", DOCS)
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
+    r = cli("--input", src, "--output", tmp_path / "out", "--tokenizer", tok_path, "--seq-len", SEQ, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"prepared {tmp_path / 'out'}: "), r.stderr  # one summary line
+    assert open_prepared(tmp_path / "out").num_sequences == manifest_of(tmp_path / "out")["num_sequences"] > 0
