@@ -182,6 +182,14 @@ class TrainConfig:
         return cfg
 
 
+def check_fits(model: ModelConfig, train: TrainConfig) -> None:
+    """Cross-checks between the two configs: a row of seq_len + 1 tokens goes through the model."""
+    if _is_int(train.seq_len) and _is_int(model.max_position_embeddings) and \
+            train.seq_len + 1 > model.max_position_embeddings:
+        raise ConfigError([f"seq_len + 1 ({train.seq_len + 1}) exceeds max_position_embeddings "
+                           f"({model.max_position_embeddings}): each packed row holds seq_len + 1 tokens"])
+
+
 def accumulation_steps(global_batch_size: int, micro_batch_size: int, world_size: int) -> int:
     """Micro-steps per optimizer step so that every step sees exactly `global_batch_size` sequences."""
     per_step = micro_batch_size * world_size
@@ -213,4 +221,4 @@ def _from_dict(cls, d: dict[str, Any], what: str):
     return cls(**d)
 
 
-__all__ = ["ConfigError", "ModelConfig", "TrainConfig", "accumulation_steps", "valid_world_sizes", "DTYPES"]
+__all__ = ["ConfigError", "ModelConfig", "TrainConfig", "accumulation_steps", "check_fits", "valid_world_sizes", "DTYPES"]

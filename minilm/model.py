@@ -127,7 +127,12 @@ class MoEFeedForward(nn.Module):
         x_flat = x.reshape(-1, h)
         probs = F.softmax(self.gate(x_flat), dim=-1, dtype=torch.float32)
         topk_prob, topk_idx = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob and self.top_k > 1:
+        if self.norm_topk_prob and self.top_k == 1:
+            # MiniMind's p / (p + 1e-20) is exactly 1 with a gradient of exactly 0 in math but rounding
+            # noise in autograd (which AdamW would amplify): use the 1 it equals, kept in the graph so
+            # the router still gets a (zero) gradient. It learns from the aux loss, as in MiniMind.
+            topk_prob = topk_prob * 0 + 1
+        elif self.norm_topk_prob:
             topk_prob = topk_prob / (topk_prob.sum(dim=-1, keepdim=True) + 1e-20)
 
         flat_expert = topk_idx.reshape(-1)  # (tokens * top_k,)

@@ -35,6 +35,10 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, sequences: torch.Tenso
           log=print, model: MiniMindForCausalLM | None = None) -> tuple[MiniMindForCausalLM, list[dict]]:
     """Train on `sequences` (N, seq_len + 1) with world size 1; returns the model and per-step metrics."""
     model_cfg.validate()
+    train_cfg.validate(world_size=1)
+    if sequences.shape[1] > model_cfg.max_position_embeddings:
+        raise ConfigError([f"rows of {sequences.shape[1]} tokens exceed max_position_embeddings "
+                           f"({model_cfg.max_position_embeddings})"])
     per_epoch = D.steps_per_epoch(len(sequences), train_cfg.global_batch_size)
     if per_epoch == 0:
         raise ValueError(f"{len(sequences)} sequences do not fill one global batch of {train_cfg.global_batch_size}")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from minilm import checkpoint as C
 from minilm import data as D
-from minilm.config import ConfigError, valid_world_sizes
+from minilm.config import ConfigError, check_fits, valid_world_sizes
 from minilm.progress import MetricsLog, format_duration
 
 from .cli import (
@@ -101,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
                          f"global_batch_size {train_cfg.global_batch_size} with micro_batch_size "
                          f"{train_cfg.micro_batch_size}; valid world sizes: {', '.join(map(str, valid)) or 'none'}")
     train_cfg.validate(world_size=min_w)
+    check_fits(model_cfg, train_cfg)
     for key in ("max_failures", "keep_checkpoints", "val_samples"):
         if not isinstance(opts[key], int) or opts[key] < (1 if key == "keep_checkpoints" else 0):
             raise UsageError(f"{'--' + key.replace('_', '-')} must be an integer >= "

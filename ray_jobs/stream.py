@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import ray
@@ -46,7 +47,9 @@ class RankStream:
     """Micro-batches for one rank, epoch after epoch, starting at a given optimizer step.
 
     `next_step()` returns the accumulation_steps micro-batches of the next optimizer step and the
-    sample ids they hold; `data_wait_s` accumulates the time spent waiting on the pipeline.
+    sample ids they hold; `data_wait_s` accumulates the time spent waiting on the pipeline. The
+    next epoch's pipeline starts in the background during the last steps of the current one, so
+    an epoch boundary costs no pipeline start-up.
     """
 
     def __init__(self, *, data_dir: str, train_ids: np.ndarray, seed: int, global_batch_size: int,
@@ -58,25 +61,38 @@ class RankStream:
         self.accumulation_steps = global_batch_size // (micro_batch_size * world_size)
         self.prefetch_batches, self.reader_cpus = prefetch_batches, reader_cpus
         self.step = start_step
-        self._iter: Iterator | None = None
+        self._current: Iterator | None = None
+        self._next: Future | None = None  # the next epoch's (iterator, first batch), being started
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="next-epoch")
         self.data_wait_s = 0.0
 
-    def _open_epoch(self) -> None:
-        pos = D.DataPosition.at(self.step, self.steps_per_epoch, self.G)
+    def _start_epoch_at(self, step: int) -> tuple[Iterator, dict]:
+        pos = D.DataPosition.at(step, self.steps_per_epoch, self.G)
         order = D.epoch_order(self.train_ids, self.seed, pos.epoch)
         ids = D.rank_sample_ids(order, pos.step_in_epoch, self.steps_per_epoch, self.G, self.W, self.rank)
         ds = sample_id_dataset(ids, self.data_dir, self.m, self.reader_cpus)
-        self._iter = iter(ds.iter_torch_batches(batch_size=self.m, prefetch_batches=self.prefetch_batches,
-                                                dtypes={"input_ids": torch.long, "sample_id": torch.long},
-                                                device=self.device, drop_last=False))
-        self._left_in_epoch = self.steps_per_epoch - pos.step_in_epoch
+        it = iter(ds.iter_torch_batches(batch_size=self.m, prefetch_batches=self.prefetch_batches,
+                                        dtypes={"input_ids": torch.long, "sample_id": torch.long},
+                                        device=self.device, drop_last=False))
+        return it, next(it)
+
+    def _batches(self, n: int) -> list[dict]:
+        if self.step % self.steps_per_epoch == 0 or self._current is None:  # a new epoch (or a restart)
+            if self._next is not None:
+                self._current, first = self._next.result()
+                self._next = None
+            else:
+                self._current, first = self._start_epoch_at(self.step)
+            return [first] + [next(self._current) for _ in range(n - 1)]
+        return [next(self._current) for _ in range(n)]
 
     def next_step(self) -> tuple[list[torch.Tensor], torch.Tensor]:
-        if self._iter is None or self._left_in_epoch == 0:
-            self._open_epoch()
         t0 = time.perf_counter()
-        batches = [next(self._iter) for _ in range(self.accumulation_steps)]
+        batches = self._batches(self.accumulation_steps)
         self.data_wait_s += time.perf_counter() - t0
         self.step += 1
-        self._left_in_epoch -= 1
+        left_in_epoch = self.steps_per_epoch - self.step % self.steps_per_epoch
+        if left_in_epoch == min(2, self.steps_per_epoch) and self._next is None:
+            next_epoch_start = self.step + left_in_epoch
+            self._next = self._pool.submit(self._start_epoch_at, next_epoch_start)
         return [b["input_ids"] for b in batches], torch.cat([b["sample_id"].cpu() for b in batches])

@@ -1,0 +1,168 @@
+"""Config validation: every rule produces its own message, and all problems come back at once."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from minilm.config import (
+    ConfigError,
+    ModelConfig,
+    TrainConfig,
+    accumulation_steps,
+    valid_world_sizes,
+)
+
+# (overrides, substring the message must contain)
+MODEL_CASES = [
+    ({"hidden_size": 0}, "hidden_size must be a positive integer, got 0"),
+    ({"hidden_size": -64}, "hidden_size must be a positive integer, got -64"),
+    ({"num_hidden_layers": 0}, "num_hidden_layers must be a positive integer"),
+    ({"num_attention_heads": 0}, "num_attention_heads must be a positive integer"),
+    ({"num_key_value_heads": -1}, "num_key_value_heads must be a positive integer"),
+    ({"vocab_size": 0}, "vocab_size must be a positive integer"),
+    ({"vocab_size": True}, "vocab_size must be a positive integer, got True"),
+    ({"intermediate_size": 0}, "intermediate_size must be a positive integer"),
+    ({"max_position_embeddings": 2.5}, "max_position_embeddings must be a positive integer, got 2.5"),
+    ({"hidden_size": 64, "num_attention_heads": 6, "num_key_value_heads": 3},
+     "num_attention_heads (6) must divide hidden_size (64)"),
+    ({"hidden_size": 60, "num_attention_heads": 4, "num_key_value_heads": 2},
+     "head_dim = hidden_size / num_attention_heads = 15 must be even for RoPE"),
+    ({"num_attention_heads": 8, "num_key_value_heads": 3},
+     "num_key_value_heads (3) must divide num_attention_heads (8)"),
+    ({"rope_theta": 0.0}, "rope_theta must be > 0"),
+    ({"rms_norm_eps": -1e-6}, "rms_norm_eps must be > 0"),
+    ({"dropout": 1.0}, "dropout must be in [0, 1)"),
+    ({"dropout": -0.1}, "dropout must be in [0, 1)"),
+    ({"use_moe": True, "num_experts": 0}, "num_experts must be >= 1, got 0"),
+    ({"use_moe": True, "num_experts": 4, "num_experts_per_tok": 5},
+     "num_experts_per_tok must be in [1, num_experts=4], got 5"),
+    ({"use_moe": True, "num_experts_per_tok": 0}, "num_experts_per_tok must be in [1, num_experts=4], got 0"),
+    ({"router_aux_loss_coef": -0.1}, "router_aux_loss_coef must be >= 0"),
+]
+
+TRAIN_CASES = [
+    ({"lr": -1.0}, "lr must be a positive number, got -1.0"),
+    ({"lr": 0.0}, "lr must be a positive number"),
+    ({"lr": math.nan}, "lr must be a positive number"),
+    ({"lr": math.inf}, "lr must be a positive number"),
+    ({"warmup_steps": -1}, "warmup_steps must be an integer >= 0"),
+    ({"warmup_steps": 1.5}, "warmup_steps must be an integer >= 0"),
+    ({"min_lr_ratio": 1.5}, "min_lr_ratio must be in [0, 1]"),
+    ({"min_lr_ratio": -0.1}, "min_lr_ratio must be in [0, 1]"),
+    ({"epochs": 0}, "epochs must be an integer >= 1"),
+    ({"max_steps": 0}, "max_steps must be an integer >= 1"),
+    ({"micro_batch_size": 0}, "micro_batch_size must be an integer >= 1"),
+    ({"global_batch_size": -8}, "global_batch_size must be an integer >= 1"),
+    ({"seq_len": 0}, "seq_len must be an integer >= 1"),
+    ({"log_every": 0}, "log_every must be an integer >= 1"),
+    ({"checkpoint_every": 0}, "checkpoint_every must be an integer >= 1"),
+    ({"max_nonfinite_steps": 0}, "max_nonfinite_steps must be an integer >= 1"),
+    ({"global_batch_size": 60, "micro_batch_size": 16},
+     "global_batch_size (60) must be a multiple of micro_batch_size (16)"),
+    ({"grad_clip": 0.0}, "grad_clip must be > 0"),
+    ({"dtype": "fp8"}, "dtype must be one of auto, bf16, fp16, fp32, got 'fp8'"),
+    ({"weight_decay": -0.1}, "weight_decay must be >= 0"),
+    ({"betas": (0.9, 1.0)}, "betas must be two numbers in [0, 1)"),
+    ({"betas": (0.9,)}, "betas must be two numbers in [0, 1)"),
+    ({"betas": (-0.1, 0.95)}, "betas must be two numbers in [0, 1)"),
+    ({"warmup_steps": 10, "max_steps": 10},
+     "warmup_steps (10) must be smaller than the total optimizer steps (10)"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", MODEL_CASES, ids=[str(c[0]) for c in MODEL_CASES])
+def test_model_config_rule_reports_its_message(overrides, message):
+    cfg = ModelConfig(**overrides)
+    with pytest.raises(ConfigError) as ei:
+        cfg.validate()
+    assert any(message in p for p in ei.value.problems), ei.value.problems
+    assert message in str(ei.value)
+
+
+@pytest.mark.parametrize("overrides,message", TRAIN_CASES, ids=[str(c[0]) for c in TRAIN_CASES])
+def test_train_config_rule_reports_its_message(overrides, message):
+    cfg = TrainConfig(**overrides)
+    with pytest.raises(ConfigError) as ei:
+        cfg.validate()
+    assert any(message in p for p in ei.value.problems), ei.value.problems
+    assert message in str(ei.value)
+
+
+def test_defaults_are_valid():
+    assert ModelConfig().validate().problems() == []
+    assert ModelConfig(use_moe=True).validate().problems() == []
+    assert TrainConfig().validate(world_size=4, total_steps=100).problems(world_size=4) == []
+
+
+def test_warmup_checked_against_total_steps_argument():
+    cfg = TrainConfig(warmup_steps=50)
+    cfg.validate(total_steps=51)
+    with pytest.raises(ConfigError, match=r"warmup_steps \(50\) must be smaller than the total optimizer steps \(50\)"):
+        cfg.validate(total_steps=50)
+
+
+def test_world_size_not_dividing_lists_valid_world_sizes():
+    # 64 sequences per step, micro-batch 4 -> 16 micro-batches per step: world sizes 1, 2, 4, 8, 16.
+    cfg = TrainConfig(global_batch_size=64, micro_batch_size=4)
+    cfg.validate(world_size=8)
+    with pytest.raises(ConfigError) as ei:
+        cfg.validate(world_size=3)
+    (problem,) = ei.value.problems
+    assert "world size 3" in problem
+    assert "world sizes that keep it: 1, 2, 4, 8, 16" in problem
+
+
+def test_accumulation_steps_and_valid_world_sizes():
+    assert accumulation_steps(64, 4, 1) == 16
+    assert accumulation_steps(64, 4, 8) == 2
+    assert accumulation_steps(64, 4, 16) == 1
+    assert valid_world_sizes(64, 16) == [1, 2, 4]
+    assert valid_world_sizes(48, 8) == [1, 2, 3, 6]
+    assert valid_world_sizes(60, 16) == []
+    with pytest.raises(ConfigError, match="world sizes that keep it: 1, 2, 4$"):
+        accumulation_steps(64, 16, 3)
+    with pytest.raises(ConfigError, match="world size 0"):
+        accumulation_steps(64, 16, 0)
+
+
+def test_several_bad_fields_reported_in_one_error():
+    with pytest.raises(ConfigError) as ei:
+        TrainConfig(lr=-1.0, dtype="fp64", grad_clip=-1.0, betas=(2.0, 0.9)).validate()
+    problems = ei.value.problems
+    assert len(problems) == 4
+    for needle in ("lr must be", "dtype must be", "grad_clip must be", "betas must be"):
+        assert sum(needle in p for p in problems) == 1, (needle, problems)
+        assert needle in str(ei.value)
+
+    with pytest.raises(ConfigError) as ei:
+        ModelConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=3, dropout=2.0,
+                    rope_theta=-1.0).validate()
+    assert len(ei.value.problems) == 3
+
+
+def test_intermediate_size_default():
+    assert ModelConfig(hidden_size=768).intermediate_size == 2432  # ceil(768*pi/64)*64 = 38*64
+    assert ModelConfig(hidden_size=512).intermediate_size == 1664  # ceil(25.13)=26
+    assert ModelConfig(hidden_size=64).intermediate_size == 256  # ceil(3.14)=4
+    for h in (32, 64, 96, 128, 640, 1024):
+        assert ModelConfig(hidden_size=h).intermediate_size == math.ceil(h * math.pi / 64) * 64
+    assert ModelConfig(hidden_size=64, intermediate_size=100).intermediate_size == 100  # explicit wins
+
+
+def test_from_dict_rejects_unknown_fields():
+    with pytest.raises(ConfigError, match="unknown model config field.*hiden_size"):
+        ModelConfig.from_dict({"hiden_size": 64})
+    with pytest.raises(ConfigError, match="unknown train config field.*learning_rate"):
+        TrainConfig.from_dict({"lr": 1e-3, "learning_rate": 1e-3})
+
+
+def test_to_dict_from_dict_round_trip():
+    m = ModelConfig(hidden_size=64, num_hidden_layers=2, vocab_size=256, use_moe=True)
+    assert ModelConfig.from_dict(m.to_dict()) == m
+    t = TrainConfig(lr=3e-4, betas=(0.8, 0.9), warmup_steps=5)
+    d = t.to_dict()
+    assert d["betas"] == [0.8, 0.9]  # JSON-friendly
+    back = TrainConfig.from_dict(d)
+    assert back == t and back.betas == (0.8, 0.9)

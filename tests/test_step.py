@@ -1,0 +1,317 @@
+"""The per-worker optimizer step: accumulation is exact, clipping happens in unscaled units,
+non-finite steps are skipped and, repeated, stop the run."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from minilm.config import ModelConfig, TrainConfig
+from minilm.model import CausalLMOutput, MiniMindForCausalLM
+from minilm.step import (
+    NonFiniteGuard,
+    NonFiniteLossError,
+    StepMetrics,
+    make_grad_scaler,
+    make_optimizer,
+    mean_across_workers,
+    optimizer_step,
+    resolve_dtype,
+)
+
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, vocab_size=256,
+            max_position_embeddings=256)
+SEQ = 16  # tokens per row are SEQ + 1: input and shifted labels
+
+
+def make_model(seed: int = 0, **kw) -> MiniMindForCausalLM:
+    torch.manual_seed(seed)
+    return MiniMindForCausalLM(ModelConfig(**{**TINY, **kw})).train()
+
+
+def batch(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 256, (n, SEQ + 1), generator=torch.Generator().manual_seed(seed))
+
+
+def params_of(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def fp32_scaler():
+    return make_grad_scaler(torch.float32, "cpu")
+
+
+# ---- gradient accumulation ------------------------------------------------------------------------
+
+def run_steps(micro: int, use_moe: bool, coef: float, steps: int = 2, lr: float = 1e-4):
+    """`steps` optimizer steps on 8 sequences each, split into micro-batches of `micro`; returns the
+    model, the metrics and the gradients AdamW saw at each step (after clipping)."""
+    model = make_model(use_moe=use_moe, router_aux_loss_coef=coef)
+    opt = make_optimizer(model, TrainConfig(lr=lr, weight_decay=0.1))
+    grads: list[list[torch.Tensor]] = []
+    opt.register_step_pre_hook(
+        lambda o, args, kwargs: grads.append([p.grad.clone() for g in o.param_groups for p in g["params"]]))
+    scaler = fp32_scaler()
+    metrics = []
+    for s in range(steps):
+        data = batch(8, seed=100 + s)
+        metrics.append(optimizer_step(model, opt, scaler, list(data.split(micro)), lr=lr, grad_clip=1.0))
+    return model, metrics, grads
+
+
+# MoE: the load-balancing loss is a statistic of each micro-batch (load x mean prob over the
+# micro-batch's tokens), not a per-token sum, so it is not linear in the batch: the mean of four
+# 2-sequence aux losses is not the aux loss of the 8-sequence batch. The equality therefore holds
+# for the lm part only, so the MoE case runs with router_aux_loss_coef=0 (routing still runs and
+# still shapes the gradients). test_moe_aux_loss_is_per_micro_batch shows the difference.
+@pytest.mark.parametrize("use_moe,coef", [(False, 0.0), (True, 0.0)], ids=["dense", "moe-coef0"])
+def test_accumulation_4x2_equals_1x8(use_moe, coef):
+    acc, acc_m, acc_g = run_steps(micro=2, use_moe=use_moe, coef=coef)
+    big, big_m, big_g = run_steps(micro=8, use_moe=use_moe, coef=coef)
+    # AdamW divides each coordinate by sqrt(v): on its first steps a coordinate moves by ~lr whatever
+    # its size, so fp32 rounding in a near-zero gradient shows up as up to ~lr * 1e-3 in the weights.
+    # lr=1e-4 keeps that well inside atol 1e-6; the gradients themselves are compared tightly below.
+    for (name, a), b in zip(acc.named_parameters(), big.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=name)
+    for ga, gb in zip(acc_g, big_g, strict=True):
+        for a, b in zip(ga, gb, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    for ma, mb in zip(acc_m, big_m, strict=True):
+        torch.testing.assert_close(ma.loss, mb.loss, rtol=1e-6, atol=1e-6)
+        # Dividing by accumulation_steps before backward makes the accumulated gradient the mean:
+        # the same norm as the one big batch (without the division it would be 4x).
+        torch.testing.assert_close(ma.grad_norm, mb.grad_norm, rtol=1e-5, atol=1e-6)
+        assert ma.sequences == mb.sequences == 8 and ma.tokens == mb.tokens == 8 * SEQ
+    # The run really moved the weights (an equality of two no-ops would prove nothing).
+    assert (acc.lm_head.weight - make_model(use_moe=use_moe).lm_head.weight).abs().max() > 1e-4
+
+
+def test_accumulation_without_division_would_be_a_sum():
+    """The counterfactual: without `/ accumulation_steps` the window's gradient is 4x the mean."""
+    model, data = make_model(), batch(8, seed=100)
+    summed = copy.deepcopy(model)
+    for m in data.split(2):
+        summed(m, labels=m).loss.backward()  # no division
+    mean = copy.deepcopy(model)
+    mean(data, labels=data).loss.backward()
+    for a, b in zip(summed.parameters(), mean.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, 4 * b.grad, rtol=1e-4, atol=1e-7)
+
+
+def test_moe_aux_loss_is_per_micro_batch():
+    _, acc_m, _ = run_steps(micro=2, use_moe=True, coef=0.05, steps=1)
+    _, big_m, _ = run_steps(micro=8, use_moe=True, coef=0.05, steps=1)
+    torch.testing.assert_close(acc_m[0].lm_loss, big_m[0].lm_loss, rtol=1e-6, atol=1e-6)  # lm part: equal
+    assert acc_m[0].aux_loss.item() > 0 and big_m[0].aux_loss.item() > 0
+    assert acc_m[0].aux_loss.item() != pytest.approx(big_m[0].aux_loss.item(), rel=1e-6)  # aux part: not
+
+
+def test_metrics_are_window_means():
+    model = make_model()
+    data = batch(8, seed=7)
+    with torch.no_grad():
+        per_micro = [model(m, labels=m).loss for m in data.split(2)]
+    m = optimizer_step(model, make_optimizer(model, TrainConfig()), fp32_scaler(), list(data.split(2)),
+                       lr=1e-3, grad_clip=1.0)
+    torch.testing.assert_close(m.lm_loss, torch.stack(per_micro).mean())
+    assert m.aux_loss.item() == 0.0 and m.lr == 1e-3 and not m.skipped
+    assert all(p.grad is None for p in model.parameters())  # zero_grad(set_to_none=True)
+
+
+# ---- clipping after unscale -----------------------------------------------------------------------
+
+def unscaled_grad_norm(model, data) -> float:
+    m = copy.deepcopy(model)
+    m(data, labels=data).loss.backward()
+    return torch.nn.utils.clip_grad_norm_(list(m.parameters()), float("inf")).item()
+
+
+def test_grad_scaler_works_on_cpu():
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, enabled=True)
+    assert scaler.is_enabled() and scaler.get_scale() == 1024.0
+
+
+def test_clip_after_unscale_with_grad_scaler():
+    """fp16-style loss scaling on CPU: the GradScaler multiplies the loss by S; optimizer_step
+    unscales before clipping, so the update is clipped to grad_clip in true units."""
+    model, data = make_model(), batch(4, seed=1)
+    true_norm = unscaled_grad_norm(model, data)
+    clip, scale = 0.01, 2.0**16
+    assert true_norm > 10 * clip  # the clip is active
+    sgd = torch.optim.SGD(model.parameters(), lr=1.0)  # update = -grad: the update *is* the clipped grad
+    scaler = torch.amp.GradScaler("cpu", init_scale=scale, enabled=True)
+    before = params_of(model)
+    m = optimizer_step(model, sgd, scaler, [data], lr=1.0, grad_clip=clip)
+    assert m.grad_norm.item() == pytest.approx(true_norm, rel=1e-4)  # reported in unscaled units
+    update = torch.cat([(before[k] - p.detach()).flatten() for k, p in model.named_parameters()])
+    assert update.norm().item() == pytest.approx(clip, rel=1e-4)
+    assert not m.skipped and scaler.get_scale() == scale  # no overflow: scale unchanged
+
+
+def test_clip_before_unscale_is_wrong():
+    """The same step with the two lines swapped: clipping the *scaled* gradient to grad_clip, then
+    unscaling, leaves an effective norm of grad_clip / S, S times too small."""
+    clip, scale = 0.01, 2.0**16
+    model, data = make_model(), batch(4, seed=1)
+
+    # By hand: multiply the loss by S, clip, then divide by S.
+    m = copy.deepcopy(model)
+    (m(data, labels=data).loss * scale).backward()
+    torch.nn.utils.clip_grad_norm_(list(m.parameters()), clip)
+    for p in m.parameters():
+        p.grad /= scale
+    wrong = torch.cat([p.grad.flatten() for p in m.parameters()]).norm().item()
+    assert wrong == pytest.approx(clip / scale, rel=1e-4)
+
+    # With a real GradScaler: clip, then scaler.step, which unscales in place before stepping. The
+    # gradient the optimizer used (p.grad after the step) has norm grad_clip / S, S times too small.
+    sgd = torch.optim.SGD(model.parameters(), lr=1.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=scale, enabled=True)
+    scaler.scale(model(data, labels=data).loss).backward()
+    torch.nn.utils.clip_grad_norm_(list(model.parameters()), clip)
+    scaler.step(sgd)
+    used = torch.cat([p.grad.flatten() for p in model.parameters()]).norm().item()
+    assert used == pytest.approx(clip / scale, rel=1e-4)
+    assert used < clip / 1000
+
+
+def test_scaler_overflow_skips_and_backs_off():
+    model, data = make_model(), batch(4, seed=2)
+    opt = make_optimizer(model, TrainConfig())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, enabled=True)
+    handle = model.model.norm.weight.register_hook(lambda g: torch.full_like(g, float("inf")))
+    before = params_of(model)
+    m = optimizer_step(model, opt, scaler, [data], lr=1e-3, grad_clip=1.0)
+    handle.remove()
+    assert m.skipped and scaler.get_scale() == 2.0**15  # GradScaler halves its scale on overflow
+    assert all(torch.equal(before[k], p) for k, p in model.named_parameters())
+
+
+# ---- non-finite steps -----------------------------------------------------------------------------
+
+def test_inf_gradient_skips_step_and_keeps_weights():
+    model, data = make_model(), batch(4, seed=3)
+    opt = make_optimizer(model, TrainConfig())
+    before = params_of(model)
+    handle = model.model.layers[0].self_attn.q_proj.weight.register_hook(lambda g: torch.full_like(g, float("inf")))
+    m = optimizer_step(model, opt, fp32_scaler(), list(data.split(2)), lr=1e-3, grad_clip=1.0)
+    handle.remove()
+    assert m.skipped and not torch.isfinite(m.grad_norm)
+    assert torch.isfinite(m.loss)  # the loss was fine; only the gradient was not
+    assert all(torch.equal(before[k], p) for k, p in model.named_parameters())
+    assert len(opt.state) == 0  # AdamW never stepped: no moments polluted by inf
+    assert all(p.grad is None for p in model.parameters())  # the bad gradient is gone
+
+    m = optimizer_step(model, opt, fp32_scaler(), list(data.split(2)), lr=1e-3, grad_clip=1.0)
+    assert not m.skipped
+    assert not torch.equal(before["model.embed_tokens.weight"], model.lm_head.weight)
+
+
+class InfLoss(torch.nn.Module):
+    """A model whose loss is infinite, as a corrupt batch or an lr blow-up would make it."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids, labels=None):
+        out = self.inner(input_ids, labels=labels)
+        return CausalLMOutput(out.logits, out.loss * float("inf"), out.aux_loss)
+
+
+def test_inf_loss_skips_step():
+    inner = make_model()
+    model, data = InfLoss(inner), batch(4, seed=4)
+    before = params_of(inner)
+    m = optimizer_step(model, make_optimizer(model, TrainConfig()), fp32_scaler(), [data], lr=1e-3, grad_clip=1.0)
+    assert m.skipped and not torch.isfinite(m.loss)
+    assert all(torch.equal(before[k], p) for k, p in inner.named_parameters())
+
+
+def fake_metrics(skipped: bool, loss: float = float("inf")) -> StepMetrics:
+    t = torch.tensor(loss)
+    return StepMetrics(loss=t, lm_loss=t, aux_loss=torch.tensor(0.0), grad_norm=torch.tensor(float("nan")),
+                       lr=1e-3, skipped=skipped, sequences=8, tokens=128)
+
+
+def test_guard_raises_after_k_in_a_row_naming_the_steps():
+    guard = NonFiniteGuard(3)
+    guard.update(fake_metrics(False), 9)
+    guard.update(fake_metrics(True), 10)
+    guard.update(fake_metrics(True), 11)
+    with pytest.raises(NonFiniteLossError, match=r"3 optimizer steps in a row \(10\.\.12\)") as ei:
+        guard.update(fake_metrics(True), 12)
+    assert "--lr" in str(ei.value)  # tells the user what to do
+
+
+def test_guard_resets_on_good_step():
+    guard = NonFiniteGuard(3)
+    for step in (0, 1):
+        guard.update(fake_metrics(True), step)
+    guard.update(fake_metrics(False), 2)
+    assert guard.in_a_row == 0 and guard.skipped_total == 2
+    guard.update(fake_metrics(True), 3)
+    guard.update(fake_metrics(True), 4)
+    with pytest.raises(NonFiniteLossError, match=r"\(3\.\.5\)"):
+        guard.update(fake_metrics(True), 5)
+
+
+def test_guard_ignores_scaler_overflow_with_finite_loss():
+    guard = NonFiniteGuard(2)
+    for step in range(10):  # GradScaler calibration: skipped steps with a finite loss
+        guard.update(fake_metrics(True, loss=3.0), step, scaler_enabled=True)
+    assert guard.in_a_row == 0 and guard.skipped_total == 10
+    guard.update(fake_metrics(True), 10, scaler_enabled=True)
+    with pytest.raises(NonFiniteLossError):
+        guard.update(fake_metrics(True), 11, scaler_enabled=True)
+
+
+def test_guard_state_dict_round_trip():
+    guard = NonFiniteGuard(3)
+    guard.update(fake_metrics(True), 20)
+    guard.update(fake_metrics(True), 21)
+    resumed = NonFiniteGuard(3)
+    resumed.load_state_dict(guard.state_dict())
+    assert resumed.state_dict() == guard.state_dict() == {"skipped_total": 2, "in_a_row": 2,
+                                                           "first_step_in_a_row": 20}
+    with pytest.raises(NonFiniteLossError, match=r"\(20\.\.22\)"):
+        resumed.update(fake_metrics(True), 22)
+
+
+# ---- precision and optimizer set-up ---------------------------------------------------------------
+
+def test_resolve_dtype():
+    assert resolve_dtype("fp32", "cpu") == torch.float32
+    assert resolve_dtype("bf16", "cpu") == torch.bfloat16
+    assert resolve_dtype("auto", "cpu") in (torch.float32, torch.bfloat16)
+    with pytest.raises(ValueError, match="fp16 needs a CUDA device"):
+        resolve_dtype("fp16", "cpu")
+    with pytest.raises(ValueError, match="unknown dtype"):
+        resolve_dtype("fp8", "cpu")
+    assert not make_grad_scaler(torch.bfloat16, "cpu").is_enabled()
+    assert not make_grad_scaler(torch.float32, "cpu").is_enabled()
+
+
+def test_bf16_autocast_step_keeps_fp32_master_weights():
+    model, data = make_model(), batch(4, seed=5)
+    m = optimizer_step(model, make_optimizer(model, TrainConfig()), fp32_scaler(), [data], lr=1e-3,
+                       grad_clip=1.0, dtype=torch.bfloat16)
+    assert torch.isfinite(m.loss) and not m.skipped
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_weight_decay_only_on_matrices():
+    model = make_model()
+    opt = make_optimizer(model, TrainConfig(weight_decay=0.1, betas=(0.8, 0.9)))
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() == 1 for p in no_decay["params"])
+    assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == model.num_params()  # tied once
+    assert decay["betas"] == (0.8, 0.9)
+
+
+def test_mean_across_workers_is_identity_without_distributed():
+    v = torch.tensor([1.0, 2.0])
+    assert torch.equal(mean_across_workers(v), v)

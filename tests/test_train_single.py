@@ -1,0 +1,109 @@
+"""The single-process entry: `python -m minilm.train` runs, learns, and refuses bad flags cleanly."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from minilm.config import ConfigError, ModelConfig, TrainConfig
+from minilm.schedule import get_lr
+from minilm.train import main, sequences_from_tokens, train
+
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, vocab_size=256,
+            max_position_embeddings=128)
+SMALL_FLAGS = ["--hidden-size", "64", "--num-hidden-layers", "2", "--vocab-size", "256", "--seq-len", "32",
+               "--micro-batch-size", "4", "--global-batch-size", "8"]
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "minilm.train", *args], capture_output=True, text=True,
+                          timeout=120, env=env)
+
+
+@pytest.mark.timeout(120)
+def test_cli_runs_and_exits_zero():
+    r = run_cli("--random-tokens", "20000", "--max-steps", "5", "--log-every", "1", *SMALL_FLAGS)
+    assert r.returncode == 0, r.stderr
+    lines = [line for line in r.stdout.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in lines] == [f"{i}/5" for i in range(1, 6)]
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.timeout(120)
+def test_cli_bad_lr_exits_2_with_one_message():
+    r = run_cli("--random-tokens", "2000", "--max-steps", "2", *SMALL_FLAGS, "--lr", "-1")
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    assert r.stderr == "error: invalid configuration:\n  - lr must be a positive number, got -1.0\n"
+    assert r.stdout == ""  # refused before any training step
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--global-batch-size", "10", "--micro-batch-size", "4"],
+     "global_batch_size (10) must be a multiple of micro_batch_size (4)"),
+    (["--dtype", "fp8"], "dtype must be one of auto, bf16, fp16, fp32"),
+    (["--hidden-size", "60"], "num_attention_heads (8) must divide hidden_size (60)"),
+    (["--warmup-steps", "2"], "warmup_steps (2) must be smaller than the total optimizer steps (2)"),
+])
+def test_main_bad_value_returns_2_with_one_message(args, message, capsys):
+    # In-process (same code path as the subprocess test above, without another torch import).
+    code = main(["--random-tokens", "2000", "--max-steps", "2", *SMALL_FLAGS, *args])  # last flag wins
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert message in err and err.startswith("error:") and err.count("error:") == 1
+    assert "Traceback" not in err and out == ""
+
+
+def repeated_sequences(rows: int = 64, distinct: int = 4, seq_len: int = 32) -> torch.Tensor:
+    rng = np.random.default_rng(0)
+    patterns = rng.integers(0, 256, size=(distinct, seq_len + 1))
+    return torch.as_tensor(patterns[np.arange(rows) % distinct])
+
+
+@pytest.mark.timeout(120)
+def test_loss_falls_on_repeated_data():
+    cfg = TrainConfig(lr=3e-3, max_steps=40, micro_batch_size=4, global_batch_size=8, seq_len=32, dtype="fp32",
+                      log_every=100, warmup_steps=4)
+    logs: list[str] = []
+    model, history = train(ModelConfig(**TINY), cfg, repeated_sequences(), log=logs.append)
+    losses = [h["loss"] for h in history]
+    assert len(history) == 40 and [h["optimizer_step"] for h in history] == list(range(1, 41))
+    assert losses[0] > 5.0  # ~ln(256) at init
+    assert np.mean(losses[-5:]) < 0.5 * losses[0]
+    assert not any(h["skipped"] for h in history)
+    # The lr follows the schedule, one value per optimizer step.
+    assert [h["lr"] for h in history] == [get_lr(s, 40, 3e-3, 4, 0.1) for s in range(40)]
+    assert all(h["tokens"] == 8 * 32 for h in history)
+    assert logs and logs[-1].startswith("step 40/40")
+
+
+def test_epochs_define_total_steps_without_max_steps():
+    cfg = TrainConfig(lr=1e-3, epochs=2, micro_batch_size=4, global_batch_size=8, seq_len=32, dtype="fp32",
+                      log_every=100)
+    _, history = train(ModelConfig(**TINY), cfg, repeated_sequences(rows=20), log=lambda s: None)
+    assert len(history) == 2 * (20 // 8)
+    assert [h["epoch"] for h in history] == [0, 0, 1, 1]
+
+
+def test_train_refuses_bad_config_and_too_little_data():
+    with pytest.raises(ConfigError, match="warmup_steps"):
+        train(ModelConfig(**TINY), TrainConfig(max_steps=3, warmup_steps=3, micro_batch_size=4, global_batch_size=8,
+                                               dtype="fp32"), repeated_sequences(rows=16), log=lambda s: None)
+    with pytest.raises(ValueError, match="do not fill one global batch of 8"):
+        train(ModelConfig(**TINY), TrainConfig(max_steps=3, micro_batch_size=4, global_batch_size=8, dtype="fp32"),
+              repeated_sequences(rows=7), log=lambda s: None)
+
+
+def test_sequences_from_tokens():
+    rows = sequences_from_tokens(np.arange(100), seq_len=9)
+    assert rows.shape == (10, 10) and rows.dtype == torch.int64
+    assert rows[1, 0].item() == 10  # consecutive, non-overlapping rows
+    assert sequences_from_tokens(np.arange(25), seq_len=9).shape == (2, 10)  # the tail is dropped
+    with pytest.raises(ValueError, match="do not fill one sequence"):
+        sequences_from_tokens(np.arange(5), seq_len=9)
