@@ -73,15 +73,10 @@ def tok(tok_path):
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
+def ray_cluster(ray_address):
     import ray
 
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=4, include_dashboard=False)
     yield ray
-    if started:
-        ray.shutdown()
 
 
 def prep(capsys, *args) -> tuple[int, str]:
