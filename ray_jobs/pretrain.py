@@ -17,11 +17,12 @@ import os
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from minilm import checkpoint as C
 from minilm import data as D
-from minilm.config import ConfigError, check_fits, valid_world_sizes
+from minilm.config import ConfigError, ModelConfig, TrainConfig, check_fits, valid_world_sizes
 from minilm.progress import MetricsLog, format_duration
 
 from .cli import (
@@ -37,7 +38,7 @@ from .cli import (
 
 RUN_KEYS = {"data", "num_workers", "use_gpu", "cpus_per_worker", "storage_path", "name", "resume", "max_failures",
             "keep_checkpoints", "exit_after_steps", "exit_after_minutes", "val_samples", "backend_timeout_s",
-            "num_cpus", "elastic_check_seconds", "record_sample_ids"}
+            "num_cpus", "elastic_check_seconds", "record_sample_ids", "eval_every"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,7 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--keep-checkpoints", type=int, help="CheckpointConfig(num_to_keep) (default 3)")
     r.add_argument("--exit-after-steps", type=int, help="checkpoint and exit cleanly after this optimizer step")
     r.add_argument("--exit-after-minutes", type=float, help="checkpoint and exit cleanly after this many minutes")
-    r.add_argument("--val-samples", type=int, help="held-out sequences for val_loss (default 0)")
+    r.add_argument("--val-samples", type=int, help="held-out sequences for val_loss (default 0: no validation)")
+    r.add_argument("--eval-every", type=int, help="optimizer steps between val_loss evaluations "
+                                                   "(default: --checkpoint-every)")
     r.add_argument("--elastic-check-seconds", type=float, help="how often Ray checks to resize an elastic run")
     r.add_argument("--backend-timeout-s", type=int, help="collective timeout (gloo/nccl), default 600")
     r.add_argument("--num-cpus", type=int, help="logical CPUs of a local Ray (default max(8, 2 x cores))")
@@ -86,17 +89,45 @@ def main(argv: list[str] | None = None) -> int:
         return fail("interrupted; continue with --resume auto and the same --name", 130)
 
 
-def run(args: argparse.Namespace) -> int:
-    file_values = load_yaml(args.config)
-    demo = not (args.data or file_values.get("data"))
-    model_cfg, train_cfg, rest = build_configs(args, file_values, RUN_KEYS, demo=demo)
-    opts = {**RUN_DEFAULTS, **rest}
+@dataclass
+class RunPlan:
+    """A run checked and ready to start: configs, options, where it writes, what it reads."""
+
+    model_cfg: ModelConfig
+    train_cfg: TrainConfig
+    opts: dict
+    workers: tuple[int, int]
+    name: str
+    storage: str
+    run_dir: Path | None
+    data_dir: Path
+    prepared: D.PreparedData
+    steps_per_epoch: int
+    resume_path: Path | None = None
+
+    def config(self, name: str | None = None, run_dir: Path | None | str = "same") -> dict:
+        """The train_loop_config every worker gets."""
+        name = name or self.name
+        run_dir = self.run_dir if run_dir == "same" else run_dir
+        return {
+            "model": self.model_cfg.to_dict(), "train": self.train_cfg.to_dict(),
+            "run": {"name": name, "run_id": f"{name}-{int(time.time())}", "data_dir": str(self.data_dir),
+                    "run_dir": str(run_dir) if run_dir else None, "val_samples": self.opts["val_samples"],
+                    "eval_every": self.opts.get("eval_every") or self.train_cfg.checkpoint_every,
+                    "resume_path": str(self.resume_path) if self.resume_path else None,
+                    "exit_after_steps": self.opts.get("exit_after_steps"),
+                    "exit_after_minutes": self.opts.get("exit_after_minutes"),
+                    "record_sample_ids": self.opts.get("record_sample_ids")},
+        }
+
+
+def check_options(model_cfg: ModelConfig, train_cfg: TrainConfig, opts: dict) -> tuple[int, int]:
+    """Every check that needs no data and no Ray; returns the (min, max) world size."""
     model_cfg.validate()
     min_w, max_w = parse_num_workers(opts["num_workers"])
-    bad = [w for w in range(min_w, max_w + 1) if w not in valid_world_sizes(train_cfg.global_batch_size,
-                                                                             train_cfg.micro_batch_size)]
+    valid = valid_world_sizes(train_cfg.global_batch_size, train_cfg.micro_batch_size)
+    bad = [w for w in range(min_w, max_w + 1) if w not in valid]
     if bad:
-        valid = valid_world_sizes(train_cfg.global_batch_size, train_cfg.micro_batch_size)
         raise UsageError(f"--num-workers {opts['num_workers']}: world size(s) {', '.join(map(str, bad))} cannot keep "
                          f"global_batch_size {train_cfg.global_batch_size} with micro_batch_size "
                          f"{train_cfg.micro_batch_size}; valid world sizes: {', '.join(map(str, valid)) or 'none'}")
@@ -106,12 +137,23 @@ def run(args: argparse.Namespace) -> int:
         if not isinstance(opts[key], int) or opts[key] < (1 if key == "keep_checkpoints" else 0):
             raise UsageError(f"{'--' + key.replace('_', '-')} must be an integer >= "
                              f"{1 if key == 'keep_checkpoints' else 0}, got {opts[key]!r}")
-    if opts.get("exit_after_steps") is not None and opts["exit_after_steps"] < 1:
-        raise UsageError("--exit-after-steps must be >= 1")
+    for key in ("eval_every", "exit_after_steps"):
+        if opts.get(key) is not None and opts[key] < 1:
+            raise UsageError(f"--{key.replace('_', '-')} must be >= 1")
     if opts.get("exit_after_minutes") is not None and not opts["exit_after_minutes"] > 0:
         raise UsageError("--exit-after-minutes must be > 0")
     if not opts["cpus_per_worker"] > 0:
         raise UsageError("--cpus-per-worker must be > 0")
+    return min_w, max_w
+
+
+def plan_run(args: argparse.Namespace, extra_keys: frozenset[str] = frozenset()) -> RunPlan:
+    """Flags + YAML -> a checked RunPlan (starts or joins Ray, prepares the demo data if needed)."""
+    file_values = load_yaml(args.config)
+    demo = not (args.data or file_values.get("data"))
+    model_cfg, train_cfg, rest = build_configs(args, file_values, RUN_KEYS | extra_keys, demo=demo)
+    opts = {**RUN_DEFAULTS, **rest}
+    min_w, max_w = check_options(model_cfg, train_cfg, opts)
 
     name = opts.get("name") or time.strftime("minilm-%Y%m%d-%H%M%S")
     storage = opts["storage_path"]
@@ -128,13 +170,14 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"run {name} already has checkpoints in {run_dir}; use --resume auto to continue it, "
                          f"or another --name")
 
+    if not demo:
+        data_dir = Path(opts["data"]).expanduser().resolve()
+        D.open_prepared(data_dir)  # a missing or incomplete --data is refused before Ray starts
     ensure_ray(opts.get("num_cpus"))
     if demo:
         from .demo_data import demo_data_dir
 
         data_dir = demo_data_dir(train_cfg.seq_len, model_cfg.vocab_size)
-    else:
-        data_dir = Path(opts["data"]).expanduser().resolve()
     prepared = D.open_prepared(data_dir)
     D.check_compatible(prepared, vocab_size=model_cfg.vocab_size, seq_len=train_cfg.seq_len)
     train_ids, _ = D.split_ids(prepared.num_sequences, opts["val_samples"])
@@ -142,22 +185,20 @@ def run(args: argparse.Namespace) -> int:
     if per_epoch == 0:
         raise D.DataError(f"{data_dir}: {len(train_ids)} training sequences do not fill one global batch of "
                           f"{train_cfg.global_batch_size}")
-    total_steps = train_cfg.max_steps or per_epoch * train_cfg.epochs
-    train_cfg.validate(world_size=min_w, total_steps=total_steps)
-
+    train_cfg.validate(world_size=min_w, total_steps=train_cfg.max_steps or per_epoch * train_cfg.epochs)
     if opts.get("record_sample_ids"):
         Path(opts["record_sample_ids"]).mkdir(parents=True, exist_ok=True)
-    config = {
-        "model": model_cfg.to_dict(), "train": train_cfg.to_dict(),
-        "run": {"name": name, "run_id": f"{name}-{int(time.time())}", "data_dir": str(data_dir),
-                "run_dir": str(run_dir) if run_dir else None, "val_samples": opts["val_samples"],
-                "resume_path": str(resume_path) if resume_path else None,
-                "exit_after_steps": opts.get("exit_after_steps"), "exit_after_minutes": opts.get("exit_after_minutes"),
-                "record_sample_ids": opts.get("record_sample_ids")},
-    }
-    trainer = make_trainer(config, opts, storage, name, (min_w, max_w))
-    print(f"run {name}: storage {storage}/{name}, data {data_dir} ({prepared.num_sequences} sequences, "
-          f"{per_epoch} steps per epoch), workers {opts['num_workers']}", flush=True)
+    return RunPlan(model_cfg=model_cfg, train_cfg=train_cfg, opts=opts, workers=(min_w, max_w), name=name,
+                   storage=storage, run_dir=run_dir, data_dir=data_dir, prepared=prepared, steps_per_epoch=per_epoch,
+                   resume_path=resume_path)
+
+
+def run(args: argparse.Namespace) -> int:
+    plan = plan_run(args)
+    trainer = make_trainer(plan.config(), plan.opts, plan.storage, plan.name, plan.workers)
+    print(f"run {plan.name}: storage {plan.storage}/{plan.name}, data {plan.data_dir} "
+          f"({plan.prepared.num_sequences} sequences, {plan.steps_per_epoch} steps per epoch), "
+          f"workers {plan.opts['num_workers']}", flush=True)
     t0 = time.time()
     import ray.train
 
@@ -165,11 +206,11 @@ def run(args: argparse.Namespace) -> int:
         result = trainer.fit()
     except ray.train.TrainingFailedError as e:
         return fail(f"training failed: {worker_error_summary(e)}", EXIT_FAILED)
-    summarize(result, run_dir, time.time() - t0)
+    summarize(result, plan.run_dir, time.time() - t0)
     return 0
 
 
-def make_trainer(config: dict, opts: dict, storage: str, name: str, workers: tuple[int, int]):
+def make_trainer(config: dict, opts: dict, storage: str, name: str, workers: tuple[int, int], callbacks=None):
     import ray
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -185,6 +226,7 @@ def make_trainer(config: dict, opts: dict, storage: str, name: str, workers: tup
                            failure_config=FailureConfig(max_failures=opts["max_failures"]),
                            checkpoint_config=CheckpointConfig(num_to_keep=opts["keep_checkpoints"]),
                            logging_config=LoggingConfig(log_level="WARNING"),  # our log line, not Ray's per report
+                           callbacks=callbacks,
                            worker_runtime_env={"env_vars": worker_env(opts)})
     return TorchTrainer(train_func, train_loop_config=config, scaling_config=scaling, run_config=run_config,
                         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo",

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import ray.train
 import torch
 import torch.distributed as dist
@@ -29,6 +30,7 @@ from minilm.progress import MetricsLog, format_log_line, peak_flops
 from minilm.schedule import get_lr
 from minilm.step import (
     NonFiniteGuard,
+    autocast,
     make_grad_scaler,
     make_optimizer,
     mean_across_workers,
@@ -36,6 +38,7 @@ from minilm.step import (
     resolve_dtype,
 )
 
+from . import dashboard_metrics
 from .stream import RankStream
 
 
@@ -66,6 +69,8 @@ class Worker:
     run_id: str
     stream: RankStream | None = None
     metrics_log: MetricsLog | None = None
+    val_ids: np.ndarray | None = None  # this rank's share of the held-out sequences
+    last_checkpoint_s: float = 0.0  # wall time of the latest checkpoint (save + report), for the metrics
 
     def log(self, message: str) -> None:
         if self.rank == 0:
@@ -91,8 +96,12 @@ def train_func(config: dict) -> None:
         sigterm, time_up = stop.check(w.world_size)
         exiting = sigterm or time_up or (exit_after_steps is not None and w.step >= exit_after_steps)
         checkpointing = exiting or w.step == w.total_steps or w.step % cfg.checkpoint_every == 0
-        if checkpointing or w.step % cfg.log_every == 0:
-            report(w, meter.metrics(m, lr), checkpointing)
+        evaluating = w.val_ids is not None and (w.step % w.run["eval_every"] == 0 or w.step == w.total_steps)
+        if checkpointing or evaluating or w.step % cfg.log_every == 0:
+            metrics = meter.metrics(m, lr)
+            if evaluating:
+                metrics["val_loss"] = validation_loss(w)
+            report(w, metrics, checkpointing)
         if sigterm:
             raise Preempted(f"SIGTERM at optimizer step {w.step}: checkpoint written, exiting for a restart")
         if exiting:
@@ -109,7 +118,7 @@ def setup(config: dict) -> Worker:
     device = ray.train.torch.get_device()
     dtype = resolve_dtype(train_cfg.dtype, device)
     prepared = D.open_prepared(run["data_dir"])
-    train_ids, _ = D.split_ids(prepared.num_sequences, run["val_samples"])
+    train_ids, val_ids = D.split_ids(prepared.num_sequences, run["val_samples"])
     per_epoch = D.steps_per_epoch(len(train_ids), train_cfg.global_batch_size)
 
     torch.manual_seed(train_cfg.seed)  # identical initial weights on every rank
@@ -120,7 +129,7 @@ def setup(config: dict) -> Worker:
                dtype=dtype, accumulation=accumulation_steps(train_cfg.global_batch_size, train_cfg.micro_batch_size,
                                                             world_size),
                steps_per_epoch=per_epoch, total_steps=train_cfg.max_steps or per_epoch * train_cfg.epochs,
-               step=0, run_id=run["run_id"],
+               step=0, run_id=run["run_id"], val_ids=val_ids[rank::world_size] if len(val_ids) else None,
                metrics_log=MetricsLog(Path(run["run_dir"]) / "metrics.jsonl") if run.get("run_dir") else None)
 
     resumed = restore(w)
@@ -173,12 +182,33 @@ class Meter:
             "epochs": -(-w.total_steps // w.steps_per_epoch), "world_size": w.world_size,
             "accumulation_steps": w.accumulation, "skipped_steps": w.guard.skipped_total,
             "data_wait_frac": (w.stream.data_wait_s - self.wait_mark) / elapsed,
+            "checkpoint_s": w.last_checkpoint_s,
             "eta_s": (now - self.t_start) / max(1, w.step - self.step_at_start) * (w.total_steps - w.step),
         }
         if w.raw_model.config.use_moe:
             metrics["expert_load"] = [[round(float(x), 4) for x in layer] for layer in w.raw_model.expert_load()]
         self.t_mark, self.tokens, self.wait_mark = now, 0, w.stream.data_wait_s
         return metrics
+
+
+@torch.no_grad()
+def validation_loss(w: Worker) -> float:
+    """Mean next-token loss over the held-out sequences (each rank takes every W-th; summed over ranks)."""
+    device = next(w.raw_model.parameters()).device
+    store = D.SequenceStore(w.prepared)
+    w.raw_model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=device)  # (sum of losses x rows, rows)
+    for chunk in np.array_split(w.val_ids, max(1, -(-len(w.val_ids) // w.train_cfg.micro_batch_size))):
+        if len(chunk) == 0:
+            continue
+        ids = torch.as_tensor(store.take(chunk), dtype=torch.long, device=device)
+        with autocast(device.type, w.dtype):
+            loss = w.raw_model(ids, labels=ids).loss
+        total += torch.stack([loss.double() * len(chunk), torch.tensor(float(len(chunk)), device=device).double()])
+    w.raw_model.train()
+    if w.world_size > 1:
+        dist.all_reduce(total)
+    return float(total[0] / total[1])
 
 
 def checkpoint_state(w: Worker, metrics: dict) -> dict:
@@ -216,6 +246,7 @@ def report(w: Worker, metrics: dict, checkpointing: bool) -> None:
     """Every rank reports at the same steps (a barrier); rank 0 logs and attaches checkpoint + weights export."""
     if w.rank == 0:
         say(format_log_line(metrics))
+        dashboard_metrics.publish(metrics, w.run["name"])  # Ray custom metrics: the dashboard's Metrics view
         if w.metrics_log:
             w.metrics_log.append({**metrics, "time": time.time(), "run_id": w.run_id})
     public = {k: v for k, v in metrics.items() if k != "expert_load"}
@@ -223,6 +254,7 @@ def report(w: Worker, metrics: dict, checkpointing: bool) -> None:
         ray.train.report(public)
         return
     tmp = tempfile.mkdtemp(prefix="minilm-ckpt-") if w.rank == 0 else None
+    t0 = time.perf_counter()
     try:
         checkpoint = None
         if w.rank == 0:
@@ -232,6 +264,7 @@ def report(w: Worker, metrics: dict, checkpointing: bool) -> None:
             checkpoint = ray.train.Checkpoint.from_directory(tmp)
         ray.train.report(public, checkpoint=checkpoint,
                          checkpoint_dir_name=checkpoint_dir_name(w.run.get("run_dir"), w.step))
+        w.last_checkpoint_s = time.perf_counter() - t0
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,72 @@
+"""Training progress as Ray custom metrics, for the dashboard's Metrics view and Prometheus.
+
+Ray Train exports its own controller and checkpoint metrics, not loss or throughput. Rank 0
+calls `publish(metrics, run_name)` at every log interval (`ray_jobs.worker.report`); each value
+below goes to a `ray.util.metrics.Gauge` tagged with the run name. Ray exports custom metrics with
+a `ray_` prefix on every node's metrics export port (`ray start --metrics-export-port`), so
+Prometheus, Grafana and the dashboard's Metrics view see e.g. `ray_minilm_loss{run="run1"}`.
+
+The gauges are created lazily, once per process. Metrics are observability, never a reason to
+stop training: outside Ray, or if the metrics API fails, `publish` does nothing (one warning).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "minilm_"
+TAG_KEYS = ("run",)
+
+# key of the worker's metrics dict -> description; the gauge is PREFIX + key
+GAUGES: dict[str, str] = {
+    "tokens_per_s": "Training throughput over the last log interval, tokens per second summed over workers",
+    "loss": "Training loss (mean over workers) at the latest log step",
+    "lr": "Learning rate of the latest optimizer step",
+    "mfu": "Model FLOPs utilization over the last log interval, a fraction of the device's peak",
+    "grad_norm": "Gradient norm before clipping at the latest log step",
+    "optimizer_step": "Optimizer steps done",
+    "total_steps": "Optimizer steps the run will do",
+    "samples_seen": "Training sequences consumed",
+    "tokens_seen": "Training tokens consumed",
+    "world_size": "Training workers",
+    "data_wait_frac": "Fraction of the last log interval spent waiting for data",
+    "eta_s": "Estimated seconds to the last step",
+}
+
+_gauges: dict | None = None
+_disabled = False
+
+
+def metric_names() -> list[str]:
+    """The Prometheus names the gauges appear under (Ray adds the `ray_` prefix)."""
+    return ["ray_" + PREFIX + key for key in GAUGES]
+
+
+def publish(metrics: dict, run_name: str) -> None:
+    """Set every known gauge present in `metrics` (finite numbers only), tagged run=run_name."""
+    global _gauges, _disabled
+    if _disabled:
+        return
+    try:
+        if _gauges is None:
+            from ray.util.metrics import Gauge
+
+            _gauges = {key: Gauge(PREFIX + key, description=desc, tag_keys=TAG_KEYS)
+                       for key, desc in GAUGES.items()}
+        tags = {"run": str(run_name)}
+        for key, gauge in _gauges.items():
+            value = metrics.get(key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                continue
+            gauge.set(float(value), tags=tags)
+    except Exception as e:  # never fail a training step for a metric
+        _disabled = True
+        logger.warning("dashboard metrics disabled in this process: %s: %s", type(e).__name__, e)
+
+
+def _reset_for_tests() -> None:
+    global _gauges, _disabled
+    _gauges, _disabled = None, False

@@ -1,0 +1,361 @@
+"""Ray Tune sweeps (lr, warmup, ...) over the distributed pretraining job.
+
+    python -m ray_jobs.tune --data data/tok --num-samples 8 --max-concurrent-trials 2 --workers-per-trial 2 \\
+        --search lr=loguniform:1e-4:3e-3 --search warmup_steps=choice:0,50,200 --scheduler asha --metric val_loss
+
+Every pretrain flag applies to every trial; `--search NAME=SPEC` (or a `search:` mapping in
+--config YAML) samples NAME per trial. Each trial is a full `ray_jobs.pretrain` run: its own
+TorchTrainer (Train V2 inside a Tune function, metrics forwarded by TuneReportCallback) and its
+own checkpoints under STORAGE/NAME/trials/. Re-running the same command with --resume continues
+an interrupted sweep without re-running finished trials. At the end: a table sorted by the metric
+(also results.csv), best.yaml (accepted by `ray_jobs.pretrain --config`) and loss_curves.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from minilm import checkpoint as C
+from minilm import data as D
+from minilm.config import ConfigError, ModelConfig, TrainConfig
+
+from .cli import UsageError, fail
+from .pretrain import RunPlan, check_options, plan_run
+from .pretrain import build_parser as pretrain_parser
+
+SEARCHABLE = {"lr": float, "warmup_steps": int, "min_lr_ratio": float, "global_batch_size": int,
+              "grad_clip": float, "router_aux_loss_coef": float, "weight_decay": float}
+KINDS = ("loguniform", "uniform", "choice", "grid")  # grid: every value, x --num-samples
+TUNE_KEYS = frozenset({"search", "num_samples", "max_concurrent_trials", "workers_per_trial", "scheduler",
+                       "grace_steps", "metric"})
+
+
+# ---- the search space (pure: parsed and checked before Ray starts) --------------------------------
+
+@dataclass(frozen=True)
+class SearchDim:
+    name: str
+    kind: str  # loguniform | uniform | choice | grid
+    values: tuple  # (low, high) or the choices
+
+    def to_tune(self):
+        from ray import tune
+
+        if self.kind == "loguniform":
+            return tune.loguniform(*self.values)
+        if self.kind == "uniform":
+            return tune.uniform(*self.values)
+        if self.kind == "grid":
+            return tune.grid_search(list(self.values))
+        return tune.choice(list(self.values))
+
+    def candidates(self) -> tuple:
+        """Values to check against the configs before starting: the choices, or the range ends."""
+        return self.values
+
+
+def parse_search(spec: str) -> SearchDim:
+    """'lr=loguniform:1e-4:3e-3', 'warmup_steps=choice:0,50,200', 'grad_clip=uniform:0.5:2'."""
+    if "=" not in spec:
+        raise UsageError(f"--search {spec!r}: expected NAME=KIND:ARGS, e.g. lr=loguniform:1e-4:3e-3")
+    name, _, rhs = spec.partition("=")
+    name = name.strip().replace("-", "_")
+    if name not in SEARCHABLE:
+        raise UsageError(f"--search {spec!r}: unknown parameter {name!r}; searchable: {', '.join(SEARCHABLE)}")
+    kind, _, args = rhs.partition(":")
+    if kind not in KINDS:
+        raise UsageError(f"--search {spec!r}: unknown kind {kind!r}; use {', '.join(KINDS)}")
+    cast = SEARCHABLE[name]
+    try:
+        if kind in ("choice", "grid"):
+            values = tuple(cast(float(v)) if cast is int and float(v).is_integer() else cast(v)
+                           for v in args.split(",") if v.strip())
+            if not values:
+                raise ValueError("no values")
+            if len(set(values)) != len(values):
+                raise UsageError(f"--search {spec!r}: repeated value")
+        else:
+            low, high = (float(x) for x in args.split(":"))
+            if cast is int:
+                raise UsageError(f"--search {spec!r}: {name} is an integer; use choice:a,b,c")
+            if not low < high:
+                raise UsageError(f"--search {spec!r}: low {low:g} must be < high {high:g}")
+            if kind == "loguniform" and low <= 0:
+                raise UsageError(f"--search {spec!r}: loguniform needs low > 0")
+            values = (low, high)
+    except (ValueError, TypeError):
+        raise UsageError(f"--search {spec!r}: cannot parse {rhs!r}; e.g. loguniform:1e-4:3e-3, uniform:0.5:2, "
+                         f"choice:0,50,200") from None
+    return SearchDim(name, kind, values)
+
+
+def search_space(specs: list[str], yaml_search: dict | None) -> dict[str, SearchDim]:
+    dims: dict[str, SearchDim] = {}
+    for name, value in (yaml_search or {}).items():
+        dim = parse_search(f"{name}={value}")
+        dims[dim.name] = dim
+    for spec in specs:  # flags win over the YAML file
+        dim = parse_search(spec)
+        dims[dim.name] = dim
+    if not dims:
+        raise UsageError("nothing to search: give at least one --search NAME=SPEC (e.g. lr=loguniform:1e-4:3e-3)")
+    return dims
+
+
+def apply_params(model_cfg: ModelConfig, train_cfg: TrainConfig, params: dict) -> tuple[ModelConfig, TrainConfig]:
+    m, t = ModelConfig.from_dict(model_cfg.to_dict()), TrainConfig.from_dict(train_cfg.to_dict())
+    for name, value in params.items():
+        setattr(m if name in ModelConfig.__dataclass_fields__ else t, name, value)
+    return m, t
+
+
+def check_space(dims: dict[str, SearchDim], plan_cfgs: tuple[ModelConfig, TrainConfig], opts: dict,
+                steps_of) -> None:
+    """Every choice (and both ends of every range) must give a valid run, checked one dimension at a time."""
+    model_cfg, train_cfg = plan_cfgs
+    for dim in dims.values():
+        for value in dim.candidates():
+            m, t = apply_params(model_cfg, train_cfg, {dim.name: value})
+            try:
+                check_options(m, t, opts)
+                t.validate(world_size=int(opts["num_workers"]), total_steps=steps_of(t))
+            except (ConfigError, UsageError) as e:
+                raise UsageError(f"--search {dim.name}: value {value!r} gives an invalid run: {e}") from None
+
+
+# ---- the Tune trial: one full pretrain run -----------------------------------------------------------
+
+def trial(params: dict, plan: RunPlan, sweep_dir: str) -> None:
+    """Tune function: build and fit this trial's TorchTrainer; Train metrics reach Tune by the callback."""
+    from ray import tune
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    from .pretrain import make_trainer
+
+    m, t = apply_params(plan.model_cfg, plan.train_cfg, params)
+    name = tune.get_context().get_trial_name()
+    trial_plan = RunPlan(**{**plan.__dict__, "model_cfg": m, "train_cfg": t})
+    run_dir = Path(sweep_dir) / "trials" / name if plan.run_dir else None
+    config = trial_plan.config(name=name, run_dir=run_dir)
+    storage = f"{plan.storage}/{plan.name}/trials"
+    trainer = make_trainer(config, plan.opts, storage, name, plan.workers, callbacks=[TuneReportCallback()])
+    trainer.fit()
+
+
+# ---- results ---------------------------------------------------------------------------------------
+
+def collect(results, dims: dict[str, SearchDim], metric: str, total_steps_of) -> list[dict]:
+    rows = []
+    for r in results:
+        params = r.config or {}
+        m = r.metrics or {}
+        step = m.get("optimizer_step", 0)
+        status = "ERROR" if r.error else ("DONE" if step and step >= m.get("total_steps", math.inf) else "STOPPED")
+        row = {"trial": Path(r.path).name if r.path else "?", **{d: params.get(d) for d in dims},
+               "steps": step, "loss": m.get("loss"), "val_loss": m.get("val_loss"),
+               "tokens_per_s": m.get("tokens_per_s"), "status": status}
+        df = r.metrics_dataframe
+        curve = []
+        if df is not None and "loss" in df and "optimizer_step" in df:
+            curve = list(zip(df["optimizer_step"].tolist(), df["loss"].tolist(), strict=True))
+        row["_curve"] = curve
+        rows.append(row)
+    key = metric if metric in ("loss", "val_loss") else "loss"
+    rows.sort(key=lambda r: (r[key] is None or (isinstance(r[key], float) and math.isnan(r[key])),
+                             r[key] if r[key] is not None else math.inf))
+    return rows
+
+
+def write_results(rows: list[dict], dims: dict[str, SearchDim], plan: RunPlan, out: Path, metric: str) -> None:
+    cols = ["trial", *dims, "steps", "loss", "val_loss", "tokens_per_s", "status"]
+    fmt = {float: lambda v: f"{v:.4g}", int: str}
+    table = [[fmt.get(type(r[c]), str)(r[c]) if r[c] is not None else "-" for c in cols] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in table)) for i, c in enumerate(cols)]
+    print(f"\n=== sweep {plan.name}: {len(rows)} trials, sorted by {metric} ===")
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)))
+    for row in table:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)))
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "results.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(cols)
+        writer.writerows([[r[c] for c in cols] for r in rows])
+    best = next((r for r in rows if r["status"] != "ERROR"), None)
+    if best is not None:
+        m, t = apply_params(plan.model_cfg, plan.train_cfg, {d: best[d] for d in dims})
+        best_cfg = {**m.to_dict(), **t.to_dict(), "data": str(plan.data_dir)}
+        best_cfg["betas"] = list(best_cfg["betas"])
+        (out / "best.yaml").write_text(f"# best trial {best['trial']} of sweep {plan.name} by {metric}\n"
+                                       + yaml.safe_dump(best_cfg, sort_keys=True))
+        print(f"best: {best['trial']} -> {out / 'best.yaml'}  (python -m ray_jobs.pretrain --config {out / 'best.yaml'})")
+    plot_curves(rows, out / "loss_curves.png")
+    print(f"table: {out / 'results.csv'}  plot: {out / 'loss_curves.png'}")
+
+
+def plot_curves(rows: list[dict], path: Path):
+    """Loss against optimizer step, one line per trial, coloured by lr (log scale)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import LogNorm
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    lrs = [r["lr"] for r in rows if r.get("lr")]
+    norm = LogNorm(vmin=min(lrs), vmax=max(lrs) * (1.0001 if min(lrs) == max(lrs) else 1)) if lrs else None
+    cmap = plt.get_cmap("viridis")
+    for r in rows:
+        if not r["_curve"]:
+            continue
+        steps, losses = zip(*r["_curve"], strict=True)
+        color = cmap(norm(r["lr"])) if norm and r.get("lr") else None
+        ax.plot(steps, losses, color=color, label=r["trial"])
+    ax.set_xlabel("optimizer_step")
+    ax.set_ylabel("loss")
+    ax.set_title("loss per trial (colour: lr)")
+    if norm:
+        fig.colorbar(plt.cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax, label="lr")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    return fig
+
+
+# ---- the command -----------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    p = pretrain_parser()
+    p.prog = "python -m ray_jobs.tune"
+    p.description = __doc__.split("\n")[0]
+    p.conflict_handler = "resolve"  # --resume means "continue the sweep" here
+    g = p.add_argument_group("sweep")
+    g.add_argument("--resume", action="store_true",
+                   help="continue an interrupted sweep of the same --name (finished trials are not re-run)")
+    g.add_argument("--search", action="append", default=[], metavar="NAME=SPEC",
+                   help=f"sample NAME per trial: loguniform:LOW:HIGH, uniform:LOW:HIGH, choice:A,B,C (random) or "
+                        f"grid:A,B,C (every value, x --num-samples); NAME in {', '.join(SEARCHABLE)}")
+    g.add_argument("--num-samples", type=int, default=None, help="trials, or repeats of the grid (default 4)")
+    g.add_argument("--max-concurrent-trials", type=int, default=None, help="default 1")
+    g.add_argument("--workers-per-trial", type=int, default=None, help="Ray Train workers per trial (default 1)")
+    g.add_argument("--scheduler", choices=["asha", "none"], default=None, help="default asha")
+    g.add_argument("--grace-steps", type=int, default=None, help="ASHA: optimizer steps before a trial can stop")
+    g.add_argument("--metric", choices=["loss", "val_loss"], default=None,
+                   help="what to minimise (default: val_loss when --val-samples > 0, else loss)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except (UsageError, ConfigError, D.DataError, C.CheckpointError) as e:
+        return fail(str(e))
+
+
+def run(args: argparse.Namespace) -> int:
+    from .cli import load_yaml
+
+    file_values = load_yaml(args.config)
+    dims = search_space(args.search, file_values.pop("search", None))
+    tune_opts = {k: file_values.pop(k, None) for k in list(TUNE_KEYS - {"search"})}
+    for k in tune_opts:
+        if getattr(args, k) is not None:
+            tune_opts[k] = getattr(args, k)
+    num_samples = tune_opts["num_samples"] or 4
+    concurrent = tune_opts["max_concurrent_trials"] or 1
+    workers = tune_opts["workers_per_trial"] or 1
+    scheduler = tune_opts["scheduler"] or "asha"
+    if num_samples < 1 or concurrent < 1 or workers < 1:
+        raise UsageError("--num-samples, --max-concurrent-trials and --workers-per-trial must be >= 1")
+    if args.num_workers is not None and args.num_workers != str(workers):
+        raise UsageError("use --workers-per-trial for a sweep (each trial is one pretrain run with that many workers)")
+    args.num_workers = str(workers)
+    args.name = args.name or time.strftime("sweep-%Y%m%d-%H%M%S")
+    resume_sweep, args.resume = args.resume, "auto"  # a restored trial continues its own latest checkpoint
+    if args.config:  # plan_run reads the file again: hand it one without the sweep keys
+        import tempfile
+
+        tmp = Path(tempfile.mkdtemp()) / "pretrain.yaml"
+        tmp.write_text(yaml.safe_dump(file_values))
+        args.config = str(tmp)
+    plan = plan_run(args)
+    metric = tune_opts["metric"] or ("val_loss" if plan.opts["val_samples"] > 0 else "loss")
+    if metric == "val_loss" and plan.opts["val_samples"] == 0:
+        raise UsageError("--metric val_loss needs --val-samples N > 0")
+
+    def steps_of(t: TrainConfig) -> int:
+        train_ids, _ = D.split_ids(plan.prepared.num_sequences, plan.opts["val_samples"])
+        return t.max_steps or D.steps_per_epoch(len(train_ids), t.global_batch_size) * t.epochs
+
+    check_space(dims, (plan.model_cfg, plan.train_cfg), plan.opts, steps_of)
+    check_capacity(concurrent, workers, plan.opts["cpus_per_worker"], plan.opts["use_gpu"])
+    grace = tune_opts["grace_steps"] or max(1, plan.train_cfg.log_every)
+    return sweep(plan, dims, num_samples, concurrent, scheduler, grace, metric, steps_of, resume_sweep)
+
+
+def check_capacity(concurrent: int, workers: int, cpus_per_worker: float, use_gpu: str) -> None:
+    import ray
+
+    total_cpu = ray.cluster_resources().get("CPU", 0)
+    need = concurrent * (workers * cpus_per_worker + TRIAL_CPUS)
+    if need > total_cpu:
+        fit = int(total_cpu // (workers * cpus_per_worker + TRIAL_CPUS))
+        raise UsageError(f"--max-concurrent-trials {concurrent} x (--workers-per-trial {workers} x "
+                         f"--cpus-per-worker {cpus_per_worker:g} + {TRIAL_CPUS}) = {need:g} CPUs, but the cluster has "
+                         f"{total_cpu:g}; at most {fit} concurrent trial(s) fit")
+    if use_gpu == "true":
+        gpus = ray.cluster_resources().get("GPU", 0)
+        if concurrent * workers > gpus:
+            raise UsageError(f"{concurrent} concurrent trials x {workers} workers need {concurrent * workers} GPUs; "
+                             f"the cluster has {gpus:g}")
+
+
+TRIAL_CPUS = 0.1  # the Tune trial function itself only waits on its TorchTrainer
+
+
+def sweep(plan: RunPlan, dims, num_samples, concurrent, scheduler, grace, metric, steps_of, resume: bool) -> int:
+    import os
+
+    # val_loss comes only every --eval-every steps; the reports between carry loss but not val_loss
+    os.environ.setdefault("TUNE_DISABLE_STRICT_METRIC_CHECKING", "1")
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler
+
+    sweep_path = f"{plan.storage}/{plan.name}"
+    trainable = tune.with_resources(tune.with_parameters(trial, plan=plan, sweep_dir=sweep_path),
+                                    {"CPU": TRIAL_CPUS})
+    if resume and not tune.Tuner.can_restore(sweep_path):
+        raise UsageError(f"--resume: no sweep named {plan.name} under {plan.storage} to continue")
+    if resume:
+        print(f"resuming sweep {plan.name} from {sweep_path}", flush=True)
+        tuner = tune.Tuner.restore(sweep_path, trainable=trainable, resume_errored=True)
+    else:
+        if tune.Tuner.can_restore(sweep_path):
+            raise UsageError(f"sweep {plan.name} already exists under {plan.storage}: add --resume to continue it, "
+                             f"or choose another --name")
+        sched = None
+        if scheduler == "asha":
+            sched = ASHAScheduler(time_attr="optimizer_step", max_t=max(steps_of(plan.train_cfg), grace + 1),
+                                  grace_period=grace, reduction_factor=2)
+        tuner = tune.Tuner(
+            trainable, param_space={d.name: d.to_tune() for d in dims.values()},
+            tune_config=tune.TuneConfig(metric=metric, mode="min", num_samples=num_samples, scheduler=sched,
+                                        max_concurrent_trials=concurrent),
+            run_config=tune.RunConfig(name=plan.name, storage_path=plan.storage),
+        )
+    results = tuner.fit()
+    rows = collect(results, dims, metric, steps_of)
+    out = Path(sweep_path) if plan.run_dir else Path("runs") / plan.name
+    write_results(rows, dims, plan, out, metric)
+    return 0 if any(r["status"] != "ERROR" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""Ray Tune sweeps over the pretraining job: search specs, a small sweep end to end, resume, results."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import run_env
+from helpers import make_prepared, run_module
+
+from ray_jobs.cli import UsageError
+from ray_jobs.tune import parse_search, plot_curves, search_space
+
+
+@pytest.mark.parametrize("spec,kind,values", [
+    ("lr=loguniform:1e-4:3e-3", "loguniform", (1e-4, 3e-3)),
+    ("grad_clip=uniform:0.5:2", "uniform", (0.5, 2.0)),
+    ("warmup_steps=choice:0,50,200", "choice", (0, 50, 200)),
+    ("global-batch-size=choice:16,32", "choice", (16, 32)),
+    ("min_lr_ratio=choice:0.1,0.0", "choice", (0.1, 0.0)),
+    ("lr=grid:1e-4,1e-3", "grid", (1e-4, 1e-3)),
+])
+def test_parse_search(spec, kind, values):
+    dim = parse_search(spec)
+    assert dim.kind == kind and dim.values == values
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("lr", "expected NAME=KIND:ARGS"),
+    ("lr=loguniform:1e-3", "cannot parse"),
+    ("lr=loguniform:abc:1", "cannot parse"),
+    ("lr=gauss:1:2", "unknown kind 'gauss'"),
+    ("depth=choice:1,2", "unknown parameter 'depth'"),
+    ("lr=uniform:3e-3:1e-4", "low 0.003 must be < high 0.0001"),
+    ("lr=loguniform:0:1e-3", "loguniform needs low > 0"),
+    ("warmup_steps=uniform:0:10", "warmup_steps is an integer"),
+    ("warmup_steps=choice:", "cannot parse"),
+    ("warmup_steps=choice:1,1", "repeated value"),
+])
+def test_bad_search_specs_are_refused(spec, message):
+    with pytest.raises(UsageError, match=message):
+        parse_search(spec)
+
+
+def test_search_space_flags_win_over_yaml_and_empty_is_refused():
+    dims = search_space(["lr=choice:1e-3"], {"lr": "loguniform:1e-4:1e-2", "grad_clip": "uniform:0.5:1"})
+    assert dims["lr"].kind == "choice" and dims["grad_clip"].kind == "uniform"
+    with pytest.raises(UsageError, match="nothing to search"):
+        search_space([], None)
+
+
+def test_plot_has_one_line_per_trial_coloured_by_lr(tmp_path):
+    rows = [{"trial": "a", "lr": 1e-4, "_curve": [(1, 5.0), (2, 4.0)]},
+            {"trial": "b", "lr": 1e-3, "_curve": [(1, 5.0), (2, 3.0), (3, 2.5)]}]
+    fig = plot_curves(rows, tmp_path / "p.png")
+    ax = fig.axes[0]
+    assert [list(line.get_xdata()) for line in ax.lines] == [[1, 2], [1, 2, 3]]
+    assert ax.lines[0].get_color() != ax.lines[1].get_color()
+    assert ax.get_xlabel() == "optimizer_step" and (tmp_path / "p.png").stat().st_size > 0
+
+
+TINY = ["--seq-len", "32", "--vocab-size", "256", "--hidden-size", "64", "--num-hidden-layers", "2",
+        "--num-attention-heads", "4", "--num-key-value-heads", "2", "--max-steps", "8", "--warmup-steps", "1",
+        "--micro-batch-size", "4", "--global-batch-size", "16", "--log-every", "2", "--checkpoint-every", "4",
+        "--dtype", "fp32", "--val-samples", "16", "--eval-every", "4"]
+
+
+@pytest.fixture(scope="module")
+def sweep_data(tmp_path_factory) -> Path:
+    return make_prepared(tmp_path_factory.mktemp("tune") / "data", num_sequences=240, seq_len=32, vocab_size=256)
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(600)
+def test_bad_sweep_config_refused_before_any_trial(ray_address, sweep_data, tmp_path):
+    env = run_env(ray_address)
+    base = ["--data", str(sweep_data), *TINY, "--storage-path", str(tmp_path), "--name", "bad"]
+    too_many = run_module("ray_jobs.tune", [*base, "--search", "lr=choice:1e-3", "--max-concurrent-trials", "50",
+                                            "--workers-per-trial", "2"], env=env)
+    assert too_many.returncode == 2 and "at most" in too_many.stderr and "concurrent trial" in too_many.stderr
+    bad_batch = run_module("ray_jobs.tune", [*base, "--search", "global_batch_size=choice:16,10"], env=env)
+    assert bad_batch.returncode == 2 and "global_batch_size: value 10 gives an invalid run" in bad_batch.stderr
+    assert "Traceback" not in too_many.stderr + bad_batch.stderr
+    assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(900)
+def test_sweep_runs_trials_writes_results_and_resumes_without_rerunning(ray_address, sweep_data, tmp_path):
+    env = run_env(ray_address)
+    args = ["--data", str(sweep_data), *TINY, "--storage-path", str(tmp_path), "--name", "sw",
+            "--search", "lr=grid:3e-4,3e-3", "--num-samples", "1", "--max-concurrent-trials", "2",
+            "--workers-per-trial", "1", "--scheduler", "none", "--metric", "val_loss"]
+    proc = run_module("ray_jobs.tune", args, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = tmp_path / "sw"
+    with open(out / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 2 and {r["status"] for r in rows} == {"DONE"}
+    assert sorted(float(r["lr"]) for r in rows) == [3e-4, 3e-3]
+    assert float(rows[0]["val_loss"]) <= float(rows[1]["val_loss"])  # sorted by the metric
+    assert all(int(r["steps"]) == 8 for r in rows)
+    best = yaml.safe_load((out / "best.yaml").read_text())
+    assert best["lr"] == float(rows[0]["lr"]) and best["data"] == str(sweep_data)
+    assert (out / "loss_curves.png").stat().st_size > 0
+    trial_logs = sorted((out / "trials").glob("*/metrics.jsonl"))
+    assert len(trial_logs) == 2
+    assert all(any("val_loss" in json.loads(line) for line in p.read_text().splitlines()) for p in trial_logs)
+    before = {p: p.read_text() for p in trial_logs}
+
+    again = run_module("ray_jobs.tune", [*args, "--resume"], env=env, timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "resuming sweep sw" in again.stdout
+    assert {p: p.read_text() for p in trial_logs} == before  # finished trials were not run again
+
+    exists = run_module("ray_jobs.tune", args, env=env)
+    assert exists.returncode == 2 and "add --resume" in exists.stderr
