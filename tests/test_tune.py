@@ -88,33 +88,78 @@ def test_bad_sweep_config_refused_before_any_trial(ray_address, sweep_data, tmp_
 
 
 @pytest.mark.ray
-@pytest.mark.timeout(900)
-def test_sweep_runs_trials_writes_results_and_resumes_without_rerunning(ray_address, sweep_data, tmp_path):
-    env = run_env(ray_address)
-    args = ["--data", str(sweep_data), *TINY, "--storage-path", str(tmp_path), "--name", "sw",
-            "--search", "lr=grid:3e-4,3e-3", "--num-samples", "1", "--max-concurrent-trials", "2",
-            "--workers-per-trial", "1", "--scheduler", "none", "--metric", "val_loss"]
-    proc = run_module("ray_jobs.tune", args, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = tmp_path / "sw"
-    with open(out / "results.csv") as f:
-        rows = list(csv.DictReader(f))
-    assert len(rows) == 2 and {r["status"] for r in rows} == {"DONE"}
-    assert sorted(float(r["lr"]) for r in rows) == [3e-4, 3e-3]
-    assert float(rows[0]["val_loss"]) <= float(rows[1]["val_loss"])  # sorted by the metric
-    assert all(int(r["steps"]) == 8 for r in rows)
-    best = yaml.safe_load((out / "best.yaml").read_text())
-    assert best["lr"] == float(rows[0]["lr"]) and best["data"] == str(sweep_data)
-    assert (out / "loss_curves.png").stat().st_size > 0
-    trial_logs = sorted((out / "trials").glob("*/metrics.jsonl"))
-    assert len(trial_logs) == 2
-    assert all(any("val_loss" in json.loads(line) for line in p.read_text().splitlines()) for p in trial_logs)
-    before = {p: p.read_text() for p in trial_logs}
+@pytest.mark.timeout(1200)
+def test_sweep_interrupted_resumed_asha_stops_the_bad_trial_and_best_yaml_runs(ray_address, sweep_data, tmp_path):
+    """4 trials x 1 worker x 24 steps, one at a time: interrupt after the first finishes, --resume.
 
-    again = run_module("ray_jobs.tune", [*args, "--resume"], env=env, timeout=600)
+    lr 1.0 is the clearly bad trial: ASHA (grace 4 steps) stops it before its last step.
+    """
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from helpers import ROOT
+
+    env = run_env(ray_address)
+    tiny = [a if a != "8" else "24" for a in TINY]  # --max-steps 24
+    args = ["--data", str(sweep_data), *tiny, "--storage-path", str(tmp_path), "--name", "sw",
+            "--search", "lr=grid:3e-3,1.0,1e-3,2e-3", "--num-samples", "1", "--max-concurrent-trials", "1",
+            "--workers-per-trial", "1", "--scheduler", "asha", "--grace-steps", "4", "--metric", "loss"]
+    out = tmp_path / "sw"
+    proc = subprocess.Popen([sys.executable, "-m", "ray_jobs.tune", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 400
+    while not list(out.glob("trials/*/checkpoint_00000024/COMPLETE.json")) and time.time() < deadline:
+        assert proc.poll() is None, "the sweep ended before it could be interrupted"
+        time.sleep(0.5)
+    time.sleep(2)  # let Tune record the finished trial
+    proc.send_signal(signal.SIGINT)  # Tune saves the sweep state and stops
+    proc.wait(120)
+    finished = sorted(out.glob("trials/*/checkpoint_00000024/COMPLETE.json"))
+    assert finished
+    first_log = finished[0].parents[1] / "metrics.jsonl"
+    first_log_before = first_log.read_text()
+
+    again = run_module("ray_jobs.tune", [*args, "--resume"], env=env, timeout=700)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "resuming sweep sw" in again.stdout
-    assert {p: p.read_text() for p in trial_logs} == before  # finished trials were not run again
+    assert first_log.read_text() == first_log_before  # the finished trial was not run again
+
+    with open(out / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert sorted(float(r["lr"]) for r in rows) == [1e-3, 2e-3, 3e-3, 1.0]  # the table covers every trial
+    losses = [float(r["loss"]) for r in rows]
+    assert losses == sorted(losses)  # sorted by the metric
+    bad = next(r for r in rows if float(r["lr"]) == 1.0)
+    assert bad["status"] == "STOPPED" and int(bad["steps"]) < 24, bad
+    assert any(r["status"] == "DONE" and int(r["steps"]) == 24 for r in rows)
+    assert (out / "loss_curves.png").stat().st_size > 0
+
+    best = yaml.safe_load((out / "best.yaml").read_text())
+    assert best["lr"] == float(rows[0]["lr"]) and best["data"] == str(sweep_data)
+    rerun = run_module("ray_jobs.pretrain", ["--config", str(out / "best.yaml"), "--max-steps", "4",
+                                              "--num-workers", "1", "--storage-path", str(tmp_path),
+                                              "--name", "from-best"], env=env)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"lr {float(rows[0]['lr']):.3e}"[:6] in rerun.stdout or "step 4/4" in rerun.stdout
 
     exists = run_module("ray_jobs.tune", args, env=env)
     assert exists.returncode == 2 and "add --resume" in exists.stderr
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(600)
+def test_sweep_reports_val_loss_per_trial(ray_address, sweep_data, tmp_path):
+    env = run_env(ray_address)
+    args = ["--data", str(sweep_data), *TINY, "--storage-path", str(tmp_path), "--name", "val",
+            "--search", "lr=grid:3e-4,3e-3", "--num-samples", "1", "--max-concurrent-trials", "2",
+            "--workers-per-trial", "1", "--scheduler", "none", "--metric", "val_loss"]
+    proc = run_module("ray_jobs.tune", args, env=env, timeout=500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(tmp_path / "val" / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 2 and all(r["val_loss"] not in ("", "None") for r in rows)
+    assert float(rows[0]["val_loss"]) <= float(rows[1]["val_loss"])
+    logs = sorted((tmp_path / "val" / "trials").glob("*/metrics.jsonl"))
+    assert len(logs) == 2 and all(any("val_loss" in json.loads(x) for x in p.read_text().splitlines()) for p in logs)
