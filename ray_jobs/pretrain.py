@@ -124,6 +124,7 @@ class RunPlan:
 def check_options(model_cfg: ModelConfig, train_cfg: TrainConfig, opts: dict) -> tuple[int, int]:
     """Every check that needs no data and no Ray; returns the (min, max) world size."""
     model_cfg.validate()
+    train_cfg.validate()  # the config's own problems first, then how it meets the world size
     min_w, max_w = parse_num_workers(opts["num_workers"])
     valid = valid_world_sizes(train_cfg.global_batch_size, train_cfg.micro_batch_size)
     bad = [w for w in range(min_w, max_w + 1) if w not in valid]
@@ -174,6 +175,9 @@ def plan_run(args: argparse.Namespace, extra_keys: frozenset[str] = frozenset())
         data_dir = Path(opts["data"]).expanduser().resolve()
         D.open_prepared(data_dir)  # a missing or incomplete --data is refused before Ray starts
     ensure_ray(opts.get("num_cpus"))
+    if train_cfg.dtype == "fp16" and not uses_gpu(opts):
+        raise UsageError("--dtype fp16 needs GPU workers (CPU autocast supports bf16 or fp32); this run has none: "
+                         "use --dtype bf16, fp32 or auto")
     if demo:
         from .demo_data import demo_data_dir
 
@@ -210,14 +214,19 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def make_trainer(config: dict, opts: dict, storage: str, name: str, workers: tuple[int, int], callbacks=None):
+def uses_gpu(opts: dict) -> bool:
     import ray
+
+    return opts["use_gpu"] == "true" or (opts["use_gpu"] == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
+
+
+def make_trainer(config: dict, opts: dict, storage: str, name: str, workers: tuple[int, int], callbacks=None):
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from .worker import train_func
 
-    use_gpu = opts["use_gpu"] == "true" or (opts["use_gpu"] == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
+    use_gpu = uses_gpu(opts)
     min_w, max_w = workers
     scaling = ScalingConfig(num_workers=min_w if min_w == max_w else (min_w, max_w), use_gpu=use_gpu,
                             resources_per_worker={"CPU": opts["cpus_per_worker"]},

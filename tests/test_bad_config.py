@@ -1,0 +1,108 @@
+"""Wrong invocations of pretrain / prepare / tune / export: one clear `error:` line, exit 2, nothing written.
+
+Table-driven; each case runs the command's `main()` in this process (the session's Ray is shared
+for the few cases that need to look at data on a running cluster).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from helpers import make_prepared
+
+from ray_jobs import export, prepare, pretrain, tune
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    return make_prepared(tmp_path_factory.mktemp("bad") / "data", num_sequences=64, seq_len=32, vocab_size=256)
+
+
+def setup_files(tmp: Path) -> dict[str, str]:
+    (tmp / "list.yaml").write_text("- 1\n- 2\n")
+    (tmp / "unknown.yaml").write_text("hidden_size: 64\nnot_a_field: 3\n")
+    (tmp / "broken.yaml").write_text("lr: [1, 2\n")
+    (tmp / "nomanifest").mkdir()
+    (tmp / "doc.jsonl").write_text('{"text": "hello"}\n{"text": "hello"\n')
+    return {"tmp": str(tmp)}
+
+
+TINY = ["--seq-len", "32", "--vocab-size", "256", "--hidden-size", "64", "--num-hidden-layers", "2",
+        "--num-attention-heads", "4", "--num-key-value-heads", "2", "--micro-batch-size", "4",
+        "--global-batch-size", "16", "--max-steps", "4", "--warmup-steps", "1"]
+
+# (command, argv with {data} and {tmp} placeholders, what the one error line must say)
+CASES = [
+    ("pretrain", ["--lr", "-1"], "lr must be a positive number"),
+    ("pretrain", ["--warmup-steps", "300"], "warmup_steps (300) must be smaller than the total optimizer steps (200)"),
+    ("pretrain", ["--num-workers", "3"], "valid world sizes: 1, 2, 4"),
+    ("pretrain", ["--num-workers", "0"], "need 1 <= MIN <= MAX"),
+    ("pretrain", ["--num-workers", "4-2"], "need 1 <= MIN <= MAX"),
+    ("pretrain", ["--num-workers", "two"], "expected N or MIN-MAX"),
+    ("pretrain", ["--num-workers", "1-3"], "world size(s) 3 cannot keep global_batch_size 32"),
+    ("pretrain", ["--hidden-size", "100"], "num_attention_heads (8) must divide hidden_size (100)"),
+    ("pretrain", ["--num-key-value-heads", "3"], "num_key_value_heads (3) must divide num_attention_heads (8)"),
+    ("pretrain", ["--global-batch-size", "30"], "global_batch_size (30) must be a multiple of micro_batch_size (8)"),
+    ("pretrain", ["--min-lr-ratio", "2"], "min_lr_ratio must be in [0, 1]"),
+    ("pretrain", ["--betas", "0.9", "1.5"], "betas must be two numbers in [0, 1)"),
+    ("pretrain", ["--max-steps", "0"], "max_steps must be an integer >= 1"),
+    ("pretrain", ["--seq-len", "40000"], "exceeds max_position_embeddings"),
+    ("pretrain", ["--keep-checkpoints", "0"], "--keep-checkpoints must be an integer >= 1"),
+    ("pretrain", ["--exit-after-minutes", "0"], "--exit-after-minutes must be > 0"),
+    ("pretrain", ["--eval-every", "0"], "--eval-every must be >= 1"),
+    ("pretrain", ["--config", "{tmp}/missing.yaml"], "file not found"),
+    ("pretrain", ["--config", "{tmp}/list.yaml"], "expected a mapping"),
+    ("pretrain", ["--config", "{tmp}/broken.yaml"], "not valid YAML"),
+    ("pretrain", ["--config", "{tmp}/unknown.yaml"], "unknown option(s) not_a_field"),
+    ("pretrain", ["--resume", "{tmp}/no-such-checkpoint"], "does not exist"),
+    ("pretrain", ["--data", "{tmp}/missing-data"], "does not exist (make one with `python -m ray_jobs.prepare`)"),
+    ("pretrain", ["--data", "{tmp}/nomanifest"], "has no manifest.json"),
+    ("pretrain", ["--data", "{data}", *TINY[:-4], "--seq-len", "64"], "packed with seq_len 32"),
+    ("pretrain", ["--data", "{data}", *TINY, "--vocab-size", "128"], "its tokenizer has 256 tokens"),
+    ("pretrain", ["--data", "{data}", *TINY, "--val-samples", "64"], "val_samples 64 must be in [0, 64)"),
+    ("pretrain", ["--data", "{data}", *TINY, "--global-batch-size", "128", "--micro-batch-size", "8"],
+     "do not fill one global batch of 128"),
+    ("pretrain", ["--data", "{data}", *TINY, "--dtype", "fp16", "--use-gpu", "false"], "--dtype fp16 needs GPU"),
+    ("prepare", ["--input", "{tmp}/missing.jsonl", "--output", "{tmp}/out"], "missing.jsonl"),
+    ("prepare", ["--input", "{tmp}/doc.jsonl", "--output", "{tmp}/out2", "--seq-len", "0"], "seq-len"),
+    ("prepare", ["--input", "{tmp}/doc.jsonl", "--output", "{tmp}/out3", "--vocab-size", "4", "--seq-len", "8"],
+     "vocab"),
+    ("export", ["--checkpoint", "{tmp}/no-ckpt", "--output", "{tmp}/exp"], "does not exist"),
+    ("tune", ["--search", "lr=uniform:3e-3:1e-4"], "low 0.003 must be < high 0.0001"),
+    ("tune", ["--search", "depth=choice:1,2"], "unknown parameter 'depth'"),
+    ("tune", ["--search", "lr=loguniform"], "cannot parse"),
+    ("tune", [], "nothing to search"),
+]
+MODULES = {"pretrain": pretrain, "prepare": prepare, "tune": tune, "export": export}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("command,argv,message", CASES, ids=[f"{c}:{' '.join(a)[:40]}" for c, a, _ in CASES])
+def test_wrong_invocation_is_one_clear_error(ray_address, data, tmp_path, capsys, command, argv, message):
+    setup_files(tmp_path)
+    argv = [a.format(data=data, tmp=tmp_path) for a in argv]
+    if command in ("pretrain", "tune"):
+        argv += ["--storage-path", str(tmp_path / "runs"), "--name", "bad"]
+    before = sorted(p.name for p in tmp_path.iterdir())
+    code = MODULES[command].main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert message in err, err
+    error_lines = [line for line in err.splitlines() if "error:" in line]  # "error: ..." or argparse's "prog: error: ..."
+    assert len(error_lines) == 1 and "Traceback" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written, no run folder
+
+
+def test_unknown_flag_is_refused_by_argparse(capsys):
+    with pytest.raises(SystemExit) as e:
+        pretrain.main(["--no-such-flag"])
+    assert e.value.code == 2 and "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
+
+
+def test_at_least_25_cases():
+    assert len(CASES) >= 25
+    assert {c for c, _, _ in CASES} == set(MODULES)
+
