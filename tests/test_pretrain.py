@@ -108,11 +108,15 @@ def test_uninterrupted_run_logs_progress_and_loss_falls(baseline, storage):
     assert not model.training and tokenizer is not None
 
 
-def test_exit_after_steps_then_resume_auto_is_bitwise_equal(ray_address, tiny_data, storage, baseline):
-    first = pretrain(ray_address, tiny_args(tiny_data, storage, "split", "--num-workers", "2", "--exit-after-steps", "8"))
+def test_exit_after_steps_then_resume_auto_is_bitwise_equal(ray_address, tiny_data, storage, baseline, tmp_path):
+    ids = tmp_path / "ids"
+    first = pretrain(ray_address, tiny_args(tiny_data, storage, "split", "--num-workers", "2", "--exit-after-steps", "8",
+                                            "--record-sample-ids", str(ids)))
     assert "exiting after optimizer step 8" in first.stdout
     assert (storage / "split" / "checkpoint_00000008" / "COMPLETE.json").is_file()
-    second = pretrain(ray_address, tiny_args(tiny_data, storage, "split", "--num-workers", "2", "--resume", "auto"))
+    second = pretrain(ray_address, tiny_args(tiny_data, storage, "split", "--num-workers", "2", "--resume", "auto",
+                                             "--record-sample-ids", str(ids)))
+    assert consumed_ids(ids) == baseline["ids"]  # same world size: the same samples at every optimizer step
     assert "resumed run split at optimizer step 8 (epoch 0, 128 samples): world size 2 -> 2, accumulation 2 -> 2" \
         in second.stdout
     assert "step 12/20" in second.stdout and "step 8/20" not in second.stdout  # continues at step 9
