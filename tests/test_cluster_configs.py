@@ -1,0 +1,353 @@
+"""cluster/: every config parses, has what it needs, passes Ray's own offline validation, names
+entrypoints that the pretrain CLI accepts, and never exposes the dashboard without auth.
+Also the dashboard metrics module, with a fake Gauge. No Ray cluster is started here."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import math
+import re
+import shlex
+import subprocess
+
+import pytest
+import yaml
+from helpers import ROOT
+
+from minilm.config import valid_world_sizes
+from ray_jobs import dashboard_metrics
+from ray_jobs.cli import build_configs, parse_num_workers
+from ray_jobs.pretrain import RUN_DEFAULTS, RUN_KEYS, build_parser, check_options
+
+CLUSTER = ROOT / "cluster"
+YAMLS = sorted(CLUSTER.glob("*.yaml"))
+KUBERAY_CLUSTERS = {"kuberay-raycluster.yaml": lambda d: d["spec"],
+                    "kuberay-rayjob.yaml": lambda d: d["spec"]["rayClusterSpec"]}
+
+
+def load(name: str) -> dict:
+    docs = [d for d in yaml.safe_load_all((CLUSTER / name).read_text()) if d is not None]
+    assert len(docs) == 1, f"{name}: expected one YAML document, got {len(docs)}"
+    return docs[0]
+
+
+def entrypoint_args(command: str, module: str = "ray_jobs.pretrain") -> list[str]:
+    """The arguments after `python -m MODULE` in a shell command line."""
+    words = shlex.split(command)
+    i = words.index("-m")
+    assert words[i + 1] == module, command
+    return words[i + 2:]
+
+
+def parse_pretrain(args: list[str]):
+    """What `python -m ray_jobs.pretrain ARGS` checks before it needs data or Ray: flags and configs."""
+    ns = build_parser().parse_args(args)  # SystemExit(2) on an unknown or malformed flag
+    model, train, rest = build_configs(ns, {}, RUN_KEYS, demo=not ns.data)
+    check_options(model, train, {**RUN_DEFAULTS, **rest})  # pretrain's own checks before it needs data
+    lo, hi = parse_num_workers(rest.get("num_workers", "2"))
+    valid = valid_world_sizes(train.global_batch_size, train.micro_batch_size)
+    assert set(range(lo, hi + 1)) <= set(valid), f"{args}: world sizes {lo}-{hi}, valid {valid}"
+    return ns, model, train, rest
+
+
+def test_the_cluster_folder_has_its_files():
+    names = {p.name for p in CLUSTER.iterdir()}
+    assert {"aws.yaml", "kuberay-raycluster.yaml", "kuberay-rayjob.yaml", "kuberay-storage.yaml",
+            "runtime-env.yaml", "local.sh", "README.md", "Dockerfile"} <= names
+
+
+@pytest.mark.parametrize("path", YAMLS, ids=[p.name for p in YAMLS])
+def test_every_yaml_parses_to_a_mapping(path):
+    docs = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+    assert docs and all(isinstance(d, dict) for d in docs)
+
+
+# --- the cluster launcher config (AWS) ------------------------------------------------------------
+
+
+def test_aws_config_passes_rays_schema_validation():
+    pytest.importorskip("jsonschema")
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    config = load("aws.yaml")
+    prepared = prepare_config(copy.deepcopy(config))  # merges Ray's AWS defaults, as `ray up` does
+    validate_config(prepared)  # ray-schema.json plus the node-type checks of `ray up`
+    assert prepared["provider"]["type"] == "aws"
+    types = prepared["available_node_types"]
+    assert prepared["head_node_type"] in types
+    workers = {k: v for k, v in types.items() if k != prepared["head_node_type"]}
+    instance_types = {v["node_config"]["InstanceType"] for v in workers.values()}
+    assert {"g5.xlarge", "p4d.24xlarge"} <= instance_types
+    for name, t in workers.items():
+        assert 0 <= t["min_workers"] <= t["max_workers"], name
+    assert prepared["max_workers"] == sum(t["max_workers"] for t in workers.values())
+    assert types[prepared["head_node_type"]]["resources"] == {"CPU": 0}, "no training on the head"
+
+
+def test_aws_config_installs_the_project_and_turns_token_auth_on():
+    config = load("aws.yaml")
+    assert config["file_mounts"]["~/minilm"] == "."
+    assert config["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
+    assert ".gitignore" in config["rsync_filter"]
+    assert any("pip install" in c and "~/minilm" in c for c in config["setup_commands"])
+    head = " ".join(config["head_start_ray_commands"])
+    worker = " ".join(config["worker_start_ray_commands"])
+    assert "ray start --head" in head and "RAY_AUTH_MODE=token" in head
+    assert "--dashboard-host=127.0.0.1" in head
+    assert "ray start --address=$RAY_HEAD_IP:6379" in worker and "RAY_AUTH_MODE=token" in worker
+    # The dashboard is reached through `ray dashboard` (SSH): no security group rule opens it.
+    assert "8265" not in yaml.safe_dump(config.get("provider", {}))
+
+
+# --- KubeRay ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(KUBERAY_CLUSTERS))
+def test_kuberay_cluster_spec_is_what_the_kuberay_autoscaler_accepts(name):
+    pytest.importorskip("jsonschema")
+    from ray.autoscaler._private.kuberay.autoscaling_config import _derive_autoscaling_config_from_ray_cr
+
+    doc = load(name)
+    assert doc["apiVersion"] == "ray.io/v1" and doc["metadata"]["name"] and doc["metadata"]["namespace"]
+    spec = KUBERAY_CLUSTERS[name](doc)
+    cr = {"apiVersion": "ray.io/v1", "kind": "RayCluster", "metadata": doc["metadata"], "spec": spec}
+    # What the KubeRay autoscaler derives from the RayCluster: validated against Ray's schema on the way.
+    derived = _derive_autoscaling_config_from_ray_cr(copy.deepcopy(cr))
+    gpu = derived["available_node_types"]["gpu"]
+    assert gpu["resources"]["GPU"] == 1
+    assert (gpu["min_workers"], gpu["max_workers"]) == (2, 4)
+    assert spec["enableInTreeAutoscaling"] is True
+    for group in spec["workerGroupSpecs"]:
+        assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+
+
+# Field names of the ray.io/v1 CRDs (KubeRay 1.5-1.7 API reference), to catch a misspelt key: the
+# CRD schemas themselves are not available offline.
+RAYCLUSTER_SPEC = {"authOptions", "suspend", "managedBy", "autoscalerOptions", "headServiceAnnotations",
+                   "enableInTreeAutoscaling", "gcsFaultToleranceOptions", "headGroupSpec", "rayVersion",
+                   "workerGroupSpecs", "upgradeStrategy"}
+HEAD_GROUP = {"template", "headService", "enableIngress", "resources", "labels", "rayStartParams",
+              "serviceType"}
+WORKER_GROUP = {"suspend", "groupName", "replicas", "minReplicas", "maxReplicas", "idleTimeoutSeconds",
+                "resources", "labels", "rayStartParams", "template", "scaleStrategy", "numOfHosts"}
+AUTOSCALER_OPTIONS = {"resources", "image", "imagePullPolicy", "securityContext", "idleTimeoutSeconds",
+                      "upscalingMode", "version", "env", "envFrom", "volumeMounts"}
+RAYJOB_SPEC = {"activeDeadlineSeconds", "backoffLimit", "rayClusterSpec", "submitterPodTemplate", "metadata",
+               "clusterSelector", "submitterConfig", "managedBy", "deletionStrategy", "entrypoint",
+               "runtimeEnvYAML", "jobId", "submissionMode", "entrypointResources", "entrypointNumCpus",
+               "entrypointNumGpus", "ttlSecondsAfterFinished", "shutdownAfterJobFinishes", "suspend"}
+
+
+@pytest.mark.parametrize("name", sorted(KUBERAY_CLUSTERS))
+def test_kuberay_manifests_use_only_known_crd_fields(name):
+    doc = load(name)
+    spec = KUBERAY_CLUSTERS[name](doc)
+    if doc["kind"] == "RayJob":
+        assert set(doc["spec"]) <= RAYJOB_SPEC, set(doc["spec"]) - RAYJOB_SPEC
+        assert doc["spec"]["submissionMode"] in ("K8sJobMode", "HTTPMode", "InteractiveMode", "SidecarMode")
+    assert set(spec) <= RAYCLUSTER_SPEC, set(spec) - RAYCLUSTER_SPEC
+    assert set(spec["headGroupSpec"]) <= HEAD_GROUP
+    assert set(spec["autoscalerOptions"]) <= AUTOSCALER_OPTIONS
+    assert spec["autoscalerOptions"]["upscalingMode"] in ("Default", "Conservative", "Aggressive")
+    for group in spec["workerGroupSpecs"]:
+        assert set(group) <= WORKER_GROUP, set(group) - WORKER_GROUP
+    for group in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:
+        assert all(isinstance(v, str) for v in group["rayStartParams"].values()), "rayStartParams: strings"
+
+
+@pytest.mark.parametrize("name", sorted(KUBERAY_CLUSTERS))
+def test_kuberay_token_auth_on_and_dashboard_inside_the_cluster_only(name):
+    spec = KUBERAY_CLUSTERS[name](load(name))
+    assert spec["authOptions"]["mode"] == "token"
+    head = spec["headGroupSpec"]
+    assert head.get("serviceType", "ClusterIP") == "ClusterIP"
+    assert "ingress" not in yaml.safe_dump(spec).lower()
+
+
+@pytest.mark.parametrize("name", sorted(KUBERAY_CLUSTERS))
+def test_kuberay_pods_mount_the_shared_volume(name):
+    spec = KUBERAY_CLUSTERS[name](load(name))
+    storage = load("kuberay-storage.yaml")
+    assert storage["kind"] == "PersistentVolumeClaim" and "ReadWriteMany" in storage["spec"]["accessModes"]
+    for group in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:
+        pod = group["template"]["spec"]
+        claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"]
+                  if "persistentVolumeClaim" in v}
+        assert claims == {"shared": storage["metadata"]["name"]}
+        mounts = {m["name"]: m["mountPath"] for c in pod["containers"] for m in c.get("volumeMounts", [])}
+        assert mounts["shared"] == "/shared"
+
+
+def test_kuberay_rayjob_runs_the_pretrain_module_with_valid_flags():
+    job = load("kuberay-rayjob.yaml")
+    assert job["kind"] == "RayJob"
+    assert job["spec"]["shutdownAfterJobFinishes"] is True
+    yaml.safe_load(job["spec"]["runtimeEnvYAML"])
+    args = entrypoint_args(job["spec"]["entrypoint"])
+    assert importlib.util.find_spec("ray_jobs.pretrain") is not None
+    assert (ROOT / "ray_jobs" / "pretrain.py").is_file()
+    ns, model, train, rest = parse_pretrain(args)
+    # Checkpoints on the shared volume (or object storage), resumable by name.
+    assert rest["storage_path"].startswith(("/shared/", "s3://", "gs://"))
+    assert rest["data"].startswith("/shared/")
+    assert rest["resume"] == "auto" and rest["name"]
+    # Elastic: MIN-MAX Train workers = the gpu group's min/max replicas x 1 GPU, and every world size
+    # in between keeps the global batch (pretrain refuses the run otherwise).
+    lo, hi = (int(x) for x in rest["num_workers"].split("-"))
+    group = job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]
+    gpus = int(group["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
+    assert (lo, hi) == (group["minReplicas"] * gpus, group["maxReplicas"] * gpus)
+    assert set(range(lo, hi + 1)) <= set(valid_world_sizes(train.global_batch_size, train.micro_batch_size))
+    assert rest["use_gpu"] == "true"
+
+
+def test_kuberay_manifests_and_images_agree_on_one_ray_version():
+    versions = set()
+    for name, get in KUBERAY_CLUSTERS.items():
+        spec = get(load(name))
+        versions.add(spec["rayVersion"])
+        for group in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:
+            for c in group["template"]["spec"]["containers"]:
+                versions.update(re.findall(r"ray(\d+\.\d+\.\d+)", c["image"]))
+    dockerfile = (CLUSTER / "Dockerfile").read_text()
+    versions.update(re.findall(r"^FROM rayproject/ray:(\d+\.\d+\.\d+)-", dockerfile, re.M))
+    aws = load("aws.yaml")["docker"]
+    for image in (aws["head_image"], aws["worker_image"]):
+        versions.update(re.findall(r"rayproject/ray:(\d+\.\d+\.\d+)-", image))
+    assert len(versions) == 1, versions
+
+
+# --- docs, runtime env, local head ------------------------------------------------------------------
+
+
+def readme_commands(text: str) -> list[str]:
+    """Shell commands of the README's indented code blocks, continuation lines joined."""
+    lines, out, cur = text.splitlines(), [], ""
+    for line in lines:
+        if not line.startswith("    "):
+            cur = ""
+            continue
+        cur += line.strip()
+        if cur.endswith("\\"):
+            cur = cur[:-1] + " "
+            continue
+        out.append(cur)
+        cur = ""
+    return out
+
+
+def test_readme_pretrain_commands_parse_with_the_pretrain_cli():
+    commands = readme_commands((CLUSTER / "README.md").read_text())
+    commands = [c for c in commands if "-m ray_jobs.pretrain" in c]
+    assert len(commands) >= 3, commands
+    for command in commands:
+        args = [a for a in entrypoint_args(command.split("#")[0]) if a != "..."]
+        parse_pretrain(args)
+
+
+def test_readme_covers_launch_submit_watch_resume_teardown_storage_and_elastic():
+    text = (CLUSTER / "README.md").read_text()
+    for needle in ("ray up cluster/aws.yaml", "ray dashboard cluster/aws.yaml", "ray job submit",
+                   "ray job logs", "ray job stop", "--resume auto", "ray down cluster/aws.yaml",
+                   "kubectl apply", "kubectl port-forward", "cluster/local.sh start", "cluster/local.sh stop",
+                   "shared",
+                   "min_workers", "minReplicas", "--num-workers 2-4", "RAY_AUTH_MODE=token", "ray_minilm_"):
+        assert needle in text, needle
+
+
+def test_runtime_env_leaves_git_and_local_data_out():
+    env = load("runtime-env.yaml")
+    assert ".git" in env["excludes"] and ".venv" in env["excludes"]
+    assert env["env_vars"]["RAY_TRAIN_ENABLE_STATE_TRACKING"] == "1"
+
+
+def test_no_config_or_doc_opens_the_dashboard_to_all_interfaces_without_auth():
+    # Only the KubeRay head binds the pod network (token auth on, ClusterIP; checked above).
+    for name in ("aws.yaml", "local.sh", "README.md", "runtime-env.yaml"):
+        path = CLUSTER / name
+        assert "0.0.0.0" not in path.read_text(), path.name
+    local = (CLUSTER / "local.sh").read_text()
+    assert "--dashboard-host 127.0.0.1" in local and "export RAY_AUTH_MODE=token" in local
+    for name in KUBERAY_CLUSTERS:
+        text = (CLUSTER / name).read_text()
+        for kind in ("LoadBalancer", "NodePort", "kind: Ingress", "kind: Service"):
+            assert kind not in text, (name, kind)
+
+
+def test_local_sh_is_valid_bash_and_explains_itself():
+    assert subprocess.run(["bash", "-n", str(CLUSTER / "local.sh")]).returncode == 0
+    usage = subprocess.run(["bash", str(CLUSTER / "local.sh")], capture_output=True, text=True)
+    assert usage.returncode == 2 and "start|env|status|stop" in usage.stderr
+
+
+# --- dashboard metrics --------------------------------------------------------------------------------
+
+
+class FakeGauge:
+    made: list = []
+
+    def __init__(self, name, description="", tag_keys=()):
+        self.name, self.description, self.tag_keys, self.values = name, description, tag_keys, []
+        FakeGauge.made.append(self)
+
+    def set(self, value, tags=None):
+        self.values.append((value, tags))
+
+
+@pytest.fixture
+def fake_gauges(monkeypatch):
+    import ray.util.metrics
+
+    FakeGauge.made = []
+    monkeypatch.setattr(ray.util.metrics, "Gauge", FakeGauge)
+    dashboard_metrics._reset_for_tests()
+    yield FakeGauge
+    dashboard_metrics._reset_for_tests()
+
+
+def test_publish_sets_tagged_gauges_once_per_process(fake_gauges):
+    metrics = {"loss": 2.5, "lr": 1e-3, "tokens_per_s": 1000.0, "mfu": 0.25, "optimizer_step": 10,
+               "samples_seen": 160, "grad_norm": float("nan"), "world_size": True,
+               "expert_load": [[0.5, 0.5]]}
+    dashboard_metrics.publish(metrics, "run1")
+    dashboard_metrics.publish({**metrics, "optimizer_step": 12}, "run1")
+    by_name = {g.name: g for g in fake_gauges.made}
+    assert len(fake_gauges.made) == len(dashboard_metrics.GAUGES), "gauges are created once, not per call"
+    for key in ("tokens_per_s", "loss", "lr", "mfu", "optimizer_step", "samples_seen"):
+        assert "ray_minilm_" + key in dashboard_metrics.metric_names()
+        g = by_name["minilm_" + key]
+        assert g.tag_keys == ("run",) and g.description
+        assert g.values[-1][1] == {"run": "run1"}
+    assert by_name["minilm_optimizer_step"].values == [(10.0, {"run": "run1"}), (12.0, {"run": "run1"})]
+    assert by_name["minilm_grad_norm"].values == []  # not finite: skipped
+    assert by_name["minilm_world_size"].values == []  # a bool is not a measurement
+    assert by_name["minilm_eta_s"].values == []  # absent
+    assert all(math.isfinite(v) for g in fake_gauges.made for v, _ in g.values)
+
+
+def test_publish_never_raises_and_stops_after_a_failure(monkeypatch, caplog):
+    import ray.util.metrics
+
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(args)
+        raise RuntimeError("no metrics agent")
+
+    monkeypatch.setattr(ray.util.metrics, "Gauge", broken)
+    dashboard_metrics._reset_for_tests()
+    try:
+        dashboard_metrics.publish({"loss": 1.0}, "run1")
+        dashboard_metrics.publish({"loss": 1.0}, "run1")
+        assert len(calls) == 1 and "dashboard metrics disabled" in caplog.text
+    finally:
+        dashboard_metrics._reset_for_tests()
+
+
+def test_publish_outside_ray_is_a_no_op():
+    dashboard_metrics._reset_for_tests()
+    try:
+        dashboard_metrics.publish({"loss": 1.0, "lr": 0.1}, "run1")  # no ray.init(): nothing to export to
+    finally:
+        dashboard_metrics._reset_for_tests()
