@@ -124,6 +124,24 @@ def load_resume_state(path: str | os.PathLike, map_location: str | torch.device 
         raise CheckpointError(f"checkpoint {path} could not be loaded: {type(e).__name__}: {e}") from None
 
 
+def resume_problems(state: dict[str, Any], model_config: ModelConfig, global_batch_size: int, seed: int,
+                    data_fingerprint: str) -> list[str]:
+    """Why a run with these settings cannot continue from a checkpoint's state.json (empty: it can)."""
+    problems = []
+    if state["global_batch_size"] != global_batch_size:
+        problems.append(f"global_batch_size {global_batch_size} != {state['global_batch_size']} in the checkpoint "
+                        f"(the global batch is the invariant of a run)")
+    if state["model_config"] != model_config.to_dict():
+        changed = sorted(k for k, v in model_config.to_dict().items() if state["model_config"].get(k) != v)
+        problems.append(f"the model config differs from the checkpoint's ({', '.join(changed)})")
+    if state["data_fingerprint"] != data_fingerprint:
+        problems.append(f"the data fingerprint {data_fingerprint[:12]} differs from the checkpoint's "
+                        f"{state['data_fingerprint'][:12]} (other --data, or data made with another tokenizer)")
+    if state["train_config"]["seed"] != seed:
+        problems.append(f"seed {seed} != {state['train_config']['seed']} in the checkpoint")
+    return problems
+
+
 def latest_complete(checkpoint_dirs: list[Path], log=print) -> Path | None:
     """The newest complete checkpoint among `checkpoint_dirs` (sorted oldest first); says what it skips."""
     for p in reversed(checkpoint_dirs):

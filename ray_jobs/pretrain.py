@@ -190,11 +190,33 @@ def plan_run(args: argparse.Namespace, extra_keys: frozenset[str] = frozenset())
         raise D.DataError(f"{data_dir}: {len(train_ids)} training sequences do not fill one global batch of "
                           f"{train_cfg.global_batch_size}")
     train_cfg.validate(world_size=min_w, total_steps=train_cfg.max_steps or per_epoch * train_cfg.epochs)
+    check_resumable(resume_path or latest_checkpoint(run_dir, opts["resume"]), model_cfg, train_cfg, prepared)
     if opts.get("record_sample_ids"):
         Path(opts["record_sample_ids"]).mkdir(parents=True, exist_ok=True)
     return RunPlan(model_cfg=model_cfg, train_cfg=train_cfg, opts=opts, workers=(min_w, max_w), name=name,
                    storage=storage, run_dir=run_dir, data_dir=data_dir, prepared=prepared, steps_per_epoch=per_epoch,
                    resume_path=resume_path)
+
+
+def latest_checkpoint(run_dir: Path | None, resume: str) -> Path | None:
+    """The newest checkpoint folder with a completion marker in a local run folder (for --resume auto)."""
+    if run_dir is None or resume != "auto":
+        return None
+    done = sorted(p.parent for p in run_dir.glob(f"checkpoint_*/{C.MARKER}"))
+    return done[-1] if done else None
+
+
+def check_resumable(path: Path | None, model_cfg: ModelConfig, train_cfg: TrainConfig, prepared) -> None:
+    """Refuse, before any worker starts, a run that cannot continue the checkpoint it would resume."""
+    if path is None:
+        return
+    import json
+
+    state = json.loads((path / "state.json").read_text())
+    problems = C.resume_problems(state, model_cfg, train_cfg.global_batch_size, train_cfg.seed, prepared.fingerprint)
+    if problems:
+        raise UsageError(f"cannot resume from {path}: " + "; ".join(problems) +
+                         " (use another --name to start a new run)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -292,17 +292,7 @@ def restore(w: Worker) -> dict | None:
         return None
     resume = C.load_resume_state(path)
     s = resume.state
-    problems = []
-    if s["global_batch_size"] != train_cfg.global_batch_size:
-        problems.append(f"global_batch_size {train_cfg.global_batch_size} != {s['global_batch_size']} in the checkpoint "
-                        f"(the global batch is the invariant of a run)")
-    if s["model_config"] != model.config.to_dict():
-        problems.append("the model config differs from the checkpoint's")
-    if s["data_fingerprint"] != prepared.fingerprint:
-        problems.append(f"the data fingerprint {prepared.fingerprint[:12]} differs from the checkpoint's "
-                        f"{s['data_fingerprint'][:12]} (different --data)")
-    if s["train_config"]["seed"] != train_cfg.seed:
-        problems.append(f"seed {train_cfg.seed} != {s['train_config']['seed']} in the checkpoint")
+    problems = C.resume_problems(s, model.config, train_cfg.global_batch_size, train_cfg.seed, prepared.fingerprint)
     if problems:
         raise C.CheckpointError(f"cannot resume from {path}: " + "; ".join(problems))
     model.load_state_dict(resume.model_state, strict=True)

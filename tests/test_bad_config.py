@@ -106,3 +106,31 @@ def test_at_least_25_cases():
     assert len(CASES) >= 25
     assert {c for c, _, _ in CASES} == set(MODULES)
 
+
+
+@pytest.mark.timeout(120)
+def test_resuming_with_other_data_or_model_is_refused_before_start(ray_address, data, tmp_path, capsys):
+    import torch
+
+    from minilm import checkpoint as C
+    from minilm.config import ModelConfig, TrainConfig
+    from minilm.model import MiniMindForCausalLM
+    from minilm.step import make_grad_scaler, make_optimizer
+
+    cfg = ModelConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    model = MiniMindForCausalLM(cfg)
+    tcfg = TrainConfig(seq_len=32, micro_batch_size=4, global_batch_size=16, max_steps=4, warmup_steps=1)
+    state = {"optimizer_step": 2, "global_batch_size": 16, "model_config": cfg.to_dict(),
+             "train_config": tcfg.to_dict(), "data_fingerprint": "0" * 64}
+    ckpt = tmp_path / "runs" / "old" / "checkpoint_00000002"
+    C.save_resume_state(ckpt, model=model, optimizer=make_optimizer(model, tcfg),
+                        scaler=make_grad_scaler(torch.float32, "cpu"), state=state)
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    code = pretrain.main(["--data", str(data), *TINY, "--storage-path", str(tmp_path / "runs"), "--name", "old"])
+    err = capsys.readouterr().err
+    assert code == 2 and "cannot resume from" in err and "data fingerprint" in err and "another --name" in err, err
+    code = pretrain.main(["--data", str(data), *TINY, "--hidden-size", "128", "--storage-path",
+                          str(tmp_path / "runs"), "--name", "old"])
+    err = capsys.readouterr().err
+    assert code == 2 and "model config differs from the checkpoint's (hidden_size" in err, err
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before
