@@ -63,7 +63,7 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, sequences: torch.Tenso
         micro_batches = [sequences[chunk].to(device) for chunk in ids.split(train_cfg.micro_batch_size)]
         lr = get_lr(step, total_steps, train_cfg.lr, train_cfg.warmup_steps, train_cfg.min_lr_ratio)
         m = optimizer_step(model, optimizer, scaler, micro_batches, lr=lr, grad_clip=train_cfg.grad_clip, dtype=dtype)
-        guard.update(m, step, scaler.is_enabled())
+        guard.update(m, step + 1, scaler.is_enabled())  # steps are counted from 1 in logs and messages
         now = time.perf_counter()
         record = {"optimizer_step": step + 1, "epoch": pos.epoch, "loss": float(m.loss), "lm_loss": float(m.lm_loss),
                   "aux_loss": float(m.aux_loss), "lr": lr, "grad_norm": float(m.grad_norm),

@@ -7,6 +7,7 @@ to Ray Train (a barrier: every rank reports at the same steps; rank 0 attaches t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -87,9 +88,11 @@ def train_func(config: dict) -> None:
         micro_batches, sample_ids = w.stream.next_step()
         torch.manual_seed(cfg.seed * 1_000_003 + w.step * 1009 + w.rank)  # dropout RNG: a function of the step
         lr = get_lr(w.step, w.total_steps, cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio)
-        m = optimizer_step(w.model, w.optimizer, w.scaler, micro_batches, lr=lr, grad_clip=cfg.grad_clip, dtype=w.dtype)
-        w.guard.update(m, w.step, w.scaler.is_enabled())
+        with _test_nonfinite_gradients(w):
+            m = optimizer_step(w.model, w.optimizer, w.scaler, micro_batches, lr=lr, grad_clip=cfg.grad_clip,
+                               dtype=w.dtype)
         w.step += 1
+        w.guard.update(m, w.step, w.scaler.is_enabled())
         meter.add(m.tokens * w.world_size)
         _test_hooks(w, sample_ids)
 
@@ -235,6 +238,20 @@ def _test_hooks(w: Worker, sample_ids: torch.Tensor) -> None:
     delay = float(os.environ.get("MINILM_TEST_STEP_DELAY_S", "0") or 0)
     if delay:
         time.sleep(delay)
+
+
+@contextlib.contextmanager
+def _test_nonfinite_gradients(w: Worker):
+    """Test-only: MINILM_TEST_NAN_AT_STEPS="5,6" makes those optimizer steps' gradients NaN on every rank."""
+    steps = os.environ.get("MINILM_TEST_NAN_AT_STEPS", "")
+    if str(w.step + 1) not in steps.split(","):
+        yield
+        return
+    handle = w.raw_model.lm_head.weight.register_hook(lambda grad: grad * float("nan"))
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def say(message: str) -> None:

@@ -289,3 +289,22 @@ def test_sigterm_to_a_worker_checkpoints_at_the_step_boundary(ray_address, tiny_
     assert k % 4 != 0 or k > 4  # an extra checkpoint at the boundary, not the periodic one
     assert f"resumed run sigterm at optimizer step {k} " in out  # nothing redone
     assert bitwise_equal(final_weights(storage, "sigterm"), baseline["weights"])
+
+
+def test_a_nan_step_is_skipped_and_counted(ray_address, tiny_data, storage):
+    proc = pretrain(ray_address, tiny_args(tiny_data, storage, "nan1", "--num-workers", "2", steps=8),
+                    MINILM_TEST_NAN_AT_STEPS="5")
+    records = [json.loads(line) for line in (storage / "nan1" / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["optimizer_step"] == 8 and records[-1]["skipped_steps"] == 1
+    assert "skipped 1" in proc.stdout
+
+
+def test_nan_steps_in_a_row_stop_the_run_naming_the_steps(ray_address, tiny_data, storage):
+    proc = pretrain(ray_address, tiny_args(tiny_data, storage, "nan3", "--num-workers", "2",
+                                           "--max-nonfinite-steps", "3", steps=12),
+                    check=False, MINILM_TEST_NAN_AT_STEPS="5,6,7")
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    error = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(error) == 1, proc.stderr[-3000:]
+    assert "3 optimizer steps in a row (5..7) had a non-finite loss or gradient norm" in error[0]
+
