@@ -60,6 +60,25 @@ def consumed_ids(record_dir: Path) -> dict[int, list[int]]:
     return {s: sorted(ids) for s, ids in sorted(per_step.items())}
 
 
+def start_until_checkpoint(ray_address, args: list[str], marker: Path, capture: bool) -> subprocess.Popen:
+    """Start a slowed-down pretrain driver and return once `marker` (a checkpoint's COMPLETE.json) exists."""
+    out = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) if capture else \
+        dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, "-m", "ray_jobs.pretrain", *args], cwd=ROOT,
+                            env=run_env(ray_address, MINILM_TEST_STEP_DELAY_S="0.5"), **out)
+    deadline = time.time() + 240
+    while not marker.is_file() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    assert marker.is_file(), f"the run never wrote {marker.parent.name}"
+    return proc
+
+
+def ray_train_workers() -> list:
+    import psutil
+
+    return [p for p in psutil.process_iter(["cmdline"]) if "RayTrainWorker" in " ".join(p.info["cmdline"] or [])]
+
+
 def lr_by_step(run_dir: Path) -> dict[int, float]:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["optimizer_step"]: r["lr"] for r in records}
@@ -127,14 +146,8 @@ def test_exit_after_steps_then_resume_auto_is_bitwise_equal(ray_address, tiny_da
 
 def test_driver_killed_then_resume_auto_is_bitwise_equal(ray_address, tiny_data, storage, baseline):
     args = tiny_args(tiny_data, storage, "killed", "--num-workers", "2")
-    proc = subprocess.Popen([sys.executable, "-m", "ray_jobs.pretrain", *args], cwd=ROOT,
-                            env=run_env(ray_address, MINILM_TEST_STEP_DELAY_S="0.5"),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    marker = storage / "killed" / "checkpoint_00000008" / "COMPLETE.json"
-    deadline = time.time() + 240
-    while not marker.is_file() and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.2)
-    assert marker.is_file(), "the run never wrote its step-8 checkpoint"
+    proc = start_until_checkpoint(ray_address, args, storage / "killed" / "checkpoint_00000008" / "COMPLETE.json",
+                                  capture=False)
     proc.send_signal(signal.SIGKILL)
     proc.wait(30)
     time.sleep(3)  # let Ray reap the dead driver's controller and workers
@@ -164,19 +177,12 @@ def test_resume_at_another_world_size(ray_address, tiny_data, storage, baseline,
 
 
 def test_sigkilled_worker_recovers_with_max_failures(ray_address, tiny_data, storage):
-    import psutil
 
     args = tiny_args(tiny_data, storage, "workerkill", "--num-workers", "2", "--max-failures", "1")
-    proc = subprocess.Popen([sys.executable, "-m", "ray_jobs.pretrain", *args], cwd=ROOT,
-                            env=run_env(ray_address, MINILM_TEST_STEP_DELAY_S="0.5"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    # checkpoint 4 is registered with Ray once every rank has passed the report after it
-    marker = storage / "workerkill" / "checkpoint_00000008" / "COMPLETE.json"
-    deadline = time.time() + 240
-    while not marker.is_file() and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.2)
-    assert marker.is_file()
-    workers = [p for p in psutil.process_iter(["cmdline"]) if "RayTrainWorker" in " ".join(p.info["cmdline"] or [])]
+    # checkpoint 4 is surely registered with Ray once checkpoint 8 is written
+    proc = start_until_checkpoint(ray_address, args,
+                                  storage / "workerkill" / "checkpoint_00000008" / "COMPLETE.json", capture=True)
+    workers = ray_train_workers()
     assert workers, "no Ray Train worker process found"
     workers[0].send_signal(signal.SIGKILL)
     out, _ = proc.communicate(timeout=300)
@@ -265,18 +271,12 @@ def test_zero_argument_run_finishes_and_loss_falls(ray_address, tmp_path):
 
 
 def test_sigterm_to_a_worker_checkpoints_at_the_step_boundary(ray_address, tiny_data, storage, baseline):
-    import psutil
 
     args = tiny_args(tiny_data, storage, "sigterm", "--num-workers", "2", "--max-failures", "1")
-    proc = subprocess.Popen([sys.executable, "-m", "ray_jobs.pretrain", *args], cwd=ROOT,
-                            env=run_env(ray_address, MINILM_TEST_STEP_DELAY_S="0.5"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    marker = storage / "sigterm" / "checkpoint_00000004" / "COMPLETE.json"
-    deadline = time.time() + 240
-    while not marker.is_file() and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.2)
+    proc = start_until_checkpoint(ray_address, args, storage / "sigterm" / "checkpoint_00000004" / "COMPLETE.json",
+                                  capture=True)
     time.sleep(1.0)  # mid-way between checkpoints
-    workers = [p for p in psutil.process_iter(["cmdline"]) if "RayTrainWorker" in " ".join(p.info["cmdline"] or [])]
+    workers = ray_train_workers()
     assert workers
     workers[-1].send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=300)
