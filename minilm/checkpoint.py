@@ -93,14 +93,6 @@ def verify(path: str | os.PathLike) -> None:
             raise CheckpointError(f"checkpoint {path} is corrupt: {name} does not match its SHA-256 in {MARKER}")
 
 
-def is_complete(path: str | os.PathLike) -> bool:
-    try:
-        verify(path)
-        return True
-    except CheckpointError:
-        return False
-
-
 @dataclass
 class ResumeState:
     model_state: dict[str, torch.Tensor]

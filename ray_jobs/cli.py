@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from minilm.config import ConfigError, ModelConfig, TrainConfig
+from minilm.config import ModelConfig, TrainConfig
 
 EXIT_USAGE = 2  # bad flag, bad config, bad data: nothing was started
 EXIT_FAILED = 1  # training started and failed
@@ -127,6 +127,3 @@ def fail(message: str, code: int = EXIT_USAGE) -> int:
     print(f"error: {message}", file=sys.stderr, flush=True)
     return code
 
-
-def config_problem_text(e: ConfigError) -> str:
-    return "; ".join(e.problems)

@@ -79,11 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return run(args)
-    except UsageError as e:
-        return fail(str(e))
-    except ConfigError as e:
-        return fail(str(e))
-    except (D.DataError, C.CheckpointError) as e:
+    except (UsageError, ConfigError, D.DataError, C.CheckpointError) as e:
         return fail(str(e))
     except KeyboardInterrupt:
         return fail("interrupted; continue with --resume auto and the same --name", 130)

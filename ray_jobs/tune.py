@@ -152,7 +152,7 @@ def trial(params: dict, plan: RunPlan, sweep_dir: str) -> None:
 
 # ---- results ---------------------------------------------------------------------------------------
 
-def collect(results, dims: dict[str, SearchDim], metric: str, total_steps_of) -> list[dict]:
+def collect(results, dims: dict[str, SearchDim], metric: str) -> list[dict]:
     rows = []
     for r in results:
         params = r.config or {}
@@ -351,7 +351,7 @@ def sweep(plan: RunPlan, dims, num_samples, concurrent, scheduler, grace, metric
             run_config=tune.RunConfig(name=plan.name, storage_path=plan.storage),
         )
     results = tuner.fit()
-    rows = collect(results, dims, metric, steps_of)
+    rows = collect(results, dims, metric)
     out = Path(sweep_path) if plan.run_dir else Path("runs") / plan.name
     write_results(rows, dims, plan, out, metric)
     return 0 if any(r["status"] != "ERROR" for r in rows) else 1

@@ -71,6 +71,7 @@ class Worker:
     stream: RankStream | None = None
     metrics_log: MetricsLog | None = None
     val_ids: np.ndarray | None = None  # this rank's share of the held-out sequences
+    val_store: D.SequenceStore | None = None
     last_checkpoint_s: float = 0.0  # wall time of the latest checkpoint (save + report), for the metrics
 
     def log(self, message: str) -> None:
@@ -198,7 +199,9 @@ class Meter:
 def validation_loss(w: Worker) -> float:
     """Mean next-token loss over the held-out sequences (each rank takes every W-th; summed over ranks)."""
     device = next(w.raw_model.parameters()).device
-    store = D.SequenceStore(w.prepared)
+    if w.val_store is None:
+        w.val_store = D.SequenceStore(w.prepared)  # loads shards once; later evaluations reuse them
+    store = w.val_store
     w.raw_model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)  # (sum of losses x rows, rows)
     for chunk in np.array_split(w.val_ids, max(1, -(-len(w.val_ids) // w.train_cfg.micro_batch_size))):
