@@ -1,0 +1,161 @@
+"""Plot training curves from metrics.jsonl, for runs without an experiment tracker.
+
+    python -m ray_jobs.plot runs/run1                          # -> runs/run1/metrics.png
+    python -m ray_jobs.plot runs/run1 runs/run2 --out cmp.png  # several runs overlaid, one colour each
+
+Panels: loss (val_loss dashed where evaluated), learning rate, grad norm, tokens/s and world size,
+each against the optimizer step. Needs only matplotlib (in the dev and plot extras); neither Ray
+nor torch is imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+EXIT_USAGE = 2
+# (metric, panel title, y-axis label); world size is a step function.
+PANELS = (
+    ("loss", "loss", "loss"),
+    ("lr", "learning rate", "lr"),
+    ("grad_norm", "grad norm (before clipping)", "grad_norm"),
+    ("tokens_per_s", "throughput", "tokens/s"),
+    ("world_size", "world size", "workers"),
+)
+X_LABEL = "optimizer step"
+
+
+class PlotError(Exception):
+    """A run folder or its metrics.jsonl cannot be plotted; the message names it."""
+
+
+@dataclass
+class RunCurves:
+    label: str
+    records: list[dict]  # one per reported optimizer step, in step order
+
+    def series(self, metric: str) -> tuple[list[int], list[float]]:
+        """(steps, values) of the records that have `metric`."""
+        points = [(r["optimizer_step"], float(r[metric])) for r in self.records
+                  if isinstance(r.get(metric), (int, float)) and not isinstance(r.get(metric), bool)]
+        return [s for s, _ in points], [v for _, v in points]
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    """The records of RUN_DIR/metrics.jsonl, one per optimizer step, in step order.
+
+    A torn last line (a killed run) is skipped; if a step appears twice (a file written without the
+    worker's truncation on resume), the later record wins, so a curve never doubles back.
+    """
+    run = Path(run_dir)
+    if not run.is_dir():
+        raise PlotError(f"{run_dir}: no such run folder")
+    path = run / "metrics.jsonl"
+    if not path.is_file():
+        raise PlotError(f"{path}: not found (is {run_dir} a run folder of ray_jobs.pretrain with a local "
+                        f"--storage-path?)")
+    by_step: dict[int, dict] = {}
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("optimizer_step"), int):
+            by_step[rec["optimizer_step"]] = rec
+    if not by_step:
+        raise PlotError(f"{path}: no metrics records yet (the run reports every --log-every steps)")
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def load_runs(run_dirs: list[str | Path]) -> list[RunCurves]:
+    paths = [Path(d) for d in run_dirs]
+    names = [p.resolve().name for p in paths]
+    runs = []
+    for path, name in zip(paths, names, strict=True):
+        # Two runs of the same name (different storage paths) are told apart by their parent folder.
+        label = f"{path.resolve().parent.name}/{name}" if names.count(name) > 1 else name
+        runs.append(RunCurves(label, read_metrics(path)))
+    return runs
+
+
+def figure_for_runs(runs: list[RunCurves]) -> Figure:
+    """One panel per metric of PANELS, plus a legend panel; run i is drawn in colour Ci on every panel.
+
+    On each panel the lines are in run order (run i's curve is ax.lines[i] when every run has the
+    metric); the loss panel then adds one dashed val_loss line per run that has val_loss.
+    """
+    fig = Figure(figsize=(12, 10), layout="constrained")
+    FigureCanvasAgg(fig)  # rendered with Agg: no display, no pyplot state
+    axes = fig.subplots(3, 2, sharex=True).flatten()
+    for ax, (metric, title, ylabel) in zip(axes, PANELS, strict=False):
+        ax.set_title(title)
+        ax.set_ylabel(ylabel)
+        ax.set_xlabel(X_LABEL)
+        ax.tick_params(labelbottom=True)  # sharex hides inner tick labels; every panel keeps its step axis
+        ax.grid(True, alpha=0.3)
+        for i, run in enumerate(runs):
+            steps, values = run.series(metric)
+            if steps:
+                ax.plot(steps, values, color=f"C{i % 10}", label=run.label,
+                        drawstyle="steps-post" if metric == "world_size" else "default")
+        if metric == "loss":
+            for i, run in enumerate(runs):
+                steps, values = run.series("val_loss")
+                if steps:
+                    ax.plot(steps, values, color=f"C{i % 10}", linestyle="--", marker="o", markersize=3,
+                            label=f"{run.label} val_loss")
+        if metric == "world_size":
+            ax.yaxis.get_major_locator().set_params(integer=True)
+    legend_ax = axes[len(PANELS)]
+    legend_ax.axis("off")
+    handles, labels = axes[0].get_legend_handles_labels()
+    legend_ax.legend(handles, labels, loc="center", title="runs (dashed: val_loss)", frameon=False)
+    fig.suptitle("training curves from metrics.jsonl")
+    return fig
+
+
+def plot_runs(run_dirs: list[str | Path], out: str | Path) -> Figure:
+    fig = figure_for_runs(load_runs(run_dirs))
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    return fig
+
+
+def default_out(run_dirs: list[str]) -> Path:
+    return Path(run_dirs[0]) / "metrics.png" if len(run_dirs) == 1 else Path("metrics.png")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m ray_jobs.plot", description=__doc__.split("\n")[0])
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folder(s) holding metrics.jsonl")
+    p.add_argument("--out", help="PNG to write (default: RUN_DIR/metrics.png for one run, ./metrics.png for several)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    out = Path(args.out) if args.out else default_out(args.run_dirs)
+    if out.suffix.lower() != ".png":
+        print(f"error: --out {out}: expected a .png file", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        plot_runs(args.run_dirs, out)
+    except PlotError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as e:  # the PNG cannot be written there
+        print(f"error: cannot write {out}: {e.strerror or e}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
