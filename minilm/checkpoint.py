@@ -15,6 +15,9 @@ A weights export (for inference, separate from resume) is `model.safetensors` in
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import io
 import json
 import os
 import shutil
@@ -23,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .config import ModelConfig
@@ -45,25 +49,116 @@ def _tensors_for_safetensors(state_dict: dict[str, torch.Tensor], dtype: torch.d
 
 def save_resume_state(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                       scaler: torch.amp.GradScaler, state: dict[str, Any]) -> Path:
-    """Write a complete resume checkpoint into the (new, empty or missing) folder `path`."""
+    """Write a complete resume checkpoint into the (new, empty or missing) folder `path`.
+
+    A write that fails (a full disk, a quota, a lost mount) raises CheckpointError naming the
+    optimizer step, the folder and the file; the marker is never written, so `verify` refuses what
+    was left and every earlier checkpoint stays as it was.
+    """
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(_tensors_for_safetensors(model.state_dict()), str(path / "model.safetensors"))
-    torch.save(optimizer.state_dict(), path / "optimizer.pt")
-    torch.save(scaler.state_dict(), path / "scaler.pt")
-    (path / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True))
-    _before_marker_hook(path)
-    write_marker(path, RESUME_FILES)
+    step = state.get("optimizer_step")
+    writers = {
+        "model.safetensors": lambda f: save_file(_tensors_for_safetensors(model.state_dict()), str(f)),
+        "optimizer.pt": lambda f: _torch_save(optimizer.state_dict(), f),
+        "scaler.pt": lambda f: _torch_save(scaler.state_dict(), f),
+        "state.json": lambda f: f.write_text(json.dumps(state, indent=2, sort_keys=True)),
+    }
+    with _write_errors(path, step) as current:
+        path.mkdir(parents=True, exist_ok=True)
+        for name, write in writers.items():
+            current[0] = name
+            _test_disk_full(step, name)
+            write(path / name)
+        current[0] = MARKER
+        _before_marker_hook(path, step)
+        write_marker(path, RESUME_FILES)
     return path
 
 
-def _before_marker_hook(path: Path) -> None:
-    """Test hook: MINILM_TEST_CHECKPOINT_DELAY_S widens the window before the marker (fault tests)."""
-    delay = float(os.environ.get("MINILM_TEST_CHECKPOINT_DELAY_S", "0") or 0)
-    if delay > 0:
-        import time
+@contextlib.contextmanager
+def _write_errors(path: Path, step: int | None):
+    """Turn an I/O error of a checkpoint write into one CheckpointError line; yields [name of the file being written]."""
+    current = [path.name]
+    try:
+        yield current
+    except (OSError, SafetensorError) as e:
+        raise CheckpointError(write_error(path, step, current[0], e)) from None
 
-        time.sleep(delay)
+
+class _KeepOSError(io.RawIOBase):
+    """The file torch.save writes through: torch's C++ writer turns a failed write (ENOSPC) into an opaque
+    RuntimeError ("unexpected pos ..."); this keeps the OSError so the caller can raise that instead."""
+
+    def __init__(self, raw):
+        self.raw, self.error = raw, None
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        view = memoryview(b).cast("B")
+        done = 0
+        try:
+            while done < len(view):
+                done += self.raw.write(view[done:])
+        except OSError as e:
+            self.error = e
+            raise
+        return done
+
+
+def _torch_save(obj, f: Path) -> None:
+    with open(f, "wb", buffering=0) as raw:
+        out = _KeepOSError(raw)
+        try:
+            torch.save(obj, out)
+        except RuntimeError:
+            if out.error is not None:
+                raise out.error from None
+            raise
+
+
+def is_disk_full(e: BaseException) -> bool:
+    """ENOSPC or EDQUOT, also when safetensors or pyarrow (Ray's checkpoint upload) say it only in the message."""
+    return getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "no space left on device" in str(e).lower()
+
+
+def write_error(path: Path | str, step: int | None, name: str, e: BaseException) -> str:
+    """One line: which checkpoint could not be written where, why, and what is left intact."""
+    why = "no space left on device" if is_disk_full(e) else (getattr(e, "strerror", None) or str(e) or type(e).__name__)
+    if step is None:
+        return f"could not write {path} ({name}): {why}; free space (or fix the storage) and try again"
+    return (f"could not write the checkpoint of optimizer step {step} to {path} ({name}): {why}; earlier "
+            f"checkpoints are intact: free space (or fix the storage), then continue with --resume auto")
+
+
+def _test_disk_full(step: int | None, name: str) -> None:
+    """Test hook: MINILM_TEST_DISK_FULL_AT_STEP=N makes the checkpoint of optimizer step N fail with ENOSPC
+    partway, after model.safetensors is written and before optimizer.pt is (fault tests)."""
+    at = os.environ.get("MINILM_TEST_DISK_FULL_AT_STEP")
+    if at and step == int(at) and name == "optimizer.pt":
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def _before_marker_hook(path: Path, step: int | None) -> None:
+    """Test hook: MINILM_TEST_CHECKPOINT_DELAY_S widens the window before the marker (fault tests).
+
+    MINILM_TEST_CHECKPOINT_DELAY_STEP=N delays only the checkpoint of optimizer step N, and
+    MINILM_TEST_CHECKPOINT_PAUSED=FILE is where the paused writer writes its folder, so a test can
+    wait for the partial checkpoint (every file but the marker) and kill the run mid-write.
+    """
+    delay = float(os.environ.get("MINILM_TEST_CHECKPOINT_DELAY_S", "0") or 0)
+    only = os.environ.get("MINILM_TEST_CHECKPOINT_DELAY_STEP")
+    if delay <= 0 or (only and step != int(only)):
+        return
+    announce = os.environ.get("MINILM_TEST_CHECKPOINT_PAUSED")
+    if announce:
+        tmp = Path(announce + ".tmp")
+        tmp.write_text(str(path))
+        os.replace(tmp, announce)
+    import time
+
+    time.sleep(delay)
 
 
 def write_marker(path: Path, files: tuple[str, ...] | list[str]) -> None:
@@ -148,8 +243,11 @@ def latest_complete(checkpoint_dirs: list[Path], log=print) -> Path | None:
 # ---- weight exports -----------------------------------------------------------------------------
 
 def export_weights(path: str | os.PathLike, model: torch.nn.Module, config: ModelConfig,
-                   tokenizer_path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float16) -> Path:
+                   tokenizer_path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float16,
+                   step: int | None = None) -> Path:
     """Half-precision safetensors + config.json (+ tokenizer.json), written to a temp folder and renamed.
+
+    A failed write (a full disk) raises CheckpointError naming `step` (of the checkpoint it belongs to).
 
     The model is put in eval mode while its weights are taken and back in train mode after, as the
     seed asks (dropout and the MoE aux-loss bookkeeping are train-only; a state dict read in eval
@@ -158,23 +256,37 @@ def export_weights(path: str | os.PathLike, model: torch.nn.Module, config: Mode
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    was_training = model.training
-    model.eval()
     try:
-        save_file(_tensors_for_safetensors(model.state_dict(), dtype), str(tmp / "model.safetensors"),
-                  metadata={"format": "pt", "dtype": str(dtype).removeprefix("torch.")})
-    finally:
-        model.train(was_training)
-    (tmp / "config.json").write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True))
-    files = ["model.safetensors", "config.json"]
-    if tokenizer_path is not None:
-        shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
-        files.append("tokenizer.json")
-    write_marker(tmp, files)
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(tmp, path)
+        _write_export(path, tmp, model, config, tokenizer_path, dtype, step)
+    except CheckpointError:
+        shutil.rmtree(tmp, ignore_errors=True)  # a full disk gets its space back
+        raise
     return path
+
+
+def _write_export(path: Path, tmp: Path, model: torch.nn.Module, config: ModelConfig,
+                  tokenizer_path: str | os.PathLike | None, dtype: torch.dtype, step: int | None) -> None:
+    with _write_errors(tmp, step) as current:
+        tmp.mkdir(parents=True)
+        was_training = model.training
+        model.eval()
+        try:
+            current[0] = "model.safetensors"
+            save_file(_tensors_for_safetensors(model.state_dict(), dtype), str(tmp / "model.safetensors"),
+                      metadata={"format": "pt", "dtype": str(dtype).removeprefix("torch.")})
+        finally:
+            model.train(was_training)
+        current[0] = "config.json"
+        (tmp / "config.json").write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True))
+        files = ["model.safetensors", "config.json"]
+        if tokenizer_path is not None:
+            current[0] = "tokenizer.json"
+            shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
+            files.append("tokenizer.json")
+        current[0] = MARKER
+        write_marker(tmp, files)
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
 
 
 def export_minimind_pth(path: str | os.PathLike, model_state: dict[str, torch.Tensor]) -> Path:

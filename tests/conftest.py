@@ -1,4 +1,8 @@
-"""Shared fixtures: one local Ray per test session, and small prepared datasets."""
+"""Shared fixtures: one local Ray per test session, small prepared datasets, and the baseline run.
+
+`run_data`, `run_storage` and `baseline` serve tests/test_pretrain.py and the fault-injection suite
+in tests/faults/ (helpers in tests/runs.py): the uninterrupted reference run is made once per session.
+"""
 
 from __future__ import annotations
 
@@ -23,8 +27,8 @@ def ray_address():
     """
     import ray
 
-    if not ray.is_initialized():
-        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    if not ray.is_initialized():  # address="local": never join another Ray that happens to run on the machine
+        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     address = ray.get_runtime_context().gcs_address
     yield address
     ray.shutdown()
@@ -34,6 +38,30 @@ def ray_address():
 def tiny_data(tmp_path_factory) -> Path:
     """A prepared dataset: 480 sequences of seq_len 32, vocab 256 (learnable, repetitive text)."""
     return make_prepared(tmp_path_factory.mktemp("data") / "tiny", num_sequences=480, seq_len=32, vocab_size=256)
+
+
+@pytest.fixture(scope="session")
+def run_data(tmp_path_factory) -> Path:
+    """The dataset of the end-to-end pretrain runs: 240 sequences of seq_len 32, vocab 256, in 3 shards."""
+    return make_prepared(tmp_path_factory.mktemp("data") / "tiny240", num_sequences=240, seq_len=32, vocab_size=256,
+                         rows_per_shard=100)
+
+
+@pytest.fixture(scope="session")
+def run_storage(tmp_path_factory) -> Path:
+    """One --storage-path for every end-to-end run of the session (each run has its own --name)."""
+    return tmp_path_factory.mktemp("runs")
+
+
+@pytest.fixture(scope="session")
+def baseline(ray_address, run_data, run_storage, tmp_path_factory):
+    """An uninterrupted 2-worker run of tests/runs.py's tiny_args: the reference every resumed run is compared with."""
+    from runs import consumed_ids, final_weights, pretrain, tiny_args
+
+    ids = tmp_path_factory.mktemp("ids-baseline")
+    proc = pretrain(ray_address, tiny_args(run_data, run_storage, "baseline", "--num-workers", "2",
+                                           "--record-sample-ids", str(ids)))
+    return {"weights": final_weights(run_storage, "baseline"), "ids": consumed_ids(ids), "log": proc.stdout}
 
 
 def run_env(ray_address: str, **extra: str) -> dict:

@@ -1,0 +1,103 @@
+"""Corrupt state on disk: truncated and bit-flipped checkpoint files, partial and missing checkpoints.
+
+Every checkpoint carries COMPLETE.json (SHA-256 of each file, written last); a checkpoint whose
+marker is missing or whose files do not match it is never loaded.
+"""
+
+from __future__ import annotations
+
+import pickle
+import shutil
+
+import pytest
+from runs import bitwise_equal, final_weights, is_complete, pretrain, tiny_args
+
+from minilm import checkpoint as C
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
+
+
+@pytest.mark.slow
+def test_resume_auto_skips_truncated_and_bit_flipped_checkpoints(ray_address, run_data, run_storage, baseline):
+    name = "corrupt"
+    run = run_storage / name
+    pretrain(ray_address, tiny_args(run_data, run_storage, name, "--num-workers", "2", "--exit-after-steps", "12"))
+    with open(run / "checkpoint_00000012" / "optimizer.pt", "r+b") as f:  # truncated: a torn write
+        f.truncate(100)
+    model = run / "checkpoint_00000008" / "model.safetensors"  # one bit flipped: bad storage
+    data = bytearray(model.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    model.write_bytes(bytes(data))
+    resumed = pretrain(ray_address, tiny_args(run_data, run_storage, name, "--num-workers", "2"))
+    assert "checkpoint_00000012 is corrupt: optimizer.pt does not match its SHA-256" in resumed.stdout
+    assert "checkpoint_00000008 is corrupt: model.safetensors does not match its SHA-256" in resumed.stdout
+    assert f"resumed run {name} at optimizer step 4 " in resumed.stdout
+    assert bitwise_equal(final_weights(run_storage, name), baseline["weights"])
+
+
+def test_resume_path_refuses_missing_partial_and_corrupt(ray_address, run_data, run_storage, baseline, tmp_path):
+    good = run_storage / "baseline" / "checkpoint_00000020"
+    partial = tmp_path / "partial"
+    shutil.copytree(good, partial)
+    (partial / "COMPLETE.json").unlink()
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(good, corrupt)
+    with open(corrupt / "optimizer.pt", "r+b") as f:
+        f.truncate(100)
+    cases = {tmp_path / "missing": "does not exist", partial: "incomplete: COMPLETE.json is missing",
+             corrupt: "corrupt: optimizer.pt does not match its SHA-256"}
+    for path, message in cases.items():
+        proc = pretrain(ray_address, tiny_args(run_data, run_storage, f"p-{path.name}", "--resume", str(path)),
+                        check=False)
+        assert proc.returncode == 2, proc.stderr
+        assert message in proc.stderr and "Traceback" not in proc.stderr
+        assert not (run_storage / f"p-{path.name}").exists()  # refused before any work started
+
+
+def test_the_driver_skips_a_checkpoint_torn_mid_upload(tmp_path, capsys, baseline, run_storage):
+    """A kill during Ray's upload can leave a folder whose marker was copied before the files it names:
+    --resume auto passes over it (no traceback reading its state.json) to the previous complete one."""
+    from ray_jobs.pretrain import latest_checkpoint
+
+    run = tmp_path / "run"
+    shutil.copytree(run_storage / "baseline" / "checkpoint_00000016", run / "checkpoint_00000016")
+    torn = run / "checkpoint_00000020"
+    torn.mkdir()
+    shutil.copyfile(run_storage / "baseline" / "checkpoint_00000020" / "COMPLETE.json", torn / "COMPLETE.json")
+    assert latest_checkpoint(run, "auto") == run / "checkpoint_00000016"
+    assert "skipping checkpoint: checkpoint " in capsys.readouterr().out
+    assert not is_complete(torn)
+    assert latest_checkpoint(run, "never") is None
+
+
+class RunsCode:
+    """A pickle that runs code when unpickled (here it would only create a file)."""
+
+    def __init__(self, flag):
+        self.flag = str(flag)
+
+    def __reduce__(self):
+        return (open, (self.flag, "w"))
+
+
+def test_a_checkpoint_with_a_code_running_pickle_is_refused_unrun(tmp_path):
+    """Whoever can write a checkpoint folder can also rewrite its COMPLETE.json: the hashes match, and loading
+    must still never unpickle arbitrary objects (torch.load(weights_only=True))."""
+    import torch
+
+    from minilm.config import ModelConfig, TrainConfig
+    from minilm.model import MiniMindForCausalLM
+    from minilm.step import make_grad_scaler, make_optimizer
+
+    model = MiniMindForCausalLM(ModelConfig(vocab_size=256, hidden_size=64, num_hidden_layers=1,
+                                            num_attention_heads=4, num_key_value_heads=2))
+    ckpt = C.save_resume_state(tmp_path / "evil", model=model, optimizer=make_optimizer(model, TrainConfig()),
+                               scaler=make_grad_scaler(torch.float32, "cpu"), state={"optimizer_step": 1})
+    C.load_resume_state(ckpt)  # loads as written
+    flag = tmp_path / "payload-ran"
+    (ckpt / "optimizer.pt").write_bytes(pickle.dumps({"state": RunsCode(flag)}, protocol=2))
+    C.write_marker(ckpt, C.RESUME_FILES)
+    C.verify(ckpt)  # the hashes match the new files
+    with pytest.raises(C.CheckpointError, match="could not be loaded: UnpicklingError"):
+        C.load_resume_state(ckpt)
+    assert not flag.exists()

@@ -1,0 +1,137 @@
+"""Helpers for tests that run `python -m ray_jobs.pretrain` end to end (tests/test_pretrain.py, tests/faults/).
+
+Every run is a subprocess joined to the session's local Ray (the `ray_address` fixture), so the log
+lines users see are what the tests read. The shared fixtures (`run_data`, `run_storage`, `baseline`)
+live in tests/conftest.py: the uninterrupted baseline run is made once per session.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from conftest import run_env
+from helpers import ROOT, run_module
+from safetensors.torch import load_file
+
+STEPS = 20  # 15 steps per epoch on run_data (240 sequences, global batch 16): the runs cross an epoch
+
+
+def tiny_args(data: Path, storage: Path, name: str, *extra: str, steps: int = STEPS) -> list[str]:
+    """A 2-layer, hidden-64 fp32 model; a log line and a checkpoint every 4 optimizer steps."""
+    return ["--data", str(data), "--seq-len", "32", "--vocab-size", "256", "--hidden-size", "64",
+            "--num-hidden-layers", "2", "--num-attention-heads", "4", "--num-key-value-heads", "2",
+            "--max-steps", str(steps), "--warmup-steps", "2", "--micro-batch-size", "4", "--global-batch-size", "16",
+            "--log-every", "4", "--checkpoint-every", "4", "--dtype", "fp32", "--storage-path", str(storage),
+            "--name", name, *extra]
+
+
+def pretrain(ray_address, args, check=True, **env):
+    return run_module("ray_jobs.pretrain", args, env=run_env(ray_address, **env), timeout=300, check=check)
+
+
+def start_pretrain(ray_address, args: list[str], capture: bool, **env) -> subprocess.Popen:
+    out = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) if capture else \
+        dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen([sys.executable, "-m", "ray_jobs.pretrain", *args], cwd=ROOT,
+                            env=run_env(ray_address, **env), **out)
+
+
+def wait_for(condition, proc: subprocess.Popen, what: str, timeout: float = 240, poll: float = 0.1) -> None:
+    """Poll `condition()` until it is true; fail naming `what` if the run ends or time runs out first."""
+    deadline = time.time() + timeout
+    while not condition():
+        if proc.poll() is not None:
+            out = proc.stdout.read()[-3000:] if proc.stdout else ""
+            raise AssertionError(f"the run exited ({proc.returncode}) before {what}\n{out}")
+        if time.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(poll)
+
+
+def start_until_checkpoint(ray_address, args: list[str], marker: Path, capture: bool) -> subprocess.Popen:
+    """Start a slowed-down pretrain driver and return once `marker` (a checkpoint's COMPLETE.json) exists."""
+    proc = start_pretrain(ray_address, args, capture, MINILM_TEST_STEP_DELAY_S="0.5")
+    wait_for(marker.is_file, proc, f"{marker.parent.name} was written")
+    return proc
+
+
+def is_complete(checkpoint: Path) -> bool:
+    """A checkpoint folder whose files are all there and match their hashes (not merely a marker copied first)."""
+    from minilm.checkpoint import CheckpointError, verify
+
+    try:
+        verify(checkpoint)
+        return True
+    except CheckpointError:
+        return False
+
+
+def final_weights(storage: Path, name: str, step: int = STEPS) -> dict[str, torch.Tensor]:
+    return load_file(str(storage / name / f"checkpoint_{step:08d}" / "model.safetensors"))
+
+
+def max_rel_diff(a: dict, b: dict) -> float:
+    return max(((a[k] - b[k]).abs().max() / a[k].abs().max().clamp_min(1e-12)).item() for k in a)
+
+
+def bitwise_equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def consumed_ids(record_dir: Path) -> dict[int, list[int]]:
+    """optimizer_step -> sorted sample ids consumed in that step over all ranks (no step is redone here)."""
+    per_step: dict[int, list[int]] = {}
+    for f in sorted(record_dir.glob("rank*.jsonl")):
+        for line in f.read_text().splitlines():
+            rec = json.loads(line)
+            per_step.setdefault(rec["optimizer_step"], []).extend(rec["sample_ids"])
+    return {s: sorted(ids) for s, ids in sorted(per_step.items())}
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def metric_steps(run_dir: Path) -> list[int]:
+    return [r["optimizer_step"] for r in metrics(run_dir)]
+
+
+def lr_by_step(run_dir: Path) -> dict[int, float]:
+    return {r["optimizer_step"]: r["lr"] for r in metrics(run_dir)}
+
+
+def ray_train_workers() -> list:
+    """Ray Train worker processes of this session's local Ray (its raylet is a child of the pytest process):
+    other Ray instances on the machine are left alone."""
+    import os
+
+    import psutil
+
+    me = os.getpid()
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        if "RayTrainWorker" not in " ".join(p.info["cmdline"] or []):
+            continue
+        try:
+            if any(parent.pid == me for parent in p.parents()):
+                found.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def wait_until_workers_exit(timeout: float = 90) -> None:
+    """After a driver is killed, wait until Ray has ended its workers (they could otherwise write on)."""
+    deadline = time.time() + timeout
+    while ray_train_workers():
+        assert time.time() < deadline, "Ray Train workers of a killed driver are still running"
+        time.sleep(0.5)
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("error:")]
