@@ -119,7 +119,8 @@ def ensure_ray(num_cpus: int | None = None, *, quiet: bool = True) -> None:
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
         return
     cores = os.cpu_count() or 2
-    ray.init(num_cpus=num_cpus or max(8, 2 * cores), log_to_driver=True, include_dashboard=None,
+    # address="local": a new Ray even when another one runs on this machine (join a cluster via RAY_ADDRESS).
+    ray.init(address="local", num_cpus=num_cpus or max(8, 2 * cores), log_to_driver=True, include_dashboard=None,
              logging_level="WARNING" if quiet else "INFO")
 
 

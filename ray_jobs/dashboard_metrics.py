@@ -32,6 +32,8 @@ GAUGES: dict[str, str] = {
     "samples_seen": "Training sequences consumed",
     "tokens_seen": "Training tokens consumed",
     "world_size": "Training workers",
+    "accumulation_steps": "Micro-batches per optimizer step on each worker (global batch / (micro-batch x world size))",
+    "redone_steps": "Optimizer steps recomputed after restarts and resizes of this run, in all",
     "data_wait_frac": "Fraction of the last log interval spent waiting for data",
     "eta_s": "Estimated seconds to the last step",
 }

@@ -24,6 +24,7 @@ from minilm import checkpoint as C
 from minilm import data as D
 from minilm.config import ConfigError, ModelConfig, TrainConfig, check_fits, valid_world_sizes
 from minilm.progress import MetricsLog, format_duration
+from minilm.trackers import TrackerError, check_trackers
 
 from .cli import (
     EXIT_FAILED,
@@ -35,10 +36,12 @@ from .cli import (
     load_yaml,
     parse_num_workers,
 )
+from .elastic import SHARED_STORAGE_HINT, TIMELINE, WorldSizeTimeline, format_timeline, nodes_missing_path
 
 RUN_KEYS = {"data", "num_workers", "use_gpu", "cpus_per_worker", "storage_path", "name", "resume", "max_failures",
             "keep_checkpoints", "exit_after_steps", "exit_after_minutes", "val_samples", "backend_timeout_s",
-            "num_cpus", "elastic_check_seconds", "record_sample_ids", "eval_every"}
+            "num_cpus", "elastic_check_seconds", "record_sample_ids", "eval_every", "resources_per_worker",
+            "tracker", "mlflow_uri", "wandb_project"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--num-workers", help="N, or MIN-MAX for an elastic run (default 2)")
     r.add_argument("--use-gpu", choices=["auto", "true", "false"], help="default auto: GPUs if the cluster has any")
     r.add_argument("--cpus-per-worker", type=float, help="default 1")
+    r.add_argument("--resources-per-worker", metavar="NAME=N[,NAME=N]",
+                   help="custom Ray resources each worker also needs, e.g. spot_slot=1 (one worker per node that "
+                        "offers one)")
     r.add_argument("--storage-path", help="local path or pyarrow URI (s3://, gs://); default ./runs")
     r.add_argument("--name", help="run name; resume finds checkpoints by it (default: minilm-<time>)")
     r.add_argument("--resume", help="auto (default): continue RUN's latest complete checkpoint; never; or a "
@@ -65,6 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--elastic-check-seconds", type=float, help="how often Ray checks to resize an elastic run")
     r.add_argument("--backend-timeout-s", type=int, help="collective timeout (gloo/nccl), default 600")
     r.add_argument("--num-cpus", type=int, help="logical CPUs of a local Ray (default max(8, 2 x cores))")
+    r.add_argument("--tracker", action="append", metavar="none|tensorboard|mlflow|wandb",
+                   help="experiment tracker(s) rank 0 logs every reported metric to (repeat, or comma-separate); "
+                        "the tracker run continues across resumes (docs/tracking.md)")
+    r.add_argument("--mlflow-uri", help="MLflow tracking URI (default: sqlite:///RUN_DIR/mlflow.db)")
+    r.add_argument("--wandb-project", help="W&B project (default minilm); WANDB_MODE=offline works")
     r.add_argument("--record-sample-ids", help=argparse.SUPPRESS)  # test-only: per-step sample ids per rank
     add_config_flags(p)
     return p
@@ -79,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return run(args)
-    except (UsageError, ConfigError, D.DataError, C.CheckpointError) as e:
+    except (UsageError, ConfigError, D.DataError, C.CheckpointError, TrackerError) as e:
         return fail(str(e))
     except KeyboardInterrupt:
         return fail("interrupted; continue with --resume auto and the same --name", 130)
@@ -113,7 +124,8 @@ class RunPlan:
                     "resume_path": str(self.resume_path) if self.resume_path else None,
                     "exit_after_steps": self.opts.get("exit_after_steps"),
                     "exit_after_minutes": self.opts.get("exit_after_minutes"),
-                    "record_sample_ids": self.opts.get("record_sample_ids")},
+                    "record_sample_ids": self.opts.get("record_sample_ids"),
+                    "trackers": self.opts.get("trackers", []), "tracker_options": tracker_options(self.opts)},
         }
 
 
@@ -141,7 +153,27 @@ def check_options(model_cfg: ModelConfig, train_cfg: TrainConfig, opts: dict) ->
         raise UsageError("--exit-after-minutes must be > 0")
     if not opts["cpus_per_worker"] > 0:
         raise UsageError("--cpus-per-worker must be > 0")
+    opts["resources_per_worker"] = parse_resources(opts.get("resources_per_worker"))
     return min_w, max_w
+
+
+def parse_resources(spec) -> dict[str, float]:
+    """'slot=1,disk=2' (or a YAML mapping) -> {'slot': 1.0, 'disk': 2.0}."""
+    if not spec:
+        return {}
+    items = spec.items() if isinstance(spec, dict) else (part.partition("=")[::2] for part in str(spec).split(","))
+    resources = {}
+    for name, value in items:
+        name = str(name).strip()
+        try:
+            amount = float(value)
+        except (TypeError, ValueError):
+            amount = -1.0
+        if not name or amount <= 0 or name in ("CPU", "GPU"):
+            raise UsageError(f"--resources-per-worker {spec!r}: expected NAME=N with N > 0, e.g. slot=1 "
+                             f"(CPU and GPU have their own flags: --cpus-per-worker, --use-gpu)")
+        resources[name] = amount
+    return resources
 
 
 def plan_run(args: argparse.Namespace, extra_keys: frozenset[str] = frozenset()) -> RunPlan:
@@ -167,10 +199,17 @@ def plan_run(args: argparse.Namespace, extra_keys: frozenset[str] = frozenset())
         raise UsageError(f"run {name} already has checkpoints in {run_dir}; use --resume auto to continue it, "
                          f"or another --name")
 
+    opts["trackers"] = check_trackers(opts.get("tracker"), tracker_options(opts), run_dir=run_dir)
     if not demo:
         data_dir = Path(opts["data"]).expanduser().resolve()
         D.open_prepared(data_dir)  # a missing or incomplete --data is refused before Ray starts
     ensure_ray(opts.get("num_cpus"))
+    if local_storage:
+        missing = nodes_missing_path(Path(storage), hide_on_other_nodes=os.environ.get("MINILM_TEST_NODE_LOCAL_STORAGE")
+                                     == "1")
+        if missing:
+            raise UsageError(f"--storage-path {storage} is not visible from {len(missing)} node(s) of this cluster "
+                             f"({', '.join(missing)}): {SHARED_STORAGE_HINT}")
     if train_cfg.dtype == "fp16" and not uses_gpu(opts):
         raise UsageError("--dtype fp16 needs GPU workers (CPU autocast supports bf16 or fp32); this run has none: "
                          "use --dtype bf16, fp32 or auto")
@@ -186,7 +225,9 @@ def plan_run(args: argparse.Namespace, extra_keys: frozenset[str] = frozenset())
         raise D.DataError(f"{data_dir}: {len(train_ids)} training sequences do not fill one global batch of "
                           f"{train_cfg.global_batch_size}")
     train_cfg.validate(world_size=min_w, total_steps=train_cfg.max_steps or per_epoch * train_cfg.epochs)
-    check_resumable(resume_path or latest_checkpoint(run_dir, opts["resume"]), model_cfg, train_cfg, prepared)
+    if resume_path is None:  # --resume auto: what the workers continue when Ray has no checkpoint of the run registered
+        resume_path = latest_checkpoint(run_dir, opts["resume"])
+    check_resumable(resume_path, model_cfg, train_cfg, prepared)
     if opts.get("record_sample_ids"):
         Path(opts["record_sample_ids"]).mkdir(parents=True, exist_ok=True)
     return RunPlan(model_cfg=model_cfg, train_cfg=train_cfg, opts=opts, workers=(min_w, max_w), name=name,
@@ -194,12 +235,22 @@ def plan_run(args: argparse.Namespace, extra_keys: frozenset[str] = frozenset())
                    resume_path=resume_path)
 
 
+def tracker_options(opts: dict) -> dict:
+    return {"mlflow_uri": opts.get("mlflow_uri"), "wandb_project": opts.get("wandb_project"),
+            "group": opts.get("tracker_group")}
+
+
 def latest_checkpoint(run_dir: Path | None, resume: str) -> Path | None:
-    """The newest checkpoint folder with a completion marker in a local run folder (for --resume auto)."""
+    """The newest complete (verified) checkpoint in a local run folder, for --resume auto.
+
+    Ray Train registers a checkpoint in its run state only after every rank's report reached the
+    controller; a driver killed after the upload but before that leaves a complete checkpoint that
+    `ray.train.get_checkpoint()` does not know, and the run would start fresh. The workers continue
+    this one when Ray has none registered. A folder torn by a kill mid-upload is skipped, with a message.
+    """
     if run_dir is None or resume != "auto":
         return None
-    done = sorted(p.parent for p in run_dir.glob(f"checkpoint_*/{C.MARKER}"))
-    return done[-1] if done else None
+    return C.latest_complete(sorted(p for p in run_dir.glob("checkpoint_*") if p.is_dir()))
 
 
 def check_resumable(path: Path | None, model_cfg: ModelConfig, train_cfg: TrainConfig, prepared) -> None:
@@ -247,7 +298,7 @@ def make_trainer(config: dict, opts: dict, storage: str, name: str, workers: tup
     use_gpu = uses_gpu(opts)
     min_w, max_w = workers
     scaling = ScalingConfig(num_workers=min_w if min_w == max_w else (min_w, max_w), use_gpu=use_gpu,
-                            resources_per_worker={"CPU": opts["cpus_per_worker"]},
+                            resources_per_worker={"CPU": opts["cpus_per_worker"], **opts["resources_per_worker"]},
                             elastic_resize_monitor_interval_s=opts["elastic_check_seconds"])
     run_config = RunConfig(name=name, storage_path=storage,
                            failure_config=FailureConfig(max_failures=opts["max_failures"]),
@@ -262,18 +313,29 @@ def make_trainer(config: dict, opts: dict, storage: str, name: str, workers: tup
 
 def worker_env(opts: dict) -> dict[str, str]:
     env = {"OMP_NUM_THREADS": str(max(1, int(opts["cpus_per_worker"])))}
-    # MINILM_* settings (cache dir, test hooks) reach the workers even on an already-running cluster.
-    env.update({k: v for k, v in os.environ.items() if k.startswith("MINILM_")})
+    # MINILM_* settings (cache dir, test hooks) and the trackers' own (WANDB_MODE=offline, MLFLOW_*) reach
+    # the workers even on an already-running cluster, whose processes do not inherit this shell.
+    # Secrets stay out: runtime env variables are shown in the dashboard (use netrc / a secret store on the nodes).
+    env.update({k: v for k, v in os.environ.items() if k.startswith(("MINILM_", "WANDB_", "MLFLOW_"))
+                and not k.endswith(("API_KEY", "TOKEN", "PASSWORD"))})
+    if opts.get("trackers") and "MINILM_GIT_COMMIT" not in env:
+        from minilm.trackers import code_version
+
+        commit = code_version().get("git_commit")  # a job's working dir has no .git: name the commit here
+        if commit:
+            env["MINILM_GIT_COMMIT"] = commit
     return env
 
 
 def worker_error_summary(e: BaseException) -> str:
-    """The worker's own exception line, not Ray's 40-line wrapper."""
+    """The worker's own exception line, not Ray's 40-line wrapper; the class without its module
+    ("CheckpointError: could not write ...", not "minilm.checkpoint.CheckpointError: ...")."""
     text = str(e)
     for line in reversed(text.splitlines()):
         line = line.strip()
         if line and ("Error" in line.split(":")[0] or "Preempted" in line.split(":")[0]):
-            return line
+            name, colon, rest = line.partition(":")
+            return name.rsplit(".", 1)[-1] + colon + rest if " " not in name else line
     return text.strip().splitlines()[-1] if text.strip() else type(e).__name__
 
 
@@ -295,6 +357,8 @@ def summarize(result, run_dir: Path | None, wall_s: float) -> None:
             shutil.rmtree(final, ignore_errors=True)
             shutil.copytree(weights, final)
             print(f"weights     {final}  (minilm.load_pretrained / python -m minilm.sample --weights {final})")
+    if run_dir is not None and (run_dir / TIMELINE).is_file():
+        print(f"world size  {run_dir / TIMELINE}\n" + format_timeline(WorldSizeTimeline(run_dir).rows()))
     if run_dir is not None and (run_dir / "metrics.jsonl").is_file():
         records = MetricsLog(run_dir / "metrics.jsonl").read()
         if records:

@@ -71,9 +71,13 @@ class RankStream:
         order = D.epoch_order(self.train_ids, self.seed, pos.epoch)
         ids = D.rank_sample_ids(order, pos.step_in_epoch, self.steps_per_epoch, self.G, self.W, self.rank)
         ds = sample_id_dataset(ids, self.data_dir, self.m, self.reader_cpus)
+        # On CUDA, batches are collated into pinned host memory and Ray Data's prefetch thread copies
+        # them to the GPU with non_blocking=True (its default), so the copy overlaps the running step.
+        # On CPU there is no copy and nothing to pin.
         it = iter(ds.iter_torch_batches(batch_size=self.m, prefetch_batches=self.prefetch_batches,
                                         dtypes={"input_ids": torch.long, "sample_id": torch.long},
-                                        device=self.device, drop_last=False))
+                                        device=self.device, drop_last=False,
+                                        pin_memory=torch.device(self.device).type == "cuda"))
         return it, next(it)
 
     def _batches(self, n: int) -> list[dict]:

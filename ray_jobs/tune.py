@@ -26,6 +26,7 @@ import yaml
 from minilm import checkpoint as C
 from minilm import data as D
 from minilm.config import ConfigError, ModelConfig, TrainConfig
+from minilm.trackers import TrackerError
 
 from .cli import UsageError, fail
 from .pretrain import RunPlan, check_options, plan_run
@@ -255,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return run(args)
-    except (UsageError, ConfigError, D.DataError, C.CheckpointError) as e:
+    except (UsageError, ConfigError, D.DataError, C.CheckpointError, TrackerError) as e:
         return fail(str(e))
 
 
@@ -286,6 +287,7 @@ def run(args: argparse.Namespace) -> int:
         tmp.write_text(yaml.safe_dump(file_values))
         args.config = str(tmp)
     plan = plan_run(args)
+    plan.opts["tracker_group"] = plan.name  # trials of one sweep: one W&B group / MLflow tag
     metric = tune_opts["metric"] or ("val_loss" if plan.opts["val_samples"] > 0 else "loss")
     if metric == "val_loss" and plan.opts["val_samples"] == 0:
         raise UsageError("--metric val_loss needs --val-samples N > 0")

@@ -15,7 +15,7 @@ import signal
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -38,8 +38,10 @@ from minilm.step import (
     optimizer_step,
     resolve_dtype,
 )
+from minilm.trackers import Trackers, open_trackers, run_hparams
 
 from . import dashboard_metrics
+from .elastic import WorldSizeTimeline
 from .stream import RankStream
 
 
@@ -73,14 +75,33 @@ class Worker:
     val_ids: np.ndarray | None = None  # this rank's share of the held-out sequences
     val_store: D.SequenceStore | None = None
     last_checkpoint_s: float = 0.0  # wall time of the latest checkpoint (save + report), for the metrics
+    timeline: WorldSizeTimeline | None = None  # rank 0 with a run folder: world_size.csv
+    trackers: Trackers = field(default_factory=lambda: Trackers([]))  # rank 0: TensorBoard / MLflow / W&B
+    redone_steps: int = 0  # optimizer steps recomputed after restarts of this run, in all
 
     def log(self, message: str) -> None:
         if self.rank == 0:
             say(message)
 
+    def record(self, event: str) -> None:
+        if self.timeline:
+            self.timeline.record(self.step, self.world_size, self.accumulation, event)
+
 
 def train_func(config: dict) -> None:
     w = setup(config)
+    outcome = "failed"
+    try:
+        train_loop(w)
+        outcome = "finished" if w.step >= w.total_steps else "killed"  # killed: --exit-after-*, to be continued
+    except Preempted:
+        outcome = "killed"
+        raise
+    finally:
+        w.trackers.close(outcome)
+
+
+def train_loop(w: Worker) -> None:
     cfg = w.train_cfg
     stop = StopSignal(w.run.get("exit_after_minutes"))
     exit_after_steps = w.run.get("exit_after_steps")
@@ -95,10 +116,12 @@ def train_func(config: dict) -> None:
         w.step += 1
         w.guard.update(m, w.step, w.scaler.is_enabled())
         meter.add(m.tokens * w.world_size)
+        if w.timeline:
+            w.timeline.step_done(w.step)
         _test_hooks(w, sample_ids)
 
-        sigterm, time_up = stop.check(w.world_size)
-        exiting = sigterm or time_up or (exit_after_steps is not None and w.step >= exit_after_steps)
+        reason = stop.check(w.world_size)  # SIGTERM, a node drain or --exit-after-minutes, agreed by all ranks
+        exiting = reason is not None or (exit_after_steps is not None and w.step >= exit_after_steps)
         checkpointing = exiting or w.step == w.total_steps or w.step % cfg.checkpoint_every == 0
         evaluating = w.val_ids is not None and (w.step % w.run["eval_every"] == 0 or w.step == w.total_steps)
         if checkpointing or evaluating or w.step % cfg.log_every == 0:
@@ -106,12 +129,15 @@ def train_func(config: dict) -> None:
             if evaluating:
                 metrics["val_loss"] = validation_loss(w)
             report(w, metrics, checkpointing)
-        if sigterm:
-            raise Preempted(f"SIGTERM at optimizer step {w.step}: checkpoint written, exiting for a restart")
+        if reason in (StopSignal.SIGTERM, StopSignal.DRAIN):
+            w.record("preempt")
+            raise Preempted(f"{reason} at optimizer step {w.step}: checkpoint written, exiting for a restart")
         if exiting:
+            w.record("exit")
             w.log(f"exiting after optimizer step {w.step} as asked (--exit-after-steps/--exit-after-minutes); "
                   f"continue with --resume auto")
             return
+    w.record("finish")
 
 
 def setup(config: dict) -> Worker:
@@ -150,6 +176,20 @@ def setup(config: dict) -> Worker:
               f"{model.num_params() / 1e6:.2f}M parameters ({model.num_params(active=True) / 1e6:.2f}M active)")
     if w.metrics_log and rank == 0:
         w.metrics_log.truncate_after(w.step)  # steps about to be redone leave the file: its step axis never goes back
+    if rank == 0 and run.get("trackers"):
+        w.trackers = open_trackers(
+            run["trackers"], run_dir=run.get("run_dir"), run_name=run["name"], start_step=w.step,
+            resume_state=(resumed or {}).get("trackers"), options=run.get("tracker_options"), say=say,
+            hparams=run_hparams(model_cfg.to_dict(), train_cfg.to_dict(), world_size=world_size,
+                                data_fingerprint=prepared.fingerprint, tokenizer_sha256=prepared.tokenizer_sha256))
+    if rank == 0 and run.get("run_dir"):
+        w.timeline = WorldSizeTimeline(run["run_dir"])
+        row = w.timeline.record_start(w.step, world_size, w.accumulation, resumed is not None)
+        w.redone_steps = w.timeline.redone_steps_total()
+        if row["event"] != "start":
+            w.log(f"{row['event']}: world size {world_size} x accumulation {w.accumulation} from optimizer step "
+                  f"{w.step}; {row['redone_steps']} step(s) done since that checkpoint are redone "
+                  f"({w.redone_steps} redone in this run so far)")
 
     if world_size > 1:
         w.model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
@@ -186,7 +226,7 @@ class Meter:
             "epochs": -(-w.total_steps // w.steps_per_epoch), "world_size": w.world_size,
             "accumulation_steps": w.accumulation, "skipped_steps": w.guard.skipped_total,
             "data_wait_frac": (w.stream.data_wait_s - self.wait_mark) / elapsed,
-            "checkpoint_s": w.last_checkpoint_s,
+            "checkpoint_s": w.last_checkpoint_s, "redone_steps": w.redone_steps,
             "eta_s": (now - self.t_start) / max(1, w.step - self.step_at_start) * (w.total_steps - w.step),
         }
         if w.raw_model.config.use_moe:
@@ -227,6 +267,7 @@ def checkpoint_state(w: Worker, metrics: dict) -> dict:
         "model_config": w.model_cfg.to_dict(), "train_config": w.train_cfg.to_dict(),
         "data_fingerprint": w.prepared.fingerprint, "tokenizer_sha256": w.prepared.tokenizer_sha256,
         "run_id": w.run_id, "run_name": w.run["name"], "nonfinite_guard": w.guard.state_dict(),
+        "trackers": w.trackers.state_dict(),
         "rng": "derived: torch.manual_seed(seed * 1000003 + optimizer_step * 1009 + rank) every step",
         "loss": metrics["loss"],
     }
@@ -236,8 +277,8 @@ def _test_hooks(w: Worker, sample_ids: torch.Tensor) -> None:
     """Test-only: record consumed sample ids (--record-sample-ids); slow steps down (fault tests)."""
     if w.run.get("record_sample_ids"):
         with open(Path(w.run["record_sample_ids"]) / f"rank{w.rank}.jsonl", "a") as f:
-            f.write(json.dumps({"optimizer_step": w.step, "world_size": w.world_size,
-                                "sample_ids": sample_ids.tolist()}) + "\n")
+            f.write(json.dumps({"optimizer_step": w.step, "world_size": w.world_size, "rank": w.rank,
+                                "time": time.time(), "sample_ids": sample_ids.tolist()}) + "\n")
     delay = float(os.environ.get("MINILM_TEST_STEP_DELAY_S", "0") or 0)
     if delay:
         time.sleep(delay)
@@ -269,6 +310,7 @@ def report(w: Worker, metrics: dict, checkpointing: bool) -> None:
         dashboard_metrics.publish(metrics, w.run["name"])  # Ray custom metrics: the dashboard's Metrics view
         if w.metrics_log:
             w.metrics_log.append({**metrics, "time": time.time(), "run_id": w.run_id})
+        w.trackers.log(metrics, step=w.step)
     public = {k: v for k, v in metrics.items() if k != "expert_load"}
     if not checkpointing:
         ray.train.report(public)
@@ -280,10 +322,16 @@ def report(w: Worker, metrics: dict, checkpointing: bool) -> None:
         if w.rank == 0:
             C.save_resume_state(tmp, model=w.raw_model, optimizer=w.optimizer, scaler=w.scaler,
                                 state=checkpoint_state(w, metrics))
-            C.export_weights(Path(tmp) / "weights", w.raw_model, w.model_cfg, w.prepared.tokenizer_path)
+            C.export_weights(Path(tmp) / "weights", w.raw_model, w.model_cfg, w.prepared.tokenizer_path, step=w.step)
             checkpoint = ray.train.Checkpoint.from_directory(tmp)
-        ray.train.report(public, checkpoint=checkpoint,
-                         checkpoint_dir_name=checkpoint_dir_name(w.run.get("run_dir"), w.step))
+        dir_name = checkpoint_dir_name(w.run.get("run_dir"), w.step)
+        try:
+            ray.train.report(public, checkpoint=checkpoint, checkpoint_dir_name=dir_name)
+        except Exception as e:  # Ray's upload to the storage path: a full disk there is one clear line too
+            if checkpoint is None or not C.is_disk_full(e):
+                raise
+            raise C.CheckpointError(C.write_error(f"{w.run.get('run_dir') or 'the storage path'}/{dir_name}", w.step,
+                                                 "upload", e)) from None
         w.last_checkpoint_s = time.perf_counter() - t0
     finally:
         if tmp:
@@ -323,12 +371,16 @@ def restore(w: Worker) -> dict | None:
 
 
 def _checkpoint_to_resume(run: dict, log) -> Path | None:
-    """Ray's latest checkpoint of this run (falling back past incomplete ones), else --resume PATH."""
+    """The newest complete checkpoint beside Ray's latest registered one (passing over incomplete ones); when Ray
+    has none registered, the driver's `resume_path`: --resume PATH, or under --resume auto the newest complete
+    checkpoint of the run folder (one Ray never registered: its driver was killed between upload and registration)."""
     latest = ray.train.get_checkpoint()
     if latest is not None:
         local = Path(latest.path)
         if local.is_dir():
-            candidates = sorted(p for p in local.parent.glob("checkpoint_*") if p.is_dir() and p <= local)
+            # Newer complete folders count too: a checkpoint uploaded just before its node died may not be
+            # registered yet (the controller registers reports when it next polls the workers).
+            candidates = sorted(p for p in local.parent.glob("checkpoint_*") if p.is_dir())
             found = C.latest_complete(candidates, log)
             if found is None:
                 raise C.CheckpointError(f"run {run['name']} has checkpoints under {local.parent} but none is complete")
@@ -343,7 +395,15 @@ def _checkpoint_to_resume(run: dict, log) -> Path | None:
 
 
 class StopSignal:
-    """A stop agreed by all ranks at a step boundary: SIGTERM (preemption) or --exit-after-minutes."""
+    """A stop agreed by all ranks at a step boundary: SIGTERM, a node drain, or --exit-after-minutes.
+
+    SIGTERM is what Kubernetes and spot reclaims send a process; a drain is Ray's own notice that a
+    node hosting a rank will be taken away (`ray drain-node`, the autoscaler, a preemption), seen
+    through `ray.train.get_preemption_info()`. Either way the loop checkpoints at the step boundary
+    and exits for a restart, so the restarted group redoes no step.
+    """
+
+    SIGTERM, DRAIN, TIME_UP = "SIGTERM", "node drain", "time limit"
 
     def __init__(self, exit_after_minutes: float | None):
         self.deadline = time.monotonic() + 60 * exit_after_minutes if exit_after_minutes else None
@@ -356,13 +416,17 @@ class StopSignal:
     def _on_sigterm(self, *_):
         self.sigterm = True
 
-    def check(self, world_size: int) -> tuple[bool, bool]:
-        """(sigterm on any rank, time limit reached on any rank); a collective when world_size > 1."""
+    def check(self, world_size: int) -> str | None:
+        """Why to stop after this step (the same answer on every rank), or None. A collective."""
         time_up = self.deadline is not None and time.monotonic() > self.deadline
-        flags = torch.tensor([float(self.sigterm), float(time_up)])
+        drain = ray.train.get_preemption_info() is not None  # a barrier: every rank calls it every step
+        flags = torch.tensor([float(self.sigterm), float(drain), float(time_up)])
         if world_size > 1 and dist.is_initialized():
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        return bool(flags[0] > 0), bool(flags[1] > 0)
+        for reason, flag in zip((self.SIGTERM, self.DRAIN, self.TIME_UP), flags.tolist(), strict=True):
+            if flag > 0:
+                return reason
+        return None
 
 
 def _defer_ray_sigterm_exit(on_sigterm) -> None:
