@@ -1,4 +1,9 @@
-"""Shared helpers for the benchmarks: a measured matmul peak, environment facts, JSON output."""
+"""Shared helpers for the benchmarks: a measured matmul peak, side-by-side step timing, environment
+facts, JSON output.
+
+Results go to bench/results/, or to the folder in MINILM_BENCH_RESULTS (the smoke tests point it at a
+temporary folder so they never touch bench/results/).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import json
 import os
 import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -13,22 +19,84 @@ import torch
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def matmul_peak_flops(dtype: torch.dtype = torch.float32, n: int = 2048, repeats: int = 10) -> float:
+def results_dir() -> Path:
+    return Path(os.environ.get("MINILM_BENCH_RESULTS") or RESULTS)
+
+
+def synchronize(device: torch.device | str = "cpu") -> None:
+    """Wait for queued GPU work, so a wall-clock interval covers it; nothing to wait for on CPU."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_peak_flops(dtype: torch.dtype = torch.float32, n: int = 2048, repeats: int = 10,
+                      device: torch.device | str = "cpu") -> float:
     """Best-of-`repeats` FLOP/s of an n x n @ n x n matmul in this process: the denominator of MFU.
 
     Measured rather than taken from a data sheet, so MFU says how well the step uses the matmul
     throughput this machine (and this torch build, with its current thread count) really reaches.
+    On a GPU each repeat runs the matmul 10 times between synchronisations, so launch latency does
+    not count.
     """
     gen = torch.Generator().manual_seed(0)
-    a = torch.randn(n, n, generator=gen).to(dtype)
-    b = torch.randn(n, n, generator=gen).to(dtype)
+    a = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
+    b = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
+    inner = 10 if torch.device(device).type == "cuda" else 1
     a @ b  # warm-up: thread pool, kernel selection
+    synchronize(device)
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t0)
+        for _ in range(inner):
+            a @ b
+        synchronize(device)
+        best = min(best, (time.perf_counter() - t0) / inner)
     return 2 * n**3 / best
+
+
+def alternate(steps: dict[str, Callable[[int], object]], timed: int, warmup: int,
+              device: torch.device | str = "cpu") -> dict[str, list[float]]:
+    """Run each named step function in turn, round after round, and time every call after `warmup` rounds.
+
+    Round-robin is the point: background load on a shared machine (or clock changes) then hits every
+    configuration alike, so their ratio means something even when the absolute times drift.
+    `steps[name](i)` runs step i of that configuration; it must leave no work queued (or the device
+    is synchronised after it here).
+    """
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for i in range(warmup + timed):
+        for name, step in steps.items():
+            t0 = time.perf_counter()
+            step(i)
+            synchronize(device)
+            if i >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def start_ray(num_cpus: int | None = None) -> None:
+    """Join the Ray in RAY_ADDRESS, or start a private local one (never another process's Ray on this host).
+
+    Like `ray_jobs.cli.ensure_ray`, but with address="local": a plain `ray.init()` joins any Ray
+    already running on the machine (and then refuses num_cpus), which on a shared host is someone
+    else's. More logical CPUs than cores, as the CLI does, so Ray Data tasks are not starved.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
+        return
+    ray.init(address="local", num_cpus=num_cpus or max(8, 2 * (os.cpu_count() or 2)), include_dashboard=False,
+             logging_level="WARNING", log_to_driver=True)
+
+
+def load_average() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
 
 
 def environment() -> dict:
@@ -38,12 +106,17 @@ def environment() -> dict:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
-    return {"cpu": cpu, "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "python": platform.python_version()}
+    env = {"cpu": cpu, "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+           "torch": torch.__version__, "python": platform.python_version(), "load_average": load_average(),
+           "time": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(0)
+    return env
 
 
 def write_json(name: str, payload: dict) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / name
+    directory = results_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / name
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path

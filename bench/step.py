@@ -1,14 +1,18 @@
-"""Throughput and MFU of one optimizer step on CPU, dense vs MoE with the same active parameters.
+"""Throughput and MFU of one optimizer step, dense vs MoE with the same active parameters (CPU or one GPU).
 
-    python -m bench.step                                   # hidden 512, 4 layers, seq 256, micro-batch 8, fp32
+    python -m bench.step                                   # hidden 512, 4 layers, seq 256, micro-batch 8, fp32, CPU
     python -m bench.step --steps 4 --warmup 1              # quicker
-    python -m bench.step --dtype both                      # add a bf16-autocast column
+    python -m bench.step --dtype both                      # add a bf16-autocast pair of rows
+    python -m bench.step --compile                         # add torch.compile'd rows (minilm.step.prepare_model)
+    python -m bench.step --device cuda --dtype bf16 --compile --hidden-size 768 --num-hidden-layers 16 --seq-len 1024
 
-For each dtype it measures, in this process: the matmul peak (2048^3, best of 10, before and after
-the steps; the larger counts) and `minilm.step.optimizer_step` (accumulation 1) for the dense model
-and for the MoE model (4 experts, top-1: the same active FFN width). Dense and MoE steps alternate,
-so background load hits both alike; warm-up steps are excluded. MFU = flops_per_token(seq_len) * tokens/s / measured peak.
-Writes bench/results/step.json.
+For each dtype it measures, in this process: the matmul peak (n^3, best of 10, before and after the
+steps; the larger counts; n = 2048 on CPU, 8192 on GPU) and `minilm.step.optimizer_step`
+(accumulation 1) for the dense model and for the MoE model (4 experts, top-1: the same active FFN
+width), and with --compile for both again with `prepare_model(compile=True)`. All configurations
+alternate step by step, so background load hits them alike; warm-up steps (which include the
+compilation) are excluded. MFU = flops_per_token(seq_len) * tokens/s / measured peak.
+Writes step.json to bench/results/ (or $MINILM_BENCH_RESULTS).
 """
 
 from __future__ import annotations
@@ -16,77 +20,91 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 
 import torch
 
 from minilm.config import ModelConfig, TrainConfig
 from minilm.model import MiniMindForCausalLM
-from minilm.step import make_grad_scaler, make_optimizer, optimizer_step
+from minilm.step import configure_backends, make_grad_scaler, make_optimizer, optimizer_step, prepare_model
 
-from .common import environment, matmul_peak_flops, write_json
+from .common import alternate, environment, matmul_peak_flops, write_json
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def build(args, use_moe: bool) -> MiniMindForCausalLM:
+def build(args, use_moe: bool, compile_: bool) -> MiniMindForCausalLM:
     # A micro-batch row is seq_len + 1 ids (input and shifted labels), all of them through the model.
     torch.manual_seed(0)
     cfg = ModelConfig(hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers,
                       num_attention_heads=args.num_attention_heads, num_key_value_heads=args.num_key_value_heads,
                       vocab_size=args.vocab_size, max_position_embeddings=args.seq_len + 1, use_moe=use_moe,
                       num_experts=4, num_experts_per_tok=1)
-    return MiniMindForCausalLM(cfg).train()
+    model = MiniMindForCausalLM(cfg).to(args.device).train()
+    return prepare_model(model, TrainConfig(compile=compile_), args.device)
 
 
 def bench_dtype(args, dtype_name: str) -> dict:
     dtype = DTYPES[dtype_name]
-    peak_before = matmul_peak_flops(dtype)
+    device = torch.device(args.device)
+    peak_before = matmul_peak_flops(dtype, n=args.peak_size, device=device)
+    configs = [("dense", False, False), ("moe", True, False)]
+    if args.compile:
+        configs += [("dense+compile", False, True), ("moe+compile", True, True)]
     runs = {}
-    for name, use_moe in (("dense", False), ("moe", True)):
-        model = build(args, use_moe)
+    for name, use_moe, compile_ in configs:
+        model = build(args, use_moe, compile_)
         gen = torch.Generator().manual_seed(1)
         runs[name] = {
-            "model": model,
+            "model": model, "compile": compile_,
             "optimizer": make_optimizer(model, TrainConfig(lr=1e-4)),
-            "scaler": make_grad_scaler(dtype, "cpu"),
-            "batches": [torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_len + 1), generator=gen)
-                        for _ in range(args.warmup + args.steps)],
-            "times": [],
+            "scaler": make_grad_scaler(dtype, device.type),
+            "batches": [torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_len + 1),
+                                      generator=gen).to(device) for _ in range(args.warmup + args.steps)],
         }
-    for i in range(args.warmup + args.steps):
-        for r in runs.values():  # alternate dense / MoE step by step
-            t0 = time.perf_counter()
+
+    def step_fn(r):
+        def step(i: int) -> None:
             m = optimizer_step(r["model"], r["optimizer"], r["scaler"], [r["batches"][i]], lr=1e-4, grad_clip=1.0,
                                dtype=dtype)
-            float(m.loss)
-            if i >= args.warmup:
-                r["times"].append(time.perf_counter() - t0)
+            float(m.loss)  # the step is done when its loss is on the host
+        return step
+
+    times = alternate({name: step_fn(r) for name, r in runs.items()}, args.steps, args.warmup, device)
     # Measured before and after the steps; the larger is the less disturbed by other load on the host.
-    peak_after = matmul_peak_flops(dtype)
+    peak_after = matmul_peak_flops(dtype, n=args.peak_size, device=device)
     peak = max(peak_before, peak_after)
     rows = []
+    tokens = args.micro_batch_size * args.seq_len
     for name, r in runs.items():
-        model = r["model"]
-        step_s = statistics.median(r["times"])
-        tokens = args.micro_batch_size * args.seq_len
+        model, t = r["model"], times[name]
+        step_s = statistics.median(t)
         tps = tokens / step_s
         load = model.expert_load()
         rows.append({
-            "config": name, "dtype": dtype_name,
+            "config": name, "dtype": dtype_name, "compile": r["compile"],
             "params": model.num_params(), "active_params": model.num_params(active=True),
             "flops_per_token": model.flops_per_token(args.seq_len),
-            "step_s_median": step_s, "step_s_min": min(r["times"]), "step_s_max": max(r["times"]),
+            "step_s_median": step_s, "step_s_min": min(t), "step_s_max": max(t), "step_s_all": t,
             "tokens_per_step": tokens, "tokens_per_s": tps,
             "achieved_flops": model.flops_per_token(args.seq_len) * tps,
             "mfu": model.estimate_mfu(tps, args.seq_len, peak),
-            "mfu_best_step": model.estimate_mfu(tokens / min(r["times"]), args.seq_len, peak),
+            "mfu_best_step": model.estimate_mfu(tokens / min(t), args.seq_len, peak),
             "max_expert_share": float(load.max()) if load is not None else None,
         })
+    by = {r["config"]: r for r in rows}
+    ratios = {"moe_over_dense": by["moe"]["step_s_median"] / by["dense"]["step_s_median"],
+              "moe_over_dense_min": by["moe"]["step_s_min"] / by["dense"]["step_s_min"]}
+    if args.compile:
+        ratios.update({
+            "moe_over_dense_compiled": by["moe+compile"]["step_s_median"] / by["dense+compile"]["step_s_median"],
+            # > 1: compile made the step faster by that factor; < 1: slower
+            "compile_speedup_dense": by["dense"]["step_s_median"] / by["dense+compile"]["step_s_median"],
+            "compile_speedup_moe": by["moe"]["step_s_median"] / by["moe+compile"]["step_s_median"],
+            "compile_speedup_dense_min": by["dense"]["step_s_min"] / by["dense+compile"]["step_s_min"],
+            "compile_speedup_moe_min": by["moe"]["step_s_min"] / by["moe+compile"]["step_s_min"],
+        })
     return {"dtype": dtype_name, "peak_flops": peak, "peak_flops_before": peak_before, "peak_flops_after": peak_after,
-            "rows": rows,
-            "moe_over_dense": rows[1]["step_s_median"] / rows[0]["step_s_median"],
-            "moe_over_dense_min": rows[1]["step_s_min"] / rows[0]["step_s_min"]}
+            "rows": rows, **ratios}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,42 +117,60 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--micro-batch-size", type=int, default=8)
     p.add_argument("--steps", type=int, default=8, help="timed optimizer steps per config")
-    p.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps per config first")
+    p.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps per config first "
+                                                          "(with --compile they include the compilation)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "both"], default="fp32")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (one GPU)")
+    p.add_argument("--compile", action="store_true", help="add rows with torch.compile'd blocks")
+    p.add_argument("--peak-size", type=int, default=None, help="n of the n^3 matmul peak (default 2048 CPU, 8192 GPU)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     args = p.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: this torch sees no CUDA device")
+    if device.type not in ("cpu", "cuda"):
+        p.error("--device must be cpu or cuda")
+    args.peak_size = args.peak_size or (8192 if device.type == "cuda" else 2048)
     if args.threads:
         torch.set_num_threads(args.threads)
+    configure_backends(device)  # TF32 on Ampere+ GPUs; nothing on CPU
 
     env = environment()
-    print(f"# {env['cpu']}, {env['torch_threads']} torch threads, torch {env['torch']}")
+    where = env.get("gpu", "") if device.type == "cuda" else f"{env['cpu']}, {env['torch_threads']} torch threads"
+    print(f"# {where}, torch {env['torch']}, load average {env['load_average']}")
     print(f"# hidden {args.hidden_size}, layers {args.num_hidden_layers}, vocab {args.vocab_size}, "
           f"seq {args.seq_len}, micro-batch {args.micro_batch_size}, accumulation 1, "
-          f"{args.steps} timed steps after {args.warmup} warm-up")
+          f"{args.steps} timed steps after {args.warmup} warm-up, device {args.device}")
     results = [bench_dtype(args, d) for d in (("fp32", "bf16") if args.dtype == "both" else (args.dtype,))]
 
-    header = (f"{'config':<6} {'dtype':<5} {'params':>8} {'active':>8} {'step s':>7} {'min s':>7} {'tokens/s':>9} "
-              f"{'GFLOP/s':>8} {'peak':>8} {'MFU':>6} {'best':>6}")
+    header = (f"{'config':<14} {'dtype':<5} {'params':>8} {'active':>8} {'step s':>8} {'min s':>8} {'tokens/s':>10} "
+              f"{'GFLOP/s':>9} {'peak':>9} {'MFU':>6} {'best':>6}")
     print("step s = median optimizer step; tokens/s, GFLOP/s and MFU from the median; best = MFU of the fastest "
           "step; peak = matmul GFLOP/s")
     print(header)
     print("-" * len(header))
     for res in results:
         for r in res["rows"]:
-            print(f"{r['config']:<6} {r['dtype']:<5} {r['params'] / 1e6:>7.1f}M {r['active_params'] / 1e6:>7.1f}M "
-                  f"{r['step_s_median']:>7.3f} {r['step_s_min']:>7.3f} {r['tokens_per_s']:>9.0f} {r['achieved_flops'] / 1e9:>8.1f} "
-                  f"{res['peak_flops'] / 1e9:>8.1f} {r['mfu']:>6.1%} {r['mfu_best_step']:>6.1%}")
+            print(f"{r['config']:<14} {r['dtype']:<5} {r['params'] / 1e6:>7.1f}M {r['active_params'] / 1e6:>7.1f}M "
+                  f"{r['step_s_median']:>8.4f} {r['step_s_min']:>8.4f} {r['tokens_per_s']:>10.0f} "
+                  f"{r['achieved_flops'] / 1e9:>9.1f} {res['peak_flops'] / 1e9:>9.1f} {r['mfu']:>6.1%} "
+                  f"{r['mfu_best_step']:>6.1%}")
     for res in results:
-        print(f"matmul peak ({res['dtype']}, 2048^3, best of 10): {res['peak_flops_before'] / 1e9:.1f} GFLOP/s before, "
-              f"{res['peak_flops_after'] / 1e9:.1f} after the steps; MFU uses the larger")
+        print(f"matmul peak ({res['dtype']}, {args.peak_size}^3, best of 10): {res['peak_flops_before'] / 1e9:.1f} "
+              f"GFLOP/s before, {res['peak_flops_after'] / 1e9:.1f} after the steps; MFU uses the larger")
         if any(r["mfu"] > 1 for r in res["rows"]):
             print("  warning: MFU > 100%: the peak was measured while the host was busier than during the steps")
     for res in results:
         ratio = res["moe_over_dense"]
         print(f"MoE / dense step time ({res['dtype']}): {ratio:.2f}x median, {res['moe_over_dense_min']:.2f}x best "
               f"(target <= 1.10x){'' if ratio <= 1.10 else '  ABOVE TARGET'}")
+        if args.compile:
+            print(f"compile speed-up = eager / compiled step time ({res['dtype']}; > 1: compile is faster): "
+                  f"dense {res['compile_speedup_dense']:.2f}x median ({res['compile_speedup_dense_min']:.2f}x best), "
+                  f"MoE {res['compile_speedup_moe']:.2f}x median ({res['compile_speedup_moe_min']:.2f}x best); "
+                  f"compiled MoE / dense {res['moe_over_dense_compiled']:.2f}x")
     path = write_json("step.json", {"args": vars(args), "environment": env, "results": results})
     print(f"wrote {path}")
     return 0

@@ -122,6 +122,8 @@ class TrainConfig:
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
     max_nonfinite_steps: int = 5  # this many non-finite gradient steps in a row stop the run
+    compile: bool = False  # torch.compile each transformer block (minilm.step.prepare_model)
+    activation_checkpointing: bool = False  # recompute each block in backward: less memory, ~1/3 more compute
 
     def problems(self, world_size: int | None = None, total_steps: int | None = None) -> list[str]:
         p: list[str] = []
@@ -159,6 +161,9 @@ class TrainConfig:
         betas = tuple(self.betas) if isinstance(self.betas, (list, tuple)) else ()
         if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas):
             p.append(f"betas must be two numbers in [0, 1), got {self.betas!r}")
+        for name in ("compile", "activation_checkpointing"):
+            if not isinstance(getattr(self, name), bool):
+                p.append(f"{name} must be true or false, got {getattr(self, name)!r}")
         steps = total_steps if total_steps is not None else self.max_steps
         if steps is not None and _is_int(self.warmup_steps) and _is_int(steps) and self.warmup_steps >= steps:
             p.append(f"warmup_steps ({self.warmup_steps}) must be smaller than the total optimizer steps ({steps})")

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
 
@@ -127,31 +128,50 @@ class MoEFeedForward(nn.Module):
         x_flat = x.reshape(-1, h)
         probs = F.softmax(self.gate(x_flat), dim=-1, dtype=torch.float32)
         topk_prob, topk_idx = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob and self.top_k == 1:
-            # MiniMind's p / (p + 1e-20) is exactly 1 with a gradient of exactly 0 in math but rounding
-            # noise in autograd (which AdamW would amplify): use the 1 it equals, kept in the graph so
-            # the router still gets a (zero) gradient. It learns from the aux loss, as in MiniMind.
-            topk_prob = topk_prob * 0 + 1
-        elif self.norm_topk_prob:
+        # MiniMind's top-1 p / (p + 1e-20) is exactly 1 with a gradient of exactly 0 in math but rounding
+        # noise in autograd (which AdamW would amplify): use the 1 it equals. The router learns from the
+        # aux loss, as in MiniMind, and keeps a (zero) gradient path below, for DDP.
+        unit_weights = self.norm_topk_prob and self.top_k == 1
+        if self.norm_topk_prob and not unit_weights:
             topk_prob = topk_prob / (topk_prob.sum(dim=-1, keepdim=True) + 1e-20)
 
-        flat_expert = topk_idx.reshape(-1)  # (tokens * top_k,)
-        order = torch.argsort(flat_expert, stable=True)
-        counts = torch.bincount(flat_expert, minlength=self.num_experts)
-        token_of = order // self.top_k  # source token of each sorted (token, slot) pair
-        expert_in = x_flat[token_of]
-        outputs = [expert(chunk) for expert, chunk in zip(self.experts, expert_in.split(counts.tolist()), strict=True)]
-        weighted = torch.cat(outputs) * topk_prob.reshape(-1)[order, None].to(x.dtype)
-        y = torch.zeros_like(x_flat).index_add_(0, token_of, weighted.to(x_flat.dtype))
+        y, counts = self._dispatch(x_flat, topk_idx, topk_prob, unit_weights)
 
         load = counts.float() / x_flat.shape[0]  # tokens routed to each expert, over all slots
         with torch.no_grad():
-            self.expert_load.copy_(counts.float() / flat_expert.numel())
+            self.expert_load.copy_(counts.float() / topk_idx.numel())
         if self.training and self.aux_coef > 0:
             self.aux_loss = self.num_experts * self.aux_coef * (load * probs.mean(0)).sum()
         else:
             self.aux_loss = probs.new_zeros(())
+        if unit_weights and torch.is_grad_enabled():
+            # The unit weights left the router out of the output's graph; + 0 x (its probabilities)
+            # gives it a zero gradient even with router_aux_loss_coef 0, so DDP sees every parameter used.
+            self.aux_loss = self.aux_loss + 0 * topk_prob.sum()
         return y.view(b, t, h)
+
+    # Eager even inside a torch.compile'd block: the expert slices have data-dependent sizes, which
+    # would recompile the graph whenever the routing changes. The experts are matmuls, which compile
+    # does not speed up; the block's norms, attention and router around this call still compile.
+    @torch.compiler.disable
+    def _dispatch(self, x_flat, topk_idx, topk_prob, unit_weights: bool):
+        """Run every (token, slot) pair through its expert; returns (combined output, tokens per expert)."""
+        flat_expert = topk_idx.reshape(-1)  # (tokens * top_k,)
+        order = torch.argsort(flat_expert, stable=True)
+        counts = torch.bincount(flat_expert, minlength=self.num_experts)
+        token_of = order // self.top_k  # source token of each sorted (token, slot) pair
+        # index_select, not x_flat[token_of]: its backward is an index_add_, cheaper on CPU than the
+        # accumulating index_put_ of advanced indexing (same sums: at most top_k terms per token).
+        expert_in = x_flat.index_select(0, token_of)
+        outputs = torch.cat([expert(chunk) for expert, chunk in
+                             zip(self.experts, expert_in.split(counts.tolist()), strict=True)])
+        if unit_weights:
+            # Top-1 with normalised weights: every weight is exactly 1, so skip the multiply (and, in
+            # backward, the per-token dot product that gives its zero gradient). Each token has one
+            # slot, so putting the outputs back in token order is a permutation, not a sum.
+            return outputs.index_select(0, torch.argsort(order)), counts
+        weighted = outputs * topk_prob.reshape(-1)[order, None].to(x_flat.dtype)
+        return torch.zeros_like(x_flat).index_add_(0, token_of, weighted), counts
 
 
 class MiniMindBlock(nn.Module):
@@ -178,6 +198,9 @@ class MiniMindModel(nn.Module):
         cos, sin = rope_tables(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
         self.register_buffer("freqs_cos", cos, persistent=False)  # not in the state dict, as in MiniMind
         self.register_buffer("freqs_sin", sin, persistent=False)
+        # Set by minilm.step.prepare_model: keep only each block's input for backward and recompute
+        # the block there (activation memory per layer drops to one hidden state, compute rises ~1/3).
+        self.activation_checkpointing = False
 
     def forward(self, input_ids, past_key_values=None, use_cache=False):
         start = past_key_values[0][0].shape[1] if past_key_values else 0
@@ -185,8 +208,14 @@ class MiniMindModel(nn.Module):
         cos, sin = self.freqs_cos[start:start + t], self.freqs_sin[start:start + t]
         x = self.dropout(self.embed_tokens(input_ids))
         presents = []
+        recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled() and not use_cache
         for i, layer in enumerate(self.layers):
-            x, present = layer(x, cos, sin, past_key_values[i] if past_key_values else None, use_cache)
+            if recompute:
+                # Non-reentrant: the variant that composes with DDP and torch.compile, and it also recomputes
+                # the MoE aux loss built inside the block; the RNG state is replayed, so dropout masks match.
+                x, present = checkpoint(layer, x, cos, sin, use_reentrant=False)
+            else:
+                x, present = layer(x, cos, sin, past_key_values[i] if past_key_values else None, use_cache)
             presents.append(present)
         return self.norm(x), presents
 

@@ -72,6 +72,56 @@ def make_grad_scaler(dtype: torch.dtype, device_type: str) -> torch.amp.GradScal
     return torch.amp.GradScaler(device_type, enabled=(dtype == torch.float16))
 
 
+# ---- model and backend set-up -----------------------------------------------------------------
+
+def configure_backends(device: torch.device | str) -> None:
+    """Process-wide math settings for `device`; call once per process before building the model.
+
+    On CUDA GPUs with TF32 units (Ampere and later) fp32 matmuls and convolutions run in TF32: the
+    parts of a bf16 autocast step that stay fp32, and every matmul of an fp32 run, several times
+    faster for a 10-bit mantissa in the products (sums stay fp32). On CPU nothing changes.
+    """
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        return
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # torch >= 2.9; mixing with allow_tf32 is refused
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        torch.backends.cudnn.conv.fp32_precision = "tf32"
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+
+def prepare_model(model: torch.nn.Module, cfg: TrainConfig, device: torch.device | str) -> torch.nn.Module:
+    """Apply the speed/memory options of `cfg` to a MiniMindForCausalLM in place and return it.
+
+    Call it after `.to(device)` and before wrapping in DDP. The parameters and state-dict keys do not
+    change, so checkpoints, exports and the optimizer see the same module either way.
+
+    * `activation_checkpointing`: each transformer block keeps only its input for backward and is
+      recomputed there (torch.utils.checkpoint, non-reentrant).
+    * `compile`: `torch.compile` of each transformer block ("regional" compilation). The blocks are
+      identical, so one compilation serves them all, which keeps start-up to one block's compile
+      time, and a MoE block's data-dependent expert sizes only split that block's graph. The
+      embedding, final norm, lm_head and loss stay eager.
+    """
+    inner = model.model  # MiniMindModel
+    inner.activation_checkpointing = bool(cfg.activation_checkpointing)
+    if cfg.compile:
+        if torch.device(device).type == "cpu":
+            # Inductor compiles C++ for CPU kernels; without a compiler the first step would fail.
+            import shutil
+
+            if not any(shutil.which(cc) for cc in ("c++", "g++", "clang++")):
+                raise RuntimeError("compile on CPU needs a C++ compiler (c++, g++ or clang++) on PATH; "
+                                   "install one or run without --compile")
+        for block in inner.layers:
+            block.compile()
+    return model
+
+
 # ---- optimizer --------------------------------------------------------------------------------
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
@@ -109,11 +159,13 @@ class StepMetrics:
 
 def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
                    micro_batches: Sequence[torch.Tensor], *, lr: float, grad_clip: float,
-                   dtype: torch.dtype = torch.float32) -> StepMetrics:
+                   dtype: torch.dtype = torch.float32, no_sync: bool = True) -> StepMetrics:
     """Run len(micro_batches) micro-steps and one optimizer step.
 
     Each micro-batch is a (micro_batch_size, seq_len + 1) tensor of token ids already on the
-    model's device; it is both input and labels (the model shifts the labels).
+    model's device; it is both input and labels (the model shifts the labels). `no_sync=False`
+    all-reduces on every micro-step (same result, more communication): only for measuring what
+    no_sync saves (`python -m bench.overhead`).
     """
     accumulation_steps = len(micro_batches)
     device_type = micro_batches[0].device.type
@@ -123,7 +175,7 @@ def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sca
     for i, input_ids in enumerate(micro_batches):
         last = i == accumulation_steps - 1
         # DDP all-reduces gradients in backward; skip that on all micro-steps but the last.
-        sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
+        sync = contextlib.nullcontext() if last or not no_sync or not hasattr(model, "no_sync") else model.no_sync()
         with sync:
             with autocast(device_type, dtype):
                 out = model(input_ids, labels=input_ids)

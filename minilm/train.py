@@ -20,7 +20,15 @@ from . import data as D
 from .config import ConfigError, ModelConfig, TrainConfig
 from .model import MiniMindForCausalLM
 from .schedule import get_lr
-from .step import NonFiniteGuard, make_grad_scaler, make_optimizer, optimizer_step, resolve_dtype
+from .step import (
+    NonFiniteGuard,
+    configure_backends,
+    make_grad_scaler,
+    make_optimizer,
+    optimizer_step,
+    prepare_model,
+    resolve_dtype,
+)
 
 
 def sequences_from_tokens(tokens: np.ndarray, seq_len: int) -> torch.Tensor:
@@ -45,8 +53,10 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, sequences: torch.Tenso
     total_steps = train_cfg.max_steps or per_epoch * train_cfg.epochs
     train_cfg.validate(world_size=1, total_steps=total_steps)
 
+    configure_backends(device)
     torch.manual_seed(train_cfg.seed)
     model = (model or MiniMindForCausalLM(model_cfg)).to(device).train()
+    prepare_model(model, train_cfg, device)  # --compile, --activation-checkpointing (in place)
     dtype = resolve_dtype(train_cfg.dtype, device)
     optimizer = make_optimizer(model, train_cfg)
     scaler = make_grad_scaler(dtype, torch.device(device).type)
@@ -96,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="fp32")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each transformer block in backward (less memory, more compute)")
     args = p.parse_args(argv)
     try:
         model_cfg = ModelConfig(hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers,
@@ -103,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         train_cfg = TrainConfig(lr=args.lr, warmup_steps=args.warmup_steps, max_steps=args.max_steps,
                                 epochs=args.epochs, micro_batch_size=args.micro_batch_size,
                                 global_batch_size=args.global_batch_size, dtype=args.dtype, seq_len=args.seq_len,
-                                log_every=args.log_every, seed=args.seed)
+                                log_every=args.log_every, seed=args.seed, compile=args.compile,
+                                activation_checkpointing=args.activation_checkpointing)
         model_cfg.validate()
         train_cfg.validate(world_size=1)
         if args.data:

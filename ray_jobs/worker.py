@@ -32,10 +32,12 @@ from minilm.schedule import get_lr
 from minilm.step import (
     NonFiniteGuard,
     autocast,
+    configure_backends,
     make_grad_scaler,
     make_optimizer,
     mean_across_workers,
     optimizer_step,
+    prepare_model,
     resolve_dtype,
 )
 from minilm.trackers import Trackers, open_trackers, run_hparams
@@ -151,8 +153,10 @@ def setup(config: dict) -> Worker:
     train_ids, val_ids = D.split_ids(prepared.num_sequences, run["val_samples"])
     per_epoch = D.steps_per_epoch(len(train_ids), train_cfg.global_batch_size)
 
+    configure_backends(device)  # TF32 on Ampere+ GPUs
     torch.manual_seed(train_cfg.seed)  # identical initial weights on every rank
-    model = MiniMindForCausalLM(model_cfg).to(device)
+    # --compile and --activation-checkpointing act in place: state-dict keys, checkpoints and DDP are unchanged
+    model = prepare_model(MiniMindForCausalLM(model_cfg).to(device), train_cfg, device)
     w = Worker(rank=rank, world_size=world_size, model_cfg=model_cfg, train_cfg=train_cfg, run=run, prepared=prepared,
                model=model, raw_model=model, optimizer=make_optimizer(model, train_cfg),
                scaler=make_grad_scaler(dtype, device.type), guard=NonFiniteGuard(train_cfg.max_nonfinite_steps),
@@ -195,7 +199,8 @@ def setup(config: dict) -> Worker:
         w.model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     w.stream = RankStream(data_dir=run["data_dir"], train_ids=train_ids, seed=train_cfg.seed,
                           global_batch_size=train_cfg.global_batch_size, micro_batch_size=train_cfg.micro_batch_size,
-                          world_size=world_size, rank=rank, start_step=w.step, steps_per_epoch=per_epoch,
+                          world_size=world_size, rank=rank, start_step=w.step, total_steps=w.total_steps,
+                          steps_per_epoch=per_epoch,
                           device=device, reader_cpus=run.get("reader_cpus", 0.0))
     return w
 

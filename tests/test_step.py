@@ -14,10 +14,12 @@ from minilm.step import (
     NonFiniteGuard,
     NonFiniteLossError,
     StepMetrics,
+    configure_backends,
     make_grad_scaler,
     make_optimizer,
     mean_across_workers,
     optimizer_step,
+    prepare_model,
     resolve_dtype,
 )
 
@@ -315,3 +317,71 @@ def test_weight_decay_only_on_matrices():
 def test_mean_across_workers_is_identity_without_distributed():
     v = torch.tensor([1.0, 2.0])
     assert torch.equal(mean_across_workers(v), v)
+
+
+# ---- no_sync, prepare_model, configure_backends -----------------------------------------------------
+
+class CountingNoSync(torch.nn.Module):
+    """A model with DDP's no_sync() that counts the micro-steps it covered."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.skipped_syncs = inner, 0
+
+    def forward(self, *args, **kwargs):
+        return self.inner(*args, **kwargs)
+
+    def no_sync(self):
+        import contextlib
+
+        self.skipped_syncs += 1
+        return contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("no_sync, expected", [(True, 3), (False, 0)])
+def test_no_sync_on_all_micro_steps_but_the_last_unless_turned_off(no_sync, expected):
+    model = CountingNoSync(make_model())
+    optimizer_step(model, make_optimizer(model, TrainConfig()), fp32_scaler(), list(batch(8, seed=1).split(2)),
+                   lr=1e-3, grad_clip=1.0, no_sync=no_sync)
+    assert model.skipped_syncs == expected
+
+
+@pytest.mark.parametrize("use_moe", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activation_checkpointing_gives_the_same_step(use_moe, dtype):
+    """Recomputing each block in backward changes memory, not results: same loss, same gradients, bit for bit
+    (dropout on: the recompute replays the RNG)."""
+    grads = []
+    for checkpointing in (False, True):
+        model = make_model(use_moe=use_moe, dropout=0.1)
+        assert prepare_model(model, TrainConfig(activation_checkpointing=checkpointing), "cpu") is model
+        opt = make_optimizer(model, TrainConfig())
+        seen = []
+        opt.register_step_pre_hook(
+            lambda o, a, k, seen=seen: seen.extend(p.grad.clone() for g in o.param_groups for p in g["params"]))
+        torch.manual_seed(7)
+        m = optimizer_step(model, opt, fp32_scaler(), list(batch(4, seed=2).split(2)), lr=1e-3, grad_clip=1.0,
+                           dtype=dtype)
+        grads.append((m.loss, seen, list(model.state_dict())))
+    (loss_a, grads_a, keys_a), (loss_b, grads_b, keys_b) = grads
+    assert torch.equal(loss_a, loss_b) and keys_a == keys_b
+    assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b, strict=True))
+
+
+def test_activation_checkpointing_is_off_in_eval_and_generation():
+    model = make_model()
+    prepare_model(model, TrainConfig(activation_checkpointing=True), "cpu")
+    ids = batch(1, seed=3)[:, :5]
+    reference = make_model().eval()
+    torch.testing.assert_close(model.eval().generate(ids, max_new_tokens=4, temperature=0),
+                               reference.generate(ids, max_new_tokens=4, temperature=0))
+
+
+def test_speed_options_are_validated_and_configure_backends_is_a_cpu_no_op():
+    assert TrainConfig().compile is False and TrainConfig().activation_checkpointing is False
+    problems = TrainConfig(compile="yes", activation_checkpointing=1).problems()
+    assert any("compile must be true or false" in p for p in problems)
+    assert any("activation_checkpointing must be true or false" in p for p in problems)
+    before = torch.get_float32_matmul_precision()
+    configure_backends("cpu")
+    assert torch.get_float32_matmul_precision() == before

@@ -1,0 +1,148 @@
+"""Checkpoint save and restore time vs model size, and checkpointing's share of training time.
+
+    python -m bench.checkpoint                         # 3 sizes: the demo preset, MiniMind 26M, MiniMind 104M
+    python -m bench.checkpoint --sizes 256x4 512x8 --repeats 3 --dir /mnt/shared/tmp
+
+For each size (hidden x layers, vocab 6400, fp32 master weights, AdamW state filled by one step) it
+times what a Ray worker does at a checkpoint step, with `minilm.checkpoint`:
+
+* save: `save_resume_state` (model.safetensors, optimizer.pt, scaler.pt, state.json, SHA-256 marker)
+  then `export_weights` (fp16 safetensors + config.json, marker);
+* restore: `load_resume_state` (verifies every hash) then `load_state_dict` into model and optimizer;
+
+the median of `--repeats`, each into a fresh folder under `--dir`. Then it times an optimizer step
+at the same size (micro-batch 8 x seq 256, accumulation 1; the second of two steps) and reports the
+checkpoint's share of training time at `--checkpoint-every` (50 in the demo preset):
+save / (save + every x step). Ray Train's copy of the folder into the run's storage is not included
+(bench.overhead measures a whole Ray checkpoint). Target < 2%.
+Writes checkpoint.json to bench/results/ (or $MINILM_BENCH_RESULTS).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from minilm import checkpoint as C
+from minilm.config import ModelConfig, TrainConfig
+from minilm.model import MiniMindForCausalLM
+from minilm.step import make_grad_scaler, make_optimizer, optimizer_step
+from ray_jobs.cli import DEMO_PRESET
+
+from .common import environment, write_json
+
+TARGET = 0.02
+
+
+def parse_size(text: str) -> tuple[int, int]:
+    try:
+        hidden, layers = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"size {text!r}: expected HIDDENxLAYERS, e.g. 512x8") from None
+    return hidden, layers
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def bench_size(hidden: int, layers: int, args, root: Path) -> dict:
+    cfg = ModelConfig(hidden_size=hidden, num_hidden_layers=layers, vocab_size=args.vocab_size,
+                      max_position_embeddings=args.seq_len + 1)
+    torch.manual_seed(0)
+    model = MiniMindForCausalLM(cfg).train()
+    optimizer = make_optimizer(model, TrainConfig(lr=1e-4))
+    scaler = make_grad_scaler(torch.float32, "cpu")
+    gen = torch.Generator().manual_seed(0)
+    batch = torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_len + 1), generator=gen)
+    step_times = []
+    for _ in range(2):  # the first step also allocates AdamW's state; the second is the one that counts
+        t0 = time.perf_counter()
+        float(optimizer_step(model, optimizer, scaler, [batch], lr=1e-4, grad_clip=1.0).loss)
+        step_times.append(time.perf_counter() - t0)
+    step_s = step_times[1]
+    state = {"optimizer_step": 1, "model_config": cfg.to_dict(), "note": "bench.checkpoint"}
+
+    saves, exports, restores, sizes = [], [], [], {}
+    for k in range(args.repeats):
+        path = root / f"h{hidden}-l{layers}-{k}"
+        t0 = time.perf_counter()
+        C.save_resume_state(path, model=model, optimizer=optimizer, scaler=scaler, state=state)
+        t1 = time.perf_counter()
+        C.export_weights(path / "weights", model, cfg)
+        t2 = time.perf_counter()
+        saves.append(t1 - t0)
+        exports.append(t2 - t1)
+        sizes = {"resume_bytes": folder_bytes(path) - folder_bytes(path / "weights"),
+                 "export_bytes": folder_bytes(path / "weights")}
+        t0 = time.perf_counter()
+        resume = C.load_resume_state(path)
+        model.load_state_dict(resume.model_state, strict=True)
+        optimizer.load_state_dict(resume.optimizer_state)
+        scaler.load_state_dict(resume.scaler_state)
+        restores.append(time.perf_counter() - t0)
+        del resume
+        shutil.rmtree(path, ignore_errors=True)
+    save_s = statistics.median(s + e for s, e in zip(saves, exports, strict=True))
+    fraction = save_s / (save_s + args.checkpoint_every * step_s)
+    return {"hidden_size": hidden, "num_hidden_layers": layers, "params": model.num_params(), **sizes,
+            "save_resume_s": statistics.median(saves), "export_s": statistics.median(exports), "save_s": save_s,
+            "restore_s": statistics.median(restores), "save_s_all": [s + e for s, e in zip(saves, exports, strict=True)],
+            "restore_s_all": restores, "step_s": step_s, "first_step_s": step_times[0],
+            "tokens_per_step": args.micro_batch_size * args.seq_len, "checkpoint_fraction": fraction}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.checkpoint", description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", type=parse_size, nargs="+", default=[(256, 4), (512, 8), (768, 16)],
+                   help="HIDDENxLAYERS ... (default: 256x4 512x8 768x16)")
+    p.add_argument("--vocab-size", type=int, default=6400)
+    p.add_argument("--seq-len", type=int, default=DEMO_PRESET["seq_len"])
+    p.add_argument("--micro-batch-size", type=int, default=DEMO_PRESET["micro_batch_size"])
+    p.add_argument("--checkpoint-every", type=int, default=DEMO_PRESET["checkpoint_every"])
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--dir", help="where to write the checkpoints (default: a temporary folder)")
+    args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
+
+    env = environment()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-checkpoint-", dir=args.dir) as tmp:
+        for hidden, layers in args.sizes:
+            rows.append(bench_size(hidden, layers, args, Path(tmp)))
+    print(f"# {env['cpu']}, {env['torch_threads']} torch threads, torch {env['torch']}, "
+          f"load average {env['load_average']}; checkpoints in {args.dir or tempfile.gettempdir()}")
+    print(f"# save = save_resume_state + export_weights; restore = load_resume_state (hash check) + load_state_dict; "
+          f"median of {args.repeats}; step = optimizer step of {args.micro_batch_size} x {args.seq_len} tokens")
+    header = (f"{'size':<8} {'params':>8} {'resume MB':>10} {'export MB':>10} {'save s':>8} {'restore s':>10} "
+              f"{'step s':>8} {'share':>7}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        size = f"{r['hidden_size']}x{r['num_hidden_layers']}"
+        print(f"{size:<8} {r['params'] / 1e6:>7.1f}M {r['resume_bytes'] / 1e6:>10.1f} "
+              f"{r['export_bytes'] / 1e6:>10.1f} {r['save_s']:>8.3f} {r['restore_s']:>10.3f} {r['step_s']:>8.3f} "
+              f"{r['checkpoint_fraction']:>7.2%}")
+    print(f"share = save / (save + {args.checkpoint_every} x step): the cost of one checkpoint every "
+          f"{args.checkpoint_every} optimizer steps")
+    for r in rows:
+        verdict = "" if r["checkpoint_fraction"] < TARGET else "  ABOVE TARGET"
+        print(f"checkpoint cost ({r['hidden_size']}x{r['num_hidden_layers']}, {r['params'] / 1e6:.1f}M params): "
+              f"{100 * r['checkpoint_fraction']:.2f}% of training time at checkpoint_every {args.checkpoint_every} "
+              f"(target < {100 * TARGET:.0f}%){verdict}")
+    path = write_json("checkpoint.json", {"args": {**vars(args), "sizes": [list(s) for s in args.sizes]},
+                                          "environment": env, "rows": rows})
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""Smoke tests of the benchmarks in bench/: each module runs end to end on a tiny config, prints its
+ratio line and writes its JSON (into a temporary folder through MINILM_BENCH_RESULTS, never into
+bench/results/). The figures of such tiny runs mean nothing; these tests only keep the benchmarks
+from rotting. The real runs and their numbers: bench/README.md, bench/RESULTS.md."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import run_env
+from helpers import ROOT, run_module
+
+TINY_MODEL = ["--hidden-size", "64", "--num-hidden-layers", "2", "--vocab-size", "256"]
+
+
+def run_bench(module: str, args: list[str], results: Path, env: dict | None = None) -> str:
+    env = {**(env or os.environ), "MINILM_BENCH_RESULTS": str(results), "PYTHONUNBUFFERED": "1"}
+    proc = run_module(module, args, env=env, timeout=240, check=True)
+    return proc.stdout
+
+
+def written(results: Path, name: str) -> dict:
+    path = results / name
+    assert path.is_file(), f"{name} not written to {results}"
+    return json.loads(path.read_text())
+
+
+def test_step(tmp_path):
+    out = run_bench("bench.step", [*TINY_MODEL, "--seq-len", "32", "--micro-batch-size", "2", "--steps", "2",
+                                   "--warmup", "1", "--peak-size", "256"], tmp_path)
+    assert "MoE / dense step time (fp32):" in out
+    result = written(tmp_path, "step.json")["results"][0]
+    assert [r["config"] for r in result["rows"]] == ["dense", "moe"]
+    assert result["rows"][0]["active_params"] <= result["rows"][1]["active_params"] < result["rows"][1]["params"]
+
+
+def test_moe(tmp_path):
+    out = run_bench("bench.moe", [*TINY_MODEL, "--seq-len", "32", "--micro-batch-size", "2", "--steps", "1",
+                                  "--warmup", "0", "--dtype", "bf16"], tmp_path)
+    for experts in (4, 8):
+        for k in (1, 2):
+            assert f"MoE / dense step time (bf16, {experts} experts, top-{k}):" in out
+    rows = written(tmp_path, "moe.json")["results"][0]["rows"]
+    dense_active = rows[0]["active_params"]
+    for r in rows[1:]:  # equal active parameters, up to the router (hidden x experts per layer)
+        assert 0 < r["active_params"] - dense_active <= 2 * 64 * r["experts"]
+
+
+def test_packing(tmp_path):
+    out = run_bench("bench.packing", ["--corpus-kb", "48", "--vocab-size", "512", "--hidden-size", "64",
+                                      "--num-hidden-layers", "2", "--seq-len", "64", "--micro-batch-size", "2",
+                                      "--steps", "2", "--warmup", "0"], tmp_path)
+    assert "packed / padded useful tokens per second:" in out
+    layouts = written(tmp_path, "packing.json")["layouts"]
+    assert layouts["packed"]["corpus_useful_fraction"] == 1.0
+    assert layouts["padded"]["corpus_useful_fraction"] < 1.0
+
+
+def test_checkpoint(tmp_path):
+    out = run_bench("bench.checkpoint", ["--sizes", "64x1", "64x2", "--vocab-size", "256", "--seq-len", "32",
+                                         "--micro-batch-size", "2", "--repeats", "1", "--dir", str(tmp_path)],
+                    tmp_path / "results")
+    assert "checkpoint cost (64x2," in out and "of training time at checkpoint_every 50" in out
+    rows = written(tmp_path / "results", "checkpoint.json")["rows"]
+    assert rows[0]["params"] < rows[1]["params"] and all(r["save_s"] > 0 and r["restore_s"] > 0 for r in rows)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("bench-checkpoint-")] == []  # cleaned up
+
+
+def test_gpu_script_parses():
+    # The GPU run itself needs a GPU; `bash bench/gpu.sh --device cpu` is its dry run (about a minute).
+    subprocess.run(["bash", "-n", str(ROOT / "bench" / "gpu.sh")], check=True)
+
+
+@pytest.mark.ray
+def test_data(ray_address, tiny_data, tmp_path):
+    out = run_bench("bench.data", ["--data", str(tiny_data), *TINY_MODEL, "--seq-len", "32",
+                                   "--micro-batch-size", "4", "--global-batch-size", "8", "--steps", "3",
+                                   "--threads", "1"], tmp_path, env=run_env(ray_address))
+    assert "data wait:" in out and "% of step time" in out
+    result = written(tmp_path, "data.json")
+    assert result["steps_per_epoch"] == 60 and result["steady_steps"] == 2
+    assert 0 <= result["data_wait_frac"] < 1
+
+
+@pytest.mark.ray
+def test_overhead(ray_address, tiny_data, tmp_path):
+    out = run_bench("bench.overhead", ["--data", str(tiny_data), *TINY_MODEL, "--seq-len", "32",
+                                       "--micro-batch-size", "4", "--global-batch-size", "16", "--steps", "4",
+                                       "--log-every", "1", "--single-steps", "2", "--rounds", "1", "--threads", "1"],
+                    tmp_path, env=run_env(ray_address))
+    assert "Ray / single:" in out
+    assert "scaling efficiency, 2 workers vs 1 (1 CPU each):" in out
+    assert "all-reduce share of step time:" in out
+    result = written(tmp_path, "overhead.json")
+    assert result["ray_vs_single"]["checkpoint_s"] > 0
+    assert set(result["two_workers"]["step_s_median"]) == {"single", "ddp_no_sync", "ddp_sync_every_micro_step",
+                                                           "ddp_no_allreduce"}
+    assert result["two_workers"]["accumulation_per_rank"] == 2
