@@ -23,7 +23,7 @@ DEMO_PRESET = {
     "seq_len": 256, "micro_batch_size": 8, "global_batch_size": 32, "lr": 1e-3, "warmup_steps": 20,
     "log_every": 10, "checkpoint_every": 50,
 }
-DEMO_ONLY = {"max_steps": 200}  # only when training on the built-in corpus; with --data, epochs count
+DEMO_ONLY = {"max_steps": 100}  # only when training on the built-in corpus; with --data, epochs count
 
 
 class UsageError(Exception):

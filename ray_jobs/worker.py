@@ -279,7 +279,7 @@ def checkpoint_state(w: Worker, metrics: dict) -> dict:
 
 
 def _test_hooks(w: Worker, sample_ids: torch.Tensor) -> None:
-    """Test-only: record consumed sample ids (--record-sample-ids); slow steps down (fault tests)."""
+    """Test-only: record consumed sample ids (--record-sample-ids); slow steps down or hold them (fault tests)."""
     if w.run.get("record_sample_ids"):
         with open(Path(w.run["record_sample_ids"]) / f"rank{w.rank}.jsonl", "a") as f:
             f.write(json.dumps({"optimizer_step": w.step, "world_size": w.world_size, "rank": w.rank,
@@ -287,6 +287,9 @@ def _test_hooks(w: Worker, sample_ids: torch.Tensor) -> None:
     delay = float(os.environ.get("MINILM_TEST_STEP_DELAY_S", "0") or 0)
     if delay:
         time.sleep(delay)
+    hold = os.environ.get("MINILM_TEST_HOLD_FILE")  # elastic tests: wait here while a resize is arranged
+    while hold and os.path.exists(hold):
+        time.sleep(0.1)
 
 
 @contextlib.contextmanager

@@ -37,7 +37,7 @@ TINY = ["--seq-len", "32", "--vocab-size", "256", "--hidden-size", "64", "--num-
 # (command, argv with {data} and {tmp} placeholders, what the one error line must say)
 CASES = [
     ("pretrain", ["--lr", "-1"], "lr must be a positive number"),
-    ("pretrain", ["--warmup-steps", "300"], "warmup_steps (300) must be smaller than the total optimizer steps (200)"),
+    ("pretrain", ["--warmup-steps", "150"], "warmup_steps (150) must be smaller than the total optimizer steps (100)"),
     ("pretrain", ["--num-workers", "3"], "valid world sizes: 1, 2, 4"),
     ("pretrain", ["--num-workers", "0"], "need 1 <= MIN <= MAX"),
     ("pretrain", ["--num-workers", "4-2"], "need 1 <= MIN <= MAX"),

@@ -168,17 +168,21 @@ def check_exact_resume(baseline: dict, run_dir: Path, ids_dir: Path) -> None:
 def test_node_lost_then_regained_shrinks_and_grows_without_changing_the_optimisation(cluster, data, storage,
                                                                                      baseline, tmp_path):
     """3 -> 2 (a node killed outright) -> 3 (the node back): two resizes in one run."""
-    name, ids = "lost-and-regained", tmp_path / "ids"
+    name, ids, hold = "lost-and-regained", tmp_path / "ids", tmp_path / "hold"
     run_dir = storage / name
     driver = Driver(cluster, run_args(data, storage, name, "--record-sample-ids", str(ids)), run_dir,
-                    tmp_path / "driver.log", MINILM_TEST_STEP_DELAY_S="0.3")
+                    tmp_path / "driver.log", MINILM_TEST_STEP_DELAY_S="0.3", MINILM_TEST_HOLD_FILE=str(hold))
     driver.wait_for("checkpoint 8", lambda: (run_dir / "checkpoint_00000008" / "COMPLETE.json").is_file())
     cluster.remove_node(cluster.slot_nodes.pop(), allow_graceful=False)
     shrink = driver.wait_for_event("shrink")
     driver.wait_for("a checkpoint at world size 2", lambda: any(
         m["world_size"] == 2 for m in read_metrics(run_dir)))
+    # The 2 workers wait at a step boundary until the run has grown: noticing the new node takes Ray
+    # up to ~20 s (its autoscaling coordinator's tick), longer than the rest of this tiny run.
+    hold.touch()
     cluster.slot_nodes.append(cluster.add_node(num_cpus=2, resources={"slot": 1}))
     grow = driver.wait_for_event("grow")
+    hold.unlink()
     log = driver.finish()
 
     rows = timeline(run_dir)

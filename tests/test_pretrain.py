@@ -73,12 +73,15 @@ def test_exit_after_steps_then_resume_auto_is_bitwise_equal(ray_address, run_dat
 @pytest.mark.slow
 @pytest.mark.parametrize("before,after", [(2, 1), (1, 2)])
 def test_resume_at_another_world_size(ray_address, run_data, run_storage, baseline, tmp_path, before, after):
+    """Also, 2 -> 1 runs with every tracker (W&B offline): one tracker run each across the resume."""
     name = f"ws{before}to{after}"
     ids = tmp_path / "ids"
+    trackers = ["--tracker", "tensorboard,mlflow", "--tracker", "wandb"] if before == 2 else []
+    env = tracker_env(tmp_path) if trackers else {}
     pretrain(ray_address, tiny_args(run_data, run_storage, name, "--num-workers", str(before), "--exit-after-steps", "6",
-                                    "--record-sample-ids", str(ids)))
+                                    "--record-sample-ids", str(ids), *trackers), **env)
     second = pretrain(ray_address, tiny_args(run_data, run_storage, name, "--num-workers", str(after),
-                                             "--record-sample-ids", str(ids)))
+                                             "--record-sample-ids", str(ids), *trackers), **env)
     acc = {1: 4, 2: 2}
     assert (f"resumed run {name} at optimizer step 6 (epoch 0, 96 samples): world size {before} -> {after}, "
             f"accumulation {acc[before]} -> {acc[after]}") in second.stdout
@@ -89,6 +92,45 @@ def test_resume_at_another_world_size(ray_address, run_data, run_storage, baseli
     base_lrs = lr_by_step(run_storage / "baseline")
     assert set(base_lrs) <= set(lrs)
     assert all(lrs[s] == base_lrs[s] for s in base_lrs)  # the schedule continues at the saved optimizer step
+    if trackers:
+        check_one_tracker_run_each(run_storage / name, world_sizes=(before, after))
+
+
+def tracker_env(tmp_path) -> dict:
+    home = tmp_path / "wandb-home"
+    return {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONFIG_DIR": str(home / "config"),
+            "WANDB_CACHE_DIR": str(home / "cache"), "WANDB_DATA_DIR": str(home / "data")}
+
+
+def check_one_tracker_run_each(run_dir, world_sizes) -> None:
+    """TensorBoard, MLflow and W&B each hold one run whose step axis is strictly increasing and whose
+    points are metrics.jsonl's (read back with each tracker's own reader, see tests/test_trackers.py)."""
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from test_trackers import check_series, jsonl_points, read_wandb_offline
+
+    expected = jsonl_points(run_dir)
+    steps = sorted(expected)
+    assert steps == [4, 6, 8, 12, 16, 20]  # 6: the --exit-after-steps checkpoint
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    series = {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    check_series(series, expected, rel=1e-6)  # event files hold float32
+    assert [v for _, v in series["world_size"]] == [world_sizes[0]] * 2 + [world_sizes[1]] * 4
+
+    state = json.loads((run_dir / f"checkpoint_{STEPS:08d}" / "state.json").read_text())["trackers"]
+    client = MlflowClient(tracking_uri=state["mlflow"]["tracking_uri"])
+    runs = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
+    assert [r.info.run_id for r in runs] == [state["mlflow"]["run_id"]] and runs[0].info.status == "FINISHED"
+    assert runs[0].data.params["world_size"] == str(world_sizes[0])  # hyperparameters once, from the first job
+    check_series({name: [(m.step, m.value) for m in sorted(client.get_metric_history(runs[0].info.run_id, name),
+                                                           key=lambda m: m.timestamp)]
+                  for name in runs[0].data.metrics}, expected)
+
+    run_ids, config, history = read_wandb_offline(run_dir)
+    assert run_ids == {state["wandb"]["run_id"]} and config["world_size"] == world_sizes[0]
+    assert [step for step, _ in history] == steps
+    assert [items["loss"] for _, items in history] == pytest.approx([expected[s]["loss"] for s in steps])
 
 
 def test_resume_path_continues_from_a_complete_checkpoint(ray_address, run_data, run_storage, baseline):
@@ -134,6 +176,6 @@ def test_zero_argument_run_finishes_and_loss_falls(ray_address, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = list((tmp_path / "runs").iterdir())
     records = [json.loads(line) for line in (runs[0] / "metrics.jsonl").read_text().splitlines()]
-    assert records[-1]["optimizer_step"] == 200
+    assert records[-1]["optimizer_step"] == 100
     assert records[-1]["loss"] < records[0]["loss"] - 1.0
     assert "=== run summary ===" in proc.stdout
