@@ -74,22 +74,15 @@ def alternate(steps: dict[str, Callable[[int], object]], timed: int, warmup: int
     return times
 
 
-def start_ray(num_cpus: int | None = None) -> None:
-    """Join the Ray in RAY_ADDRESS, or start a private local one (never another process's Ray on this host).
-
-    Like `ray_jobs.cli.ensure_ray`, but with address="local": a plain `ray.init()` joins any Ray
-    already running on the machine (and then refuses num_cpus), which on a shared host is someone
-    else's. More logical CPUs than cores, as the CLI does, so Ray Data tasks are not starved.
-    """
-    import ray
-
-    if ray.is_initialized():
-        return
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
-        return
-    ray.init(address="local", num_cpus=num_cpus or max(8, 2 * (os.cpu_count() or 2)), include_dashboard=False,
-             logging_level="WARNING", log_to_driver=True)
+def add_model_args(p) -> None:
+    """The model and batch flags of bench.step and bench.moe: issue #7's reference config by default."""
+    p.add_argument("--hidden-size", type=int, default=512)
+    p.add_argument("--num-hidden-layers", type=int, default=4)
+    p.add_argument("--num-attention-heads", type=int, default=8)
+    p.add_argument("--num-key-value-heads", type=int, default=4)
+    p.add_argument("--vocab-size", type=int, default=6400)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--micro-batch-size", type=int, default=8)
 
 
 def load_average() -> list[float] | None:

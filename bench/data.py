@@ -29,9 +29,9 @@ from minilm import data as D
 from minilm.config import ModelConfig, TrainConfig
 from minilm.model import MiniMindForCausalLM
 from minilm.step import make_grad_scaler, make_optimizer, optimizer_step, resolve_dtype
-from ray_jobs.cli import DEMO_PRESET
+from ray_jobs.cli import DEMO_PRESET, ensure_ray
 
-from .common import environment, start_ray, write_json
+from .common import environment, write_json
 
 TARGET = 0.02
 
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--global-batch-size must be a multiple of --micro-batch-size")
     torch.set_num_threads(args.threads)
 
-    start_ray()
+    ensure_ray()
     from ray_jobs.stream import RankStream  # imports ray
 
     if args.data:

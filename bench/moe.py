@@ -24,7 +24,7 @@ from minilm.config import ModelConfig, TrainConfig
 from minilm.model import MiniMindForCausalLM
 from minilm.step import make_grad_scaler, make_optimizer, optimizer_step
 
-from .common import alternate, environment, write_json
+from .common import add_model_args, alternate, environment, write_json
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TARGET = 1.10
@@ -81,13 +81,7 @@ def bench_dtype(args, dtype_name: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.moe", description=__doc__.split("\n")[0])
-    p.add_argument("--hidden-size", type=int, default=512)
-    p.add_argument("--num-hidden-layers", type=int, default=4)
-    p.add_argument("--num-attention-heads", type=int, default=8)
-    p.add_argument("--num-key-value-heads", type=int, default=4)
-    p.add_argument("--vocab-size", type=int, default=6400)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--micro-batch-size", type=int, default=8)
+    add_model_args(p)
     p.add_argument("--experts", type=int, nargs="+", default=[4, 8])
     p.add_argument("--top-k", type=int, nargs="+", default=[1, 2])
     p.add_argument("--steps", type=int, default=5, help="timed optimizer steps per configuration")

@@ -40,9 +40,9 @@ import torch
 from minilm import data as D
 from minilm.config import ModelConfig, TrainConfig
 from minilm.train import train
-from ray_jobs.cli import DEMO_PRESET
+from ray_jobs.cli import DEMO_PRESET, ensure_ray
 
-from .common import environment, start_ray, write_json
+from .common import environment, write_json
 
 # ---- part 1: Ray Train (1 worker) vs the single-process loop ----------------------------------------
 
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.global_batch_size % (2 * args.micro_batch_size):
         p.error("--global-batch-size must be a multiple of 2 x --micro-batch-size (part 2 has 2 workers)")
 
-    start_ray()
+    ensure_ray()
     preset = {**DEMO_PRESET, **{k: getattr(args, k) for k in ("hidden_size", "num_hidden_layers", "seq_len",
                                                               "micro_batch_size", "global_batch_size")}}
     model_cfg = ModelConfig(**{k: v for k, v in preset.items() if k in ModelConfig.__dataclass_fields__},

@@ -27,7 +27,7 @@ from minilm.config import ModelConfig, TrainConfig
 from minilm.model import MiniMindForCausalLM
 from minilm.step import configure_backends, make_grad_scaler, make_optimizer, optimizer_step, prepare_model
 
-from .common import alternate, environment, matmul_peak_flops, write_json
+from .common import add_model_args, alternate, environment, matmul_peak_flops, write_json
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -109,13 +109,7 @@ def bench_dtype(args, dtype_name: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.step", description=__doc__.split("\n")[0])
-    p.add_argument("--hidden-size", type=int, default=512)
-    p.add_argument("--num-hidden-layers", type=int, default=4)
-    p.add_argument("--num-attention-heads", type=int, default=8)
-    p.add_argument("--num-key-value-heads", type=int, default=4)
-    p.add_argument("--vocab-size", type=int, default=6400)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--micro-batch-size", type=int, default=8)
+    add_model_args(p)
     p.add_argument("--steps", type=int, default=8, help="timed optimizer steps per config")
     p.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps per config first "
                                                           "(with --compile they include the compilation)")

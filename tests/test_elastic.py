@@ -44,18 +44,14 @@ def run_args(data: Path, storage: Path, name: str, *extra: str) -> list[str]:
 def cluster():
     from ray.cluster_utils import Cluster
 
-    saved = {k: os.environ.get(k) for k in CLUSTER_ENV}
-    os.environ.update(CLUSTER_ENV)
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "include_dashboard": False})
-    c.slot_nodes = [c.add_node(num_cpus=2, resources={"slot": 1}) for _ in range(3)]
-    c.wait_for_nodes()
-    yield c
-    c.shutdown()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in CLUSTER_ENV.items():
+            mp.setenv(k, v)  # the cluster's processes inherit them
+        c = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "include_dashboard": False})
+        c.slot_nodes = [c.add_node(num_cpus=2, resources={"slot": 1}) for _ in range(3)]
+        c.wait_for_nodes()
+        yield c
+        c.shutdown()
 
 
 @pytest.fixture(scope="module")
