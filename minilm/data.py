@@ -6,8 +6,8 @@ functions instead of iterator state:
 * `epoch_order(train_ids, seed, epoch)`: a seeded permutation of the training sample ids;
 * optimizer step s of an epoch consumes positions [s*G, (s+1)*G) of that order (G = global batch),
   whatever the world size;
-* `rank_sample_ids(...)`: worker r of W takes the r-th contiguous G/W slice of each global batch
-  and reads it as accumulation_steps micro-batches.
+* worker r of W takes the r-th contiguous G/W slice of each global batch and reads it as
+  accumulation_steps micro-batches (`RankOrder`, the one place this arithmetic lives).
 
 So the only position to save is the optimizer step (samples_seen = step * G), and a resumed run at
 any world size consumes exactly the samples the uninterrupted run would have, step by step.
@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -189,25 +190,6 @@ def steps_per_epoch(num_train: int, global_batch_size: int) -> int:
     return num_train // global_batch_size
 
 
-def global_batch_ids(order: np.ndarray, step_in_epoch: int, global_batch_size: int) -> np.ndarray:
-    start = step_in_epoch * global_batch_size
-    return order[start:start + global_batch_size]
-
-
-def rank_sample_ids(order: np.ndarray, first_step: int, last_step: int, global_batch_size: int,
-                    world_size: int, rank: int) -> np.ndarray:
-    """Ids rank `rank` consumes for steps [first_step, last_step) of an epoch, in consumption order.
-
-    Per step it is the rank's contiguous G/W slice of the global batch; consecutive chunks of
-    micro_batch_size are its micro-batches.
-    """
-    per_rank = global_batch_size // world_size
-    steps = np.arange(first_step, last_step)
-    starts = steps * global_batch_size + rank * per_rank
-    idx = (starts[:, None] + np.arange(per_rank)[None, :]).reshape(-1)
-    return order[idx]
-
-
 @dataclass
 class DataPosition:
     """Where the run is in its data, derived from the optimizer step alone."""
@@ -220,3 +202,84 @@ class DataPosition:
     def at(cls, optimizer_step: int, steps_per_epoch: int, global_batch_size: int) -> DataPosition:
         return cls(epoch=optimizer_step // steps_per_epoch, step_in_epoch=optimizer_step % steps_per_epoch,
                    samples_seen=optimizer_step * global_batch_size)
+
+
+@dataclass
+class RankOrder:
+    """The sample id at each position of one rank's stream that starts at optimizer step `start_step`.
+
+    Position p belongs to optimizer step s = start_step + p // (G/W), as its k-th id, k = p % (G/W):
+    the id at index (s mod steps_per_epoch) * G + rank * G/W + k of epoch (s // steps_per_epoch)'s
+    order. The Ray stream (`ray_jobs.stream`) and the in-process stream (`LocalRankStream`) both
+    read through it, so the order is coded once.
+    """
+
+    train_ids: np.ndarray
+    seed: int
+    steps_per_epoch: int
+    global_batch_size: int
+    world_size: int
+    rank: int
+    start_step: int
+
+    def __post_init__(self):
+        self._orders: dict[int, np.ndarray] = {}
+
+    def sample_ids(self, positions: np.ndarray) -> np.ndarray:
+        per_rank = self.global_batch_size // self.world_size
+        absolute = self.start_step * per_rank + np.asarray(positions, dtype=np.int64)
+        step, k = absolute // per_rank, absolute % per_rank
+        epoch, step_in_epoch = step // self.steps_per_epoch, step % self.steps_per_epoch
+        index = step_in_epoch * self.global_batch_size + self.rank * per_rank + k  # into the epoch's order
+        out = np.empty(len(absolute), dtype=np.int64)
+        for e in np.unique(epoch):
+            selected = epoch == e
+            out[selected] = self._order(int(e))[index[selected]]
+        return out
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if epoch not in self._orders:
+            if len(self._orders) >= 2:  # a batch spans at most two epochs
+                self._orders.pop(min(self._orders))
+            self._orders[epoch] = epoch_order(self.train_ids, self.seed, epoch)
+        return self._orders[epoch]
+
+
+class LocalRankStream:
+    """One rank's micro-batches read in this process (no Ray): `python -m minilm.train`, torchrun, tests.
+
+    The same interface as the Ray stream (`ray_jobs.stream.RankStream`): `next_step()` returns the
+    accumulation_steps micro-batches of the next optimizer step, on `device`, and the sample ids
+    they hold (a host array: no device round trip); `data_wait_s` is the time spent reading.
+    `store` is anything with `take(sample_ids) -> (n, seq_len + 1) array` (a `SequenceStore`, or rows
+    held in memory).
+    """
+
+    def __init__(self, store, order: RankOrder, micro_batch_size: int, device="cpu"):
+        import torch
+
+        self.store, self.order, self.m, self.device = store, order, micro_batch_size, torch.device(device)
+        self.per_rank = order.global_batch_size // order.world_size
+        self.position = 0
+        self.data_wait_s = 0.0
+
+    def next_step(self):
+        import torch
+
+        t0 = time.perf_counter()
+        ids = self.order.sample_ids(np.arange(self.position, self.position + self.per_rank))
+        self.position += self.per_rank
+        rows = torch.from_numpy(np.ascontiguousarray(self.store.take(ids)))
+        batches = [chunk.to(self.device, non_blocking=True).long() for chunk in rows.split(self.m)]
+        self.data_wait_s += time.perf_counter() - t0
+        return batches, ids
+
+
+class RowsInMemory:
+    """Rows held in memory, read by sample id like a `SequenceStore` (tests, benchmarks, `--tokens`)."""
+
+    def __init__(self, rows):
+        self.rows = np.asarray(rows)
+
+    def take(self, sample_ids: np.ndarray) -> np.ndarray:
+        return self.rows[np.asarray(sample_ids, dtype=np.int64)]

@@ -61,16 +61,14 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, sequences: torch.Tenso
     optimizer = make_optimizer(model, train_cfg)
     scaler = make_grad_scaler(dtype, torch.device(device).type)
     guard = NonFiniteGuard(train_cfg.max_nonfinite_steps)
-    train_ids = np.arange(len(sequences), dtype=np.int64)
+    order = D.RankOrder(np.arange(len(sequences), dtype=np.int64), train_cfg.seed, per_epoch,
+                        train_cfg.global_batch_size, world_size=1, rank=0, start_step=0)
+    stream = D.LocalRankStream(D.RowsInMemory(sequences.numpy()), order, train_cfg.micro_batch_size, device)
     history: list[dict] = []
-    order_epoch, order = -1, None
     t_last = time.perf_counter()
     for step in range(total_steps):
         pos = D.DataPosition.at(step, per_epoch, train_cfg.global_batch_size)
-        if pos.epoch != order_epoch:
-            order_epoch, order = pos.epoch, D.epoch_order(train_ids, train_cfg.seed, pos.epoch)
-        ids = torch.as_tensor(D.global_batch_ids(order, pos.step_in_epoch, train_cfg.global_batch_size))
-        micro_batches = [sequences[chunk].to(device) for chunk in ids.split(train_cfg.micro_batch_size)]
+        micro_batches, _ = stream.next_step()
         lr = get_lr(step, total_steps, train_cfg.lr, train_cfg.warmup_steps, train_cfg.min_lr_ratio)
         m = optimizer_step(model, optimizer, scaler, micro_batches, lr=lr, grad_clip=train_cfg.grad_clip, dtype=dtype)
         guard.update(m, step + 1, scaler.is_enabled())  # steps are counted from 1 in logs and messages

@@ -1,5 +1,5 @@
-"""The stream's position -> sample id map (`ray_jobs.stream.RankOrder`) against `minilm.data`, exhaustively
-over small configurations: any start step, any world size, across epoch boundaries."""
+"""The stream's position -> sample id map (`minilm.data.RankOrder`) against the order contract written out
+plainly here, exhaustively over small configurations: any start step, any world size, across epoch boundaries."""
 
 from __future__ import annotations
 
@@ -9,15 +9,17 @@ import numpy as np
 import pytest
 
 from minilm import data as D
-from ray_jobs.stream import RankOrder
+from minilm.data import RankOrder
 
 
 def expected_ids(train_ids, seed, spe, G, W, rank, start_step, end_step):
-    """What the rank consumes from start_step to end_step, step by step, straight from minilm.data."""
+    """What the rank consumes from start_step to end_step: step s of epoch e is positions [s*G, (s+1)*G) of
+    epoch e's permutation, and rank r reads the r-th G/W slice of it."""
     out = []
     for step in range(start_step, end_step):
         epoch, s = divmod(step, spe)
-        out.append(D.rank_sample_ids(D.epoch_order(train_ids, seed, epoch), s, s + 1, G, W, rank))
+        global_batch = D.epoch_order(train_ids, seed, epoch)[s * G:(s + 1) * G]
+        out.append(global_batch[rank * (G // W):(rank + 1) * (G // W)])
     return np.concatenate(out)
 
 
