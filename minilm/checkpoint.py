@@ -48,12 +48,13 @@ def _tensors_for_safetensors(state_dict: dict[str, torch.Tensor], dtype: torch.d
 
 
 def save_resume_state(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                      scaler: torch.amp.GradScaler, state: dict[str, Any]) -> Path:
+                      scaler: torch.amp.GradScaler, state: dict[str, Any], hooks=None) -> Path:
     """Write a complete resume checkpoint into the (new, empty or missing) folder `path`.
 
     A write that fails (a full disk, a quota, a lost mount) raises CheckpointError naming the
     optimizer step, the folder and the file; the marker is never written, so `verify` refuses what
-    was left and every earlier checkpoint stays as it was.
+    was left and every earlier checkpoint stays as it was. `hooks` (`minilm.testing.FaultHooks`) is
+    for the fault tests only.
     """
     path = Path(path)
     step = state.get("optimizer_step")
@@ -67,10 +68,12 @@ def save_resume_state(path: str | os.PathLike, *, model: torch.nn.Module, optimi
         path.mkdir(parents=True, exist_ok=True)
         for name, write in writers.items():
             current[0] = name
-            _test_disk_full(step, name)
+            if hooks:
+                hooks.before_checkpoint_file(step, name)
             write(path / name)
         current[0] = MARKER
-        _before_marker_hook(path, step)
+        if hooks:
+            hooks.before_marker(path, step)
         write_marker(path, RESUME_FILES)
     return path
 
@@ -132,35 +135,6 @@ def write_error(path: Path | str, step: int | None, name: str, e: BaseException)
             f"checkpoints are intact: free space (or fix the storage), then continue with --resume auto")
 
 
-def _test_disk_full(step: int | None, name: str) -> None:
-    """Test hook: MINILM_TEST_DISK_FULL_AT_STEP=N makes the checkpoint of optimizer step N fail with ENOSPC
-    partway, after model.safetensors is written and before optimizer.pt is (fault tests)."""
-    at = os.environ.get("MINILM_TEST_DISK_FULL_AT_STEP")
-    if at and step == int(at) and name == "optimizer.pt":
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-
-def _before_marker_hook(path: Path, step: int | None) -> None:
-    """Test hook: MINILM_TEST_CHECKPOINT_DELAY_S widens the window before the marker (fault tests).
-
-    MINILM_TEST_CHECKPOINT_DELAY_STEP=N delays only the checkpoint of optimizer step N, and
-    MINILM_TEST_CHECKPOINT_PAUSED=FILE is where the paused writer writes its folder, so a test can
-    wait for the partial checkpoint (every file but the marker) and kill the run mid-write.
-    """
-    delay = float(os.environ.get("MINILM_TEST_CHECKPOINT_DELAY_S", "0") or 0)
-    only = os.environ.get("MINILM_TEST_CHECKPOINT_DELAY_STEP")
-    if delay <= 0 or (only and step != int(only)):
-        return
-    announce = os.environ.get("MINILM_TEST_CHECKPOINT_PAUSED")
-    if announce:
-        tmp = Path(announce + ".tmp")
-        tmp.write_text(str(path))
-        os.replace(tmp, announce)
-    import time
-
-    time.sleep(delay)
-
-
 def write_marker(path: Path, files: tuple[str, ...] | list[str]) -> None:
     marker = {"files": {name: file_sha256(path / name) for name in files}}
     tmp = path / (MARKER + ".tmp")
@@ -212,9 +186,13 @@ def load_resume_state(path: str | os.PathLike, map_location: str | torch.device 
 
 
 def resume_problems(state: dict[str, Any], model_config: ModelConfig, global_batch_size: int, seed: int,
-                    data_fingerprint: str) -> list[str]:
+                    data_fingerprint: str, dtype: str | None = None) -> list[str]:
     """Why a run with these settings cannot continue from a checkpoint's state.json (empty: it can)."""
     problems = []
+    before = checkpoint_dtype(state)
+    if dtype not in (None, "auto") and before and dtype != before and "fp16" in (dtype, before):
+        problems.append(f"dtype {dtype} != {before} in the checkpoint (fp16's GradScaler state has no counterpart "
+                        f"in bf16 or fp32; only fp32 <-> bf16 can change mid-run, with --allow-config-change)")
     if state["global_batch_size"] != global_batch_size:
         problems.append(f"global_batch_size {global_batch_size} != {state['global_batch_size']} in the checkpoint "
                         f"(the global batch is the invariant of a run)")
@@ -227,6 +205,72 @@ def resume_problems(state: dict[str, Any], model_config: ModelConfig, global_bat
     if state["train_config"]["seed"] != seed:
         problems.append(f"seed {seed} != {state['train_config']['seed']} in the checkpoint")
     return problems
+
+
+def checkpoint_dtype(state: dict[str, Any]) -> str | None:
+    """The precision a checkpoint's run trained in (None for an old checkpoint that left it at auto)."""
+    dtype = state.get("dtype") or state.get("train_config", {}).get("dtype")
+    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dtype, dtype) if dtype != "auto" else None
+
+
+# Train-config fields a resume may change without changing the optimisation (logging, checkpoint cadence, speed
+# switches that give the same math, how the global batch is split). Every other field, and any field added
+# later, changes the schedule or the optimizer: a resume refuses it unless --allow-config-change.
+SAFE_TO_CHANGE = frozenset({"log_every", "checkpoint_every", "compile", "activation_checkpointing",
+                            "micro_batch_size", "max_nonfinite_steps"})
+
+
+@dataclass(frozen=True)
+class ConfigChange:
+    name: str
+    before: Any
+    after: Any
+    safe: bool
+
+    def __str__(self) -> str:
+        return f"{self.name} {self.before} -> {self.after}"
+
+
+def config_changes(state: dict[str, Any], train_config, val_samples: int | None = None) -> list[ConfigChange]:
+    """What a resumed run changes against the checkpoint's train config (global batch and seed are
+    `resume_problems`' business). The held-out slice (val_samples) decides which ids are trained on: a change
+    there reorders the data, so it counts as unsafe too."""
+    saved = state.get("train_config", {})
+    new = train_config.to_dict()
+    changes = []
+    for name in sorted(new):
+        if name in ("global_batch_size", "seed") or name not in saved:
+            continue
+        before, after = saved[name], new[name]
+        if name == "dtype":
+            before = checkpoint_dtype(state)
+            if after == "auto" or before is None:
+                continue
+        if before != after:
+            changes.append(ConfigChange(name, before, after, name in SAFE_TO_CHANGE))
+    if val_samples is not None and state.get("val_samples") is not None and state["val_samples"] != val_samples:
+        changes.append(ConfigChange("val_samples", state["val_samples"], val_samples, False))
+    return changes
+
+
+def checkpoint_dir_name(run_dir: str | os.PathLike | None, step: int) -> str:
+    """checkpoint_<step>, or checkpoint_<step>_<k> when a folder of that name is already there (a step
+    redone after falling back past a corrupt or unregistered checkpoint must not write into it)."""
+    name = f"checkpoint_{step:08d}"
+    if run_dir is None:
+        return name
+    k, candidate = 0, name
+    while (Path(run_dir) / candidate).exists():
+        k += 1
+        candidate = f"{name}_{k}"
+    return candidate
+
+
+def checkpoint_dirs(run_dir: str | os.PathLike | None) -> list[Path]:
+    """The checkpoint folders of a local run folder, oldest first."""
+    if run_dir is None or not Path(run_dir).is_dir():
+        return []
+    return sorted(p for p in Path(run_dir).glob("checkpoint_*") if p.is_dir())
 
 
 def latest_complete(checkpoint_dirs: list[Path], log=print) -> Path | None:

@@ -1,4 +1,4 @@
-"""One optimizer step per worker, exactly as the seed lists it.
+"""One optimizer step per worker, exactly as MiniMind's training loop lists it.
 
     for each of accumulation_steps micro-batches:
         autocast forward -> loss = (lm_loss + aux_loss) / accumulation_steps -> scaled backward
@@ -6,7 +6,10 @@
     at the boundary: unscale_ -> clip_grad_norm_ -> step (skipped if the norm is not finite)
                      -> scaler.update -> zero_grad(set_to_none=True)
 
-No Ray here: the same functions drive the single-process entry (`minilm.train`) and the Ray job.
+No host sync: on a GPU the CPU queues the whole step and moves on. A non-finite gradient norm skips
+the update on the device (the `found_inf` protocol of torch's fused optimizers), and the metrics
+stay tensors until a log step reads them. No Ray here: `minilm.trainer.Trainer` drives it for every
+launcher.
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from .config import TrainConfig
 
@@ -137,8 +139,9 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Adam
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """The schedule's lr into every param group (times the group's `lr_ratio`, where it has one)."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_ratio", 1.0)
 
 
 # ---- the step ---------------------------------------------------------------------------------
@@ -152,7 +155,7 @@ class StepMetrics:
     aux_loss: torch.Tensor
     grad_norm: torch.Tensor  # before clipping, in unscaled units
     lr: float
-    skipped: bool  # the optimizer step was skipped (non-finite gradient norm)
+    skipped: torch.Tensor  # bool: the optimizer step was skipped (non-finite gradient norm)
     sequences: int
     tokens: int
 
@@ -190,11 +193,11 @@ def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sca
     scaler.unscale_(optimizer)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
-    skipped = not bool(torch.isfinite(grad_norm))
+    skipped = ~torch.isfinite(grad_norm)
     if scaler.is_enabled():
-        scaler.step(optimizer)  # skips by itself when it found inf/nan in the gradients
-    elif not skipped:
-        optimizer.step()
+        scaler.step(optimizer)  # skips by itself (on the device) when it found inf/nan in the gradients
+    else:
+        step_unless_nonfinite(optimizer, skipped)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
 
@@ -205,50 +208,72 @@ def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sca
                        tokens=m.shape[0] * (m.shape[1] - 1) * accumulation_steps)
 
 
-class NonFiniteGuard:
-    """Counts skipped steps; stops the run after `max_in_a_row` consecutive non-finite steps.
+def step_unless_nonfinite(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
+    """optimizer.step(), skipped where `found_inf` (a 0-dim bool tensor on the device) is true.
 
+    Optimizers that follow torch's amp protocol (`_step_supports_amp_scaling`: fused AdamW, minilm's
+    Muon) read `optimizer.found_inf` and make the step a no-op on the device, parameters and state
+    alike; no host sync. Any other optimizer needs the flag on the host: one sync per step.
+    """
+    if getattr(optimizer, "_step_supports_amp_scaling", False):
+        optimizer.grad_scale, optimizer.found_inf = None, found_inf.float()
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.grad_scale, optimizer.found_inf
+    elif not bool(found_inf):
+        optimizer.step()
+
+
+class NonFiniteGuard:
+    """Counts skipped steps; trips after `max_in_a_row` consecutive non-finite steps.
+
+    The counters are tensors on the training device, updated without a host sync; `tripped()` is a
+    device flag the loop agrees on with the other ranks (`minilm.distributed.FlagAgreement`), and
+    `check()` reads the counters (a sync: at log steps, or once the trip is agreed) and raises.
     With a GradScaler, overflowing gradients are the scaler's normal calibration, so only a
     non-finite *loss* counts towards the limit there.
     """
 
-    def __init__(self, max_in_a_row: int):
+    def __init__(self, max_in_a_row: int, device: torch.device | str = "cpu"):
         self.max_in_a_row = max_in_a_row
-        self.skipped_total = 0
-        self.in_a_row = 0
-        self.first_step_in_a_row = -1
+        zero = torch.zeros((), dtype=torch.int64, device=device)
+        self.skipped_total, self.in_a_row, self.first_step_in_a_row = (zero.clone() for _ in range(3))
+        self.tripped_at, self.trip_first_step = zero.clone(), zero.clone()  # the run of steps that tripped
+        self.trip_loss = torch.zeros((), dtype=torch.float32, device=device)
+        self.trip_grad_norm = torch.zeros((), dtype=torch.float32, device=device)
 
     def update(self, metrics: StepMetrics, optimizer_step: int, scaler_enabled: bool = False) -> None:
-        if not metrics.skipped:
-            self.in_a_row = 0
-            return
-        self.skipped_total += 1
-        counts = not scaler_enabled or not bool(torch.isfinite(metrics.loss))
-        if not counts:
-            return
-        if self.in_a_row == 0:
-            self.first_step_in_a_row = optimizer_step
-        self.in_a_row += 1
-        if self.in_a_row >= self.max_in_a_row:
+        skipped = metrics.skipped
+        counts = skipped & ~torch.isfinite(metrics.loss) if scaler_enabled else skipped
+        self.skipped_total += skipped.long()
+        starts = counts & (self.in_a_row == 0)
+        self.first_step_in_a_row = torch.where(starts, optimizer_step, self.first_step_in_a_row)
+        # a good step resets the count; a skip that does not count (scaler calibration) leaves it
+        self.in_a_row = torch.where(counts, self.in_a_row + 1, torch.where(skipped, self.in_a_row, 0))
+        trips = (self.tripped_at == 0) & (self.in_a_row >= self.max_in_a_row)
+        self.tripped_at = torch.where(trips, optimizer_step, self.tripped_at)
+        self.trip_first_step = torch.where(trips, self.first_step_in_a_row, self.trip_first_step)
+        self.trip_loss = torch.where(trips, metrics.loss.detach().float(), self.trip_loss)
+        self.trip_grad_norm = torch.where(trips, metrics.grad_norm.float(), self.trip_grad_norm)
+
+    def tripped(self) -> torch.Tensor:
+        return self.tripped_at > 0
+
+    def check(self) -> None:
+        """Raise NonFiniteLossError if the limit was reached (reads the device counters)."""
+        tripped_at = int(self.tripped_at)
+        if tripped_at:
             raise NonFiniteLossError(
-                f"stopping: {self.in_a_row} optimizer steps in a row ({self.first_step_in_a_row}..{optimizer_step}) "
-                f"had a non-finite loss or gradient norm (last loss {float(metrics.loss):.4g}, "
-                f"grad_norm {float(metrics.grad_norm):.4g}); lower --lr, add --warmup-steps, or check the data")
+                f"stopping: {self.max_in_a_row} optimizer steps in a row ({int(self.trip_first_step)}.."
+                f"{tripped_at}) had a non-finite loss or gradient norm (last loss {float(self.trip_loss):.4g}, "
+                f"grad_norm {float(self.trip_grad_norm):.4g}); lower --lr, add --warmup-steps, or check the data")
 
     def state_dict(self) -> dict:
-        return {"skipped_total": self.skipped_total, "in_a_row": self.in_a_row,
-                "first_step_in_a_row": self.first_step_in_a_row}
+        return {"skipped_total": int(self.skipped_total), "in_a_row": int(self.in_a_row),
+                "first_step_in_a_row": int(self.first_step_in_a_row)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.skipped_total = int(state["skipped_total"])
-        self.in_a_row = int(state["in_a_row"])
-        self.first_step_in_a_row = int(state["first_step_in_a_row"])
-
-
-def mean_across_workers(values: torch.Tensor) -> torch.Tensor:
-    """Average a small metrics tensor over all workers (identity when not distributed)."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        values = values.clone()
-        dist.all_reduce(values, op=dist.ReduceOp.SUM)
-        values /= dist.get_world_size()
-    return values
+        self.skipped_total.fill_(int(state["skipped_total"]))
+        self.in_a_row.fill_(int(state["in_a_row"]))
+        self.first_step_in_a_row.fill_(int(state["first_step_in_a_row"]))

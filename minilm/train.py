@@ -1,34 +1,86 @@
-"""Single-process training on a tensor of token ids: the loop without Ray, for debugging and benchmarks.
+"""Train in this process, without Ray: the same `minilm.trainer.Trainer` the Ray job runs on every worker.
 
-    python -m minilm.train --tokens ids.npy --hidden-size 128 --num-hidden-layers 2 --max-steps 50
-    python -m minilm.train --data data/tok --max-steps 50
-    python -m minilm.train --random-tokens 200000 --max-steps 20      # synthetic ids, for timing
+    python -m minilm.train --data data/tok --max-steps 200 --run-dir runs/local1     # checkpoints, resume
+    torchrun --nproc-per-node 2 -m minilm.train --data data/tok --run-dir runs/ddp1  # plain DDP
+    python -m minilm.train --random-tokens 200000 --max-steps 20                     # synthetic ids, timing
+    python -m minilm.train --tokens ids.npy --seq-len 128 --max-steps 50             # a .npy of token ids
 
-It uses the same config, schedule, sample order and `optimizer_step` as the Ray job.
+Every ModelConfig / TrainConfig field is a flag, as for `ray_jobs.pretrain`. Without --data the demo
+preset applies (a small model); with --data, the dataclasses' defaults. With --run-dir, checkpoints
+go to RUN_DIR/checkpoint_<step> and `--resume auto` (the default) continues the newest complete one,
+at any world size that keeps the global batch.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
+import signal
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from . import checkpoint as C
 from . import data as D
-from .config import ConfigError, ModelConfig, TrainConfig
+from .cli import EXIT_FAILED, EXIT_INTERRUPTED, UsageError, add_config_flags, build_configs, fail, load_yaml
+from .config import ConfigError, ModelConfig, TrainConfig, check_fits
+from .distributed import Collectives, init_from_torchrun
 from .model import MiniMindForCausalLM
-from .schedule import get_lr
-from .step import (
-    NonFiniteGuard,
-    configure_backends,
-    make_grad_scaler,
-    make_optimizer,
-    optimizer_step,
-    prepare_model,
-    resolve_dtype,
-)
+from .step import NonFiniteLossError, resolve_dtype
+from .testing import FaultHooks
+from .testing import from_env as hooks_from_env
+from .trackers import TrackerError, check_trackers
+from .trainer import Dataset, Preempted, RunOptions, Trainer
+
+
+class LocalLauncher:
+    """Batches read in this process; checkpoints moved into a local run folder; SIGTERM as the stop flag."""
+
+    def __init__(self, data: Dataset, micro_batch_size: int, *, rank: int = 0, world_size: int = 1,
+                 device: torch.device | str = "cpu", run_dir: str | os.PathLike | None = None,
+                 resume: str = "auto", keep_checkpoints: int = 3, say=print):
+        self.data, self.micro_batch_size = data, micro_batch_size
+        self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
+        self.run_dir = Path(run_dir) if run_dir else None
+        self.resume, self.keep_checkpoints, self._say = resume, keep_checkpoints, say
+        self.sigterm = False
+
+    def batches(self, order: D.RankOrder, total_steps: int) -> D.LocalRankStream:
+        return D.LocalRankStream(self.data.store, order, self.micro_batch_size, self.device)
+
+    def checkpoint_to_resume(self, log) -> Path | None:
+        if self.resume == "never":
+            return None
+        if self.resume != "auto":
+            return Path(self.resume)
+        return C.latest_complete(C.checkpoint_dirs(self.run_dir), log)
+
+    def staging_dir(self, step: int) -> Path | None:
+        if self.run_dir is None:
+            return None  # nowhere to keep a checkpoint: none is written
+        path = self.run_dir / f".staging-checkpoint_{step:08d}-{os.getpid()}"
+        shutil.rmtree(path, ignore_errors=True)
+        return path
+
+    def report(self, metrics: dict, checkpoint: Path | None, checkpointing: bool) -> None:
+        """Rank 0: the staged checkpoint becomes RUN_DIR/checkpoint_<step> in one rename; the oldest beyond
+        --keep-checkpoints go."""
+        if checkpoint is None:
+            return
+        final = self.run_dir / C.checkpoint_dir_name(self.run_dir, metrics["optimizer_step"])
+        os.replace(checkpoint, final)
+        for old in C.checkpoint_dirs(self.run_dir)[:-self.keep_checkpoints]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def stop_flags(self) -> tuple[bool, bool]:
+        return self.sigterm, False
+
+    def say(self, message: str) -> None:
+        self._say(message)
 
 
 def sequences_from_tokens(tokens: np.ndarray, seq_len: int) -> torch.Tensor:
@@ -40,98 +92,132 @@ def sequences_from_tokens(tokens: np.ndarray, seq_len: int) -> torch.Tensor:
 
 
 def train(model_cfg: ModelConfig, train_cfg: TrainConfig, sequences: torch.Tensor, *, device: str = "cpu",
-          log=print, model: MiniMindForCausalLM | None = None) -> tuple[MiniMindForCausalLM, list[dict]]:
-    """Train on `sequences` (N, seq_len + 1) with world size 1; returns the model and per-step metrics."""
+          log=print, model: MiniMindForCausalLM | None = None, run_dir: str | os.PathLike | None = None,
+          hooks: FaultHooks | None = None) -> tuple[MiniMindForCausalLM, list[dict]]:
+    """Train on `sequences` (N, seq_len + 1) in this process, world size 1; returns the model and the metrics
+    of every log step (`train_cfg.log_every`)."""
     model_cfg.validate()
     train_cfg.validate(world_size=1)
     if sequences.shape[1] > model_cfg.max_position_embeddings:
         raise ConfigError([f"rows of {sequences.shape[1]} tokens exceed max_position_embeddings "
                            f"({model_cfg.max_position_embeddings})"])
-    per_epoch = D.steps_per_epoch(len(sequences), train_cfg.global_batch_size)
+    data = Dataset.in_memory(torch.as_tensor(sequences).numpy())
+    per_epoch = D.steps_per_epoch(data.num_sequences, train_cfg.global_batch_size)
     if per_epoch == 0:
-        raise ValueError(f"{len(sequences)} sequences do not fill one global batch of {train_cfg.global_batch_size}")
-    total_steps = train_cfg.max_steps or per_epoch * train_cfg.epochs
-    train_cfg.validate(world_size=1, total_steps=total_steps)
+        raise D.DataError(f"{data.num_sequences} sequences do not fill one global batch of "
+                          f"{train_cfg.global_batch_size}")
+    train_cfg.validate(world_size=1, total_steps=train_cfg.max_steps or per_epoch * train_cfg.epochs)
+    launcher = LocalLauncher(data, train_cfg.micro_batch_size, device=device, run_dir=run_dir, say=log)
+    trainer = Trainer(model_cfg, train_cfg, RunOptions(name="in-process", run_dir=str(run_dir) if run_dir else None),
+                      data, launcher, hooks=hooks, model=model)
+    try:
+        trainer.fit()
+    finally:
+        trainer.close("finished")
+    return trainer.raw_model, trainer.history
 
-    configure_backends(device)
-    torch.manual_seed(train_cfg.seed)
-    model = (model or MiniMindForCausalLM(model_cfg)).to(device).train()
-    prepare_model(model, train_cfg, device)  # --compile, --activation-checkpointing (in place)
-    dtype = resolve_dtype(train_cfg.dtype, device)
-    optimizer = make_optimizer(model, train_cfg)
-    scaler = make_grad_scaler(dtype, torch.device(device).type)
-    guard = NonFiniteGuard(train_cfg.max_nonfinite_steps)
-    order = D.RankOrder(np.arange(len(sequences), dtype=np.int64), train_cfg.seed, per_epoch,
-                        train_cfg.global_batch_size, world_size=1, rank=0, start_step=0)
-    stream = D.LocalRankStream(D.RowsInMemory(sequences.numpy()), order, train_cfg.micro_batch_size, device)
-    history: list[dict] = []
-    t_last = time.perf_counter()
-    for step in range(total_steps):
-        pos = D.DataPosition.at(step, per_epoch, train_cfg.global_batch_size)
-        micro_batches, _ = stream.next_step()
-        lr = get_lr(step, total_steps, train_cfg.lr, train_cfg.warmup_steps, train_cfg.min_lr_ratio)
-        m = optimizer_step(model, optimizer, scaler, micro_batches, lr=lr, grad_clip=train_cfg.grad_clip, dtype=dtype)
-        guard.update(m, step + 1, scaler.is_enabled())  # steps are counted from 1 in logs and messages
-        now = time.perf_counter()
-        record = {"optimizer_step": step + 1, "epoch": pos.epoch, "loss": float(m.loss), "lm_loss": float(m.lm_loss),
-                  "aux_loss": float(m.aux_loss), "lr": lr, "grad_norm": float(m.grad_norm),
-                  "skipped": m.skipped, "tokens": m.tokens, "step_time_s": now - t_last}
-        t_last = now
-        history.append(record)
-        if (step + 1) % train_cfg.log_every == 0 or step + 1 == total_steps:
-            log(f"step {step + 1}/{total_steps} loss {record['loss']:.4f} lr {lr:.3e} "
-                f"grad_norm {record['grad_norm']:.3f} tokens/s {m.tokens / record['step_time_s']:.0f}")
-    return model, history
+
+# ---- the command line ---------------------------------------------------------------------------------
+
+RUN_KEYS = frozenset({"data", "tokens", "random_tokens", "run_dir", "name", "resume", "keep_checkpoints",
+                      "exit_after_steps", "exit_after_minutes", "val_samples", "eval_every", "tracker"})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m minilm.train", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--config", help="YAML file of option: value (any flag below)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--data", help="a directory written by ray_jobs.prepare")
+    src.add_argument("--tokens", help="a .npy file of 1-D token ids")
+    src.add_argument("--random-tokens", type=int, help="train on this many uniformly random token ids")
+    r = p.add_argument_group("run")
+    r.add_argument("--run-dir", help="checkpoints, metrics.jsonl and world_size.csv go here (default: none kept)")
+    r.add_argument("--name", help="run name (default: the run folder's name)")
+    r.add_argument("--resume", help="auto (default): the newest complete checkpoint in --run-dir; never; or a PATH")
+    r.add_argument("--keep-checkpoints", type=int, help="checkpoints kept in --run-dir (default 3)")
+    r.add_argument("--exit-after-steps", type=int, help="checkpoint and exit cleanly after this optimizer step")
+    r.add_argument("--exit-after-minutes", type=float, help="checkpoint and exit cleanly after this many minutes")
+    r.add_argument("--val-samples", type=int, help="held-out sequences for val_loss (default 0)")
+    r.add_argument("--eval-every", type=int, help="optimizer steps between val_loss evaluations")
+    r.add_argument("--tracker", action="append", metavar="none|tensorboard|mlflow|wandb",
+                   help="experiment tracker(s), as for ray_jobs.pretrain (needs --run-dir)")
+    add_config_flags(p)
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m minilm.train", description=__doc__.split("\n")[0])
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--tokens", help="a .npy file of 1-D token ids")
-    src.add_argument("--data", help="a directory written by ray_jobs.prepare")
-    src.add_argument("--random-tokens", type=int, help="train on this many uniformly random token ids")
-    p.add_argument("--hidden-size", type=int, default=128)
-    p.add_argument("--num-hidden-layers", type=int, default=2)
-    p.add_argument("--vocab-size", type=int, default=6400)
-    p.add_argument("--use-moe", action="store_true")
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--micro-batch-size", type=int, default=8)
-    p.add_argument("--global-batch-size", type=int, default=16)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup-steps", type=int, default=0)
-    p.add_argument("--max-steps", type=int, default=None)
-    p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--dtype", default="fp32")
-    p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
-    p.add_argument("--activation-checkpointing", action="store_true",
-                   help="recompute each transformer block in backward (less memory, more compute)")
-    args = p.parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
-        model_cfg = ModelConfig(hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers,
-                                vocab_size=args.vocab_size, use_moe=args.use_moe)
-        train_cfg = TrainConfig(lr=args.lr, warmup_steps=args.warmup_steps, max_steps=args.max_steps,
-                                epochs=args.epochs, micro_batch_size=args.micro_batch_size,
-                                global_batch_size=args.global_batch_size, dtype=args.dtype, seq_len=args.seq_len,
-                                log_every=args.log_every, seed=args.seed, compile=args.compile,
-                                activation_checkpointing=args.activation_checkpointing)
+        file_values = load_yaml(args.config)
+        demo = not (args.data or file_values.get("data"))
+        model_cfg, train_cfg, opts = build_configs(args, file_values, RUN_KEYS, demo=demo)
+        if not any(opts.get(k) for k in ("data", "tokens", "random_tokens")):
+            raise UsageError("give the data to train on: --data DIR, --tokens FILE.npy or --random-tokens N")
         model_cfg.validate()
-        train_cfg.validate(world_size=1)
-        if args.data:
-            prepared = D.open_prepared(args.data)
-            D.check_compatible(prepared, vocab_size=model_cfg.vocab_size, seq_len=train_cfg.seq_len)
-            sequences = torch.as_tensor(D.SequenceStore(prepared).take(np.arange(prepared.num_sequences))).long()
-        elif args.tokens:
-            sequences = sequences_from_tokens(np.load(args.tokens), args.seq_len)
-        else:
-            rng = np.random.default_rng(args.seed)
-            sequences = sequences_from_tokens(rng.integers(0, args.vocab_size, args.random_tokens), args.seq_len)
-        train(model_cfg, train_cfg, sequences)
-    except (ConfigError, D.DataError, ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        train_cfg.validate()
+        check_fits(model_cfg, train_cfg)
+        hooks = hooks_from_env(warn=lambda m: print(m, file=sys.stderr))
+        rank, world_size, device = init_from_torchrun()
+        train_cfg.validate(world_size=world_size)
+        data = load_data(opts, model_cfg, train_cfg)
+        run_dir = Path(opts["run_dir"]).resolve() if opts.get("run_dir") else None
+        if run_dir is not None and rank == 0:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        train_cfg.dtype = agreed_dtype(train_cfg.dtype, device)
+        trackers = check_trackers(opts.get("tracker"), {}, run_dir=run_dir)
+        run = RunOptions(name=opts.get("name") or (run_dir.name if run_dir else "local"),
+                         run_dir=str(run_dir) if run_dir else None, val_samples=opts.get("val_samples") or 0,
+                         eval_every=opts.get("eval_every"), exit_after_steps=opts.get("exit_after_steps"),
+                         exit_after_minutes=opts.get("exit_after_minutes"), trackers=trackers)
+        launcher = LocalLauncher(data, train_cfg.micro_batch_size, rank=rank, world_size=world_size, device=device,
+                                 run_dir=run_dir, resume=opts.get("resume") or "auto",
+                                 keep_checkpoints=opts.get("keep_checkpoints") or 3,
+                                 say=lambda m: print(m, flush=True))
+        signal.signal(signal.SIGTERM, lambda *_: setattr(launcher, "sigterm", True))
+        trainer = Trainer(model_cfg, train_cfg, run, data, launcher, hooks=hooks)
+    except (UsageError, ConfigError, D.DataError, C.CheckpointError, TrackerError, ValueError, FileNotFoundError) as e:
+        return fail(str(e))
+    outcome = "failed"
+    t0 = time.time()
+    try:
+        outcome = trainer.fit()
+    except KeyboardInterrupt:
+        return fail("interrupted; continue with --resume auto and the same --run-dir", EXIT_INTERRUPTED)
+    except (Preempted, NonFiniteLossError, C.CheckpointError) as e:
+        return fail(f"training stopped: {e}", EXIT_FAILED)
+    finally:
+        trainer.close(outcome)
+    if rank == 0:
+        last = trainer.history[-1] if trainer.history else None
+        print(f"done: {outcome} at optimizer step {trainer.step}/{trainer.total_steps} in {time.time() - t0:.1f}s"
+              + (f", final loss {last['loss']:.4f}" if last else ""), flush=True)
     return 0
+
+
+def load_data(opts: dict, model_cfg: ModelConfig, train_cfg: TrainConfig) -> Dataset:
+    if opts.get("data"):
+        prepared = D.open_prepared(opts["data"])
+        D.check_compatible(prepared, vocab_size=model_cfg.vocab_size, seq_len=train_cfg.seq_len)
+        return Dataset.prepared(prepared)
+    if opts.get("tokens"):
+        path = Path(opts["tokens"])
+        if not path.is_file():
+            raise UsageError(f"--tokens {path}: file not found")
+        rows = sequences_from_tokens(np.load(path), train_cfg.seq_len)
+    else:
+        rng = np.random.default_rng(train_cfg.seed)
+        rows = sequences_from_tokens(rng.integers(0, model_cfg.vocab_size, opts["random_tokens"]), train_cfg.seq_len)
+    return Dataset.in_memory(rows.numpy())
+
+
+def agreed_dtype(name: str, device: torch.device) -> str:
+    """--dtype auto resolved once; under torchrun rank 0's answer is every rank's (a probe can disagree)."""
+    if name != "auto":
+        return name
+    code = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[resolve_dtype("auto", device)]
+    code = int(Collectives(device).broadcast_from_rank0(torch.tensor([code]))[0])
+    return ("fp32", "bf16", "fp16")[code]
 
 
 if __name__ == "__main__":

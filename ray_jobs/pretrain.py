@@ -22,26 +22,28 @@ from pathlib import Path
 
 from minilm import checkpoint as C
 from minilm import data as D
-from minilm.config import ConfigError, ModelConfig, TrainConfig, check_fits, valid_world_sizes
-from minilm.progress import MetricsLog, format_duration
-from minilm.trackers import TrackerError, check_trackers
-
-from .cli import (
+from minilm import testing
+from minilm.cli import (
     EXIT_FAILED,
+    EXIT_INTERRUPTED,
     UsageError,
     add_config_flags,
     build_configs,
-    ensure_ray,
     fail,
     load_yaml,
-    parse_num_workers,
 )
-from .elastic import SHARED_STORAGE_HINT, TIMELINE, WorldSizeTimeline, format_timeline, nodes_missing_path
+from minilm.config import ConfigError, ModelConfig, TrainConfig, check_fits, valid_world_sizes
+from minilm.progress import MetricsLog, format_duration
+from minilm.timeline import TIMELINE, WorldSizeTimeline, format_timeline
+from minilm.trackers import TrackerError, check_trackers
+
+from .cli import ensure_ray, parse_num_workers
+from .elastic import SHARED_STORAGE_HINT, nodes_missing_path
 
 RUN_KEYS = {"data", "num_workers", "use_gpu", "cpus_per_worker", "storage_path", "name", "resume", "max_failures",
             "keep_checkpoints", "exit_after_steps", "exit_after_minutes", "val_samples", "backend_timeout_s",
-            "num_cpus", "elastic_check_seconds", "record_sample_ids", "eval_every", "resources_per_worker",
-            "tracker", "mlflow_uri", "wandb_project"}
+            "num_cpus", "elastic_check_seconds", "eval_every", "resources_per_worker", "tracker", "mlflow_uri",
+            "wandb_project", "allow_config_change"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,7 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the tracker run continues across resumes (docs/tracking.md)")
     r.add_argument("--mlflow-uri", help="MLflow tracking URI (default: sqlite:///RUN_DIR/mlflow.db)")
     r.add_argument("--wandb-project", help="W&B project (default minilm); WANDB_MODE=offline works")
-    r.add_argument("--record-sample-ids", help=argparse.SUPPRESS)  # test-only: per-step sample ids per rank
+    r.add_argument("--allow-config-change", action="store_true", default=None,
+                   help="resume even though the schedule or optimizer settings differ from the checkpoint's "
+                        "(lr, warmup, steps, betas, weight decay, ...): each change is logged and used")
     add_config_flags(p)
     return p
 
@@ -93,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, ConfigError, D.DataError, C.CheckpointError, TrackerError) as e:
         return fail(str(e))
     except KeyboardInterrupt:
-        return fail("interrupted; continue with --resume auto and the same --name", 130)
+        return fail("interrupted; continue with --resume auto and the same --name", EXIT_INTERRUPTED)
 
 
 @dataclass
@@ -111,6 +115,7 @@ class RunPlan:
     prepared: D.PreparedData
     steps_per_epoch: int
     resume_path: Path | None = None
+    hooks: testing.FaultHooks | None = None  # only when a test switched fault injection on
 
     def config(self, name: str | None = None, run_dir: Path | None | str = "same") -> dict:
         """The train_loop_config every worker gets."""
@@ -124,8 +129,8 @@ class RunPlan:
                     "resume_path": str(self.resume_path) if self.resume_path else None,
                     "exit_after_steps": self.opts.get("exit_after_steps"),
                     "exit_after_minutes": self.opts.get("exit_after_minutes"),
-                    "record_sample_ids": self.opts.get("record_sample_ids"),
-                    "trackers": self.opts.get("trackers", []), "tracker_options": tracker_options(self.opts)},
+                    "trackers": self.opts.get("trackers", []), "tracker_options": tracker_options(self.opts),
+                    "test_hooks": self.hooks.to_dict() if self.hooks else None},
         }
 
 
@@ -180,8 +185,12 @@ def plan_run(args: argparse.Namespace, extra_keys: frozenset[str] = frozenset())
     """Flags + YAML -> a checked RunPlan (starts or joins Ray, prepares the demo data if needed)."""
     file_values = load_yaml(args.config)
     demo = not (args.data or file_values.get("data"))
-    model_cfg, train_cfg, rest = build_configs(args, file_values, RUN_KEYS | extra_keys, demo=demo)
+    configs = build_configs(args, file_values, RUN_KEYS | extra_keys, demo=demo)
+    model_cfg, train_cfg, rest = configs
     opts = {**RUN_DEFAULTS, **rest}
+    hooks = testing.from_env(warn=lambda m: print(m, file=sys.stderr, flush=True))
+    if train_cfg.max_steps:
+        note_default_warmup(train_cfg, train_cfg.max_steps, configs.explicit)
     min_w, max_w = check_options(model_cfg, train_cfg, opts)
 
     name = opts.get("name") or time.strftime("minilm-%Y%m%d-%H%M%S")
@@ -200,13 +209,14 @@ def plan_run(args: argparse.Namespace, extra_keys: frozenset[str] = frozenset())
                          f"or another --name")
 
     opts["trackers"] = check_trackers(opts.get("tracker"), tracker_options(opts), run_dir=run_dir)
+    if local_storage:
+        check_storage_writable(Path(storage))
     if not demo:
         data_dir = Path(opts["data"]).expanduser().resolve()
         D.open_prepared(data_dir)  # a missing or incomplete --data is refused before Ray starts
     ensure_ray(opts.get("num_cpus"))
     if local_storage:
-        missing = nodes_missing_path(Path(storage), hide_on_other_nodes=os.environ.get("MINILM_TEST_NODE_LOCAL_STORAGE")
-                                     == "1")
+        missing = nodes_missing_path(Path(storage), hide_on_other_nodes=bool(hooks and hooks.node_local_storage))
         if missing:
             raise UsageError(f"--storage-path {storage} is not visible from {len(missing)} node(s) of this cluster "
                              f"({', '.join(missing)}): {SHARED_STORAGE_HINT}")
@@ -224,15 +234,41 @@ def plan_run(args: argparse.Namespace, extra_keys: frozenset[str] = frozenset())
     if per_epoch == 0:
         raise D.DataError(f"{data_dir}: {len(train_ids)} training sequences do not fill one global batch of "
                           f"{train_cfg.global_batch_size}")
+    note_default_warmup(train_cfg, train_cfg.max_steps or per_epoch * train_cfg.epochs, configs.explicit)
     train_cfg.validate(world_size=min_w, total_steps=train_cfg.max_steps or per_epoch * train_cfg.epochs)
     if resume_path is None:  # --resume auto: what the workers continue when Ray has no checkpoint of the run registered
         resume_path = latest_checkpoint(run_dir, opts["resume"])
-    check_resumable(resume_path, model_cfg, train_cfg, prepared)
-    if opts.get("record_sample_ids"):
-        Path(opts["record_sample_ids"]).mkdir(parents=True, exist_ok=True)
+    saved = check_resumable(resume_path, model_cfg, train_cfg, prepared, opts)
+    train_cfg.dtype = run_dtype(train_cfg.dtype, saved, opts)  # one precision for every rank and every restart
+    if hooks and hooks.record_sample_ids:
+        Path(hooks.record_sample_ids).mkdir(parents=True, exist_ok=True)
     return RunPlan(model_cfg=model_cfg, train_cfg=train_cfg, opts=opts, workers=(min_w, max_w), name=name,
                    storage=storage, run_dir=run_dir, data_dir=data_dir, prepared=prepared, steps_per_epoch=per_epoch,
-                   resume_path=resume_path)
+                   resume_path=resume_path, hooks=hooks)
+
+
+def note_default_warmup(train_cfg: TrainConfig, total_steps: int, explicit: frozenset[str]) -> None:
+    """A warmup nobody asked for must not refuse a short run (`--max-steps 4`): a default warmup that does not fit
+    the run becomes a fifth of it, and the start line says so. A warmup the user set keeps its clear refusal."""
+    if "warmup_steps" in explicit or train_cfg.warmup_steps < total_steps:
+        return
+    fitted = total_steps // 5
+    print(f"note: the default warmup of {train_cfg.warmup_steps} steps does not fit a run of {total_steps} optimizer "
+          f"steps: using {fitted} (set --warmup-steps to choose)", flush=True)
+    train_cfg.warmup_steps = fitted
+
+
+def check_storage_writable(storage: Path) -> None:
+    """A local --storage-path that cannot be created or written is one error line here, not a traceback from
+    Ray's controller later."""
+    try:
+        storage.mkdir(parents=True, exist_ok=True)
+        probe = storage / f".minilm-write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise UsageError(f"--storage-path {storage}: cannot create or write there "
+                         f"({e.strerror or e}); choose a writable folder or an s3:// / gs:// URI") from None
 
 
 def tracker_options(opts: dict) -> dict:
@@ -250,13 +286,15 @@ def latest_checkpoint(run_dir: Path | None, resume: str) -> Path | None:
     """
     if run_dir is None or resume != "auto":
         return None
-    return C.latest_complete(sorted(p for p in run_dir.glob("checkpoint_*") if p.is_dir()))
+    return C.latest_complete(C.checkpoint_dirs(run_dir))
 
 
-def check_resumable(path: Path | None, model_cfg: ModelConfig, train_cfg: TrainConfig, prepared) -> None:
-    """Refuse, before any worker starts, a run that cannot continue the checkpoint it would resume."""
+def check_resumable(path: Path | None, model_cfg: ModelConfig, train_cfg: TrainConfig, prepared,
+                    opts: dict) -> dict | None:
+    """Refuse, before any worker starts, a run that cannot continue the checkpoint it would resume, or that
+    would silently change it; returns the checkpoint's state.json."""
     if path is None:
-        return
+        return None
     import json
 
     state = json.loads((path / "state.json").read_text())
@@ -264,6 +302,53 @@ def check_resumable(path: Path | None, model_cfg: ModelConfig, train_cfg: TrainC
     if problems:
         raise UsageError(f"cannot resume from {path}: " + "; ".join(problems) +
                          " (use another --name to start a new run)")
+    changes = C.config_changes(state, train_cfg, val_samples=opts["val_samples"])
+    refused = [c for c in changes if not c.safe]
+    if refused and not opts.get("allow_config_change"):
+        raise UsageError(f"cannot resume from {path} with other settings: " + "; ".join(map(str, refused)) +
+                         " change the schedule or optimizer mid-run; pass --allow-config-change to continue with "
+                         "the new values, or use another --name")
+    for c in changes:
+        print(f"note: resuming with {c}" + ("" if c.safe else " (--allow-config-change)"), flush=True)
+    return state
+
+
+def run_dtype(requested: str, saved: dict | None, opts: dict) -> str:
+    """The one precision of the run, decided here before any worker starts: the checkpoint's when resuming
+    (`auto`, or a change `config_changes` let through), else `--dtype`, with `auto` probed once on a worker-like
+    process (bf16 on GPUs that support it; on CPUs, bf16 only where its matmuls are faster)."""
+    if saved is not None:
+        before = C.checkpoint_dtype(saved)
+        if before and (requested == "auto" or requested == before):
+            return before
+    if requested != "auto":
+        return requested
+    return probe_dtype(opts)
+
+
+def probe_dtype(opts: dict) -> str:
+    """Resolve `--dtype auto` in one Ray task placed like a training worker (GPU, CPUs, custom resources)."""
+    import ray
+
+    from minilm.step import resolve_dtype
+
+    use_gpu = uses_gpu(opts)
+
+    @ray.remote(num_cpus=0.01 if use_gpu else max(0.01, float(opts["cpus_per_worker"])), num_gpus=1 if use_gpu else 0,
+                resources=opts["resources_per_worker"] or None)
+    def probe() -> str:
+        import torch
+
+        dtype = resolve_dtype("auto", "cuda" if use_gpu else "cpu")
+        return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+
+    try:
+        return ray.get(probe.remote(), timeout=180)
+    except ray.exceptions.GetTimeoutError:
+        fallback = "bf16" if use_gpu else "fp32"
+        print(f"warning: no worker-like slot free within 3 minutes to probe --dtype auto: using {fallback} "
+              f"(set --dtype to choose)", file=sys.stderr, flush=True)
+        return fallback
 
 
 def run(args: argparse.Namespace) -> int:
@@ -311,12 +396,15 @@ def make_trainer(config: dict, opts: dict, storage: str, name: str, workers: tup
                                                  timeout_s=opts["backend_timeout_s"]))
 
 
+WORKER_ENV = ("MINILM_CACHE", "MINILM_GIT_COMMIT")  # the only MINILM_* settings a worker reads
+
+
 def worker_env(opts: dict) -> dict[str, str]:
     env = {"OMP_NUM_THREADS": str(max(1, int(opts["cpus_per_worker"])))}
-    # MINILM_* settings (cache dir, test hooks) and the trackers' own (WANDB_MODE=offline, MLFLOW_*) reach
-    # the workers even on an already-running cluster, whose processes do not inherit this shell.
-    # Secrets stay out: runtime env variables are shown in the dashboard (use netrc / a secret store on the nodes).
-    env.update({k: v for k, v in os.environ.items() if k.startswith(("MINILM_", "WANDB_", "MLFLOW_"))
+    # The cache dir and the trackers' own settings (WANDB_MODE=offline, MLFLOW_*) reach the workers even on an
+    # already-running cluster, whose processes do not inherit this shell. Test hooks travel in the run's config,
+    # never here. Secrets stay out: runtime env variables are shown in the dashboard (use netrc / a secret store).
+    env.update({k: v for k, v in os.environ.items() if (k in WORKER_ENV or k.startswith(("WANDB_", "MLFLOW_")))
                 and not k.endswith(("API_KEY", "TOKEN", "PASSWORD"))})
     if opts.get("trackers") and "MINILM_GIT_COMMIT" not in env:
         from minilm.trackers import code_version

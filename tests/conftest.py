@@ -59,12 +59,18 @@ def baseline(ray_address, run_data, run_storage, tmp_path_factory):
     from runs import consumed_ids, final_weights, pretrain, tiny_args
 
     ids = tmp_path_factory.mktemp("ids-baseline")
-    proc = pretrain(ray_address, tiny_args(run_data, run_storage, "baseline", "--num-workers", "2",
-                                           "--record-sample-ids", str(ids)))
-    return {"weights": final_weights(run_storage, "baseline"), "ids": consumed_ids(ids), "log": proc.stdout}
+    proc = pretrain(ray_address, tiny_args(run_data, run_storage, "baseline", "--num-workers", "2"),
+                    MINILM_TEST_RECORD_SAMPLE_IDS=str(ids))
+    return {"weights": final_weights(run_storage, "baseline"), "ids": consumed_ids(ids), "log": proc.stdout,
+            "stderr": proc.stderr, "ids_dir": ids}
 
 
-def run_env(ray_address: str, **extra: str) -> dict:
-    env = {**os.environ, "RAY_ADDRESS": ray_address, "PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0"}
-    env.update(extra)
+def run_env(ray_address: str | None, **extra: str) -> dict:
+    """The environment of a driver subprocess; fault-injection hooks (MINILM_TEST_*) come with their switch."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MINILM_TEST")}
+    env.update({"PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0", **extra})
+    if ray_address:
+        env["RAY_ADDRESS"] = ray_address
+    if any(k.startswith("MINILM_TEST_") for k in extra):
+        env["MINILM_TESTING"] = "1"
     return env

@@ -1,0 +1,118 @@
+"""Command-line plumbing shared by every entrypoint (`minilm.train`, `ray_jobs.*`): exit codes, the one
+usage-error class, config flags named after the dataclass fields, YAML config files. No Ray here."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import typing
+from pathlib import Path
+
+import yaml
+
+from .config import ModelConfig, TrainConfig
+
+EXIT_USAGE = 2  # bad flag, bad config, bad data: nothing was started
+EXIT_FAILED = 1  # training (or a Ray task) started and failed
+EXIT_INTERRUPTED = 130  # Ctrl-C / SIGTERM of the driver
+
+# What a run on the built-in demo corpus (no --data) uses: a small model that trains in a few minutes
+# on 2 CPUs. With --data, the dataclasses' defaults (MiniMind's) apply; flags and --config override both.
+DEMO_PRESET = {
+    "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
+    "seq_len": 256, "micro_batch_size": 8, "global_batch_size": 32, "lr": 1e-3, "warmup_steps": 20,
+    "log_every": 10, "checkpoint_every": 50, "max_steps": 100,
+}
+
+
+class UsageError(Exception):
+    """A mistake on the command line, in a config file or in the inputs: `error: ...`, exit 2."""
+
+
+def fail(message: str, code: int = EXIT_USAGE) -> int:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    return code
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_config_flags(parser: argparse.ArgumentParser, preset: dict | None = None) -> None:
+    """One flag per ModelConfig / TrainConfig field, named after it (--hidden-size, --warmup-steps...).
+
+    Every flag defaults to None, so `build_configs` can tell a value the user gave from a default;
+    the help shows the dataclass default, and the demo preset's value where it differs."""
+    preset = DEMO_PRESET if preset is None else preset
+    for cls, title in ((ModelConfig, "model"), (TrainConfig, "training")):
+        group = parser.add_argument_group(f"{title} config (every field of {cls.__name__})")
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else None
+            text = f"default: {default}"
+            if f.name in preset and preset[f.name] != default:
+                text += f" ({preset[f.name]} on the built-in demo corpus)"
+            hint = hints[f.name]
+            kwargs: dict = {"default": None, "dest": f.name, "help": text}
+            if hint is bool:
+                kwargs["action"] = argparse.BooleanOptionalAction
+            elif f.name == "betas":
+                kwargs.update(nargs=2, type=float, metavar=("BETA1", "BETA2"))
+            elif f.name == "dtype":
+                kwargs.update(choices=["auto", "bf16", "fp16", "fp32"])
+            else:
+                base = [t for t in typing.get_args(hint) if t is not type(None)] or [hint]
+                kwargs["type"] = base[0]
+            group.add_argument(flag(f.name), **kwargs)
+
+
+def load_yaml(path: str | None) -> dict:
+    if not path:
+        return {}
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"--config {path}: file not found")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise UsageError(f"--config {path}: not valid YAML ({e})") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"--config {path}: expected a mapping of option: value, got {type(data).__name__}")
+    return {k.replace("-", "_"): v for k, v in data.items()}
+
+
+@dataclasses.dataclass
+class Configs:
+    """What `build_configs` returns: the two configs, the other options, and which keys the user set."""
+
+    model: ModelConfig
+    train: TrainConfig
+    rest: dict
+    explicit: frozenset[str]  # keys given by a flag or the --config file (not by a preset or a default)
+
+    def __iter__(self):  # model, train, rest = build_configs(...)
+        return iter((self.model, self.train, self.rest))
+
+
+def build_configs(args: argparse.Namespace, file_values: dict, other_keys: set[str] | frozenset[str],
+                  demo: bool = False) -> Configs:
+    """Flags override the YAML file, which overrides the demo preset (only with demo=True) and the defaults."""
+    model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = set(file_values) - model_fields - train_fields - set(other_keys)
+    if unknown:
+        raise UsageError(f"--config: unknown option(s) {', '.join(sorted(unknown))}")
+    values = {**(DEMO_PRESET if demo else {}), **file_values}
+    explicit = set(file_values)
+    for name in model_fields | train_fields | set(other_keys):
+        v = getattr(args, name, None)
+        if v is not None:
+            values[name] = v
+            explicit.add(name)
+    model = ModelConfig(**{k: v for k, v in values.items() if k in model_fields})
+    train = TrainConfig(**{k: v for k, v in values.items() if k in train_fields})
+    if isinstance(train.betas, list):
+        train.betas = tuple(train.betas)
+    rest = {k: values[k] for k in other_keys if k in values}
+    return Configs(model, train, rest, frozenset(explicit))

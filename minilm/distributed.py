@@ -1,0 +1,143 @@
+"""Collectives of the training loop, in one place: which device each tensor goes to, and stop flags agreed
+by every rank without stalling a step.
+
+The rule this module owns: **every collective the loop issues runs on the training device.** NCCL
+accepts only CUDA tensors: a process group made with `backend="nccl"` has no backend for the CPU
+("No backend type associated with device type cpu"), so a control flag or a metric built as a CPU
+tensor crashes the first multi-GPU step. gloo on a CPU run accepts the CPU tensors the training
+device gives it. DDP's gradient all-reduce is already on the training device (the gradients are);
+everything else (the logged-loss mean, the validation sums, the stop flags) goes through
+`Collectives`, which puts the tensor there first. `tests/test_nccl_rules.py` runs the real loop on 2
+ranks through a stand-in that refuses any other tensor.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# Stop flags raised by the end of optimizer step s are acted on, by every rank, at the end of step
+# s + AGREEMENT_DELAY: their all-reduce runs in the background meanwhile, so no step waits on it.
+AGREEMENT_DELAY = 2
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+class Collectives:
+    """The loop's collectives on `device`, the training device (identity when not distributed)."""
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self.world_size = dist.get_world_size() if is_distributed() else 1
+
+    def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self.device)
+
+    def all_reduce(self, tensor: torch.Tensor, op=None, async_op: bool = False):
+        """All-reduce `tensor` (moved to the training device first); returns (tensor, work or None)."""
+        tensor = self.to_device(tensor)
+        if self.world_size == 1:
+            return tensor, None
+        work = dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM, async_op=async_op)
+        return tensor, work
+
+    def broadcast_from_rank0(self, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = self.to_device(tensor.clone())
+        if self.world_size > 1:
+            dist.broadcast(tensor, src=0)
+        return tensor
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.all_reduce(tensor.clone())[0]
+
+    def mean(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.sum(tensor) / self.world_size
+
+
+@dataclass
+class _Pending:
+    step: int
+    device_flags: torch.Tensor
+    work: object | None
+    host_copy: torch.Tensor | None = None  # CUDA: the result copied to pinned memory, complete at `event`
+    event: object | None = None
+
+
+class FlagAgreement:
+    """Boolean flags OR-ed over every rank each optimizer step, read `delay` steps later.
+
+    `push(step, host_flags, device_flags)` starts an asynchronous all-reduce (MAX) of this rank's flags
+    on the training device and returns the agreed flags of step `step - delay`, the same on every
+    rank. On CUDA the host flags reach the device from pinned memory and the result comes back to
+    pinned memory behind an event, so nothing waits for the step's queued kernels; by the time a
+    result is read, `delay` steps later, its copy has long finished. `device_flags` are 0-dim
+    tensors already on the device (e.g. the non-finite guard's trip), so they need no host sync.
+    """
+
+    def __init__(self, collectives: Collectives, names: tuple[str, ...], delay: int = AGREEMENT_DELAY):
+        self.c, self.names, self.delay = collectives, names, delay
+        self.cuda = collectives.device.type == "cuda"
+        self.pending: deque[_Pending] = deque()
+
+    def push(self, step: int, host_flags: list[bool], device_flags: list[torch.Tensor] = ()) -> list[str]:
+        host = torch.tensor([float(bool(f)) for f in host_flags], dtype=torch.float32)
+        if self.cuda:
+            host = host.pin_memory()
+        flags = host.to(self.c.device, non_blocking=True)
+        if device_flags:
+            flags = torch.cat([flags, torch.stack([f.reshape(()).float() for f in device_flags])])
+        flags, work = self.c.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True)
+        pending = _Pending(step, flags, work)
+        if self.cuda:
+            if work is not None:
+                work.wait()  # NCCL: the current stream waits for the all-reduce; the host does not
+            pending.host_copy = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+            pending.host_copy.copy_(flags, non_blocking=True)
+            pending.event = torch.cuda.Event()
+            pending.event.record()
+        self.pending.append(pending)
+        if len(self.pending) <= self.delay:
+            return []
+        return self._read(self.pending.popleft())
+
+    def _read(self, p: _Pending) -> list[str]:
+        if self.cuda:
+            p.event.synchronize()
+            values = p.host_copy.tolist()
+        else:
+            if p.work is not None:
+                p.work.wait()
+            values = p.device_flags.tolist()
+        return [name for name, v in zip(self.names, values, strict=True) if v > 0]
+
+    def drain(self) -> list[str]:
+        """Wait for every pending all-reduce (before the process group goes away); the union of their flags."""
+        reasons: list[str] = []
+        while self.pending:
+            reasons += [r for r in self._read(self.pending.popleft()) if r not in reasons]
+        return reasons
+
+
+def init_from_torchrun(backend: str | None = None) -> tuple[int, int, torch.device]:
+    """`torchrun` sets RANK / WORLD_SIZE / LOCAL_RANK: join its process group; (rank, world size, device).
+
+    NCCL on CUDA (one GPU per local rank), gloo on CPU. Without torchrun: (0, 1, cuda:0 or cpu).
+    """
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rank, world_size, local_rank = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), \
+        int(os.environ.get("LOCAL_RANK", 0))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(backend or ("nccl" if device.type == "cuda" else "gloo"))
+    return rank, world_size, device

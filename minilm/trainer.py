@@ -1,0 +1,407 @@
+"""The training loop, one for every launcher: `python -m minilm.train` (one process, or each rank under
+torchrun) and each Ray Train worker (`ray_jobs/worker.py`) build a `Trainer` and call `fit()`.
+
+`Trainer.fit` reads like MiniMind's loop:
+
+    for each optimizer step, from the restored one to the last:
+        micro-batches <- the launcher's stream        (the rank's slice of the global batch)
+        lr <- get_lr(step)                            (minilm/schedule.py)
+        optimizer_step(...)                           (minilm/step.py: autocast, accumulation, clip, step)
+        log(...)  at log steps                        (Trainer.log: the log line, metrics.jsonl, trackers)
+        save(...) at checkpoint steps                 (Trainer.save: the resume checkpoint + weights)
+
+The state of a run is a few components, each with `state_dict()`/`load_state_dict()` (as in
+torchtitan): the model (fp32 master weights), the optimizer, the GradScaler, the non-finite guard
+and the trackers. The position is the optimizer step alone: the data order (`minilm.data.RankOrder`)
+and the lr are functions of it. `restore()` loads them all from one checkpoint folder.
+
+What differs per launcher is a `Launcher` (see the Protocol below): where the micro-batches come
+from, where a checkpoint is found and handed over, and which stop signals a rank can see (SIGTERM,
+a node drain). Stops are agreed by all ranks without stalling a step (`minilm.distributed`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from . import checkpoint as C
+from . import data as D
+from .config import ModelConfig, TrainConfig, accumulation_steps
+from .distributed import Collectives, FlagAgreement
+from .model import MiniMindForCausalLM
+from .progress import MetricsLog, format_log_line, peak_flops
+from .schedule import get_lr
+from .step import (
+    NonFiniteGuard,
+    autocast,
+    configure_backends,
+    make_grad_scaler,
+    make_optimizer,
+    optimizer_step,
+    prepare_model,
+    resolve_dtype,
+)
+from .testing import FaultHooks
+from .timeline import WorldSizeTimeline
+from .trackers import Trackers, open_trackers, run_hparams
+
+SIGTERM, DRAIN, TIME_UP, NONFINITE = "SIGTERM", "node drain", "time limit", "non-finite steps"
+PREEMPTIONS = (SIGTERM, DRAIN)  # a checkpoint at the step boundary, then an exit for a restart
+
+
+class Preempted(RuntimeError):
+    """SIGTERM or a node drain reached the run; a checkpoint was written at the step boundary before exiting."""
+
+
+@dataclass
+class RunOptions:
+    """What a run adds to the two configs: its name, its folder and the when-to-stop/evaluate options."""
+
+    name: str
+    run_id: str = ""
+    run_dir: str | None = None  # metrics.jsonl, world_size.csv, trackers (None: remote storage, or none at all)
+    val_samples: int = 0
+    eval_every: int | None = None  # default: checkpoint_every
+    exit_after_steps: int | None = None
+    exit_after_minutes: float | None = None
+    trackers: list[str] = field(default_factory=list)
+    tracker_options: dict | None = None
+    test_hooks: dict | None = None  # minilm.testing.FaultHooks, only ever set by a test
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RunOptions:
+        known = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+@dataclass
+class Dataset:
+    """The rows a run trains on, read by sample id, and what a resume must match."""
+
+    store: object  # .take(sample_ids) -> (n, seq_len + 1) array
+    num_sequences: int
+    fingerprint: str
+    tokenizer_sha256: str | None = None
+    tokenizer_path: Path | None = None
+
+    @classmethod
+    def prepared(cls, prepared: D.PreparedData) -> Dataset:
+        return cls(D.SequenceStore(prepared), prepared.num_sequences, prepared.fingerprint,
+                   prepared.tokenizer_sha256, prepared.tokenizer_path)
+
+    @classmethod
+    def in_memory(cls, rows) -> Dataset:
+        rows = np.ascontiguousarray(np.asarray(rows))
+        return cls(D.RowsInMemory(rows), len(rows), "in-memory-" + hashlib.sha256(rows.tobytes()).hexdigest())
+
+
+class Launcher(Protocol):
+    """What differs between `minilm.train` and the Ray worker."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+
+    def batches(self, order: D.RankOrder, total_steps: int):
+        """This rank's stream from `order.start_step`: `next_step() -> (micro-batches on the device,
+        host array of sample ids)`, and `data_wait_s`."""
+
+    def checkpoint_to_resume(self, log) -> Path | None:
+        """The complete checkpoint folder this run continues from, or None for a fresh start."""
+
+    def staging_dir(self, step: int) -> Path | None:
+        """Rank 0: an empty folder to write the checkpoint of `step` into, before `report` hands it over
+        (None: this launcher keeps no checkpoints, e.g. an in-process run without a run folder)."""
+
+    def report(self, metrics: dict, checkpoint: Path | None, checkpointing: bool) -> None:
+        """Every rank, at the same steps: hand the metrics over; at a checkpoint step (`checkpointing`),
+        rank 0 passes the staged checkpoint folder, to be moved or uploaded (and the staging removed)."""
+
+    def stop_flags(self) -> tuple[bool, bool]:
+        """(SIGTERM seen, node drain announced) on this rank; called every step, so it must be cheap."""
+
+    def say(self, message: str) -> None:
+        """Print a line for a person (rank 0 calls it)."""
+
+
+class Trainer:
+    def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, run: RunOptions, data: Dataset,
+                 launcher: Launcher, hooks: FaultHooks | None = None, model: MiniMindForCausalLM | None = None):
+        self.model_cfg, self.train_cfg, self.run, self.data, self.launcher = model_cfg, train_cfg, run, data, launcher
+        self.hooks = hooks or FaultHooks.from_dict(run.test_hooks) or FaultHooks()
+        self.rank, self.world_size, self.device = launcher.rank, launcher.world_size, torch.device(launcher.device)
+        self.dtype = resolve_dtype(train_cfg.dtype, self.device)  # the driver has resolved "auto" for every rank
+        self.accumulation = accumulation_steps(train_cfg.global_batch_size, train_cfg.micro_batch_size,
+                                               self.world_size)
+        self.train_ids, val_ids = D.split_ids(data.num_sequences, run.val_samples)
+        self.val_ids = val_ids[self.rank::self.world_size] if len(val_ids) else None
+        self.steps_per_epoch = D.steps_per_epoch(len(self.train_ids), train_cfg.global_batch_size)
+        if self.steps_per_epoch == 0:
+            raise D.DataError(f"{len(self.train_ids)} training sequences do not fill one global batch of "
+                              f"{train_cfg.global_batch_size}")
+        self.total_steps = train_cfg.max_steps or self.steps_per_epoch * train_cfg.epochs
+        self.eval_every = run.eval_every or train_cfg.checkpoint_every
+        self.step, self.run_id = 0, run.run_id or f"{run.name}-{int(time.time())}"
+        self.collectives = Collectives(self.device)
+
+        configure_backends(self.device)  # TF32 on Ampere+ GPUs
+        torch.manual_seed(train_cfg.seed)  # identical initial weights on every rank
+        # --compile and --activation-checkpointing act in place: state-dict keys, checkpoints and DDP are unchanged
+        self.raw_model = prepare_model((model or MiniMindForCausalLM(model_cfg)).to(self.device), train_cfg,
+                                       self.device)
+        self.model: torch.nn.Module = self.raw_model  # DDP-wrapped below when world_size > 1
+        self.optimizer = make_optimizer(self.raw_model, train_cfg)
+        self.scaler = make_grad_scaler(self.dtype, self.device.type)
+        self.guard = NonFiniteGuard(train_cfg.max_nonfinite_steps, self.device)
+        self.trackers = Trackers([])
+        self.metrics_log = MetricsLog(Path(run.run_dir) / "metrics.jsonl") if run.run_dir and self.rank == 0 else None
+        self.timeline = WorldSizeTimeline(run.run_dir) if run.run_dir and self.rank == 0 else None
+        self.redone_steps, self.last_checkpoint_s, self.history = 0, 0.0, []
+        self.start()
+
+    # ---- set-up -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Restore the checkpoint this run continues (if any), open trackers and timeline, wrap in DDP,
+        open the data stream at the restored step."""
+        resumed = self.restore()
+        cfg = self.train_cfg
+        if resumed is not None:
+            pos = D.DataPosition.at(self.step, self.steps_per_epoch, cfg.global_batch_size)
+            self.log_line(f"resumed run {self.run.name} at optimizer step {self.step} (epoch {pos.epoch}, "
+                          f"{pos.samples_seen} samples): world size {resumed['world_size']} -> {self.world_size}, "
+                          f"accumulation {resumed['accumulation_steps']} -> {self.accumulation}")
+        else:
+            self.log_line(f"starting run {self.run.name} fresh: {self.total_steps} optimizer steps of "
+                          f"{cfg.global_batch_size} sequences, world size {self.world_size} x accumulation "
+                          f"{self.accumulation} x micro-batch {cfg.micro_batch_size}, dtype "
+                          f"{str(self.dtype).removeprefix('torch.')}, {self.raw_model.num_params() / 1e6:.2f}M "
+                          f"parameters ({self.raw_model.num_params(active=True) / 1e6:.2f}M active)")
+        if self.metrics_log:
+            self.metrics_log.truncate_after(self.step)  # steps about to be redone leave the file
+        if self.rank == 0 and self.run.trackers:
+            self.trackers = open_trackers(
+                self.run.trackers, run_dir=self.run.run_dir, run_name=self.run.name, start_step=self.step,
+                resume_state=(resumed or {}).get("trackers"), options=self.run.tracker_options, say=self.log_line,
+                hparams=run_hparams(self.model_cfg.to_dict(), cfg.to_dict(), world_size=self.world_size,
+                                    data_fingerprint=self.data.fingerprint,
+                                    tokenizer_sha256=self.data.tokenizer_sha256))
+        if self.timeline:
+            row = self.timeline.record_start(self.step, self.world_size, self.accumulation, resumed is not None)
+            self.redone_steps = self.timeline.redone_steps_total()
+            if row["event"] != "start":
+                self.log_line(f"{row['event']}: world size {self.world_size} x accumulation {self.accumulation} "
+                              f"from optimizer step {self.step}; {row['redone_steps']} step(s) done since that "
+                              f"checkpoint are redone ({self.redone_steps} redone in this run so far)")
+        if self.world_size > 1:
+            # broadcast_buffers=False: the only buffers are the RoPE tables (identical on every rank, computed,
+            # 2 x 8 MB at MiniMind's 32k positions) and MoE routing statistics; DDP would otherwise broadcast
+            # them from rank 0 before every forward.
+            self.model = torch.nn.parallel.DistributedDataParallel(
+                self.raw_model, device_ids=[self.device] if self.device.type == "cuda" else None,
+                broadcast_buffers=False)
+        order = D.RankOrder(self.train_ids, cfg.seed, self.steps_per_epoch, cfg.global_batch_size,
+                            self.world_size, self.rank, self.step)
+        self.batches = self.launcher.batches(order, self.total_steps)
+
+    def restore(self) -> dict | None:
+        """Load every stateful component from the checkpoint this run continues; return its state.json."""
+        path = self.launcher.checkpoint_to_resume(self.log_line)
+        if path is None:
+            return None
+        resume = C.load_resume_state(path)
+        s = resume.state
+        problems = C.resume_problems(s, self.model_cfg, self.train_cfg.global_batch_size, self.train_cfg.seed,
+                                     self.data.fingerprint, dtype=self.train_cfg.dtype)
+        if problems:
+            raise C.CheckpointError(f"cannot resume from {path}: " + "; ".join(problems))
+        self.raw_model.load_state_dict(resume.model_state, strict=True)
+        # The loaded param groups carry the saved betas / weight decay; this run's config wins (the driver has
+        # refused a change unless --allow-config-change said it is meant).
+        configured = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        self.optimizer.load_state_dict(resume.optimizer_state)
+        for group, settings in zip(self.optimizer.param_groups, configured, strict=True):
+            group.update(settings)
+        self.scaler.load_state_dict(resume.scaler_state)
+        self.guard.load_state_dict(s["nonfinite_guard"])
+        self.step, self.run_id = int(s["optimizer_step"]), s.get("run_id", self.run_id)
+        return s
+
+    # ---- the loop -----------------------------------------------------------------------------
+
+    def fit(self) -> str:
+        """Train to the last step; "finished", or "exited" (--exit-after-*). Raises Preempted after a
+        SIGTERM or drain checkpoint, NonFiniteLossError after too many non-finite steps in a row."""
+        cfg, hooks = self.train_cfg, self.hooks
+        stop = FlagAgreement(self.collectives, (SIGTERM, DRAIN, TIME_UP, NONFINITE))
+        deadline = time.monotonic() + 60 * self.run.exit_after_minutes if self.run.exit_after_minutes else None
+        self.meter = Meter(self, peak_flops(self.device, self.dtype))
+        try:
+            while self.step < self.total_steps:
+                micro_batches, sample_ids = self.batches.next_step()
+                torch.manual_seed(cfg.seed * 1_000_003 + self.step * 1009 + self.rank)  # dropout RNG: a function of the step
+                lr = get_lr(self.step, self.total_steps, cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio)
+                with hooks.nonfinite_gradients(self.step + 1, self.raw_model):
+                    m = optimizer_step(self.model, self.optimizer, self.scaler, micro_batches, lr=lr,
+                                       grad_clip=cfg.grad_clip, dtype=self.dtype)
+                self.step += 1
+                self.guard.update(m, self.step, self.scaler.is_enabled())
+                self.meter.add(m.tokens * self.world_size)
+                hooks.after_step(self.step, self.rank, sample_ids)
+
+                time_up = deadline is not None and time.monotonic() > deadline
+                reasons = stop.push(self.step, [*self.launcher.stop_flags(), time_up], [self.guard.tripped()])
+                if NONFINITE in reasons:
+                    self.guard.check()  # raises, on every rank at this same step
+                exiting = bool(reasons) or self.step == self.run.exit_after_steps
+                checkpointing = exiting or self.step == self.total_steps or self.step % cfg.checkpoint_every == 0
+                evaluating = self.val_ids is not None and (self.step % self.eval_every == 0
+                                                           or self.step == self.total_steps)
+                if checkpointing or evaluating or self.step % cfg.log_every == 0:
+                    metrics = self.log(m, lr, evaluating)
+                    if checkpointing:
+                        self.save(metrics)
+                    else:
+                        self.launcher.report(metrics, None, False)
+                    self.meter.restart()  # evaluation and checkpoint time stay out of the next interval's tokens/s
+                if reasons:
+                    reason = next(r for r in (SIGTERM, DRAIN, TIME_UP) if r in reasons)
+                    if reason in PREEMPTIONS:
+                        self.record("preempt")
+                        raise Preempted(f"{reason} at optimizer step {self.step}: checkpoint written, exiting for a "
+                                        f"restart")
+                if exiting:
+                    self.record("exit")
+                    self.log_line(f"exiting after optimizer step {self.step} as asked "
+                                  f"(--exit-after-steps/--exit-after-minutes); continue with --resume auto")
+                    return "exited"
+            self.record("finish")
+            return "finished"
+        finally:
+            stop.drain()  # no collective of ours is left in flight when the process group goes away
+
+    # ---- log and save -------------------------------------------------------------------------
+
+    def log(self, m, lr: float, evaluating: bool) -> dict:
+        """Every rank: the metrics of this log step (loss means over ranks, val_loss); rank 0 also prints the
+        log line and writes metrics.jsonl, the trackers and the last completed step."""
+        metrics = self.meter.metrics(m, lr)
+        if evaluating:
+            metrics["val_loss"] = self.validation_loss()
+        self.history.append(metrics)
+        if self.rank == 0:
+            self.log_line(format_log_line(metrics))
+            if self.metrics_log:
+                self.metrics_log.append({**metrics, "time": time.time(), "run_id": self.run_id})
+            self.trackers.log(metrics, step=self.step)
+            if self.timeline:
+                self.timeline.step_done(self.step)
+        return metrics
+
+    def save(self, metrics: dict) -> None:
+        """Every rank: rank 0 writes the resume checkpoint (fp32 state of every component + state.json) and
+        the half-precision weights export into a staging folder; the launcher hands it over with the metrics."""
+        t0 = time.perf_counter()
+        staged = self.launcher.staging_dir(self.step) if self.rank == 0 else None
+        if staged is not None:
+            C.save_resume_state(staged, model=self.raw_model, optimizer=self.optimizer, scaler=self.scaler,
+                                state=self.checkpoint_state(metrics), hooks=self.hooks)
+            C.export_weights(staged / "weights", self.raw_model, self.model_cfg, self.data.tokenizer_path,
+                             step=self.step)
+        self.launcher.report(metrics, staged, True)
+        self.last_checkpoint_s = time.perf_counter() - t0
+
+    def checkpoint_state(self, metrics: dict) -> dict:
+        """state.json: the position (optimizer step) and what a resume must match."""
+        cfg = self.train_cfg
+        pos = D.DataPosition.at(self.step, self.steps_per_epoch, cfg.global_batch_size)
+        return {
+            "optimizer_step": self.step, "epoch": pos.epoch, "samples_seen": pos.samples_seen,
+            "world_size": self.world_size, "micro_batch_size": cfg.micro_batch_size,
+            "accumulation_steps": self.accumulation, "global_batch_size": cfg.global_batch_size,
+            "total_steps": self.total_steps, "dtype": str(self.dtype).removeprefix("torch."),
+            "val_samples": self.run.val_samples,
+            "model_config": self.model_cfg.to_dict(), "train_config": cfg.to_dict(),
+            "data_fingerprint": self.data.fingerprint, "tokenizer_sha256": self.data.tokenizer_sha256,
+            "run_id": self.run_id, "run_name": self.run.name, "nonfinite_guard": self.guard.state_dict(),
+            "trackers": self.trackers.state_dict(), "loss": metrics["loss"],
+        }
+
+    @torch.no_grad()
+    def validation_loss(self) -> float:
+        """Mean next-token loss over the held-out sequences (each rank scores every W-th; summed over ranks)."""
+        model, m = self.raw_model, self.train_cfg.micro_batch_size
+        model.eval()
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)  # (sum of losses x rows, rows)
+        for start in range(0, len(self.val_ids), m):
+            chunk = self.val_ids[start:start + m]
+            ids = torch.from_numpy(np.ascontiguousarray(self.data.store.take(chunk))).to(self.device).long()
+            with autocast(self.device.type, self.dtype):
+                loss = model(ids, labels=ids).loss
+            total[0] += loss.double() * len(chunk)
+            total[1] += len(chunk)
+        model.train()
+        total = self.collectives.sum(total)
+        return float(total[0] / total[1])
+
+    # ---- small helpers ------------------------------------------------------------------------
+
+    def record(self, event: str) -> None:
+        if self.timeline:
+            self.timeline.record(self.step, self.world_size, self.accumulation, event)
+
+    def log_line(self, message: str) -> None:
+        if self.rank == 0:
+            self.launcher.say(message)
+
+    def close(self, outcome: str) -> None:
+        self.trackers.close(outcome)
+
+
+class Meter:
+    """Throughput, data wait and ETA over each log interval; the interval restarts after a log step's
+    evaluation and checkpoint, so their time never counts as training time."""
+
+    def __init__(self, trainer: Trainer, peak_flops: float):
+        self.t, self.peak = trainer, peak_flops
+        self.t_start = time.perf_counter()
+        self.step_at_start = trainer.step
+        self.restart()
+
+    def restart(self) -> None:
+        self.t_mark, self.tokens, self.wait_mark = time.perf_counter(), 0, self.t.batches.data_wait_s
+
+    def add(self, tokens: int) -> None:
+        self.tokens += tokens
+
+    def metrics(self, m, lr: float) -> dict:
+        t, cfg, now = self.t, self.t.train_cfg, time.perf_counter()
+        losses = t.collectives.mean(torch.stack([m.loss, m.lm_loss, m.aux_loss]).float()).tolist()
+        elapsed = max(now - self.t_mark, 1e-9)
+        tokens_per_s = self.tokens / elapsed
+        pos = D.DataPosition.at(t.step, t.steps_per_epoch, cfg.global_batch_size)
+        metrics = {
+            "loss": losses[0], "lm_loss": losses[1], "aux_loss": losses[2], "lr": lr,
+            "grad_norm": float(m.grad_norm), "tokens_per_s": tokens_per_s,
+            "mfu": t.raw_model.estimate_mfu(tokens_per_s / t.world_size, cfg.seq_len, self.peak),
+            "optimizer_step": t.step, "total_steps": t.total_steps, "samples_seen": pos.samples_seen,
+            "tokens_seen": pos.samples_seen * cfg.seq_len, "epoch": (t.step - 1) // t.steps_per_epoch,
+            "epochs": -(-t.total_steps // t.steps_per_epoch), "world_size": t.world_size,
+            "accumulation_steps": t.accumulation, "skipped_steps": int(t.guard.skipped_total),
+            "data_wait_frac": (t.batches.data_wait_s - self.wait_mark) / elapsed,
+            "checkpoint_s": t.last_checkpoint_s, "redone_steps": t.redone_steps,
+            "eta_s": (now - self.t_start) / max(1, t.step - self.step_at_start) * (t.total_steps - t.step),
+        }
+        if t.raw_model.config.use_moe:
+            metrics["expert_load"] = [[round(float(x), 4) for x in layer] for layer in t.raw_model.expert_load()]
+        return metrics
+
+
+__all__ = ["Trainer", "RunOptions", "Dataset", "Launcher", "Meter", "Preempted"]

@@ -1,0 +1,221 @@
+"""The training loop's logic without Ray (`minilm.trainer.Trainer` in this process, `minilm.train` under torchrun),
+checked against the independent replay of tests/reference.py: resume at the same and at another world size,
+resume by path, corrupt checkpoints, a full disk, non-finite steps, SIGTERM, a kill mid-write, MoE.
+
+Ray's own mechanisms (its checkpoint registry, worker restarts, drains, elastic resizes) are in
+test_pretrain.py, tests/faults/ and test_elastic.py.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import run_env
+from helpers import ROOT
+from inprocess import STEPS, checkpoint_weights, configs, metrics, run_local, torchrun, train_flags
+from reference import check_run, max_rel_diff, replay
+
+from minilm import checkpoint as C
+from minilm.distributed import AGREEMENT_DELAY
+from minilm.step import NonFiniteLossError
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(run_data, tmp_path_factory):
+    """The in-process run every test here compares with, and its replay."""
+    run_dir, ids = tmp_path_factory.mktemp("local") / "uninterrupted", tmp_path_factory.mktemp("ids")
+    trainer, outcome, lines = run_local(run_data, run_dir, record=ids)
+    model_cfg, train_cfg = configs()
+    ref = replay(model_cfg, train_cfg, run_data, ids, STEPS)
+    return {"run_dir": run_dir, "weights": checkpoint_weights(run_dir), "ref": ref, "outcome": outcome, "lines": lines}
+
+
+def bitwise_equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_an_uninterrupted_run_is_the_reference_replay(uninterrupted):
+    assert uninterrupted["outcome"] == "finished"
+    records = metrics(uninterrupted["run_dir"])
+    assert [r["optimizer_step"] for r in records] == [4, 8, 12, 16, 20]
+    # one process, the same micro-batches in the same order: the replay's weights bit for bit
+    assert bitwise_equal(uninterrupted["weights"], uninterrupted["ref"].weights)
+    check_run(uninterrupted["ref"], uninterrupted["weights"], records, rtol_loss=0)
+    assert records[-1]["loss"] < records[0]["loss"]
+    assert "starting run uninterrupted fresh: 20 optimizer steps" in uninterrupted["lines"][0]
+
+
+def test_exit_after_steps_then_resume_is_bitwise_equal(run_data, tmp_path, uninterrupted):
+    run_dir, ids = tmp_path / "split", tmp_path / "ids"
+    _, outcome, _ = run_local(run_data, run_dir, record=ids, exit_after_steps=8)
+    assert outcome == "exited" and (run_dir / "checkpoint_00000008" / "COMPLETE.json").is_file()
+    _, outcome, lines = run_local(run_data, run_dir, record=ids)
+    assert outcome == "finished"
+    assert any("resumed run split at optimizer step 8 (epoch 0, 128 samples)" in line for line in lines)
+    assert bitwise_equal(checkpoint_weights(run_dir), uninterrupted["weights"])
+    check_run(replay(*configs(), run_data, ids, STEPS), checkpoint_weights(run_dir), metrics(run_dir), rtol_loss=0)
+    steps = [r["optimizer_step"] for r in metrics(run_dir)]
+    assert steps == sorted(set(steps)) and steps[-1] == STEPS
+
+
+@pytest.mark.parametrize("before,after", [(2, 1), (1, 2)])
+def test_resume_at_another_world_size_under_torchrun(run_data, tmp_path, uninterrupted, before, after):
+    """Plain DDP (torchrun, gloo) stopped at step 6 and continued at another world size: the same samples at
+    every step, and the replay's weights and losses (within the reduction-order difference)."""
+    run_dir, ids = tmp_path / "ws", tmp_path / "ids"
+    env = {"MINILM_TEST_RECORD_SAMPLE_IDS": str(ids)}
+    ids.mkdir()
+    torchrun(before, train_flags(run_data, run_dir) + ["--exit-after-steps", "6"], **env)
+    second = torchrun(after, train_flags(run_data, run_dir), **env)
+    acc = {1: 4, 2: 2}
+    assert (f"resumed run ws at optimizer step 6 (epoch 0, 96 samples): world size {before} -> {after}, "
+            f"accumulation {acc[before]} -> {acc[after]}") in second.stdout
+    check_run(replay(*configs(), run_data, ids, STEPS), checkpoint_weights(run_dir), metrics(run_dir))
+    assert max_rel_diff(checkpoint_weights(run_dir), uninterrupted["weights"]) < 1e-5
+
+
+def test_resume_from_a_path(run_data, tmp_path, uninterrupted):
+    start = uninterrupted["run_dir"] / "checkpoint_00000012"
+    if not start.exists():  # kept: the last 3 (12, 16, 20)
+        pytest.fail(f"{start} was pruned")
+    run_dir = tmp_path / "frompath"
+    _, _, lines = run_local(run_data, run_dir, resume=str(start))
+    assert any("resumed run frompath at optimizer step 12" in line for line in lines)
+    assert bitwise_equal(checkpoint_weights(run_dir), uninterrupted["weights"])
+
+
+def test_truncated_and_bit_flipped_checkpoints_are_skipped(run_data, tmp_path, uninterrupted):
+    run_dir = tmp_path / "corrupt"
+    run_local(run_data, run_dir, exit_after_steps=12)
+    with open(run_dir / "checkpoint_00000012" / "optimizer.pt", "r+b") as f:  # truncated: a torn write
+        f.truncate(100)
+    model = run_dir / "checkpoint_00000008" / "model.safetensors"  # one bit flipped: bad storage
+    data = bytearray(model.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    model.write_bytes(bytes(data))
+    _, _, lines = run_local(run_data, run_dir)
+    text = "\n".join(lines)
+    assert "checkpoint_00000012 is corrupt: optimizer.pt does not match its SHA-256" in text
+    assert "checkpoint_00000008 is corrupt: model.safetensors does not match its SHA-256" in text
+    assert "resumed run corrupt at optimizer step 4 " in text
+    assert bitwise_equal(checkpoint_weights(run_dir), uninterrupted["weights"])
+
+
+def test_a_full_disk_at_a_checkpoint_stops_the_run_and_resume_is_bitwise_equal(run_data, tmp_path, uninterrupted):
+    run_dir = tmp_path / "diskfull"
+    with pytest.raises(C.CheckpointError) as e:
+        run_local(run_data, run_dir, hooks={"disk_full_at_step": 8})
+    assert str(e.value).startswith("could not write the checkpoint of optimizer step 8 to ")
+    assert "(optimizer.pt): no space left on device" in str(e.value) and "--resume auto" in str(e.value)
+    assert C.latest_complete(C.checkpoint_dirs(run_dir)) == run_dir / "checkpoint_00000004"
+    assert not (run_dir / "checkpoint_00000008").exists()
+    _, _, lines = run_local(run_data, run_dir)
+    assert any("resumed run diskfull at optimizer step 4 " in line for line in lines)
+    assert bitwise_equal(checkpoint_weights(run_dir), uninterrupted["weights"])
+
+
+def test_a_nan_step_is_skipped_and_counted(run_data, tmp_path, uninterrupted):
+    run_dir = tmp_path / "nan1"
+    trainer, outcome, lines = run_local(run_data, run_dir, hooks={"nan_at_steps": (5,)}, max_steps=8)
+    records = metrics(run_dir)
+    assert outcome == "finished" and records[-1]["optimizer_step"] == 8 and records[-1]["skipped_steps"] == 1
+    assert records[0]["skipped_steps"] == 0
+    assert any("skipped 1" in line for line in lines)
+
+
+def test_nan_steps_in_a_row_stop_the_run_naming_the_steps(run_data, tmp_path):
+    with pytest.raises(NonFiniteLossError, match=r"3 optimizer steps in a row \(5\.\.7\) had a non-finite loss"):
+        run_local(run_data, tmp_path / "nan3", hooks={"nan_at_steps": (5, 6, 7)}, max_nonfinite_steps=3, max_steps=12)
+    # stopped at the step every rank agreed on: the trip at step 7, acted on AGREEMENT_DELAY steps later
+    stopped_at = 7 + AGREEMENT_DELAY
+    assert [r["optimizer_step"] for r in metrics(tmp_path / "nan3")] == [s for s in (4, 8, 12) if s <= stopped_at]
+
+
+def test_moe_reports_aux_loss_and_exports_minimind_weights(run_data, tmp_path):
+    run_dir = tmp_path / "moe"
+    trainer, _, lines = run_local(run_data, run_dir, use_moe=True, max_steps=8)
+    assert any("expert_load" in line for line in lines)
+    last = metrics(run_dir)[-1]
+    assert last["aux_loss"] > 0 and last["loss"] == pytest.approx(last["lm_loss"] + last["aux_loss"], rel=1e-5)
+    out = tmp_path / "export"
+    exp = subprocess.run([sys.executable, "-m", "ray_jobs.export", "--checkpoint", str(run_dir / "checkpoint_00000008"),
+                          "--output", str(out), "--format", "minimind"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert exp.returncode == 0, exp.stderr
+    from minilm.config import ModelConfig
+    from minilm.model import MiniMindForCausalLM
+
+    model = MiniMindForCausalLM(ModelConfig(**json.loads((out / "config.json").read_text())))
+    state = torch.load(out / "pretrain_64_moe.pth", weights_only=True)
+    model.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
+    assert any(k.startswith("model.layers.0.mlp.experts.3.") for k in state)
+
+
+def start_train(flags: list[str], **env: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "minilm.train", *flags], cwd=ROOT,
+                            env=run_env(None, OMP_NUM_THREADS="1", **env), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for(condition, proc, what: str, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while not condition():
+        assert proc.poll() is None, f"the run exited ({proc.returncode}) before {what}\n{proc.stdout.read()[-3000:]}"
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_sigterm_checkpoints_at_the_agreed_step_and_resume_is_bitwise_equal(run_data, tmp_path, uninterrupted):
+    """SIGTERM while the run is held after step 9: every rank checkpoints at step 9 + AGREEMENT_DELAY, exits,
+    and the resumed run redoes nothing."""
+    run_dir, hold = tmp_path / "sigterm", tmp_path / "hold"
+    hold.touch()
+    proc = start_train(train_flags(run_data, run_dir), MINILM_TEST_HOLD_FILE=str(hold))
+    held = tmp_path / "hold.rank0"
+    wait_for(held.is_file, proc, "the run was held")  # held after the first step
+    hold.unlink()
+    wait_for(lambda: (run_dir / "checkpoint_00000008" / "COMPLETE.json").is_file(), proc, "checkpoint 8")
+    held.unlink()
+    hold.touch()
+    wait_for(held.is_file, proc, "the run was held again")
+    step = int(held.read_text())
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    hold.unlink()
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1, out[-3000:]
+    expected = step + AGREEMENT_DELAY
+    assert f"SIGTERM at optimizer step {expected}: checkpoint written" in out, out[-3000:]
+    assert C.latest_complete(C.checkpoint_dirs(run_dir)) == run_dir / f"checkpoint_{expected:08d}"
+    _, _, lines = run_local(run_data, run_dir)
+    assert any(f"resumed run sigterm at optimizer step {expected} " in line for line in lines)
+    assert bitwise_equal(checkpoint_weights(run_dir), uninterrupted["weights"])
+
+
+def test_killed_during_a_checkpoint_write_resumes_from_the_previous_one(run_data, tmp_path, uninterrupted):
+    """SIGKILL while checkpoint 8 is written (every file there but COMPLETE.json): the resumed run passes over the
+    partial folder, continues checkpoint 4 and ends bitwise equal."""
+    run_dir, paused = tmp_path / "killwrite", tmp_path / "paused"
+    proc = start_train(train_flags(run_data, run_dir), MINILM_TEST_CHECKPOINT_DELAY_S="600",
+                       MINILM_TEST_CHECKPOINT_DELAY_STEP="8", MINILM_TEST_CHECKPOINT_PAUSED=str(paused))
+    wait_for(paused.is_file, proc, "the writer of checkpoint 8 paused before its marker")
+    partial = run_dir / paused.read_text().split("/")[-1]
+    assert all((partial / f).is_file() for f in ("model.safetensors", "optimizer.pt", "scaler.pt", "state.json"))
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    torn = run_dir / "checkpoint_00000008"  # a torn copy too: the marker without the files it names
+    torn.mkdir()
+    shutil.copyfile(run_dir / "checkpoint_00000004" / "COMPLETE.json", torn / "COMPLETE.json")
+    _, _, lines = run_local(run_data, run_dir)
+    text = "\n".join(lines)
+    assert "checkpoint_00000008 is incomplete" in text and "resumed run killwrite at optimizer step 4 " in text
+    assert bitwise_equal(checkpoint_weights(run_dir), uninterrupted["weights"])
