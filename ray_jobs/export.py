@@ -75,7 +75,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def tokenizer_path(args: argparse.Namespace, config: ModelConfig) -> Path | None:
-    """--tokenizer, else the checkpoint's weights/tokenizer.json, checked against the model; None if neither exists."""
+    """--tokenizer, else the checkpoint's weights/tokenizer.json; None if neither exists.
+
+    A --tokenizer, and any tokenizer of an hf export (whose loaders trust it), is checked against the model:
+    MiniMind's special tokens, and no id past the embedding.
+    """
     if args.tokenizer:
         path = Path(args.tokenizer)
     else:
@@ -85,6 +89,8 @@ def tokenizer_path(args: argparse.Namespace, config: ModelConfig) -> Path | None
                 raise TokenizerError(f"{args.checkpoint} has no weights/tokenizer.json, and --format hf ships one: "
                                      f"give --tokenizer (the tokenizer.json of the data the model was trained on)")
             return None
+        if args.format != "hf":
+            return path  # the run's own tokenizer, checked when the data was prepared
     tok = load_tokenizer(path)
     if vocab_size_of(tok) > config.vocab_size:
         raise TokenizerError(f"{path} has {vocab_size_of(tok)} tokens but the model embeds only "
