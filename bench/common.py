@@ -1,5 +1,5 @@
-"""Shared helpers for the benchmarks: a measured matmul peak, side-by-side step timing, environment
-facts, JSON output.
+"""Shared helpers for the benchmarks: side-by-side step timing, environment facts, JSON output (the
+measured matmul peak is minilm.progress.measured_matmul_peak, the one the training loop uses).
 
 Results go to bench/results/, or to the folder in MINILM_BENCH_RESULTS (the smoke tests point it at a
 temporary folder so they never touch bench/results/).
@@ -27,31 +27,6 @@ def synchronize(device: torch.device | str = "cpu") -> None:
     """Wait for queued GPU work, so a wall-clock interval covers it; nothing to wait for on CPU."""
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def matmul_peak_flops(dtype: torch.dtype = torch.float32, n: int = 2048, repeats: int = 10,
-                      device: torch.device | str = "cpu") -> float:
-    """Best-of-`repeats` FLOP/s of an n x n @ n x n matmul in this process: the denominator of MFU.
-
-    Measured rather than taken from a data sheet, so MFU says how well the step uses the matmul
-    throughput this machine (and this torch build, with its current thread count) really reaches.
-    On a GPU each repeat runs the matmul 10 times between synchronisations, so launch latency does
-    not count.
-    """
-    gen = torch.Generator().manual_seed(0)
-    a = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
-    b = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
-    inner = 10 if torch.device(device).type == "cuda" else 1
-    a @ b  # warm-up: thread pool, kernel selection
-    synchronize(device)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            a @ b
-        synchronize(device)
-        best = min(best, (time.perf_counter() - t0) / inner)
-    return 2 * n**3 / best
 
 
 def alternate(steps: dict[str, Callable[[int], object]], timed: int, warmup: int,

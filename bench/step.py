@@ -25,9 +25,10 @@ import torch
 
 from minilm.config import ModelConfig, TrainConfig
 from minilm.model import MiniMindForCausalLM
+from minilm.progress import measured_matmul_peak
 from minilm.step import configure_backends, make_grad_scaler, make_optimizer, optimizer_step, prepare_model
 
-from .common import add_model_args, alternate, environment, matmul_peak_flops, write_json
+from .common import add_model_args, alternate, environment, write_json
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -46,7 +47,7 @@ def build(args, use_moe: bool, compile_: bool) -> MiniMindForCausalLM:
 def bench_dtype(args, dtype_name: str) -> dict:
     dtype = DTYPES[dtype_name]
     device = torch.device(args.device)
-    peak_before = matmul_peak_flops(dtype, n=args.peak_size, device=device)
+    peak_before = measured_matmul_peak(dtype, n=args.peak_size, repeats=10, device=device)
     configs = [("dense", False, False), ("moe", True, False)]
     if args.compile:
         configs += [("dense+compile", False, True), ("moe+compile", True, True)]
@@ -71,7 +72,7 @@ def bench_dtype(args, dtype_name: str) -> dict:
 
     times = alternate({name: step_fn(r) for name, r in runs.items()}, args.steps, args.warmup, device)
     # Measured before and after the steps; the larger is the less disturbed by other load on the host.
-    peak_after = matmul_peak_flops(dtype, n=args.peak_size, device=device)
+    peak_after = measured_matmul_peak(dtype, n=args.peak_size, repeats=10, device=device)
     peak = max(peak_before, peak_after)
     rows = []
     tokens = args.micro_batch_size * args.seq_len

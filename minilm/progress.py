@@ -9,37 +9,81 @@ from pathlib import Path
 
 import torch
 
-# Dense bf16 peak FLOP/s of common accelerators (no sparsity), for MFU on GPUs.
-GPU_PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "A10G": 125e12, "L4": 121e12, "L40S": 362e12,
-                 "V100": 125e12, "T4": 65e12, "4090": 165e12, "3090": 71e12}
+# Dense (no sparsity) bf16 tensor-core peak FLOP/s with fp32 accumulation, from NVIDIA's data sheets (half
+# their "with sparsity" figure), keyed by the exact name torch.cuda.get_device_name() reports: "NVIDIA L40S"
+# is not "NVIDIA L4", an H100 SXM ("NVIDIA H100 80GB HBM3") is not an H100 PCIe. Only Ampere and later
+# GPUs, whose tensor cores have bf16 and TF32. A name not listed here (an older GPU, a MIG slice, a GPU whose
+# figure could not be checked: H100 NVL, H200 NVL, A10G, B200) gets a measured matmul peak instead.
+GPU_PEAK_BF16 = {
+    "NVIDIA H100 80GB HBM3": 989.5e12,  # H100 SXM5
+    "NVIDIA H100 PCIe": 756.5e12,
+    "NVIDIA H200": 989.5e12,  # H200 SXM
+    "NVIDIA A100-SXM4-80GB": 312e12,
+    "NVIDIA A100-SXM4-40GB": 312e12,
+    "NVIDIA A100 80GB PCIe": 312e12,
+    "NVIDIA A100-PCIE-40GB": 312e12,
+    "NVIDIA A10": 125e12,
+    "NVIDIA L4": 121e12,
+    "NVIDIA L40": 181.05e12,
+    "NVIDIA L40S": 362.05e12,
+    "NVIDIA GeForce RTX 4090": 165.2e12,
+    "NVIDIA GeForce RTX 3090": 71e12,
+}
 
 
-def measured_matmul_peak(dtype: torch.dtype = torch.float32, size: int = 1024, repeats: int = 5,
-                         device: str = "cpu") -> float:
-    """FLOP/s of the best of a few square matmuls: the reference for MFU on a CPU (or unknown GPU)."""
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
-    a @ b
+def measured_matmul_peak(dtype: torch.dtype = torch.float32, n: int = 1024, repeats: int = 5,
+                         device: torch.device | str = "cpu") -> float:
+    """Best-of-`repeats` FLOP/s of an n x n @ n x n matmul in this process, in `dtype` on `device`.
+
+    The reference for MFU where no data sheet applies (a CPU, an unlisted GPU): how well a step uses the
+    matmul throughput this machine, torch build and thread count really reach. On a GPU each repeat runs
+    the matmul 10 times between synchronisations, so launch latency does not count.
+    """
+    device = torch.device(device)
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
+    b = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
+    inner = 10 if device.type == "cuda" else 1
+    a @ b  # warm-up: thread pool, kernel selection
+    _synchronize(device)
     best = float("inf")
     for _ in range(repeats):
-        if device != "cpu":
-            torch.cuda.synchronize()
         t0 = time.perf_counter()
-        a @ b
-        if device != "cpu":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * size**3 / best
+        for _ in range(inner):
+            a @ b
+        _synchronize(device)
+        best = min(best, (time.perf_counter() - t0) / inner)
+    return 2 * n**3 / best
 
 
-def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
+def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, flops in GPU_PEAK_BF16.items():
-            if key in name:
-                return flops if dtype != torch.float32 else flops / 2
-        return measured_matmul_peak(dtype, 4096, device=str(device))
-    return measured_matmul_peak(dtype)
+        torch.cuda.synchronize(device)
+
+
+def datasheet_peak(device_name: str, dtype: torch.dtype) -> float | None:
+    """Peak FLOP/s of the GPU named exactly `device_name` for a step in `dtype`; None if it is not listed.
+
+    bf16 and fp16 run at the tensor cores' 16-bit rate; fp32 runs in TF32 (minilm.step.configure_backends
+    turns it on for Ampere and later, which every listed GPU is), half that rate.
+    """
+    peak = GPU_PEAK_BF16.get(device_name)
+    if peak is None:
+        return None
+    return peak / 2 if dtype == torch.float32 else peak
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype, device_name: str | None = None) -> float:
+    """MFU's denominator: a listed GPU's data-sheet peak, else a matmul peak measured on `device`.
+
+    `device_name` defaults to what torch.cuda.get_device_name reports for `device` (pass it to test the
+    lookup without a GPU).
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return measured_matmul_peak(dtype, device=device)
+    peak = datasheet_peak(device_name if device_name is not None else torch.cuda.get_device_name(device), dtype)
+    return peak if peak is not None else measured_matmul_peak(dtype, n=4096, device=device)
 
 
 def format_duration(seconds: float) -> str:

@@ -11,7 +11,6 @@ Byte-level means every string, whatever its script, encodes to tokens and decode
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -127,7 +126,3 @@ def check_special_ids(tok: Tokenizer, where: str) -> None:
 def vocab_size_of(tok: Tokenizer) -> int:
     """Ids the model must embed: one more than the largest id (added tokens included)."""
     return max(tok.get_vocab(with_added_tokens=True).values()) + 1
-
-
-def text_sha256(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()

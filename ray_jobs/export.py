@@ -2,9 +2,13 @@
 
     python -m ray_jobs.export --checkpoint runs/demo/checkpoint_00000200 --output out/
     python -m ray_jobs.export --checkpoint ... --output out/ --format minimind   # + pretrain_<hidden>[_moe].pth
+    python -m ray_jobs.export --checkpoint ... --output out-hf/ --format hf      # a Hugging Face Qwen3 folder
 
-Writes a half-precision safetensors export (model.safetensors + config.json + tokenizer.json) that
-`minilm.load_pretrained(DIR)` loads; with --format minimind also MiniMind's `.pth` state dict.
+safetensors (the default) writes minilm's half-precision export (model.safetensors + config.json +
+tokenizer.json) that `minilm.load_pretrained(DIR)` loads; minimind adds MiniMind's `.pth` state dict;
+hf writes a `Qwen3ForCausalLM` / `Qwen3MoeForCausalLM` folder that transformers loads without
+trust_remote_code (`pip install 'minilm[hf]'`), vLLM serves and llama.cpp's converter reads
+(docs/export.md).
 """
 
 from __future__ import annotations
@@ -17,42 +21,82 @@ import torch
 
 from minilm import checkpoint as C
 from minilm.config import ConfigError, ModelConfig
+from minilm.hf import export_hf
 from minilm.model import MiniMindForCausalLM
+from minilm.tokenizer import TokenizerError, load_tokenizer, vocab_size_of
 
 from .cli import fail
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ray_jobs.export", description=__doc__.split("\n")[0])
     p.add_argument("--checkpoint", required=True, help="a checkpoint folder written by ray_jobs.pretrain")
     p.add_argument("--output", required=True, help="folder to write the export into")
-    p.add_argument("--format", choices=["safetensors", "minimind"], default="safetensors",
-                   help="minimind: also write MiniMind's pretrain_<hidden>[_moe].pth")
+    p.add_argument("--format", choices=["safetensors", "minimind", "hf"], default="safetensors",
+                   help="safetensors: minilm's export (minilm.load_pretrained); minimind: that plus MiniMind's "
+                        "pretrain_<hidden>[_moe].pth; hf: a Hugging Face Qwen3 folder (transformers, vLLM, llama.cpp)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp16")
-    args = p.parse_args(argv)
+    p.add_argument("--tokenizer", help="tokenizer.json to ship with the weights (default: the checkpoint's "
+                                       "weights/tokenizer.json); --format hf needs one")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         resume = C.load_resume_state(args.checkpoint)
         config = ModelConfig.from_dict(resume.state["model_config"])
         model = MiniMindForCausalLM(config)
         model.load_state_dict(resume.model_state, strict=True)
-        tokenizer = Path(args.checkpoint) / "weights" / "tokenizer.json"
-        out = C.export_weights(args.output, model, config, tokenizer if tokenizer.is_file() else None,
-                               dtype=DTYPES[args.dtype])
-        print(f"weights: {out} ({model.num_params() / 1e6:.2f}M parameters, {args.dtype})")
+        tokenizer = tokenizer_path(args, config)
+        params = f"{model.num_params() / 1e6:.2f}M parameters, {args.dtype}"
+        if args.format == "hf":
+            out = export_hf(args.output, model.state_dict(), config, tokenizer, dtype=DTYPES[args.dtype])
+            arch = "Qwen3MoeForCausalLM" if config.use_moe else "Qwen3ForCausalLM"
+            print(f"hf: {out} ({arch}, {params}): transformers.AutoModelForCausalLM.from_pretrained, "
+                  f"vllm serve, llama.cpp's convert_hf_to_gguf.py")
+            if config.use_moe and not config.norm_topk_prob and config.num_experts_per_tok > 1:
+                print("note: llama.cpp always renormalises the top-k router weights; with norm_topk_prob false "
+                      "its output will differ from transformers' and vLLM's")
+            return 0
+        out = C.export_weights(args.output, model, config, tokenizer, dtype=DTYPES[args.dtype])
+        print(f"weights: {out} ({params})")
         if args.format == "minimind":
             name = f"pretrain_{config.hidden_size}{'_moe' if config.use_moe else ''}.pth"
             C.export_minimind_pth(out / name, model.state_dict())
             print(f"minimind: {out / name}")
-    except (C.CheckpointError, ConfigError) as e:
+    except (C.CheckpointError, ConfigError, TokenizerError) as e:
         return fail(str(e))
     except OSError as e:
         return fail(f"cannot write {args.output}: {e}")
     return 0
 
 
+def tokenizer_path(args: argparse.Namespace, config: ModelConfig) -> Path | None:
+    """--tokenizer, else the checkpoint's weights/tokenizer.json; None if neither exists.
+
+    A --tokenizer, and any tokenizer of an hf export (whose loaders trust it), is checked against the model:
+    MiniMind's special tokens, and no id past the embedding.
+    """
+    if args.tokenizer:
+        path = Path(args.tokenizer)
+    else:
+        path = Path(args.checkpoint) / "weights" / "tokenizer.json"
+        if not path.is_file():
+            if args.format == "hf":
+                raise TokenizerError(f"{args.checkpoint} has no weights/tokenizer.json, and --format hf ships one: "
+                                     f"give --tokenizer (the tokenizer.json of the data the model was trained on)")
+            return None
+        if args.format != "hf":
+            return path  # the run's own tokenizer, checked when the data was prepared
+    tok = load_tokenizer(path)
+    if vocab_size_of(tok) > config.vocab_size:
+        raise TokenizerError(f"{path} has {vocab_size_of(tok)} tokens but the model embeds only "
+                             f"vocab_size={config.vocab_size}: not the tokenizer this model was trained with")
+    return path
+
+
 if __name__ == "__main__":
     sys.exit(main())
-
-

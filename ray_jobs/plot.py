@@ -4,7 +4,8 @@
     python -m ray_jobs.plot runs/run1 runs/run2 --out cmp.png  # several runs overlaid, one colour each
 
 Panels: loss (val_loss dashed where evaluated), learning rate, grad norm, tokens/s and world size,
-each against the optimizer step. Needs only matplotlib (in the dev and plot extras); neither Ray
+each against the optimizer step. `ray_jobs.tune` draws its loss_curves.png (one line per trial) with the
+same figure. Needs only matplotlib (in the dev and plot extras); neither Ray
 nor torch is imported.
 """
 
@@ -48,10 +49,9 @@ class RunCurves:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
-    """The records of RUN_DIR/metrics.jsonl, one per optimizer step, in step order.
+    """The records of RUN_DIR/metrics.jsonl, one per optimizer step, in step order (`in_step_order`).
 
-    A torn last line (a killed run) is skipped; if a step appears twice (a file written without the
-    worker's truncation on resume), the later record wins, so a curve never doubles back.
+    A torn last line (a killed run) is skipped.
     """
     run = Path(run_dir)
     if not run.is_dir():
@@ -60,16 +60,29 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     if not path.is_file():
         raise PlotError(f"{path}: not found (is {run_dir} a run folder of ray_jobs.pretrain with a local "
                         f"--storage-path?)")
-    by_step: dict[int, dict] = {}
+    records = []
     for line in path.read_text(errors="replace").splitlines():
         try:
-            rec = json.loads(line)
+            records.append(json.loads(line))
         except json.JSONDecodeError:
             continue
-        if isinstance(rec, dict) and isinstance(rec.get("optimizer_step"), int):
-            by_step[rec["optimizer_step"]] = rec
-    if not by_step:
+    records = in_step_order(records)
+    if not records:
         raise PlotError(f"{path}: no metrics records yet (the run reports every --log-every steps)")
+    return records
+
+
+def in_step_order(records: list) -> list[dict]:
+    """One record per optimizer step, in step order; records without an integer optimizer_step are dropped.
+
+    If a step appears twice (a log written without the worker's truncation on resume, or Tune's results of
+    a restored trial), the later record wins, so a curve never doubles back.
+    """
+    by_step: dict[int, dict] = {}
+    for rec in records:
+        if isinstance(rec, dict) and isinstance(rec.get("optimizer_step"), int) \
+                and not isinstance(rec["optimizer_step"], bool):
+            by_step[rec["optimizer_step"]] = rec
     return [by_step[s] for s in sorted(by_step)]
 
 
@@ -121,7 +134,12 @@ def figure_for_runs(runs: list[RunCurves]) -> Figure:
 
 
 def plot_runs(run_dirs: list[str | Path], out: str | Path) -> Figure:
-    fig = figure_for_runs(load_runs(run_dirs))
+    return save_figure(load_runs(run_dirs), out)
+
+
+def save_figure(runs: list[RunCurves], out: str | Path) -> Figure:
+    """figure_for_runs(runs), written as a PNG to `out` (its folder created)."""
+    fig = figure_for_runs(runs)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)

@@ -163,11 +163,7 @@ def collect(results, dims: dict[str, SearchDim], metric: str) -> list[dict]:
         row = {"trial": Path(r.path).name if r.path else "?", **{d: params.get(d) for d in dims},
                "steps": step, "loss": m.get("loss"), "val_loss": m.get("val_loss"),
                "tokens_per_s": m.get("tokens_per_s"), "status": status}
-        df = r.metrics_dataframe
-        curve = []
-        if df is not None and "loss" in df and "optimizer_step" in df:
-            curve = list(zip(df["optimizer_step"].tolist(), df["loss"].tolist(), strict=True))
-        row["_curve"] = curve
+        row["_records"] = reported_records(r.metrics_dataframe)
         rows.append(row)
     key = metric if metric in ("loss", "val_loss") else "loss"
     rows.sort(key=lambda r: (r[key] is None or (isinstance(r[key], float) and math.isnan(r[key])),
@@ -197,36 +193,42 @@ def write_results(rows: list[dict], dims: dict[str, SearchDim], plan: RunPlan, o
         (out / "best.yaml").write_text(f"# best trial {best['trial']} of sweep {plan.name} by {metric}\n"
                                        + yaml.safe_dump(best_cfg, sort_keys=True))
         print(f"best: {best['trial']} -> {out / 'best.yaml'}  (python -m ray_jobs.pretrain --config {out / 'best.yaml'})")
-    plot_curves(rows, out / "loss_curves.png")
-    print(f"table: {out / 'results.csv'}  plot: {out / 'loss_curves.png'}")
+    drawn = plot_trials(rows, dims, out / "loss_curves.png") is not None
+    print(f"table: {out / 'results.csv'}" + (f"  plot: {out / 'loss_curves.png'}" if drawn else ""))
 
 
-def plot_curves(rows: list[dict], path: Path):
-    """Loss against optimizer step, one line per trial, coloured by lr (log scale)."""
-    import matplotlib
+def reported_records(df) -> list[dict]:
+    """A trial's reported metrics (Tune's dataframe) as records like metrics.jsonl's: numbers only, NaN dropped."""
+    if df is None or "optimizer_step" not in df:
+        return []
+    records = []
+    for row in df.to_dict("records"):
+        rec = {}
+        for key, value in row.items():
+            value = value.item() if hasattr(value, "item") else value  # numpy scalars -> int / float
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                rec[key] = value
+        if "optimizer_step" in rec:
+            rec["optimizer_step"] = int(rec["optimizer_step"])
+            records.append(rec)
+    return records
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.colors import LogNorm
 
-    fig, ax = plt.subplots(figsize=(8, 5))
-    lrs = [r["lr"] for r in rows if r.get("lr")]
-    norm = LogNorm(vmin=min(lrs), vmax=max(lrs) * (1.0001 if min(lrs) == max(lrs) else 1)) if lrs else None
-    cmap = plt.get_cmap("viridis")
-    for r in rows:
-        if not r["_curve"]:
-            continue
-        steps, losses = zip(*r["_curve"], strict=True)
-        color = cmap(norm(r["lr"])) if norm and r.get("lr") else None
-        ax.plot(steps, losses, color=color, label=r["trial"])
-    ax.set_xlabel("optimizer_step")
-    ax.set_ylabel("loss")
-    ax.set_title("loss per trial (colour: lr)")
-    if norm:
-        fig.colorbar(plt.cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax, label="lr")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    return fig
+def plot_trials(rows: list[dict], dims: dict[str, SearchDim], path: Path):
+    """Write ray_jobs.plot's figure of every trial (loss, lr, grad norm, throughput, world size) to `path`,
+    each labelled with its searched values; returns it, or None (and a note) without matplotlib (an extra)."""
+    try:
+        from . import plot
+    except ImportError:
+        print(f"note: {path.name} not drawn: matplotlib is not installed (pip install 'minilm[plot]')")
+        return None
+    runs = [plot.RunCurves(trial_label(r, dims), plot.in_step_order(r["_records"])) for r in rows]
+    return plot.save_figure(runs, path)
+
+
+def trial_label(row: dict, dims: dict[str, SearchDim]) -> str:
+    values = ", ".join(f"{d}={row[d]:g}" if isinstance(row[d], (int, float)) else f"{d}={row[d]}" for d in dims)
+    return f"{row['trial']} ({values})"
 
 
 # ---- the command -----------------------------------------------------------------------------------

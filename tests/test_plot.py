@@ -8,10 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from matplotlib.colors import to_hex
 
 from ray_jobs import plot
 
 ROOT = Path(__file__).resolve().parents[1]
+RUN_COLOURS = ["#1f77b4", "#ff7f0e"]  # matplotlib's default cycle, C0 and C1: run-a blue, run-b orange
 
 
 def write_run(run_dir: Path, steps: list[int], world: dict[int, int], val_every: int = 0, scale: float = 1.0,
@@ -56,11 +58,11 @@ def test_panels_axes_and_line_data_match_metrics_jsonl(two_runs):
             expected = [[r["optimizer_step"], r[metric]] for r in records]
             assert line.get_xydata().tolist() == expected, (metric, i)  # the values themselves, as float64
             assert line.get_label() == ("run-a", "run-b")[i]
-            assert line.get_color() == ax.lines[i].get_color() == axes[0].lines[i].get_color()  # one colour per run
+            assert to_hex(line.get_color()) == RUN_COLOURS[i]  # run i has one colour on every panel
     # val_loss: dashed, only where it was evaluated, only for the run that has it.
     val = [line for line in axes[0].lines if line.get_label().endswith("val_loss")]
     assert [line.get_label() for line in val] == ["run-a val_loss"]
-    assert val[0].get_linestyle() == "--"
+    assert val[0].get_linestyle() == "--" and to_hex(val[0].get_color()) == RUN_COLOURS[0]
     assert val[0].get_xydata().tolist() == [[50, rec_a[4]["val_loss"]], [100, rec_a[9]["val_loss"]]]
     assert axes[4].lines[0].get_drawstyle() == "steps-post"  # world size 2 -> 4 is a step, not a ramp
     legend = axes[5].get_legend()

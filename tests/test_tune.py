@@ -12,7 +12,7 @@ from conftest import run_env
 from helpers import make_prepared, run_module
 
 from ray_jobs.cli import UsageError
-from ray_jobs.tune import parse_search, plot_curves, search_space
+from ray_jobs.tune import parse_search, search_space
 
 
 @pytest.mark.parametrize("spec,kind,values", [
@@ -52,14 +52,38 @@ def test_search_space_flags_win_over_yaml_and_empty_is_refused():
         search_space([], None)
 
 
-def test_plot_has_one_line_per_trial_coloured_by_lr(tmp_path):
-    rows = [{"trial": "a", "lr": 1e-4, "_curve": [(1, 5.0), (2, 4.0)]},
-            {"trial": "b", "lr": 1e-3, "_curve": [(1, 5.0), (2, 3.0), (3, 2.5)]}]
-    fig = plot_curves(rows, tmp_path / "p.png")
-    ax = fig.axes[0]
-    assert [list(line.get_xdata()) for line in ax.lines] == [[1, 2], [1, 2, 3]]
-    assert ax.lines[0].get_color() != ax.lines[1].get_color()
-    assert ax.get_xlabel() == "optimizer_step" and (tmp_path / "p.png").stat().st_size > 0
+def test_loss_curves_are_ray_jobs_plot_s_figure_of_what_each_trial_reported(tmp_path):
+    """Tune's results (a dataframe per trial: numpy numbers, NaN where val_loss was not evaluated, a step
+    reported again after the trial was restored) become ray_jobs.plot's panels, one line per trial."""
+    import numpy as np
+    import pandas as pd
+
+    from ray_jobs.plot import PANELS
+    from ray_jobs.tune import SearchDim, plot_trials, reported_records
+
+    nan = float("nan")
+    a = pd.DataFrame({"optimizer_step": np.array([2, 4, 6, 4, 6, 8]), "loss": [5.0, 4.0, 3.5, 4.1, 3.4, 3.0],
+                      "lr": [1e-4] * 6, "grad_norm": [2.0, 1.5, 1.2, 1.6, 1.1, 0.9],
+                      "tokens_per_s": [900.0, 1000.0, 1100.0, 950.0, 1050.0, 1200.0], "world_size": [1] * 6,
+                      "val_loss": [nan, 4.5, nan, 4.4, nan, 3.9], "trial_id": ["a1"] * 6})
+    b = pd.DataFrame({"optimizer_step": [2, 4], "loss": [5.5, 9.0], "lr": [1e-3, 1e-3], "grad_norm": [3.0, 8.0],
+                      "tokens_per_s": [800.0, 810.0], "world_size": [1, 1], "val_loss": [nan, nan]})
+    rows = [{"trial": "t_a", "lr": 1e-4, "_records": reported_records(a)},
+            {"trial": "t_b", "lr": 1e-3, "_records": reported_records(b)}]
+    out = tmp_path / "loss_curves.png"
+    fig = plot_trials(rows, {"lr": SearchDim("lr", "grid", (1e-4, 1e-3))}, out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    axes = {title: ax for ax, (_, title, _) in zip(fig.axes, PANELS, strict=False)}
+    loss = axes["loss"]
+    assert [line.get_label() for line in loss.lines] == ["t_a (lr=0.0001)", "t_b (lr=0.001)", "t_a (lr=0.0001) val_loss"]
+    # Step 4 and 6 were reported twice: the later values count, in step order.
+    assert loss.lines[0].get_xydata().tolist() == [[2, 5.0], [4, 4.1], [6, 3.4], [8, 3.0]]
+    assert loss.lines[1].get_xydata().tolist() == [[2, 5.5], [4, 9.0]]
+    assert loss.lines[2].get_xydata().tolist() == [[4, 4.4], [8, 3.9]]  # val_loss only where evaluated
+    assert axes["learning rate"].lines[1].get_xydata().tolist() == [[2, 1e-3], [4, 1e-3]]
+    assert axes["grad norm (before clipping)"].lines[0].get_xydata().tolist() == [[2, 2.0], [4, 1.6], [6, 1.1], [8, 0.9]]
+    assert axes["throughput"].lines[1].get_xydata().tolist() == [[2, 800.0], [4, 810.0]]
+    assert reported_records(None) == [] and reported_records(pd.DataFrame({"loss": [1.0]})) == []
 
 
 TINY = ["--seq-len", "32", "--vocab-size", "256", "--hidden-size", "64", "--num-hidden-layers", "2",
@@ -142,7 +166,9 @@ def test_sweep_interrupted_resumed_asha_stops_the_bad_trial_and_best_yaml_runs(r
                                               "--num-workers", "1", "--storage-path", str(tmp_path),
                                               "--name", "from-best"], env=env)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
-    assert f"lr {float(rows[0]['lr']):.3e}"[:6] in rerun.stdout or "step 4/4" in rerun.stdout
+    # The rerun trained with the best trial's lr (the trials' lrs all differ), to the 4 steps asked for.
+    state = json.loads(sorted((tmp_path / "from-best").glob("checkpoint_*/state.json"))[-1].read_text())
+    assert state["train_config"]["lr"] == float(rows[0]["lr"]) and state["optimizer_step"] == 4
 
     exists = run_module("ray_jobs.tune", args, env=env)
     assert exists.returncode == 2 and "add --resume" in exists.stderr

@@ -1,0 +1,165 @@
+"""Hugging Face export: a folder that transformers, vLLM and llama.cpp's converter open as Qwen3.
+
+MiniMind's architecture is Qwen3's (pre-norm, q/k RMSNorm per head before RoPE in the rotate-half
+layout, GQA, SwiGLU, top-k softmax router), and its parameter names are Qwen3's, so a minilm model
+is written as a `Qwen3ForCausalLM` (dense) or `Qwen3MoeForCausalLM` (MoE) folder:
+
+    config.json              Qwen3 / Qwen3-MoE fields (head_dim, rope_theta, tie_word_embeddings, ...)
+    generation_config.json   bos / eos / pad ids, so `generate` stops at <|im_end|>
+    model.safetensors        the weights under their Qwen3 names, lm_head.weight included
+    tokenizer.json           minilm's byte-level BPE, unchanged
+    tokenizer_config.json    PreTrainedTokenizerFast with MiniMind's special tokens
+    special_tokens_map.json
+    COMPLETE.json            SHA-256 of every file above (minilm's marker; other tools ignore it)
+
+Writing needs only safetensors; loading needs transformers (`pip install 'minilm[hf]'`), and no
+trust_remote_code. This module does not import transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import save_file
+
+from .checkpoint import MARKER, CheckpointError, write_error, write_marker
+from .config import ModelConfig
+from .tokenizer import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, SPECIAL_TOKENS
+
+DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+def hf_config(config: ModelConfig, dtype: torch.dtype = torch.float16) -> dict:
+    """config.json of the Qwen3 (or Qwen3-MoE) model that computes what MiniMindForCausalLM computes.
+
+    Every field is written, not left to a loader's default: Qwen3Config's defaults are Qwen3-8B's
+    (head_dim 128, vocab 151936, untied embeddings), none of which is MiniMind's. RoPE is plain
+    `rope_theta` (no scaling), the form every Qwen3 checkpoint on the Hub has: transformers 5 turns
+    it into its `rope_parameters`, and vLLM and llama.cpp's converter read it as is.
+    """
+    c = config
+    d = {
+        "architectures": ["Qwen3MoeForCausalLM" if c.use_moe else "Qwen3ForCausalLM"],
+        "model_type": "qwen3_moe" if c.use_moe else "qwen3",
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_hidden_layers,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,  # MiniMind's is hidden / heads; Qwen3Config would assume 128
+        "hidden_act": "silu",
+        "max_position_embeddings": c.max_position_embeddings,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": c.num_hidden_layers,
+        "tie_word_embeddings": c.tie_word_embeddings,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "bos_token_id": c.bos_token_id,
+        "eos_token_id": c.eos_token_id,
+        "pad_token_id": c.pad_token_id,
+        "torch_dtype": DTYPE_NAMES[dtype],  # transformers 4.x and vLLM read torch_dtype, transformers 5 dtype
+        "dtype": DTYPE_NAMES[dtype],
+    }
+    if c.use_moe:
+        d.update({
+            "num_experts": c.num_experts,
+            "num_experts_per_tok": c.num_experts_per_tok,
+            "moe_intermediate_size": c.intermediate_size,  # every layer is MoE: experts have MiniMind's FFN width
+            "norm_topk_prob": c.norm_topk_prob,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "router_aux_loss_coef": c.router_aux_loss_coef,
+            "output_router_logits": False,
+        })
+    return d
+
+
+def hf_tensors(state_dict: dict[str, torch.Tensor], config: ModelConfig,
+               dtype: torch.dtype = torch.float16) -> dict[str, torch.Tensor]:
+    """The weights under their Qwen3 names (MiniMind's names are Qwen3's), each its own contiguous copy.
+
+    lm_head.weight is written even when it is tied to the embedding: transformers and vLLM's Qwen3
+    then tie and skip it, while loaders that ignore tie_word_embeddings (vLLM's and SGLang's Qwen3-MoE
+    in some versions) would otherwise leave the output layer randomly initialised.
+    """
+    tensors = {k: v.detach().to(dtype=dtype, device="cpu").contiguous().clone() for k, v in state_dict.items()}
+    if "lm_head.weight" not in tensors and config.tie_word_embeddings:
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    return tensors
+
+
+def tokenizer_config(config: ModelConfig) -> dict:
+    """tokenizer_config.json: what AutoTokenizer needs to build a PreTrainedTokenizerFast from tokenizer.json."""
+    ids = {PAD_TOKEN: config.pad_token_id, BOS_TOKEN: config.bos_token_id, EOS_TOKEN: config.eos_token_id}
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS_TOKEN,
+        "eos_token": EOS_TOKEN,
+        "pad_token": PAD_TOKEN,
+        "unk_token": None,  # byte-level: every string encodes, nothing is unknown
+        "model_max_length": config.max_position_embeddings,
+        "clean_up_tokenization_spaces": False,  # would change decoded text (" ." -> ".")
+        "added_tokens_decoder": {str(ids[t]): {"content": t, "special": True, "lstrip": False, "rstrip": False,
+                                               "normalized": False, "single_word": False} for t in SPECIAL_TOKENS},
+    }
+
+
+def special_tokens_map() -> dict:
+    return {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN}
+
+
+def generation_config(config: ModelConfig) -> dict:
+    return {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id,
+            "pad_token_id": config.pad_token_id}
+
+
+def export_hf(path: str | os.PathLike, state_dict: dict[str, torch.Tensor], config: ModelConfig,
+              tokenizer_path: str | os.PathLike, dtype: torch.dtype = torch.float16) -> Path:
+    """Write the Hugging Face folder `path` (replacing it), through a temp folder renamed at the end.
+
+    A failed write (a full disk) raises CheckpointError naming the file; the temp folder is removed.
+    """
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    writers = {
+        "config.json": lambda f: _write_json(f, hf_config(config, dtype)),
+        "generation_config.json": lambda f: _write_json(f, generation_config(config)),
+        "model.safetensors": lambda f: save_file(hf_tensors(state_dict, config, dtype), str(f),
+                                                 metadata={"format": "pt"}),
+        "tokenizer.json": lambda f: shutil.copyfile(tokenizer_path, f),
+        "tokenizer_config.json": lambda f: _write_json(f, tokenizer_config(config)),
+        "special_tokens_map.json": lambda f: _write_json(f, special_tokens_map()),
+    }
+    name = path.name
+    try:
+        tmp.mkdir(parents=True)
+        for name, write in writers.items():
+            write(tmp / name)
+        name = MARKER
+        write_marker(tmp, list(writers))
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+    except (OSError, SafetensorError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)  # a full disk gets its space back
+        raise CheckpointError(write_error(tmp, None, name, e)) from None
+    return path
+
+
+def _write_json(f: Path, d: dict) -> None:
+    f.write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
+
+
+__all__ = ["export_hf", "hf_config", "hf_tensors", "tokenizer_config", "generation_config", "special_tokens_map"]
