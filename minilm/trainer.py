@@ -183,7 +183,9 @@ class Trainer:
                           f"{cfg.global_batch_size} sequences, world size {self.world_size} x accumulation "
                           f"{self.accumulation} x micro-batch {cfg.micro_batch_size}, dtype "
                           f"{str(self.dtype).removeprefix('torch.')}, {self.raw_model.num_params() / 1e6:.2f}M "
-                          f"parameters ({self.raw_model.num_params(active=True) / 1e6:.2f}M active)")
+                          f"parameters ({self.raw_model.num_params(active=True) / 1e6:.2f}M active)"
+                          + (f", {torch.get_num_threads()} CPU thread(s) per worker" if self.device.type == "cpu"
+                             else ""))
         if self.metrics_log:
             self.metrics_log.truncate_after(self.step)  # steps about to be redone leave the file
         if self.rank == 0 and self.run.trackers:

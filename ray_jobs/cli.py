@@ -35,8 +35,9 @@ def parse_num_workers(spec: str) -> tuple[int, int]:
     return lo, hi
 
 
-def ensure_ray(num_cpus: int | None = None, *, quiet: bool = True) -> None:
-    """Connect to the cluster in RAY_ADDRESS (ray job submit sets it) or start a local Ray.
+def ensure_ray(num_cpus: int | None = None, *, quiet: bool = True) -> bool:
+    """Connect to the cluster in RAY_ADDRESS (ray job submit sets it) or start a local Ray; True when this call
+    started a local Ray (its machine is all the run has).
 
     A local Ray gets more logical CPUs than cores: training workers that take every CPU would
     starve the Ray Data tasks that feed them (a 2-core Ray with 2 workers never starts reading).
@@ -44,12 +45,13 @@ def ensure_ray(num_cpus: int | None = None, *, quiet: bool = True) -> None:
     import ray
 
     if ray.is_initialized():
-        return
+        return False
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
-        return
+        return False
     cores = os.cpu_count() or 2
     # address="local": a new Ray even when another one runs on this machine (join a cluster via RAY_ADDRESS).
     ray.init(address="local", num_cpus=num_cpus or max(8, 2 * cores), log_to_driver=True, include_dashboard=None,
              logging_level="WARNING" if quiet else "INFO")
+    return True
 

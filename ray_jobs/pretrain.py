@@ -55,7 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
                                   "prepared once into ~/.cache/minilm")
     r.add_argument("--num-workers", help="N, or MIN-MAX for an elastic run (default 2)")
     r.add_argument("--use-gpu", choices=["auto", "true", "false"], help="default auto: GPUs if the cluster has any")
-    r.add_argument("--cpus-per-worker", type=float, help="default 1")
+    r.add_argument("--cpus-per-worker", help="CPUs (and torch threads) per worker, or auto (default): on a local Ray "
+                                              "started by this command, the machine's cores divided among the "
+                                              "workers; on a cluster, a node's CPUs divided among the workers it "
+                                              "would host (GPU runs: its CPUs per GPU)")
     r.add_argument("--resources-per-worker", metavar="NAME=N[,NAME=N]",
                    help="custom Ray resources each worker also needs, e.g. spot_slot=1 (one worker per node that "
                         "offers one)")
@@ -85,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-RUN_DEFAULTS = {"num_workers": "2", "use_gpu": "auto", "cpus_per_worker": 1.0, "storage_path": "./runs",
+RUN_DEFAULTS = {"num_workers": "2", "use_gpu": "auto", "cpus_per_worker": "auto", "storage_path": "./runs",
                 "resume": "auto", "max_failures": 0, "keep_checkpoints": 3, "val_samples": 0,
                 "backend_timeout_s": 600, "elastic_check_seconds": 60.0}
 
@@ -156,8 +159,13 @@ def check_options(model_cfg: ModelConfig, train_cfg: TrainConfig, opts: dict) ->
             raise UsageError(f"--{key.replace('_', '-')} must be >= 1")
     if opts.get("exit_after_minutes") is not None and not opts["exit_after_minutes"] > 0:
         raise UsageError("--exit-after-minutes must be > 0")
-    if not opts["cpus_per_worker"] > 0:
-        raise UsageError("--cpus-per-worker must be > 0")
+    if str(opts["cpus_per_worker"]) != "auto":
+        try:
+            opts["cpus_per_worker"] = float(opts["cpus_per_worker"])
+        except ValueError:
+            opts["cpus_per_worker"] = -1.0
+        if not opts["cpus_per_worker"] > 0:
+            raise UsageError(f"--cpus-per-worker must be auto or a number > 0, got {opts['cpus_per_worker']!r}")
     opts["resources_per_worker"] = parse_resources(opts.get("resources_per_worker"))
     return min_w, max_w
 
@@ -181,8 +189,9 @@ def parse_resources(spec) -> dict[str, float]:
     return resources
 
 
-def plan_run(args: argparse.Namespace, extra_keys: frozenset[str] = frozenset()) -> RunPlan:
-    """Flags + YAML -> a checked RunPlan (starts or joins Ray, prepares the demo data if needed)."""
+def plan_run(args: argparse.Namespace, extra_keys: frozenset[str] = frozenset(), concurrent_runs: int = 1) -> RunPlan:
+    """Flags + YAML -> a checked RunPlan (starts or joins Ray, prepares the demo data if needed).
+    `concurrent_runs`: runs sharing the machine at once (Tune trials), for --cpus-per-worker auto."""
     file_values = load_yaml(args.config)
     demo = not (args.data or file_values.get("data"))
     configs = build_configs(args, file_values, RUN_KEYS | extra_keys, demo=demo)
@@ -214,7 +223,9 @@ def plan_run(args: argparse.Namespace, extra_keys: frozenset[str] = frozenset())
     if not demo:
         data_dir = Path(opts["data"]).expanduser().resolve()
         D.open_prepared(data_dir)  # a missing or incomplete --data is refused before Ray starts
-    ensure_ray(opts.get("num_cpus"))
+    started_here = ensure_ray(opts.get("num_cpus"))
+    if opts["cpus_per_worker"] == "auto":
+        opts["cpus_per_worker"] = auto_cpus_per_worker(max_w * concurrent_runs, started_here, opts)
     if local_storage:
         missing = nodes_missing_path(Path(storage), hide_on_other_nodes=bool(hooks and hooks.node_local_storage))
         if missing:
@@ -245,6 +256,35 @@ def plan_run(args: argparse.Namespace, extra_keys: frozenset[str] = frozenset())
     return RunPlan(model_cfg=model_cfg, train_cfg=train_cfg, opts=opts, workers=(min_w, max_w), name=name,
                    storage=storage, run_dir=run_dir, data_dir=data_dir, prepared=prepared, steps_per_epoch=per_epoch,
                    resume_path=resume_path, hooks=hooks)
+
+
+def auto_cpus_per_worker(workers: int, local: bool, opts: dict) -> float:
+    """--cpus-per-worker auto. A local Ray this command started: the machine's cores divided among the workers
+    (at least 1), so 1 worker on a laptop uses every core. A running cluster: the CPUs of its smallest node that
+    can host a worker, less one left for Ray Data and Ray itself (workers that take every CPU starve the tasks
+    that feed them), divided among the workers such a node would host if they spread evenly (GPU runs: one
+    worker per GPU). A local Ray's logical CPUs are not used: it declares more than there are cores (ensure_ray)."""
+    if local:
+        return float(max(1, available_cores() // max(1, workers)))
+    import ray
+
+    custom = opts["resources_per_worker"]
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU", 0) >= 1
+             and all(n["Resources"].get(k, 0) >= v for k, v in custom.items())]
+    if uses_gpu(opts):
+        per_gpu = [(r["CPU"] - 1) // r["GPU"] for r in nodes if r.get("GPU", 0) >= 1]
+        return float(max(1, int(min(per_gpu)))) if per_gpu else 1.0
+    if not nodes:
+        return 1.0
+    per_node = -(-workers // len(nodes))
+    return float(max(1, int(min(r["CPU"] for r in nodes) - 1) // per_node))
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def note_default_warmup(train_cfg: TrainConfig, total_steps: int, explicit: frozenset[str]) -> None:
@@ -356,7 +396,7 @@ def run(args: argparse.Namespace) -> int:
     trainer = make_trainer(plan.config(), plan.opts, plan.storage, plan.name, plan.workers)
     print(f"run {plan.name}: storage {plan.storage}/{plan.name}, data {plan.data_dir} "
           f"({plan.prepared.num_sequences} sequences, {plan.steps_per_epoch} steps per epoch), "
-          f"workers {plan.opts['num_workers']}", flush=True)
+          f"workers {plan.opts['num_workers']} x {plan.opts['cpus_per_worker']:g} CPU(s)", flush=True)
     t0 = time.time()
     import ray.train
 

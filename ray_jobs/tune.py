@@ -288,7 +288,7 @@ def run(args: argparse.Namespace) -> int:
         tmp = Path(tempfile.mkdtemp()) / "pretrain.yaml"
         tmp.write_text(yaml.safe_dump(file_values))
         args.config = str(tmp)
-    plan = plan_run(args)
+    plan = plan_run(args, concurrent_runs=concurrent)
     plan.opts["tracker_group"] = plan.name  # trials of one sweep: one W&B group / MLflow tag
     metric = tune_opts["metric"] or ("val_loss" if plan.opts["val_samples"] > 0 else "loss")
     if metric == "val_loss" and plan.opts["val_samples"] == 0:

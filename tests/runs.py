@@ -27,7 +27,7 @@ def tiny_args(data: Path, storage: Path, name: str, *extra: str, steps: int = ST
             "--num-hidden-layers", "2", "--num-attention-heads", "4", "--num-key-value-heads", "2",
             "--max-steps", str(steps), "--warmup-steps", "2", "--micro-batch-size", "4", "--global-batch-size", "16",
             "--log-every", "4", "--checkpoint-every", "4", "--dtype", "fp32", "--storage-path", str(storage),
-            "--name", name, *extra]
+            "--name", name, "--lr", "1e-3", "--cpus-per-worker", "1", *extra]
 
 
 def pretrain(ray_address, args, check=True, **env):
