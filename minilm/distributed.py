@@ -86,7 +86,7 @@ class FlagAgreement:
         self.pending: deque[_Pending] = deque()
 
     def push(self, step: int, host_flags: list[bool], device_flags: list[torch.Tensor] = ()) -> list[str]:
-        host = torch.tensor([float(bool(f)) for f in host_flags], dtype=torch.float32)
+        host = torch.tensor([float(bool(f)) for f in host_flags], dtype=torch.float32, device="cpu")
         if self.cuda:
             host = host.pin_memory()
         flags = host.to(self.c.device, non_blocking=True)
@@ -97,7 +97,7 @@ class FlagAgreement:
         if self.cuda:
             if work is not None:
                 work.wait()  # NCCL: the current stream waits for the all-reduce; the host does not
-            pending.host_copy = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+            pending.host_copy = torch.empty(flags.shape, dtype=flags.dtype, device="cpu", pin_memory=True)
             pending.host_copy.copy_(flags, non_blocking=True)
             pending.event = torch.cuda.Event()
             pending.event.record()

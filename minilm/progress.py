@@ -41,8 +41,8 @@ def measured_matmul_peak(dtype: torch.dtype = torch.float32, n: int = 1024, repe
     """
     device = torch.device(device)
     gen = torch.Generator().manual_seed(0)
-    a = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
-    b = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
+    a = torch.randn(n, n, generator=gen, device="cpu").to(device=device, dtype=dtype)
+    b = torch.randn(n, n, generator=gen, device="cpu").to(device=device, dtype=dtype)
     inner = 10 if device.type == "cuda" else 1
     a @ b  # warm-up: thread pool, kernel selection
     _synchronize(device)

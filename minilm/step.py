@@ -48,7 +48,7 @@ def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
 
 def cpu_bf16_is_faster(size: int = 512, repeats: int = 8) -> bool:
     """Start-up probe: is a bf16 matmul faster than fp32 on this CPU? (Only with native bf16 units.)"""
-    a, b = torch.randn(size, size), torch.randn(size, size)
+    a, b = torch.randn(size, size, device="cpu"), torch.randn(size, size, device="cpu")
 
     def best(x, y) -> float:
         times = []

@@ -36,7 +36,6 @@ class FaultHooks:
     checkpoint_delay_step: int | None = None  # ... only at this step (None: every checkpoint)
     checkpoint_paused_file: str | None = None  # ... and first writes the folder it pauses in here
     record_sample_ids: str | None = None  # each rank appends the sample ids of every step to DIR/rank<r>.jsonl
-    node_local_storage: bool = False  # the driver's storage check sees the run folder on no other node
 
     def active(self) -> dict:
         """The hooks that are on, by name (what the driver announces)."""
@@ -101,7 +100,6 @@ _ENV = {  # MINILM_TEST_<NAME> -> (field, parse)
     "CHECKPOINT_DELAY_STEP": ("checkpoint_delay_step", int),
     "CHECKPOINT_PAUSED": ("checkpoint_paused_file", str),
     "RECORD_SAMPLE_IDS": ("record_sample_ids", str),
-    "NODE_LOCAL_STORAGE": ("node_local_storage", lambda v: v == "1"),
 }
 
 

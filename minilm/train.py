@@ -26,7 +26,16 @@ import torch
 
 from . import checkpoint as C
 from . import data as D
-from .cli import EXIT_FAILED, EXIT_INTERRUPTED, UsageError, add_config_flags, build_configs, fail, load_yaml
+from .cli import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    UsageError,
+    add_config_flags,
+    build_configs,
+    fail,
+    fit_default_warmup,
+    load_yaml,
+)
 from .config import ConfigError, ModelConfig, TrainConfig, check_fits
 from .distributed import Collectives, init_from_torchrun
 from .model import MiniMindForCausalLM
@@ -151,7 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         file_values = load_yaml(args.config)
         demo = not (args.data or file_values.get("data"))
-        model_cfg, train_cfg, opts = build_configs(args, file_values, RUN_KEYS, demo=demo)
+        configs = build_configs(args, file_values, RUN_KEYS, demo=demo)
+        model_cfg, train_cfg, opts = configs
+        notes = [fit_default_warmup(train_cfg, train_cfg.max_steps, configs.explicit) if train_cfg.max_steps else None]
         if not any(opts.get(k) for k in ("data", "tokens", "random_tokens")):
             raise UsageError("give the data to train on: --data DIR, --tokens FILE.npy or --random-tokens N")
         model_cfg.validate()
@@ -161,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
         rank, world_size, device = init_from_torchrun()
         train_cfg.validate(world_size=world_size)
         data = load_data(opts, model_cfg, train_cfg)
+        per_epoch = D.steps_per_epoch(data.num_sequences - (opts.get("val_samples") or 0), train_cfg.global_batch_size)
+        notes.append(fit_default_warmup(train_cfg, train_cfg.max_steps or max(1, per_epoch) * train_cfg.epochs,
+                                        configs.explicit))
         run_dir = Path(opts["run_dir"]).resolve() if opts.get("run_dir") else None
         if run_dir is not None and rank == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -175,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
                                  keep_checkpoints=opts.get("keep_checkpoints") or 3,
                                  say=lambda m: print(m, flush=True))
         signal.signal(signal.SIGTERM, lambda *_: setattr(launcher, "sigterm", True))
+        if rank == 0:
+            for note in filter(None, notes):
+                print(note, flush=True)
         trainer = Trainer(model_cfg, train_cfg, run, data, launcher, hooks=hooks)
     except (UsageError, ConfigError, D.DataError, C.CheckpointError, TrackerError, ValueError, FileNotFoundError) as e:
         return fail(str(e))
@@ -216,7 +233,7 @@ def agreed_dtype(name: str, device: torch.device) -> str:
     if name != "auto":
         return name
     code = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[resolve_dtype("auto", device)]
-    code = int(Collectives(device).broadcast_from_rank0(torch.tensor([code]))[0])
+    code = int(Collectives(device).broadcast_from_rank0(torch.tensor([code], device="cpu"))[0])
     return ("fp32", "bf16", "fp16")[code]
 
 

@@ -203,12 +203,7 @@ class Trainer:
                               f"from optimizer step {self.step}; {row['redone_steps']} step(s) done since that "
                               f"checkpoint are redone ({self.redone_steps} redone in this run so far)")
         if self.world_size > 1:
-            # broadcast_buffers=False: the only buffers are the RoPE tables (identical on every rank, computed,
-            # 2 x 8 MB at MiniMind's 32k positions) and MoE routing statistics; DDP would otherwise broadcast
-            # them from rank 0 before every forward.
-            self.model = torch.nn.parallel.DistributedDataParallel(
-                self.raw_model, device_ids=[self.device] if self.device.type == "cuda" else None,
-                broadcast_buffers=False)
+            self.model = wrap_ddp(self.raw_model, self.device)
         order = D.RankOrder(self.train_ids, cfg.seed, self.steps_per_epoch, cfg.global_batch_size,
                             self.world_size, self.rank, self.step)
         self.batches = self.launcher.batches(order, self.total_steps)
@@ -365,6 +360,18 @@ class Trainer:
 
     def close(self, outcome: str) -> None:
         self.trackers.close(outcome)
+
+
+def wrap_ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """DDP without per-forward buffer syncs: the only buffers are the RoPE tables (computed identically on every
+    rank, 2 x 8 MB at MiniMind's 32k positions) and MoE routing statistics (per-rank by nature); DDP would
+    otherwise broadcast them from rank 0 before every forward."""
+    import inspect
+
+    ddp = torch.nn.parallel.DistributedDataParallel
+    no_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(ddp.__init__).parameters
+               else {"broadcast_buffers": False})  # torch < 2.13
+    return ddp(model, device_ids=[device] if device.type == "cuda" else None, **no_sync)
 
 
 class Meter:

@@ -10,11 +10,10 @@ SHARED_STORAGE_HINT = ("a multi-node run needs a --storage-path every node can r
                        "Lustre, a ReadWriteMany PersistentVolume)")
 
 
-def nodes_missing_path(storage: Path, hide_on_other_nodes: bool = False) -> list[str]:
+def nodes_missing_path(storage: Path) -> list[str]:
     """Addresses of alive Ray nodes that cannot see a marker file written here under `storage`.
 
-    One zero-CPU task per node, pinned to it. `hide_on_other_nodes` is a test hook: it makes every
-    node but this one report the marker missing, as it would be with node-local storage.
+    One zero-CPU task per node, pinned to it.
     """
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -25,16 +24,15 @@ def nodes_missing_path(storage: Path, hide_on_other_nodes: bool = False) -> list
     storage.mkdir(parents=True, exist_ok=True)
     marker = storage / f".minilm-storage-check-{uuid.uuid4().hex}"
     marker.write_text("written by the driver's node")
-    here = ray.get_runtime_context().get_node_id()
 
     @ray.remote(num_cpus=0)
-    def sees(path: str, hide: bool) -> bool:
-        return not hide and Path(path).is_file()
+    def sees(path: str) -> bool:
+        return Path(path).is_file()
 
     try:
         refs = {n["NodeManagerAddress"] + f" ({n['NodeID'][:8]})":
                 sees.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
-                .remote(str(marker), hide_on_other_nodes and n["NodeID"] != here)
+                .remote(str(marker))
                 for n in nodes}
         results = dict(zip(refs, ray.get(list(refs.values()), timeout=120), strict=True))
     finally:

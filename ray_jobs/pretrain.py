@@ -17,7 +17,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from minilm import checkpoint as C
@@ -30,6 +30,7 @@ from minilm.cli import (
     add_config_flags,
     build_configs,
     fail,
+    fit_default_warmup,
     load_yaml,
 )
 from minilm.config import ConfigError, ModelConfig, TrainConfig, check_fits, valid_world_sizes
@@ -119,6 +120,7 @@ class RunPlan:
     steps_per_epoch: int
     resume_path: Path | None = None
     hooks: testing.FaultHooks | None = None  # only when a test switched fault injection on
+    notes: list[str] = field(default_factory=list)  # shown with the start line (a default that was adjusted)
 
     def config(self, name: str | None = None, run_dir: Path | None | str = "same") -> dict:
         """The train_loop_config every worker gets."""
@@ -160,12 +162,13 @@ def check_options(model_cfg: ModelConfig, train_cfg: TrainConfig, opts: dict) ->
     if opts.get("exit_after_minutes") is not None and not opts["exit_after_minutes"] > 0:
         raise UsageError("--exit-after-minutes must be > 0")
     if str(opts["cpus_per_worker"]) != "auto":
+        given = opts["cpus_per_worker"]
         try:
-            opts["cpus_per_worker"] = float(opts["cpus_per_worker"])
+            opts["cpus_per_worker"] = float(given)
         except ValueError:
             opts["cpus_per_worker"] = -1.0
         if not opts["cpus_per_worker"] > 0:
-            raise UsageError(f"--cpus-per-worker must be auto or a number > 0, got {opts['cpus_per_worker']!r}")
+            raise UsageError(f"--cpus-per-worker must be auto or a number > 0, got {given!r}")
     opts["resources_per_worker"] = parse_resources(opts.get("resources_per_worker"))
     return min_w, max_w
 
@@ -198,8 +201,7 @@ def plan_run(args: argparse.Namespace, extra_keys: frozenset[str] = frozenset(),
     model_cfg, train_cfg, rest = configs
     opts = {**RUN_DEFAULTS, **rest}
     hooks = testing.from_env(warn=lambda m: print(m, file=sys.stderr, flush=True))
-    if train_cfg.max_steps:
-        note_default_warmup(train_cfg, train_cfg.max_steps, configs.explicit)
+    notes = [fit_default_warmup(train_cfg, train_cfg.max_steps, configs.explicit) if train_cfg.max_steps else None]
     min_w, max_w = check_options(model_cfg, train_cfg, opts)
 
     name = opts.get("name") or time.strftime("minilm-%Y%m%d-%H%M%S")
@@ -227,7 +229,7 @@ def plan_run(args: argparse.Namespace, extra_keys: frozenset[str] = frozenset(),
     if opts["cpus_per_worker"] == "auto":
         opts["cpus_per_worker"] = auto_cpus_per_worker(max_w * concurrent_runs, started_here, opts)
     if local_storage:
-        missing = nodes_missing_path(Path(storage), hide_on_other_nodes=bool(hooks and hooks.node_local_storage))
+        missing = nodes_missing_path(Path(storage))
         if missing:
             raise UsageError(f"--storage-path {storage} is not visible from {len(missing)} node(s) of this cluster "
                              f"({', '.join(missing)}): {SHARED_STORAGE_HINT}")
@@ -245,7 +247,7 @@ def plan_run(args: argparse.Namespace, extra_keys: frozenset[str] = frozenset(),
     if per_epoch == 0:
         raise D.DataError(f"{data_dir}: {len(train_ids)} training sequences do not fill one global batch of "
                           f"{train_cfg.global_batch_size}")
-    note_default_warmup(train_cfg, train_cfg.max_steps or per_epoch * train_cfg.epochs, configs.explicit)
+    notes.append(fit_default_warmup(train_cfg, train_cfg.max_steps or per_epoch * train_cfg.epochs, configs.explicit))
     train_cfg.validate(world_size=min_w, total_steps=train_cfg.max_steps or per_epoch * train_cfg.epochs)
     if resume_path is None:  # --resume auto: what the workers continue when Ray has no checkpoint of the run registered
         resume_path = latest_checkpoint(run_dir, opts["resume"])
@@ -255,7 +257,7 @@ def plan_run(args: argparse.Namespace, extra_keys: frozenset[str] = frozenset(),
         Path(hooks.record_sample_ids).mkdir(parents=True, exist_ok=True)
     return RunPlan(model_cfg=model_cfg, train_cfg=train_cfg, opts=opts, workers=(min_w, max_w), name=name,
                    storage=storage, run_dir=run_dir, data_dir=data_dir, prepared=prepared, steps_per_epoch=per_epoch,
-                   resume_path=resume_path, hooks=hooks)
+                   resume_path=resume_path, hooks=hooks, notes=[n for n in notes if n])
 
 
 def auto_cpus_per_worker(workers: int, local: bool, opts: dict) -> float:
@@ -287,20 +289,10 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def note_default_warmup(train_cfg: TrainConfig, total_steps: int, explicit: frozenset[str]) -> None:
-    """A warmup nobody asked for must not refuse a short run (`--max-steps 4`): a default warmup that does not fit
-    the run becomes a fifth of it, and the start line says so. A warmup the user set keeps its clear refusal."""
-    if "warmup_steps" in explicit or train_cfg.warmup_steps < total_steps:
-        return
-    fitted = total_steps // 5
-    print(f"note: the default warmup of {train_cfg.warmup_steps} steps does not fit a run of {total_steps} optimizer "
-          f"steps: using {fitted} (set --warmup-steps to choose)", flush=True)
-    train_cfg.warmup_steps = fitted
-
-
 def check_storage_writable(storage: Path) -> None:
     """A local --storage-path that cannot be created or written is one error line here, not a traceback from
     Ray's controller later."""
+    created = [p for p in (storage, *storage.parents) if not p.exists()]
     try:
         storage.mkdir(parents=True, exist_ok=True)
         probe = storage / f".minilm-write-test-{os.getpid()}"
@@ -309,6 +301,12 @@ def check_storage_writable(storage: Path) -> None:
     except OSError as e:
         raise UsageError(f"--storage-path {storage}: cannot create or write there "
                          f"({e.strerror or e}); choose a writable folder or an s3:// / gs:// URI") from None
+    finally:
+        for folder in created:  # a check leaves nothing behind: the run creates its folders when it starts
+            try:
+                folder.rmdir()
+            except OSError:
+                break
 
 
 def tracker_options(opts: dict) -> dict:
@@ -397,6 +395,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"run {plan.name}: storage {plan.storage}/{plan.name}, data {plan.data_dir} "
           f"({plan.prepared.num_sequences} sequences, {plan.steps_per_epoch} steps per epoch), "
           f"workers {plan.opts['num_workers']} x {plan.opts['cpus_per_worker']:g} CPU(s)", flush=True)
+    for note in plan.notes:
+        print(note, flush=True)
     t0 = time.time()
     import ray.train
 

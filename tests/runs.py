@@ -53,9 +53,9 @@ def wait_for(condition, proc: subprocess.Popen, what: str, timeout: float = 240,
         time.sleep(poll)
 
 
-def start_until_checkpoint(ray_address, args: list[str], marker: Path, capture: bool) -> subprocess.Popen:
+def start_until_checkpoint(ray_address, args: list[str], marker: Path, capture: bool, **env) -> subprocess.Popen:
     """Start a slowed-down pretrain driver and return once `marker` (a checkpoint's COMPLETE.json) exists."""
-    proc = start_pretrain(ray_address, args, capture, MINILM_TEST_STEP_DELAY_S="0.5")
+    proc = start_pretrain(ray_address, args, capture, MINILM_TEST_STEP_DELAY_S="0.5", **env)
     wait_for(marker.is_file, proc, f"{marker.parent.name} was written")
     return proc
 

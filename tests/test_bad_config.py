@@ -54,6 +54,10 @@ CASES = [
     ("pretrain", ["--exit-after-minutes", "0"], "--exit-after-minutes must be > 0"),
     ("pretrain", ["--eval-every", "0"], "--eval-every must be >= 1"),
     ("pretrain", ["--resources-per-worker", "slot"], "expected NAME=N with N > 0"),
+    ("pretrain", ["--cpus-per-worker", "many"], "--cpus-per-worker must be auto or a number > 0, got 'many'"),
+    ("pretrain", ["--cpus-per-worker", "0"], "--cpus-per-worker must be auto or a number > 0"),
+    ("pretrain", ["--data", "{data}", *TINY[:-2], "--warmup-steps", "4"],
+     "warmup_steps (4) must be smaller than the total optimizer steps (4)"),
     ("pretrain", ["--resources-per-worker", "CPU=2"], "CPU and GPU have their own flags"),
     ("pretrain", ["--tracker", "neptune"], "--tracker neptune: unknown tracker"),
     ("pretrain", ["--tracker", "none,mlflow"], "--tracker none cannot be combined"),
@@ -100,6 +104,50 @@ def test_wrong_invocation_is_one_clear_error(ray_address, data, tmp_path, capsys
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written, no run folder
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("where", ["/proc/forbidden/runs", "{tmp}/a-file/runs"])
+def test_a_storage_path_that_cannot_be_written_is_one_line_before_ray(data, tmp_path, capsys, where):
+    (tmp_path / "a-file").write_text("not a folder")
+    storage = where.format(tmp=tmp_path)
+    code = pretrain.main(["--data", str(data), *TINY, "--storage-path", storage, "--name", "x"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"error: --storage-path {storage}: cannot create or write there (") \
+        and err.count("\n") == 1, err
+
+
+def test_a_default_warmup_is_fitted_to_a_short_run_and_said(ray_address, data, tmp_path, capsys):
+    """--max-steps 2 on the demo preset (warmup 20) plans a run with a fitted warmup and says so; an explicit
+    --warmup-steps keeps the refusal (the CASES above)."""
+    from ray_jobs.pretrain import build_parser, plan_run
+
+    plan = plan_run(build_parser().parse_args(["--data", str(data), *TINY[:-4], "--max-steps", "2", "--storage-path",
+                                               str(tmp_path / "runs"), "--name", "w"]))
+    assert plan.train_cfg.warmup_steps == 0  # TrainConfig's default warmup already fits: nothing to say
+    assert plan.notes == []
+    args = build_parser().parse_args(["--max-steps", "4", "--storage-path", str(tmp_path / "runs"), "--name", "w2",
+                                      "--dtype", "fp32"])
+    from minilm.cli import build_configs, fit_default_warmup
+    from ray_jobs.pretrain import RUN_KEYS
+
+    cfgs = build_configs(args, {}, RUN_KEYS, demo=True)
+    note = fit_default_warmup(cfgs.train, 4, cfgs.explicit)
+    assert cfgs.train.warmup_steps == 0 and note.startswith("note: the default warmup of 20 steps does not fit a run "
+                                                             "of 4 optimizer steps: using 0")
+    explicit = build_configs(build_parser().parse_args(["--warmup-steps", "20"]), {}, RUN_KEYS, demo=True)
+    assert fit_default_warmup(explicit.train, 4, explicit.explicit) is None and explicit.train.warmup_steps == 20
+
+
+def test_the_demo_preset_stays_out_of_runs_on_real_data(data):
+    from minilm.cli import DEMO_PRESET, build_configs
+    from minilm.config import ModelConfig, TrainConfig
+    from ray_jobs.pretrain import RUN_KEYS, build_parser
+
+    real = build_configs(build_parser().parse_args(["--data", str(data)]), {}, RUN_KEYS, demo=False)
+    assert real.model == ModelConfig() and real.train == TrainConfig()  # MiniMind's defaults, as README says
+    demo = build_configs(build_parser().parse_args([]), {}, RUN_KEYS, demo=True)
+    assert demo.model.hidden_size == DEMO_PRESET["hidden_size"] and demo.train.max_steps == DEMO_PRESET["max_steps"]
+
+
 def test_unknown_flag_is_refused_by_argparse(capsys):
     with pytest.raises(SystemExit) as e:
         pretrain.main(["--no-such-flag"])
@@ -138,3 +186,50 @@ def test_resuming_with_other_data_or_model_is_refused_before_start(ray_address, 
     err = capsys.readouterr().err
     assert code == 2 and "model config differs from the checkpoint's (hidden_size" in err, err
     assert sorted(str(p) for p in tmp_path.rglob("*")) == before
+
+
+@pytest.mark.timeout(120)
+def test_resuming_with_another_schedule_or_optimizer_needs_allow_config_change(ray_address, data, tmp_path, capsys):
+    """lr / warmup / betas / weight decay / steps changed on resume: refused, or with --allow-config-change each
+    change is said and used; a safe change (log interval) passes with a note; fp16 never swaps in mid-run."""
+    import json
+
+    import torch
+
+    from minilm import checkpoint as C
+    from minilm.config import ModelConfig, TrainConfig
+    from minilm.model import MiniMindForCausalLM
+    from minilm.step import make_grad_scaler, make_optimizer
+    from ray_jobs.pretrain import build_parser, plan_run
+
+    prepared_fp = json.loads((data / "manifest.json").read_text())["fingerprint"]
+    cfg = ModelConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4)
+    tcfg = TrainConfig(seq_len=32, micro_batch_size=4, global_batch_size=16, max_steps=4, warmup_steps=1, dtype="fp32")
+    model = MiniMindForCausalLM(cfg)
+    state = {"optimizer_step": 2, "global_batch_size": 16, "model_config": cfg.to_dict(), "dtype": "float32",
+             "train_config": tcfg.to_dict(), "data_fingerprint": prepared_fp, "val_samples": 0}
+    C.save_resume_state(tmp_path / "runs" / "r" / "checkpoint_00000002", model=model,
+                        optimizer=make_optimizer(model, tcfg), scaler=make_grad_scaler(torch.float32, "cpu"),
+                        state=state)
+    base = ["--data", str(data), "--hidden-size", "64", "--num-hidden-layers", "2", "--vocab-size", "256",
+            "--seq-len", "32", "--micro-batch-size", "4", "--global-batch-size", "16", "--max-steps", "4",
+            "--warmup-steps", "1", "--storage-path", str(tmp_path / "runs"), "--name", "r"]
+
+    def plan(*extra):
+        return plan_run(build_parser().parse_args([*base, *extra]))
+
+    code = pretrain.main([*base, "--lr", "1e-3", "--betas", "0.9", "0.99", "--dtype", "fp32"])
+    err = capsys.readouterr().err
+    assert code == 2 and "cannot resume from" in err and "betas [0.9, 0.95] -> [0.9, 0.99]" in err \
+        and "lr 0.0005 -> 0.001" in err and "--allow-config-change" in err, err
+    allowed = plan("--lr", "1e-3", "--allow-config-change", "--dtype", "fp32")
+    out = capsys.readouterr().out
+    assert "note: resuming with lr 0.0005 -> 0.001 (--allow-config-change)" in out and allowed.train_cfg.lr == 1e-3
+    safe = plan("--log-every", "1")
+    assert "note: resuming with log_every 10 -> 1" in capsys.readouterr().out and safe.train_cfg.dtype == "fp32"
+    auto = plan()  # --dtype auto on resume: the checkpoint's precision, not a new probe
+    assert auto.train_cfg.dtype == "fp32"
+    code = pretrain.main([*base, "--dtype", "bf16"])
+    assert code == 2 and "dtype fp32 -> bf16" in capsys.readouterr().err
+    code = pretrain.main([*base, "--dtype", "fp16", "--use-gpu", "false"])
+    assert code == 2 and "--dtype fp16 needs GPU workers" in capsys.readouterr().err

@@ -18,7 +18,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_env
 from helpers import ROOT, make_prepared, run_module
+from inprocess import configs
+from reference import check_run, replay
 from safetensors.torch import load_file
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -37,7 +40,7 @@ def run_args(data: Path, storage: Path, name: str, *extra: str) -> list[str]:
             "--max-steps", str(STEPS), "--warmup-steps", "2", "--micro-batch-size", "2", "--global-batch-size", "12",
             "--log-every", "4", "--checkpoint-every", "4", "--dtype", "fp32", "--storage-path", str(storage),
             "--name", name, "--num-workers", "1-3", "--resources-per-worker", "slot=1", "--max-failures", "6",
-            "--elastic-check-seconds", "2", *extra]
+            "--elastic-check-seconds", "2", "--lr", "1e-3", "--cpus-per-worker", "1", *extra]
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +69,7 @@ def storage(tmp_path_factory) -> Path:
 
 
 def env(cluster, **extra) -> dict:
-    return {**os.environ, "RAY_ADDRESS": cluster.address, "PYTHONUNBUFFERED": "1", **extra}
+    return run_env(cluster.address, **extra)
 
 
 def timeline(run_dir: Path) -> list[dict]:
@@ -107,8 +110,8 @@ def max_rel_diff(a: dict, b: dict) -> float:
 def baseline(cluster, data, storage, tmp_path_factory):
     """The same elastic run with no node changes: 3 workers from start to finish."""
     ids = tmp_path_factory.mktemp("ids-baseline")
-    proc = run_module("ray_jobs.pretrain", run_args(data, storage, "baseline", "--record-sample-ids", str(ids)),
-                      env=env(cluster), timeout=300, check=True)
+    proc = run_module("ray_jobs.pretrain", run_args(data, storage, "baseline"),
+                      env=env(cluster, MINILM_TEST_RECORD_SAMPLE_IDS=str(ids)), timeout=300, check=True)
     rows = timeline(storage / "baseline")
     assert [(r["event"], r["world_size"]) for r in rows] == [("start", "3"), ("finish", "3")], rows
     assert "world size" in proc.stdout and "finish" in proc.stdout  # the summary prints the timeline
@@ -150,8 +153,9 @@ class Driver:
         return log
 
 
-def check_exact_resume(baseline: dict, run_dir: Path, ids_dir: Path) -> None:
-    """Same global batch: weights within 1e-5 of the uninterrupted run; every sample once per epoch."""
+def check_exact_resume(baseline: dict, run_dir: Path, ids_dir: Path, data: Path) -> None:
+    """Same global batch: weights within 1e-5 of the uninterrupted run and of the independent replay (every
+    logged lr and loss too); every sample once per epoch."""
     ids = final_ids_per_step(ids_dir)
     assert list(ids) == list(range(1, STEPS + 1))
     assert ids == baseline["ids"]  # the same sequences in every optimizer step, whatever the world size
@@ -159,6 +163,8 @@ def check_exact_resume(baseline: dict, run_dir: Path, ids_dir: Path) -> None:
     assert len(epoch) == len(set(epoch)) == 240  # none twice, none skipped (val_samples 0: all 240 train)
     diff = max_rel_diff(baseline["weights"], weights(run_dir))
     assert diff < 1e-5, diff
+    model_cfg, train_cfg = configs(max_steps=STEPS, micro_batch_size=2, global_batch_size=12)
+    check_run(replay(model_cfg, train_cfg, data, ids_dir, STEPS), weights(run_dir), read_metrics(run_dir))
 
 
 def test_node_lost_then_regained_shrinks_and_grows_without_changing_the_optimisation(cluster, data, storage,
@@ -166,8 +172,8 @@ def test_node_lost_then_regained_shrinks_and_grows_without_changing_the_optimisa
     """3 -> 2 (a node killed outright) -> 3 (the node back): two resizes in one run."""
     name, ids, hold = "lost-and-regained", tmp_path / "ids", tmp_path / "hold"
     run_dir = storage / name
-    driver = Driver(cluster, run_args(data, storage, name, "--record-sample-ids", str(ids)), run_dir,
-                    tmp_path / "driver.log", MINILM_TEST_STEP_DELAY_S="0.3", MINILM_TEST_HOLD_FILE=str(hold))
+    driver = Driver(cluster, run_args(data, storage, name), run_dir, tmp_path / "driver.log",
+                    MINILM_TEST_STEP_DELAY_S="0.3", MINILM_TEST_HOLD_FILE=str(hold), MINILM_TEST_RECORD_SAMPLE_IDS=str(ids))
     driver.wait_for("checkpoint 8", lambda: (run_dir / "checkpoint_00000008" / "COMPLETE.json").is_file())
     cluster.remove_node(cluster.slot_nodes.pop(), allow_graceful=False)
     shrink = driver.wait_for_event("shrink")
@@ -192,7 +198,7 @@ def test_node_lost_then_regained_shrinks_and_grows_without_changing_the_optimisa
     assert [m["optimizer_step"] for m in metrics] == sorted({m["optimizer_step"] for m in metrics})
     assert metrics[-1]["redone_steps"] == sum(redone)
     assert {m["world_size"] for m in metrics} == {2, 3}
-    check_exact_resume(baseline, run_dir, ids)
+    check_exact_resume(baseline, run_dir, ids, data)
     print(f"abrupt node loss: redone steps per restart {redone}")  # docs/elastic.md quotes these
 
 
@@ -201,8 +207,8 @@ def test_drained_node_checkpoints_at_the_step_boundary_and_redoes_nothing(cluste
     """A node drain (what a spot reclaim or the autoscaler sends): checkpoint now, restart with fewer workers."""
     name, ids = "drained", tmp_path / "ids"
     run_dir = storage / name
-    driver = Driver(cluster, run_args(data, storage, name, "--record-sample-ids", str(ids)), run_dir,
-                    tmp_path / "driver.log", MINILM_TEST_STEP_DELAY_S="0.3")
+    driver = Driver(cluster, run_args(data, storage, name), run_dir, tmp_path / "driver.log",
+                    MINILM_TEST_STEP_DELAY_S="0.3", MINILM_TEST_RECORD_SAMPLE_IDS=str(ids))
     driver.wait_for("checkpoint 8", lambda: (run_dir / "checkpoint_00000008" / "COMPLETE.json").is_file())
     victim = cluster.slot_nodes.pop()
     drain = subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "drain-node", "--address", cluster.address,
@@ -220,15 +226,24 @@ def test_drained_node_checkpoints_at_the_step_boundary_and_redoes_nothing(cluste
     assert int(shrink["optimizer_step"]) == int(preempt["optimizer_step"])  # resumed from the drain checkpoint
     assert int(shrink["redone_steps"]) == 0
     assert [r["event"] for r in timeline(run_dir)] == ["start", "preempt", "shrink", "finish"]
-    check_exact_resume(baseline, run_dir, ids)
+    check_exact_resume(baseline, run_dir, ids, data)
     cluster.slot_nodes.append(cluster.add_node(num_cpus=2, resources={"slot": 1}))  # leave 3 slots for later tests
 
 
 def test_multi_node_run_with_node_local_storage_is_refused(cluster, data, tmp_path):
-    proc = run_module("ray_jobs.pretrain", run_args(data, tmp_path / "runs", "local-storage"),
-                      env=env(cluster, MINILM_TEST_NODE_LOCAL_STORAGE="1"), timeout=120)
+    """The driver runs in its own mount namespace with a private tmpfs over --storage-path: the folder it writes
+    there is really invisible to the cluster's nodes, as a node-local disk would be."""
+    storage = tmp_path / "runs"
+    storage.mkdir()
+    if subprocess.run(["unshare", "--mount", "--map-root-user", "true"], capture_output=True).returncode != 0:
+        pytest.skip("unshare --mount --map-root-user is not allowed here: no private storage for the driver")
+    args = " ".join(run_args(data, storage, "local-storage"))
+    proc = subprocess.run(["unshare", "--mount", "--map-root-user", "sh", "-c",
+                           f"mount -t tmpfs tmpfs {storage} && exec {sys.executable} -m ray_jobs.pretrain {args}"],
+                          cwd=ROOT, env=env(cluster), capture_output=True, text=True, timeout=180)
     assert proc.returncode == 2, proc.stderr[-3000:]
     error = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(error) == 1 and "not visible from 3 node(s)" in error[0] and "s3://" in error[0] \
+    # the head node and the 3 worker nodes: every node but the driver's private view
+    assert len(error) == 1 and "not visible from 4 node(s)" in error[0] and "s3://" in error[0] \
         and "NFS" in error[0], proc.stderr[-3000:]
-    assert not (tmp_path / "runs" / "local-storage").exists()
+    assert not (storage / "local-storage").exists() and not list(storage.iterdir())  # nothing reached the real disk

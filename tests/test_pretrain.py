@@ -1,8 +1,11 @@
-"""The Ray Train job end to end: the seed's interrupt-and-resume experiment, elastic resume, resume by path.
+"""The Ray Train job end to end: a 2-worker run and a resume at another world size, each checked against the
+independent replay of tests/reference.py; a world size that breaks the global batch; the zero-argument demo.
 
-Every run is a `python -m ray_jobs.pretrain` subprocess joined to the session's local Ray, so the
-log lines users see are what the tests read. Faults (killed processes, corrupt checkpoints, SIGTERM,
-NaN steps, a full disk) are in tests/faults/; the shared `baseline` run is in tests/conftest.py.
+Every run is a `python -m ray_jobs.pretrain` subprocess joined to the session's local Ray, so the log lines users
+see are what the tests read. The loop's logic (resume at the same world size, resume by path, corrupt
+checkpoints, a full disk, NaN steps, MoE) is tested without Ray in tests/test_trainer.py; Ray's own mechanisms
+(a killed driver, a killed worker, SIGTERM, a NaN stop through Ray) in tests/faults/, elastic resizes and drains
+in tests/test_elastic.py. The shared `baseline` run is in tests/conftest.py.
 """
 
 from __future__ import annotations
@@ -13,38 +16,29 @@ import subprocess
 import sys
 
 import pytest
-import torch
 from conftest import run_env
-from helpers import run_module
-from runs import (
-    STEPS,
-    bitwise_equal,
-    consumed_ids,
-    final_weights,
-    lr_by_step,
-    max_rel_diff,
-    metric_steps,
-    pretrain,
-    tiny_args,
-)
+from inprocess import configs
+from reference import check_run, replay
+from runs import STEPS, final_weights, metrics, pretrain, tiny_args
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 
 
-def test_uninterrupted_run_logs_progress_and_loss_falls(baseline, run_storage):
+def test_uninterrupted_run_logs_progress_and_is_the_reference_replay(baseline, run_data, run_storage):
     assert "starting run baseline fresh" in baseline["log"]
+    assert "1 CPU thread(s) per worker" in baseline["log"]
     assert f"step {STEPS}/{STEPS}" in baseline["log"]
-    records = [json.loads(line) for line in (run_storage / "baseline" / "metrics.jsonl").read_text().splitlines()]
+    assert "fault injection is ON for this run: record_sample_ids=" in baseline["stderr"]  # a test switched it on
+    records = metrics(run_storage / "baseline")
     steps = [r["optimizer_step"] for r in records]
-    assert steps == sorted(set(steps)) and steps[-1] == STEPS
-    assert records[-1]["loss"] < records[0]["loss"]
+    assert steps == [4, 8, 12, 16, 20]
     for key in ("loss", "lm_loss", "aux_loss", "lr", "grad_norm", "tokens_per_s", "mfu", "samples_seen", "epoch",
                 "world_size", "accumulation_steps"):
         assert key in records[-1], key
     assert records[-1]["samples_seen"] == STEPS * 16
-    # every sample of epoch 0 (15 steps x 16 = 240) consumed exactly once
-    epoch0 = [i for s in range(1, 16) for i in baseline["ids"][s]]
-    assert sorted(epoch0) == list(range(240))
+    # 2 DDP workers, accumulation 2 each: the replay in one process, accumulation 4 (reduction order differs)
+    check_run(replay(*configs(), run_data, baseline["ids_dir"], STEPS), baseline["weights"], records)
+    assert records[-1]["loss"] < records[0]["loss"]
     # the weights export sits next to the run, and loads for inference
     from minilm import load_pretrained
 
@@ -53,47 +47,19 @@ def test_uninterrupted_run_logs_progress_and_loss_falls(baseline, run_storage):
 
 
 @pytest.mark.slow
-def test_exit_after_steps_then_resume_auto_is_bitwise_equal(ray_address, run_data, run_storage, baseline, tmp_path):
-    ids = tmp_path / "ids"
-    first = pretrain(ray_address, tiny_args(run_data, run_storage, "split", "--num-workers", "2",
-                                            "--exit-after-steps", "8", "--record-sample-ids", str(ids)))
-    assert "exiting after optimizer step 8" in first.stdout
-    assert (run_storage / "split" / "checkpoint_00000008" / "COMPLETE.json").is_file()
-    second = pretrain(ray_address, tiny_args(run_data, run_storage, "split", "--num-workers", "2", "--resume", "auto",
-                                             "--record-sample-ids", str(ids)))
-    assert consumed_ids(ids) == baseline["ids"]  # same world size: the same samples at every optimizer step
-    assert "resumed run split at optimizer step 8 (epoch 0, 128 samples): world size 2 -> 2, accumulation 2 -> 2" \
-        in second.stdout
-    assert "step 12/20" in second.stdout and "step 8/20" not in second.stdout  # continues at step 9
-    assert bitwise_equal(final_weights(run_storage, "split"), baseline["weights"])
-    steps = metric_steps(run_storage / "split")
-    assert steps == sorted(set(steps))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("before,after", [(2, 1), (1, 2)])
-def test_resume_at_another_world_size(ray_address, run_data, run_storage, baseline, tmp_path, before, after):
-    """Also, 2 -> 1 runs with every tracker (W&B offline): one tracker run each across the resume."""
-    name = f"ws{before}to{after}"
-    ids = tmp_path / "ids"
-    trackers = ["--tracker", "tensorboard,mlflow", "--tracker", "wandb"] if before == 2 else []
-    env = tracker_env(tmp_path) if trackers else {}
-    pretrain(ray_address, tiny_args(run_data, run_storage, name, "--num-workers", str(before), "--exit-after-steps", "6",
-                                    "--record-sample-ids", str(ids), *trackers), **env)
-    second = pretrain(ray_address, tiny_args(run_data, run_storage, name, "--num-workers", str(after),
-                                             "--record-sample-ids", str(ids), *trackers), **env)
-    acc = {1: 4, 2: 2}
-    assert (f"resumed run {name} at optimizer step 6 (epoch 0, 96 samples): world size {before} -> {after}, "
-            f"accumulation {acc[before]} -> {acc[after]}") in second.stdout
-    assert max_rel_diff(final_weights(run_storage, name), baseline["weights"]) < 1e-5
-    got = consumed_ids(ids)
-    assert got == baseline["ids"]  # same global batch per optimizer step, none repeated or skipped
-    lrs = lr_by_step(run_storage / name)
-    base_lrs = lr_by_step(run_storage / "baseline")
-    assert set(base_lrs) <= set(lrs)
-    assert all(lrs[s] == base_lrs[s] for s in base_lrs)  # the schedule continues at the saved optimizer step
-    if trackers:
-        check_one_tracker_run_each(run_storage / name, world_sizes=(before, after))
+def test_resume_at_another_world_size_with_every_tracker(ray_address, run_data, run_storage, tmp_path):
+    """2 workers stopped at step 6, continued by 1: the replay's weights, lrs and losses; the same samples at every
+    step; and TensorBoard, MLflow and W&B (offline) each keep one run across the resume."""
+    name, ids = "ws2to1", tmp_path / "ids"
+    trackers = ["--tracker", "tensorboard,mlflow", "--tracker", "wandb"]
+    env = {**tracker_env(tmp_path), "MINILM_TEST_RECORD_SAMPLE_IDS": str(ids)}
+    pretrain(ray_address, tiny_args(run_data, run_storage, name, "--num-workers", "2", "--exit-after-steps", "6",
+                                    *trackers), **env)
+    second = pretrain(ray_address, tiny_args(run_data, run_storage, name, "--num-workers", "1", *trackers), **env)
+    assert (f"resumed run {name} at optimizer step 6 (epoch 0, 96 samples): world size 2 -> 1, "
+            f"accumulation 2 -> 4") in second.stdout
+    check_run(replay(*configs(), run_data, ids, STEPS), final_weights(run_storage, name), metrics(run_storage / name))
+    check_one_tracker_run_each(run_storage / name, world_sizes=(2, 1))
 
 
 def tracker_env(tmp_path) -> dict:
@@ -133,38 +99,35 @@ def check_one_tracker_run_each(run_dir, world_sizes) -> None:
     assert [items["loss"] for _, items in history] == pytest.approx([expected[s]["loss"] for s in steps])
 
 
-def test_resume_path_continues_from_a_complete_checkpoint(ray_address, run_data, run_storage, baseline):
-    start = run_storage / "baseline" / "checkpoint_00000012"
-    proc = pretrain(ray_address, tiny_args(run_data, run_storage, "frompath", "--num-workers", "2",
-                                           "--resume", str(start)))
-    assert "resumed run frompath at optimizer step 12" in proc.stdout
-    assert bitwise_equal(final_weights(run_storage, "frompath"), baseline["weights"])
-
-
 def test_world_size_that_breaks_the_global_batch_is_refused(ray_address, run_data, run_storage):
     proc = pretrain(ray_address, tiny_args(run_data, run_storage, "badws", "--num-workers", "3"), check=False)
     assert proc.returncode == 2
     assert "valid world sizes: 1, 2, 4" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_moe_run_reports_aux_loss_and_exports_minimind_weights(ray_address, run_data, run_storage, tmp_path):
-    proc = pretrain(ray_address, tiny_args(run_data, run_storage, "moe", "--num-workers", "2", "--use-moe", steps=8))
-    assert "expert_load" in proc.stdout
-    last = json.loads((run_storage / "moe" / "metrics.jsonl").read_text().splitlines()[-1])
-    assert last["aux_loss"] > 0
-    assert last["loss"] == pytest.approx(last["lm_loss"] + last["aux_loss"], rel=1e-5)
-    out = tmp_path / "export"
-    exp = run_module("ray_jobs.export", ["--checkpoint", str(run_storage / "moe" / "checkpoint_00000008"),
-                                         "--output", str(out), "--format", "minimind"], check=True)
-    assert "pretrain_64_moe.pth" in exp.stdout
-    from minilm.config import ModelConfig
-    from minilm.model import MiniMindForCausalLM
+def test_the_zero_argument_preset_trains_in_process(ray_address, tmp_path, monkeypatch):
+    """What `python -m ray_jobs.pretrain` with no argument trains (the slow test below runs it whole): the demo
+    preset on the built-in corpus, a few steps of it through the Trainer in this process."""
+    from minilm.cli import DEMO_PRESET, build_configs, fit_default_warmup
+    from minilm.data import open_prepared
+    from minilm.train import LocalLauncher
+    from minilm.trainer import Dataset, RunOptions, Trainer
+    from ray_jobs.demo_data import demo_data_dir
+    from ray_jobs.pretrain import RUN_KEYS, build_parser
 
-    cfg = ModelConfig(**json.loads((out / "config.json").read_text()))
-    model = MiniMindForCausalLM(cfg)
-    state = torch.load(out / "pretrain_64_moe.pth", weights_only=True)
-    model.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
-    assert any(k.startswith("model.layers.0.mlp.experts.3.") for k in state)
+    monkeypatch.setenv("MINILM_CACHE", str(tmp_path / "cache"))
+    cfgs = build_configs(build_parser().parse_args([]), {}, RUN_KEYS, demo=True)
+    for key, value in DEMO_PRESET.items():
+        assert getattr(cfgs.model if hasattr(cfgs.model, key) else cfgs.train, key) == value, key
+    assert cfgs.explicit == frozenset() and cfgs.train.max_steps == 100
+    cfgs.train.max_steps, cfgs.train.dtype = 2, "fp32"
+    assert "using 0" in fit_default_warmup(cfgs.train, 2, cfgs.explicit)  # the preset's warmup 20 fits no 2-step run
+    data = Dataset.prepared(open_prepared(demo_data_dir(cfgs.train.seq_len, cfgs.model.vocab_size)))
+    lines = []
+    trainer = Trainer(cfgs.model, cfgs.train, RunOptions(name="preset"), data,
+                      LocalLauncher(data, cfgs.train.micro_batch_size, say=lines.append))
+    assert trainer.fit() == "finished"
+    assert "4.98M parameters" in lines[0] and "world size 1 x accumulation 4 x micro-batch 8" in lines[0]
 
 
 @pytest.mark.slow

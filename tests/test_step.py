@@ -17,7 +17,6 @@ from minilm.step import (
     configure_backends,
     make_grad_scaler,
     make_optimizer,
-    mean_across_workers,
     optimizer_step,
     prepare_model,
     resolve_dtype,
@@ -203,7 +202,8 @@ def test_inf_gradient_skips_step_and_keeps_weights():
     assert m.skipped and not torch.isfinite(m.grad_norm)
     assert torch.isfinite(m.loss)  # the loss was fine; only the gradient was not
     assert all(torch.equal(before[k], p) for k, p in model.named_parameters())
-    assert len(opt.state) == 0  # AdamW never stepped: no moments polluted by inf
+    # AdamW skipped on the device (found_inf): its step count stayed 0 and no moment was polluted by inf
+    assert all(int(s["step"]) == 0 and not s["exp_avg"].any() and not s["exp_avg_sq"].any() for s in opt.state.values())
     assert all(p.grad is None for p in model.parameters())  # the bad gradient is gone
 
     m = optimizer_step(model, opt, fp32_scaler(), list(data.split(2)), lr=1e-3, grad_clip=1.0)
@@ -235,16 +235,21 @@ def test_inf_loss_skips_step():
 def fake_metrics(skipped: bool, loss: float = float("inf")) -> StepMetrics:
     t = torch.tensor(loss)
     return StepMetrics(loss=t, lm_loss=t, aux_loss=torch.tensor(0.0), grad_norm=torch.tensor(float("nan")),
-                       lr=1e-3, skipped=skipped, sequences=8, tokens=128)
+                       lr=1e-3, skipped=torch.tensor(skipped), sequences=8, tokens=128)
 
 
-def test_guard_raises_after_k_in_a_row_naming_the_steps():
+def test_guard_trips_after_k_in_a_row_and_check_names_the_steps():
     guard = NonFiniteGuard(3)
     guard.update(fake_metrics(False), 9)
     guard.update(fake_metrics(True), 10)
     guard.update(fake_metrics(True), 11)
+    guard.check()  # two in a row: no trip yet
+    assert not guard.tripped()
+    guard.update(fake_metrics(True), 12)
+    assert guard.tripped()
+    guard.update(fake_metrics(False), 13)  # a later good step does not undo the trip the ranks will act on
     with pytest.raises(NonFiniteLossError, match=r"3 optimizer steps in a row \(10\.\.12\)") as ei:
-        guard.update(fake_metrics(True), 12)
+        guard.check()
     assert "--lr" in str(ei.value)  # tells the user what to do
 
 
@@ -253,21 +258,24 @@ def test_guard_resets_on_good_step():
     for step in (0, 1):
         guard.update(fake_metrics(True), step)
     guard.update(fake_metrics(False), 2)
-    assert guard.in_a_row == 0 and guard.skipped_total == 2
+    assert int(guard.in_a_row) == 0 and int(guard.skipped_total) == 2
     guard.update(fake_metrics(True), 3)
     guard.update(fake_metrics(True), 4)
+    guard.check()
+    guard.update(fake_metrics(True), 5)
     with pytest.raises(NonFiniteLossError, match=r"\(3\.\.5\)"):
-        guard.update(fake_metrics(True), 5)
+        guard.check()
 
 
 def test_guard_ignores_scaler_overflow_with_finite_loss():
     guard = NonFiniteGuard(2)
     for step in range(10):  # GradScaler calibration: skipped steps with a finite loss
         guard.update(fake_metrics(True, loss=3.0), step, scaler_enabled=True)
-    assert guard.in_a_row == 0 and guard.skipped_total == 10
+    assert int(guard.in_a_row) == 0 and int(guard.skipped_total) == 10 and not guard.tripped()
     guard.update(fake_metrics(True), 10, scaler_enabled=True)
+    guard.update(fake_metrics(True), 11, scaler_enabled=True)
     with pytest.raises(NonFiniteLossError):
-        guard.update(fake_metrics(True), 11, scaler_enabled=True)
+        guard.check()
 
 
 def test_guard_state_dict_round_trip():
@@ -278,8 +286,51 @@ def test_guard_state_dict_round_trip():
     resumed.load_state_dict(guard.state_dict())
     assert resumed.state_dict() == guard.state_dict() == {"skipped_total": 2, "in_a_row": 2,
                                                            "first_step_in_a_row": 20}
+    resumed.update(fake_metrics(True), 22)
     with pytest.raises(NonFiniteLossError, match=r"\(20\.\.22\)"):
-        resumed.update(fake_metrics(True), 22)
+        resumed.check()
+
+
+class NoHostReads:
+    """Fails any Python-level read of a tensor's value (`bool`, `item`, `tolist`, `float`, `int`): on a GPU each
+    one would make the host wait for the queued kernels."""
+
+    NAMES = ("__bool__", "item", "tolist", "__float__", "__int__", "__index__")
+
+    def __enter__(self):
+        self.saved = {name: getattr(torch.Tensor, name) for name in self.NAMES}
+
+        def refuse(name):
+            def read(t, *args, **kwargs):
+                raise AssertionError(f"the step read a tensor back to the host ({name})")
+            return read
+
+        for name in self.NAMES:
+            setattr(torch.Tensor, name, refuse(name))
+        return self
+
+    def __exit__(self, *exc):
+        for name, f in self.saved.items():
+            setattr(torch.Tensor, name, f)
+
+
+@pytest.mark.parametrize("inject_inf", [False, True])
+def test_the_step_reads_nothing_back_from_the_device(inject_inf):
+    """optimizer_step and the guard run without a host sync, also when a non-finite step is skipped."""
+    model, data = make_model(), batch(4, seed=6)
+    opt = make_optimizer(model, TrainConfig())
+    guard = NonFiniteGuard(3)
+    handle = model.lm_head.weight.register_hook(lambda g: g * float("inf")) if inject_inf else None
+    before = params_of(model)
+    with NoHostReads():
+        for step in range(1, 3):
+            m = optimizer_step(model, opt, fp32_scaler(), list(data.split(2)), lr=1e-3, grad_clip=1.0)
+            guard.update(m, step)
+    if handle:
+        handle.remove()
+    assert bool(m.skipped) == inject_inf
+    assert int(guard.skipped_total) == (2 if inject_inf else 0)
+    assert all(torch.equal(before[k], p) for k, p in model.named_parameters()) == inject_inf
 
 
 # ---- precision and optimizer set-up ---------------------------------------------------------------
@@ -314,9 +365,12 @@ def test_weight_decay_only_on_matrices():
     assert decay["betas"] == (0.8, 0.9)
 
 
-def test_mean_across_workers_is_identity_without_distributed():
+def test_collectives_are_identity_without_distributed():
+    from minilm.distributed import Collectives
+
     v = torch.tensor([1.0, 2.0])
-    assert torch.equal(mean_across_workers(v), v)
+    c = Collectives("cpu")
+    assert torch.equal(c.mean(v), v) and torch.equal(c.sum(v), v) and c.world_size == 1
 
 
 # ---- no_sync, prepare_model, configure_backends -----------------------------------------------------
