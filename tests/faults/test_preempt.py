@@ -9,7 +9,16 @@ import time
 import pytest
 from inprocess import configs
 from reference import check_run, replay
-from runs import STEPS, bitwise_equal, final_weights, metrics, ray_train_workers, start_pretrain, tiny_args, wait_for
+from runs import (
+    STEPS,
+    bitwise_equal,
+    final_weights,
+    metrics,
+    ray_train_workers,
+    start_pretrain,
+    tiny_args,
+    wait_for,
+)
 
 from minilm.distributed import AGREEMENT_DELAY
 
