@@ -294,7 +294,7 @@ def export_weights(path: str | os.PathLike, model: torch.nn.Module, config: Mode
     A failed write (a full disk) raises CheckpointError naming `step` (of the checkpoint it belongs to).
 
     The model is put in eval mode while its weights are taken and back in train mode after, as the
-    seed asks (dropout and the MoE aux-loss bookkeeping are train-only; a state dict read in eval
+    MiniMind's loop does (dropout and the MoE aux-loss bookkeeping are train-only; a state dict read in eval
     mode is what inference will see).
     """
     path = Path(path)

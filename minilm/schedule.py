@@ -14,16 +14,7 @@ def get_lr(step: int, total_steps: int, lr: float, warmup_steps: int = 0, min_lr
     """
     if step < warmup_steps:
         return lr * (step + 1) / warmup_steps
-    # Same operation order as the seed (pi * step / total), so warmup 0 and ratio 0.1 match it bit for bit.
+    # Same operation order as MiniMind's get_lr (pi * step / total), so warmup 0 and ratio 0.1 match it bit for bit.
     angle = math.pi * (step - warmup_steps) / max(1, total_steps - warmup_steps)
     return lr * (min_lr_ratio + (1.0 - min_lr_ratio) / 2 * (1 + math.cos(angle)))
 
-
-class LRSchedule:
-    """The schedule as a stateful component; its position is the optimizer step, saved elsewhere."""
-
-    def __init__(self, total_steps: int, lr: float, warmup_steps: int = 0, min_lr_ratio: float = 0.1):
-        self.total_steps, self.lr, self.warmup_steps, self.min_lr_ratio = total_steps, lr, warmup_steps, min_lr_ratio
-
-    def __call__(self, step: int) -> float:
-        return get_lr(step, self.total_steps, self.lr, self.warmup_steps, self.min_lr_ratio)

@@ -47,7 +47,7 @@ def ensure_ray(num_cpus: int | None = None, *, quiet: bool = True) -> bool:
     if ray.is_initialized():
         return False
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True, logging_level="WARNING" if quiet else "INFO")
         return False
     cores = os.cpu_count() or 2
     # address="local": a new Ray even when another one runs on this machine (join a cluster via RAY_ADDRESS).

@@ -392,9 +392,11 @@ def probe_dtype(opts: dict) -> str:
 def run(args: argparse.Namespace) -> int:
     plan = plan_run(args)
     trainer = make_trainer(plan.config(), plan.opts, plan.storage, plan.name, plan.workers)
+    console = quiet_console(plan)
     print(f"run {plan.name}: storage {plan.storage}/{plan.name}, data {plan.data_dir} "
           f"({plan.prepared.num_sequences} sequences, {plan.steps_per_epoch} steps per epoch), "
-          f"workers {plan.opts['num_workers']} x {plan.opts['cpus_per_worker']:g} CPU(s)", flush=True)
+          f"workers {plan.opts['num_workers']} x {plan.opts['cpus_per_worker']:g} CPU(s)"
+          + (f"; Ray's own messages: {console.log_path}" if console.installed else ""), flush=True)
     for note in plan.notes:
         print(note, flush=True)
     t0 = time.time()
@@ -403,9 +405,22 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = trainer.fit()
     except ray.train.TrainingFailedError as e:
-        return fail(f"training failed: {worker_error_summary(e)}", EXIT_FAILED)
+        more = f" (the workers' output: {console.log_path})" if console.installed else ""
+        return fail(f"training failed: {worker_error_summary(e)}{more}", EXIT_FAILED)
     summarize(result, plan.run_dir, time.time() - t0)
     return 0
+
+
+def quiet_console(plan: RunPlan, log_name: str = "ray-workers.log"):
+    """Our lines on the console, Ray's routine output in the run folder (or a temp file for remote storage)."""
+    import tempfile
+
+    from .console import ConsoleFilter
+
+    folder = plan.run_dir if plan.run_dir is not None else Path(tempfile.gettempdir()) / f"minilm-{plan.name}"
+    console = ConsoleFilter(folder / log_name)
+    console.install()
+    return console
 
 
 def uses_gpu(opts: dict) -> bool:

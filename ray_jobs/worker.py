@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import shutil
 import signal
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ from minilm import data as D
 from minilm.config import ModelConfig, TrainConfig
 from minilm.trainer import Dataset, Preempted, RunOptions, Trainer
 
-from . import dashboard_metrics
+from . import console, dashboard_metrics
 from .stream import RankStream
 
 
@@ -49,6 +48,7 @@ class RayLauncher:
     def __init__(self, run: dict, micro_batch_size: int):
         ctx = ray.train.get_context()
         self.rank, self.world_size = ctx.get_world_rank(), ctx.get_world_size()
+        quiet_ray_train_reports()
         self.device: torch.device = ray.train.torch.get_device()
         self.run, self.micro_batch_size = run, micro_batch_size
         self.sigterm = False
@@ -122,8 +122,19 @@ class RayLauncher:
         return self.sigterm, _drain_announced(self._calls)
 
     def say(self, message: str) -> None:
-        # To the process's real stdout: Ray Train's print patch would also tee print() and show it twice.
-        print(message, file=sys.__stdout__, flush=True)
+        console.say(message)
+
+
+def quiet_ray_train_reports() -> None:
+    """Ray Train logs every `ray.train.report` at INFO as a screen-wide `TrainingReport(...)` dump, on a logger named
+    after its file (so `LoggingConfig(log_level=...)` misses it); our own log line says what matters."""
+    import logging
+
+    try:
+        from ray.train.v2._internal.execution import context
+    except ImportError:
+        return
+    logging.getLogger(context.__file__).setLevel(logging.WARNING)
 
 
 def _drain_announced(call: int) -> bool:

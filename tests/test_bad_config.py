@@ -233,3 +233,22 @@ def test_resuming_with_another_schedule_or_optimizer_needs_allow_config_change(r
     assert code == 2 and "dtype fp32 -> bf16" in capsys.readouterr().err
     code = pretrain.main([*base, "--dtype", "fp16", "--use-gpu", "false"])
     assert code == 2 and "--dtype fp16 needs GPU workers" in capsys.readouterr().err
+
+
+def test_a_precision_change_is_refused_unless_it_is_fp32_bf16():
+    """One precision per run. fp16 has GradScaler state bf16/fp32 lack (its loss scale; loading a bf16
+    checkpoint's empty scaler state into an fp16 GradScaler raises), so no resume swaps fp16 in or out; fp32 <->
+    bf16 keeps fp32 master weights and optimizer state, so --allow-config-change may switch it on purpose."""
+    from minilm import checkpoint as C
+    from minilm.config import ModelConfig, TrainConfig
+
+    cfg = ModelConfig()
+    state = {"global_batch_size": 64, "model_config": cfg.to_dict(), "data_fingerprint": "f", "dtype": "bfloat16",
+             "train_config": TrainConfig(dtype="bf16").to_dict()}
+    for asked, refused in (("fp16", True), ("fp32", False), ("bf16", False), ("auto", False)):
+        problems = C.resume_problems(state, cfg, 64, 42, "f", dtype=asked)
+        assert bool(problems) == refused, (asked, problems)
+    assert "dtype fp16 != bf16 in the checkpoint" in C.resume_problems(state, cfg, 64, 42, "f", dtype="fp16")[0]
+    changes = C.config_changes(state, TrainConfig(dtype="fp32"))
+    assert [(c.name, c.before, c.after, c.safe) for c in changes] == [("dtype", "bf16", "fp32", False)]
+    assert C.config_changes(state, TrainConfig(dtype="auto")) == []

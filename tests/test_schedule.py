@@ -6,20 +6,20 @@ import math
 
 import pytest
 
-from minilm.schedule import LRSchedule, get_lr
+from minilm.schedule import get_lr
 
 
-def seed_lr(step: int, total: int, lr: float) -> float:
-    # trainer_utils.get_lr in MiniMind, as the seed quotes it.
+def minimind_lr(step: int, total: int, lr: float) -> float:
+    # trainer_utils.get_lr in MiniMind (shared/seed/ quotes it).
     return lr * (0.1 + 0.45 * (1 + math.cos(math.pi * step / total)))
 
 
 @pytest.mark.parametrize("total", [1, 2, 3, 7, 10, 100, 1001, 5000])
 @pytest.mark.parametrize("lr", [5e-4, 1e-3, 3.0])
-def test_no_warmup_equals_seed_formula_exactly(total, lr):
+def test_no_warmup_equals_minimind_formula_exactly(total, lr):
     for step in range(total):
-        assert get_lr(step, total, lr) == seed_lr(step, total, lr), step
-        assert get_lr(step, total, lr, warmup_steps=0, min_lr_ratio=0.1) == seed_lr(step, total, lr), step
+        assert get_lr(step, total, lr) == minimind_lr(step, total, lr), step
+        assert get_lr(step, total, lr, warmup_steps=0, min_lr_ratio=0.1) == minimind_lr(step, total, lr), step
 
 
 def test_warmup_endpoints():
@@ -59,7 +59,3 @@ def test_min_lr_ratio_respected():
     for ratio in (0.0, 0.05, 0.3):
         assert min(get_lr(s, total, lr, 0, ratio) for s in range(total + 1)) == pytest.approx(ratio * lr, abs=1e-15)
 
-
-def test_lr_schedule_object_matches_function():
-    sched = LRSchedule(total_steps=40, lr=1e-3, warmup_steps=4, min_lr_ratio=0.2)
-    assert [sched(s) for s in range(40)] == [get_lr(s, 40, 1e-3, 4, 0.2) for s in range(40)]

@@ -1,0 +1,66 @@
+"""What a person sees on the console of a run: minilm's lines, with Ray's routine chatter in a log file.
+
+Ray streams every worker's stdout and stderr to the driver (`log_to_driver`): next to our start line and
+progress lines that is Ray Data's progress notes, core_worker.cc messages about actors, raylet warnings
+and each worker's Python warnings. The workers print their lines for a person with `say`, which tags
+them; the driver's `ConsoleFilter` shows tagged lines, without Ray's "(RayTrainWorker pid=...)" prefix,
+and appends every other line, with its prefix, to a log file the start line names. Errors still reach
+the console: the driver prints a failed run's error as one line and points to that file.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+
+TAG = "[minilm] "
+
+
+def say(message: str) -> None:
+    """A worker's line for a person (rank 0 calls it). To the process's real stdout: Ray Train's print patch would
+    also tee print() and show it twice."""
+    for line in str(message).splitlines() or [""]:
+        print(TAG + line, file=sys.__stdout__, flush=True)
+
+
+class ConsoleFilter:
+    """Replaces Ray's printing of worker output in this driver (`ray_print_logs`) while installed."""
+
+    def __init__(self, log_path: Path):
+        self.log_path = Path(log_path)
+        self._lock = threading.Lock()
+        self.installed = False
+
+    def install(self) -> bool:
+        """Route worker output through `handle`; False (and Ray prints as usual) if Ray's internals moved."""
+        try:
+            from ray._private import worker as ray_worker
+            from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+        except ImportError:
+            return False
+        names = [name for name, _ in getattr(dispatcher, "handlers", [])]
+        if "ray_print_logs" not in names or not getattr(ray_worker, "print_to_stdstream", None):
+            return False
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        dispatcher.remove_handler("ray_print_logs")
+        dispatcher.add_handler("minilm_console", self.handle)
+        self.installed = True
+        return True
+
+    def handle(self, data: dict) -> None:
+        ours, theirs = [], []
+        origin = data.get("actor_name") or data.get("task_name") or ""
+        prefix = f"({origin} pid={data.get('pid')}) " if data.get("pid") not in ("raylet", "autoscaler") else \
+            f"({data.get('pid')}) "
+        for line in data.get("lines", []):
+            if line.startswith(TAG):
+                ours.append(line[len(TAG):])
+            else:
+                theirs.append(prefix + line)
+        with self._lock:
+            if theirs:
+                with open(self.log_path, "a") as f:
+                    f.write("\n".join(theirs) + "\n")
+            for line in ours:
+                print(line, file=sys.stdout, flush=True)
