@@ -272,8 +272,9 @@ class Trainer:
                     reason = next(r for r in (SIGTERM, DRAIN, TIME_UP) if r in reasons)
                     if reason in PREEMPTIONS:
                         self.record("preempt")
-                        raise Preempted(f"{reason} at optimizer step {self.step}: checkpoint written, exiting for a "
-                                        f"restart")
+                        message = f"{reason} at optimizer step {self.step}: checkpoint written, exiting for a restart"
+                        self.log_line(message)
+                        raise Preempted(message)
                 if exiting:
                     self.record("exit")
                     self.log_line(f"exiting after optimizer step {self.step} as asked "

@@ -215,6 +215,9 @@ def plan_run(args: argparse.Namespace, extra_keys: frozenset[str] = frozenset(),
     if opts["resume"] not in ("auto", "never"):
         resume_path = Path(opts["resume"]).expanduser().resolve()
         C.verify(resume_path)  # missing, partial or corrupt: refused here, before any worker starts
+        if C.checkpoint_dirs(run_dir):
+            raise UsageError(f"run {name} already has checkpoints in {run_dir}: --resume {resume_path} would mix two "
+                             f"runs; use another --name (or --resume auto to continue {name})")
     elif opts["resume"] == "never" and run_dir is not None and any(run_dir.glob("checkpoint_*")):
         raise UsageError(f"run {name} already has checkpoints in {run_dir}; use --resume auto to continue it, "
                          f"or another --name")

@@ -69,12 +69,16 @@ class RayLauncher:
                           reader_cpus=self.run.get("reader_cpus", 0.0))
 
     def checkpoint_to_resume(self, log) -> Path | None:
-        """The newest complete checkpoint beside Ray's latest registered one (passing over incomplete ones);
-        when Ray has none registered, the driver's `resume_path`: --resume PATH, or under --resume auto the
-        newest complete checkpoint of the run folder (Ray never registered it: its driver was killed between
-        upload and registration)."""
+        """The newest complete checkpoint beside Ray's latest registered one (passing over incomplete ones).
+        When Ray has none registered: the newest complete checkpoint in the run folder (this run wrote it and
+        restarted before Ray registered it: a SIGTERM or drain checkpoint before any periodic one, or a driver
+        killed between upload and registration), else the driver's `resume_path` (--resume PATH, or under
+        --resume auto what the run folder held when the driver started)."""
         latest = ray.train.get_checkpoint()
         if latest is None:
+            in_run = C.latest_complete(C.checkpoint_dirs(self.run.get("run_dir")), log)
+            if in_run is not None:
+                return in_run
             return Path(self.run["resume_path"]) if self.run.get("resume_path") else None
         local = Path(latest.path)
         if local.is_dir():

@@ -185,6 +185,10 @@ def test_resuming_with_other_data_or_model_is_refused_before_start(ray_address, 
                           str(tmp_path / "runs"), "--name", "old"])
     err = capsys.readouterr().err
     assert code == 2 and "model config differs from the checkpoint's (hidden_size" in err, err
+    code = pretrain.main(["--data", str(data), *TINY, "--storage-path", str(tmp_path / "runs"), "--name", "old",
+                          "--resume", str(ckpt)])
+    err = capsys.readouterr().err
+    assert code == 2 and "already has checkpoints" in err and "would mix two runs" in err, err
     assert sorted(str(p) for p in tmp_path.rglob("*")) == before
 
 
