@@ -48,6 +48,7 @@ TOKEN_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 VAL_SEED = 0x5EED  # the held-out slice is fixed, independent of the training seed
 MAX_OPEN_SHARDS = 256  # file descriptors a SequenceStore keeps open (least recently used are closed)
 COPY_CHUNK = 8 << 20
+RACY_NS = 2_000_000_000  # a file modified this recently when hashed is hashed again next time
 _URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 
 
@@ -322,8 +323,10 @@ def verify_hashes(data: PreparedData) -> None:
     stamp lives under `cache_root()/verified/`. So the first open of a dataset on a node reads it all
     (about a second per GB), and later opens, by every rank and every restart, only stat the files.
     The ranks of a node take a lock, so one of them hashes while the others wait for its stamp.
-    A change in place that keeps size, mtime and inode is not seen: the check is against a wrong,
-    partial or replaced file, not against later bit rot.
+    As in git's index, a file modified less than RACY_NS before it was hashed is not stamped (a
+    change within the same timestamp tick would keep its mtime). A change in place that keeps
+    size, mtime and inode is not seen: the check is against a wrong, partial or replaced file, not
+    against later bit rot.
     """
     folder = data._local()
     stamp = _stamp_path(folder)
@@ -336,13 +339,16 @@ def verify_hashes(data: PreparedData) -> None:
                 got = file_sha256(folder / name)
                 if got != sha:
                     raise DataError(_hash_mismatch(str(folder / name), got, sha))
+                if key[1] > time.time_ns() - RACY_NS:
+                    continue  # hashed, but too fresh to vouch for later
             fresh[name] = [*key, sha]
         if fresh != known:
             _write_stamp(stamp, data, fresh)
 
 
-def _record_verified(data: PreparedData) -> None:
-    """Stamp files whose hashes the caller has just checked (a copy hashed as it was written)."""
+def record_verified(data: PreparedData) -> None:
+    """Stamp every file of `data` as verified: for a writer that hashed the bytes as it wrote them
+    (`ray_jobs.prepare`, the copy of remote data), so that the first open does not read them again."""
     folder = data._local()
     stamp = _stamp_path(folder)
     with _locked(stamp.with_suffix(".lock")):
@@ -432,7 +438,7 @@ def materialise(remote: PreparedData, cache: Path | None = None) -> PreparedData
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         local = PreparedData(target, remote.manifest)
-        _record_verified(local)
+        record_verified(local)
     return open_prepared(target)
 
 

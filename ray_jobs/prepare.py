@@ -105,7 +105,7 @@ def run(args: argparse.Namespace, argv: list[str], progress: Progress | None = N
     """
     from minilm import packing
     from minilm import tokenizer as T
-    from minilm.data import file_sha256, token_dtype_for
+    from minilm.data import PreparedData, file_sha256, record_verified, token_dtype_for
 
     progress = progress or Progress()
     warn = lambda m: progress.message(f"warning: {m}")  # noqa: E731
@@ -174,6 +174,7 @@ def run(args: argparse.Namespace, argv: list[str], progress: Progress | None = N
         )
         packing.write_manifest(out.tmp, manifest)
         out.commit()
+        record_verified(PreparedData(out.final, manifest))  # every file was hashed as it was written
     finally:
         if writer is not None:
             writer.abort()
