@@ -15,6 +15,15 @@ Measures, on the built-in demo corpus (stdlib docstrings, ~2 MB) and on that cor
 Throughput is of input text: MB/s of UTF-8 text and tokens/s (document tokens); "x baseline" is the
 ratio to the all-cores encode_batch_fast of the same text. Prints a table and writes
 bench/results/prepare.json (with the load average: on a shared machine, other processes skew it).
+
+    python -m bench.prepare --big-gb 1 [--big-cpus 1 2]
+
+At scale: a JSONL corpus of at least --big-gb GB (the demo corpus repeated, each copy in its own
+seeded document order), prepared by the real command line (`python -m ray_jobs.prepare`, tokenizer
+given, its own local Ray of N CPUs) in a process pinned to N cores, for each N of --big-cpus. The
+driver and every process under it (Ray's workers) are sampled every 0.5 s for RSS and for the
+kernel's peak (VmHWM). Reports wall time, MB/s of text (the pipeline's, from the summary line, and
+over the whole run) and the peak RSS of the driver and of the workers. Writes prepare_big.json.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import io
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -57,13 +67,14 @@ def baseline(tok, texts: list[str], repeats: int, parallel: bool) -> float:
 
 def prepare_once(corpus: Path, out: Path, tok_path: Path, seq_len: int) -> dict:
     from ray_jobs import prepare as PR
+    from ray_jobs.prepare_pipeline import Progress
 
     argv = ["--input", str(corpus), "--output", str(out), "--tokenizer", str(tok_path), "--seq-len", str(seq_len),
             "--overwrite"]
     args = PR.build_parser().parse_args(argv)
     stats: dict = {}
     cpu = time.process_time()
-    PR.run(args, argv, progress=PR.Progress(io.StringIO()), stats=stats)
+    PR.run(args, argv, progress=Progress(io.StringIO()), stats=stats)
     stats["driver_cpu_s"] = time.process_time() - cpu
     return stats
 
@@ -79,7 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scale", type=int, default=8, help="also measure the corpus repeated this many times")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--big-gb", type=float, default=0, help="prepare a corpus of this many GB instead (see above)")
+    p.add_argument("--big-cpus", type=int, nargs="+", default=[1, 2], help="cores of each --big-gb run")
     args = p.parse_args(argv)
+    if args.big_gb:
+        return big_mode(args)
 
     import ray
 
@@ -161,6 +176,134 @@ def main(argv: list[str] | None = None) -> int:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {RESULTS}")
+    return 0
+
+
+# ---- --big-gb ---------------------------------------------------------------------------------------------
+
+def write_big_corpus(demo: Path, out: Path, target_bytes: int) -> dict:
+    """The demo corpus repeated until `target_bytes`, copy k in the document order of a permutation seeded by k."""
+    import numpy as np
+
+    lines = demo.read_bytes().splitlines(keepends=True)
+    copies = 0
+    with open(out, "wb") as f:
+        while f.tell() < target_bytes:
+            for i in np.random.default_rng(copies).permutation(len(lines)):
+                f.write(lines[i])
+            copies += 1
+        size = f.tell()
+    return {"bytes": size, "copies": copies, "documents": copies * len(lines)}
+
+
+def _peak_kb(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration, ValueError):
+        return 0
+
+
+def watch(pid: int, stop, interval: float = 0.5) -> dict:
+    """Peak RSS of `pid` and of every process under it, sampled until `stop` is set (VmHWM included)."""
+    import psutil
+
+    peaks: dict[int, dict] = {}
+    root = psutil.Process(pid)
+    while not stop.is_set():
+        try:
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            break
+        for proc in procs:
+            try:
+                rss = proc.memory_info().rss
+                name = " ".join(proc.cmdline()[:3])[:80]
+            except psutil.Error:
+                continue
+            entry = peaks.setdefault(proc.pid, {"name": name, "rss": 0, "hwm": 0})
+            entry["rss"] = max(entry["rss"], rss)
+            entry["hwm"] = max(entry["hwm"], _peak_kb(proc.pid) * 1024)
+            entry["name"] = name if "ray::" in name or not entry["name"] else entry["name"]
+        stop.wait(interval)
+    return peaks
+
+
+def big_run(corpus: Path, tok_path: Path, out: Path, cpus: int, seq_len: int) -> dict:
+    import threading
+
+    cores = sorted(os.sched_getaffinity(0))[:cpus]
+    env = {**os.environ}
+    env.pop("RAY_ADDRESS", None)
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "ray_jobs.prepare", "--input", str(corpus), "--output", str(out),
+                             "--tokenizer", str(tok_path), "--seq-len", str(seq_len), "--num-cpus", str(cpus),
+                             "--overwrite"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, preexec_fn=lambda: os.sched_setaffinity(0, cores))
+    stop = threading.Event()
+    holder: dict = {}
+    sampler = threading.Thread(target=lambda: holder.update(peaks=watch(proc.pid, stop)), daemon=True)
+    sampler.start()
+    _, err = proc.communicate()
+    wall = time.perf_counter() - t0
+    stop.set()
+    sampler.join()
+    if proc.returncode != 0:
+        raise RuntimeError(f"prepare exited {proc.returncode}: {err[-2000:]}")
+    summary = err.strip().splitlines()[-1]
+    peaks = holder["peaks"]
+    driver = peaks.pop(proc.pid)
+    workers = {pid: p for pid, p in peaks.items() if "ray::" in p["name"] or "default_worker" in p["name"]}
+    return {"cpus": cpus, "wall_s": wall, "summary": summary, "driver_peak_rss": max(driver["rss"], driver["hwm"]),
+            "worker_peak_rss": max((max(p["rss"], p["hwm"]) for p in workers.values()), default=0),
+            "workers": len(workers), "other_processes": {p["name"]: max(p["rss"], p["hwm"]) for pid, p in peaks.items()
+                                                         if pid not in workers},
+            "load_average": os.getloadavg()}
+
+
+def big_mode(args) -> int:
+    import re
+
+    from minilm import tokenizer as T
+    from minilm.corpus import write_demo_corpus
+
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="bench-prepare-big-") as tmp:
+        tmp = Path(tmp)
+        if shutil.disk_usage(tmp).free < args.big_gb * 1.6e9:
+            print(f"error: --big-gb {args.big_gb} needs {args.big_gb * 1.6:.1f} GB free in {tmp}", file=sys.stderr)
+            return 2
+        write_demo_corpus(tmp / "demo.jsonl")
+        texts = [json.loads(line)["text"] for line in (tmp / "demo.jsonl").read_text(encoding="utf-8").splitlines()]
+        tok_path = T.save_tokenizer(T.train_tokenizer(texts, T.DEFAULT_VOCAB_SIZE), tmp / "tokenizer.json")
+        corpus = write_big_corpus(tmp / "demo.jsonl", tmp / "big.jsonl", int(args.big_gb * 1e9))
+        for cpus in args.big_cpus:
+            run = big_run(tmp / "big.jsonl", tok_path, tmp / "out", cpus, args.seq_len)
+            m = re.search(r"tokenized at ([0-9.]+) MB/s", run["summary"])
+            run["pipeline_mb_per_s"] = float(m.group(1)) if m else None
+            manifest = json.loads((tmp / "out" / "manifest.json").read_text())
+            run["text_bytes"] = manifest["text_bytes"]
+            run["wall_mb_per_s"] = manifest["text_bytes"] / 1e6 / run["wall_s"]
+            run["fingerprint"] = manifest["fingerprint"]
+            runs.append(run)
+            print(f"# {cpus} core(s): {run['summary']}", flush=True)
+    print(f"# corpus: {corpus['bytes'] / 1e9:.2f} GB JSONL ({corpus['copies']} copies of the demo corpus, "
+          f"{corpus['documents']:,} documents), seq {args.seq_len}, tokenizer given")
+    print(f"{'cores':>5} {'wall s':>8} {'MB/s pipeline':>14} {'MB/s wall':>10} {'driver peak':>12} "
+          f"{'worker peak':>12} {'workers':>8} {'load':>6}")
+    for r in runs:
+        print(f"{r['cpus']:>5} {r['wall_s']:>8.1f} {r['pipeline_mb_per_s'] or float('nan'):>14.2f} "
+              f"{r['wall_mb_per_s']:>10.2f} {r['driver_peak_rss'] / 2**20:>10.0f}MB {r['worker_peak_rss'] / 2**20:>10.0f}MB "
+              f"{r['workers']:>8} {r['load_average'][0]:>6.2f}")
+    if len(runs) > 1:
+        print(f"speed-up {runs[-1]['cpus']} cores / {runs[0]['cpus']}: "
+              f"{runs[-1]['wall_mb_per_s'] / runs[0]['wall_mb_per_s']:.2f}x (wall)")
+        print("same fingerprint in every run:", len({r["fingerprint"] for r in runs}) == 1)
+    out = RESULTS.with_name("prepare_big.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"corpus": corpus, "runs": runs, "versions": versions(),
+                               "machine": {"cpus": os.cpu_count(), "python": platform.python_version()}}, indent=2))
+    print(f"wrote {out}")
     return 0
 
 
