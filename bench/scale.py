@@ -1,6 +1,6 @@
 """Memory of the data stream at scale: per-process RSS growth against the dataset size (target < 300 MB).
 
-    python -m bench.scale                                   # 0.25B and 1B tokens, 2 ranks, 100k samples each
+    python -m bench.scale                                   # 0.25B and 1B tokens, 2 ranks, 200k samples each
     python -m bench.scale --tokens 0.25e9 1e9 2e9 --samples 200000 --dir /mnt/big
 
 For each size, writes a synthetic prepared dataset straight in the prepared format (random token
@@ -114,10 +114,16 @@ def resident_bytes(paths: list[Path]) -> int:
 
 # ---- the ranks ---------------------------------------------------------------------------------------
 
-def rss() -> int:
-    import psutil
-
-    return psutil.Process().memory_info().rss
+def memory(pid: int | None = None) -> dict:
+    """RSS and its parts (kernel's /proc/PID/status), in bytes: anon is the process's private memory;
+    shmem is shared memory it has mapped (Ray's object store); file is mapped files (libraries)."""
+    out = {}
+    with open(f"/proc/{pid or os.getpid()}/status") as f:
+        for line in f:
+            for key in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
+                if line.startswith(key + ":"):
+                    out[key.removeprefix("Vm").removeprefix("Rss").lower()] = int(line.split()[1]) * 1024
+    return out
 
 
 class Rank:
@@ -141,23 +147,23 @@ class Rank:
         G = m * accumulation * world
         steps = max(2, samples // (G // world))
         train_ids = np.arange(num_sequences, dtype=np.int64)
-        before = rss()
+        before = memory()
         stream = RankStream(data_dir=data, train_ids=train_ids, seed=seed, global_batch_size=G,
                             micro_batch_size=m, world_size=world, rank=rank, start_step=0, total_steps=steps,
                             steps_per_epoch=D.steps_per_epoch(num_sequences, G), device=torch.device("cpu"))
         del train_ids
         stream.next_step()
-        after_first, first_step_done = rss(), time.time()
+        after_first, first_step_done = memory(), time.time()
         t0, wait0, rows = time.perf_counter(), stream.data_wait_s, 0
         for _ in range(steps - 1):
             batches, _ = stream.next_step()
             rows += sum(len(b) for b in batches)
         elapsed = time.perf_counter() - t0
-        end = rss()
+        end = memory()
         wait = stream.data_wait_s - wait0
         del stream, batches
         return {"rank": rank, "pid": os.getpid(), "steps": steps, "rows": rows + G // world,
-                "rss_before": before, "rss_after_first_step": after_first, "rss_end": end,
+                "before": before, "after_first": after_first, "end": end,
                 "first_step_done": first_step_done, "tokens_per_s": rows * seq_len / elapsed, "elapsed_s": elapsed,
                 "wait_s": wait}
 
@@ -169,7 +175,7 @@ class Sampler:
 
     def __init__(self, rank_pids: list[int], interval: float = 0.2):
         self.rank_pids, self.interval = rank_pids, interval
-        self.samples: dict[int, list[tuple[float, int]]] = {}  # pid -> (time, rss)
+        self.samples: dict[int, list[tuple[float, dict]]] = {}  # pid -> (time, memory())
         self.names: dict[int, str] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -184,13 +190,11 @@ class Sampler:
                 yield proc.info["pid"], "reader"
 
     def _loop(self) -> None:
-        import psutil
-
         while not self._stop.is_set():
             for pid, kind in list(self._targets()):
                 try:
-                    value = psutil.Process(pid).memory_info().rss
-                except psutil.Error:
+                    value = memory(pid)
+                except OSError:
                     continue
                 self.samples.setdefault(pid, []).append((time.time(), value))
                 self.names[pid] = kind
@@ -223,30 +227,36 @@ def measure(data_dir: Path, args, seed: int) -> dict:
     for r in ranks:
         ray.kill(r)
     cached_after = resident_bytes(files)
-    # A reader's baseline is its RSS once both ranks have their first step (imports and start-up done).
+    # A reader's baseline is its memory once both ranks have their first step (imports and start-up done).
     started = max(r["first_step_done"] for r in results)
-    readers = []
-    for pid, samples in sampler.samples.items():
-        values = [v for t, v in samples if t >= started]
-        if sampler.names[pid] == "reader" and len(values) > 1:
-            readers.append({"pid": pid, "rss_first": values[0], "rss_end": values[-1], "rss_peak": max(values),
-                            "growth": values[-1] - values[0], "peak_growth": max(values) - values[0]})
+    processes = []
     for r in results:
-        values = [v for t, v in sampler.samples.get(r["pid"], []) if t >= r["first_step_done"]]
-        r["rss_peak"] = max(values + [r["rss_end"]])
-        r["growth_since_first_step"] = r["rss_end"] - r["rss_after_first_step"]
-        r["peak_growth_since_first_step"] = r["rss_peak"] - r["rss_after_first_step"]
-        r["growth_since_before_stream"] = r["rss_end"] - r["rss_before"]
+        seen = [v for t, v in sampler.samples.get(r["pid"], []) if t >= r["first_step_done"]]
+        processes.append(summarise(f"rank {r['rank']}", r["after_first"], [*seen, r["end"]], r["before"]))
+    for pid, samples in sorted(sampler.samples.items()):
+        seen = [v for t, v in samples if t >= started]
+        if sampler.names[pid] == "reader" and len(seen) > 1:
+            processes.append(summarise("reader", seen[0], seen))
     return {"tokens": data.num_sequences * (data.seq_len + 1), "num_sequences": data.num_sequences,
-            "bytes_on_disk": data.num_bytes, "shards": len(files), "ranks": results, "readers": readers,
+            "bytes_on_disk": data.num_bytes, "shards": len(files), "ranks": results, "processes": processes,
             "page_cache_before": cached_before, "page_cache_after": cached_after,
             "load_average": os.getloadavg()}
+
+
+def summarise(name: str, base: dict, seen: list[dict], before: dict | None = None) -> dict:
+    """Growth of RSS and of private memory from `base` (after the first step) to the end and to the peak."""
+    end = seen[-1]
+    return {"process": name, "rss_before": before["rss"] if before else None, "rss_base": base["rss"],
+            "rss_end": end["rss"], "rss_peak": max(v["rss"] for v in seen),
+            "rss_growth": end["rss"] - base["rss"], "rss_peak_growth": max(v["rss"] for v in seen) - base["rss"],
+            "anon_growth": end["anon"] - base["anon"], "anon_peak_growth": max(v["anon"] for v in seen) - base["anon"],
+            "shmem_end": end["shmem"]}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=float, nargs="+", default=[0.25e9, 1e9], help="dataset sizes, in tokens")
-    p.add_argument("--samples", type=int, default=100_000, help="sequences each rank reads")
+    p.add_argument("--samples", type=int, default=200_000, help="sequences each rank reads")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--vocab-size", type=int, default=6400)
     p.add_argument("--micro-batch-size", type=int, default=32)
@@ -286,21 +296,24 @@ def print_row(row: dict) -> None:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'dataset':>10} {'process':>8} {'RSS before':>11} {'after step 1':>13} {'end':>8} {'peak':>8} "
-          f"{'growth':>8} {'peak growth':>12} {'tokens/s':>10}")
+    print("RSS = private (anon) + mapped files + shared memory (Ray's object store pages the process has touched);")
+    print("growth and peak growth are from the RSS after the first step; private growth is anon memory alone.")
+    print(f"{'dataset':>8} {'process':>8} {'before':>7} {'step 1':>7} {'end':>7} {'peak':>7} {'growth':>7} "
+          f"{'peak gr.':>8} {'private gr.':>11} {'priv. peak gr.':>14} {'obj. store':>10} {'tokens/s':>9}")
     for row in rows:
         size = f"{row['tokens'] / 1e9:.3g}B"
-        for r in row["ranks"]:
-            print(f"{size:>10} {'rank ' + str(r['rank']):>8} {r['rss_before'] / MB:>9.0f}MB "
-                  f"{r['rss_after_first_step'] / MB:>11.0f}MB {r['rss_end'] / MB:>6.0f}MB {r['rss_peak'] / MB:>6.0f}MB "
-                  f"{r['growth_since_first_step'] / MB:>6.0f}MB {r['peak_growth_since_first_step'] / MB:>10.0f}MB "
-                  f"{r['tokens_per_s'] / 1e6:>8.2f}M")
-        for r in row["readers"]:
-            print(f"{size:>10} {'reader':>8} {'':>11} {r['rss_first'] / MB:>11.0f}MB {r['rss_end'] / MB:>6.0f}MB "
-                  f"{r['rss_peak'] / MB:>6.0f}MB {r['growth'] / MB:>6.0f}MB {r['peak_growth'] / MB:>10.0f}MB")
-        print(f"{size:>10} page cache of the dataset: {row['page_cache_before'] / MB:.0f} MB before, "
+        rates = {f"rank {r['rank']}": r["tokens_per_s"] for r in row["ranks"]}
+        for p in row["processes"]:
+            before = f"{p['rss_before'] / MB:.0f}" if p["rss_before"] is not None else "-"
+            rate = f"{rates[p['process']] / 1e6:.2f}M" if p["process"] in rates else ""
+            print(f"{size:>8} {p['process']:>8} {before:>7} {p['rss_base'] / MB:>7.0f} {p['rss_end'] / MB:>7.0f} "
+                  f"{p['rss_peak'] / MB:>7.0f} {p['rss_growth'] / MB:>7.0f} {p['rss_peak_growth'] / MB:>8.0f} "
+                  f"{p['anon_growth'] / MB:>11.0f} {p['anon_peak_growth'] / MB:>14.0f} {p['shmem_end'] / MB:>10.0f} "
+                  f"{rate:>9}")
+        print(f"{size:>8} page cache of the dataset: {row['page_cache_before'] / MB:.0f} MB before, "
               f"{row['page_cache_after'] / MB:.0f} MB after ({row['page_cache_after'] / row['bytes_on_disk']:.0%} "
               f"of its {row['bytes_on_disk'] / MB:.0f} MB); load average {row['load_average'][0]:.2f}")
+    print("(MB; 1 MB = 2^20 bytes)")
 
 
 if __name__ == "__main__":
