@@ -14,7 +14,8 @@ Measures, on the built-in demo corpus (stdlib docstrings, ~2 MB) and on that cor
 
 Throughput is of input text: MB/s of UTF-8 text and tokens/s (document tokens); "x baseline" is the
 ratio to the all-cores encode_batch_fast of the same text. Prints a table and writes
-bench/results/prepare.json (with the load average: on a shared machine, other processes skew it).
+prepare.json to bench/results/ (or $MINILM_BENCH_RESULTS), with the load average: on a shared
+machine, other processes skew it.
 
     python -m bench.prepare --big-gb 1 [--big-cpus 1 2]
 
@@ -40,7 +41,8 @@ import tempfile
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results" / "prepare.json"
+from .common import write_json
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -92,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--big-gb", type=float, default=0, help="prepare a corpus of this many GB instead (see above)")
     p.add_argument("--big-cpus", type=int, nargs="+", default=[1, 2], help="cores of each --big-gb run")
+    p.add_argument("--dir", default=None, help="--big-gb: where to write the corpus and the dataset (default: the "
+                                               "system temp folder)")
     args = p.parse_args(argv)
     if args.big_gb:
         return big_mode(args)
@@ -173,9 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                     "platform": platform.platform(), "loadavg_at_end": os.getloadavg()},
         "versions": versions(),
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    print(f"wrote {write_json('prepare.json', result)}")
     return 0
 
 
@@ -268,7 +270,7 @@ def big_mode(args) -> int:
     from minilm.corpus import write_demo_corpus
 
     runs = []
-    with tempfile.TemporaryDirectory(prefix="bench-prepare-big-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench-prepare-big-", dir=args.dir) as tmp:
         tmp = Path(tmp)
         if shutil.disk_usage(tmp).free < args.big_gb * 1.6e9:
             print(f"error: --big-gb {args.big_gb} needs {args.big_gb * 1.6:.1f} GB free in {tmp}", file=sys.stderr)
@@ -299,11 +301,10 @@ def big_mode(args) -> int:
         print(f"speed-up {runs[-1]['cpus']} cores / {runs[0]['cpus']}: "
               f"{runs[-1]['wall_mb_per_s'] / runs[0]['wall_mb_per_s']:.2f}x (wall)")
         print("same fingerprint in every run:", len({r["fingerprint"] for r in runs}) == 1)
-    out = RESULTS.with_name("prepare_big.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"corpus": corpus, "runs": runs, "versions": versions(),
-                               "machine": {"cpus": os.cpu_count(), "python": platform.python_version()}}, indent=2))
-    print(f"wrote {out}")
+    path = write_json("prepare_big.json", {"corpus": corpus, "runs": runs, "versions": versions(),
+                                           "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                                                       "load_average_at_end": os.getloadavg()}})
+    print(f"wrote {path}")
     return 0
 
 
