@@ -6,7 +6,7 @@ and, with --mode stream, the rate one rank's stream delivers with no model (targ
     python -m bench.data --mode stream        # seq 512, micro-batch 32, on 1 and 2 CPUs
 
 One process drives `ray_jobs.stream.RankStream` exactly as a rank of the Ray job does (world size 1,
-global batch 32 of micro-batches of 8, the parquet reader in a Ray Data actor, prefetching while the
+global batch 32 of micro-batches of 8, the token-file reader in a Ray Data actor, prefetching while the
 step runs) and times, step by step, the wait in `next_step()` against the whole step
 (`minilm.step.optimizer_step` included). The default run reads the whole demo corpus (61 steps
 per epoch) for 64 steps, so it crosses one epoch boundary, which is one more position of the

@@ -7,10 +7,18 @@ Measures, on the built-in demo corpus (stdlib docstrings, ~2 MB) and on that cor
 
 * baseline: one process, `Tokenizer.encode_batch_fast` over all texts (Rayon threads on every core,
   and with TOKENIZERS_PARALLELISM=false on one core);
-* prepare: the Ray Data pipeline (read + check JSONL in the driver, encode in Ray tasks, pack, write
-  parquet shards) on a local Ray of `--num-cpus` CPUs, with the tokenizer given (training excluded);
-  "cold" is the first run after Ray starts (worker start-up included), "warm" the best later run;
+* prepare: `ray_jobs.prepare`'s pipeline (read + check JSONL in the driver, encode blocks in Ray
+  tasks kept in an ordered window, pack, write token files) on a local Ray of `--num-cpus` CPUs,
+  with the tokenizer given (training excluded); "cold" is the first run after Ray starts (worker
+  start-up included), "warm" the best later run;
+* beside the warm prepare, alternating with it run by run: the same work through Ray Data (the
+  previous pipeline's structure: blocks put as Arrow tables, `from_arrow_refs().map_batches(encode)`
+  in order, `iter_batches`), and in one process without Ray (read + check, `encode_batch_fast` on
+  every core in 4 MB batches, pack, write);
 * end to end: `python -m ray_jobs.prepare` as a user runs it (starts Ray, trains the tokenizer).
+
+The driver's CPU time is recorded for each warm run. For 1 core, pin the whole benchmark:
+`taskset -c 0 python -m bench.prepare --num-cpus 1`.
 
 Throughput is of input text: MB/s of UTF-8 text and tokens/s (document tokens); "x baseline" is the
 ratio to the all-cores encode_batch_fast of the same text. Prints a table and writes
@@ -79,6 +87,77 @@ def prepare_once(corpus: Path, out: Path, tok_path: Path, seq_len: int) -> dict:
     PR.run(args, argv, progress=Progress(io.StringIO()), stats=stats)
     stats["driver_cpu_s"] = time.process_time() - cpu
     return stats
+
+
+def _encode_table(batch, tokenizer_json: str, tokenizer_sha256: str, eos_id: int):
+    """Ray Data UDF: a table of texts -> a table of their token ids (the task's work, through Ray Data)."""
+    import pyarrow as pa
+
+    from ray_jobs.prepare_pipeline import _encode_block
+
+    return pa.table({"ids": _encode_block(batch.column("text").to_pylist(), tokenizer_json, tokenizer_sha256, eos_id)})
+
+
+def prepare_ray_data(corpus: Path, out: Path, tok_path: Path, seq_len: int) -> dict:
+    """The same work through Ray Data: the previous pipeline's structure, for comparison."""
+    import pyarrow as pa
+    import ray
+    import ray.data
+
+    from minilm import packing
+    from minilm.data import file_sha256
+    from ray_jobs.prepare_inputs import RecordReader, resolve_inputs
+    from ray_jobs.prepare_pipeline import _blocks
+
+    t0, cpu = time.perf_counter(), time.process_time()
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir()
+    ctx = ray.data.DataContext.get_current()
+    ctx.execution_options.preserve_order, ctx.enable_progress_bars = True, False
+    reader = RecordReader(resolve_inputs([str(corpus)]), "text", "error")
+    writer = packing.ShardWriter(out, seq_len)
+    refs = [ray.put(pa.table({"text": pa.array(texts, pa.large_string())})) for texts, _, _ in _blocks(reader)]
+    ds = ray.data.from_arrow_refs(refs).map_batches(
+        _encode_table, batch_format="pyarrow", batch_size=None, num_cpus=1,
+        fn_kwargs={"tokenizer_json": tok_path.read_text(encoding="utf-8"), "tokenizer_sha256": file_sha256(tok_path),
+                   "eos_id": 2})
+    for batch in ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=2):
+        writer.add_stream(batch["ids"])
+    writer.close()
+    return {"elapsed_s": time.perf_counter() - t0, "driver_cpu_s": time.process_time() - cpu}
+
+
+def prepare_one_process(corpus: Path, out: Path, tok_path: Path, seq_len: int) -> dict:
+    """The same work in one process, no Ray: encode_batch_fast on every core, 4 MB of text at a time."""
+    from minilm import packing
+    from minilm import tokenizer as T
+    from ray_jobs.prepare_inputs import RecordReader, resolve_inputs
+
+    t0, cpu = time.perf_counter(), time.process_time()
+    old = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "true"
+    try:
+        tok = T.load_tokenizer(tok_path)
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir()
+        writer = packing.ShardWriter(out, seq_len)
+        texts, nbytes = [], 0
+        for text, n in RecordReader(resolve_inputs([str(corpus)]), "text", "error"):
+            texts.append(text)
+            nbytes += n
+            if nbytes >= 4 << 20:
+                for e in tok.encode_batch_fast(texts, add_special_tokens=False):
+                    writer.add_document(e.ids)
+                texts, nbytes = [], 0
+        for e in tok.encode_batch_fast(texts, add_special_tokens=False):
+            writer.add_document(e.ids)
+        writer.close()
+    finally:
+        if old is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = old
+    return {"elapsed_s": time.perf_counter() - t0, "driver_cpu_s": time.process_time() - cpu}
 
 
 def row(name: str, seconds: float, text_bytes: int, tokens: int) -> dict:
@@ -153,21 +232,28 @@ def main(argv: list[str] | None = None) -> int:
                 cold = prepare_once(corpus, tmp / "out", tok_path, args.seq_len)
                 rows.append(row(f"{label}: prepare, cold (first run on a fresh Ray, {args.num_cpus} CPUs)",
                                 cold["elapsed_s"], text_bytes, tokens))
-            warm = min((prepare_once(corpus, tmp / "out", tok_path, args.seq_len) for _ in range(args.repeats)),
-                       key=lambda st: st["elapsed_s"])
-            rows.append(row(f"{label}: prepare, warm ({args.num_cpus} CPUs)", warm["elapsed_s"], text_bytes * scale,
-                            tokens * scale))
-            rows[-1]["driver_cpu_s"] = round(warm["driver_cpu_s"], 3)
+            variants = {f"prepare, warm ({args.num_cpus} CPUs)": prepare_once,
+                         f"the same through Ray Data, warm ({args.num_cpus} CPUs)": prepare_ray_data,
+                         "the same in one process, no Ray": prepare_one_process}
+            timed: dict[str, list[dict]] = {name: [] for name in variants}
+            for _ in range(args.repeats):  # alternating, so background load hits every variant alike
+                for name, fn in variants.items():
+                    timed[name].append(fn(corpus, tmp / "out", tok_path, args.seq_len))
+            for name, runs in timed.items():
+                best = min(runs, key=lambda st: st["elapsed_s"])
+                rows.append(row(f"{label}: {name}", best["elapsed_s"], text_bytes * scale, tokens * scale))
+                rows[-1]["driver_cpu_s"] = round(best["driver_cpu_s"], 3)
         for r in rows:
             base = next(b for b in rows if b["name"].split(":")[0] == r["name"].split(":")[0])
             r["vs_encode_batch_all_cores"] = round(r["mb_per_s"] / base["mb_per_s"], 3)
         ray.shutdown()
 
     width = max(len(r["name"]) for r in rows)
-    print(f"{'':{width}}  {'seconds':>8}  {'MB/s':>7}  {'tokens/s':>10}  {'x baseline':>10}")
+    print(f"{'':{width}}  {'seconds':>8}  {'MB/s':>7}  {'tokens/s':>10}  {'x baseline':>10}  {'driver CPU s':>12}")
     for r in rows:
+        cpu = f"{r['driver_cpu_s']:.2f}" if "driver_cpu_s" in r else ""
         print(f"{r['name']:{width}}  {r['seconds']:8.3f}  {r['mb_per_s']:7.2f}  {r['tokens_per_s']:10,}  "
-              f"{r['vs_encode_batch_all_cores']:10.2f}")
+              f"{r['vs_encode_batch_all_cores']:10.2f}  {cpu:>12}")
     for k, v in notes.items():
         print(f"{k}: {v}")
     result = {
