@@ -384,8 +384,8 @@ def big_mode(args) -> int:
               f"{r['wall_mb_per_s']:>10.2f} {r['driver_peak_rss'] / 2**20:>10.0f}MB {r['worker_peak_rss'] / 2**20:>10.0f}MB "
               f"{r['workers']:>8} {r['load_average'][0]:>6.2f}")
     if len(runs) > 1:
-        print(f"speed-up {runs[-1]['cpus']} cores / {runs[0]['cpus']}: "
-              f"{runs[-1]['wall_mb_per_s'] / runs[0]['wall_mb_per_s']:.2f}x (wall)")
+        few, many = min(runs, key=lambda r: r["cpus"]), max(runs, key=lambda r: r["cpus"])
+        print(f"speed-up {many['cpus']} cores / {few['cpus']}: {many['wall_mb_per_s'] / few['wall_mb_per_s']:.2f}x (wall)")
         print("same fingerprint in every run:", len({r["fingerprint"] for r in runs}) == 1)
     path = write_json("prepare_big.json", {"corpus": corpus, "runs": runs, "versions": versions(),
                                            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
