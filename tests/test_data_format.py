@@ -291,3 +291,19 @@ def test_the_ranks_of_a_node_make_one_copy_between_them(tmp_path):
     assert all(p.returncode == 0 for p in procs) and len(paths) == 1
     lines = log.read_text().splitlines()
     assert len(lines) == 9 and len({line.split()[0] for line in lines}) == 1  # 8 shards + tokenizer, one process
+
+
+@pytest.mark.ray
+def test_cached_demo_data_of_the_older_format_is_prepared_again(ray_address, cache):
+    """The built-in corpus, cached by an older minilm as v1, is migrated by the next run (no error)."""
+    from ray_jobs.demo_data import demo_data_dir
+
+    old = cache / "demo" / f"py{sys.version_info.major}{sys.version_info.minor}-seq64-vocab300"
+    old.mkdir(parents=True)
+    (old / "manifest.json").write_text(json.dumps({"format": "minilm-packed-v1", "seq_len": 64, "num_sequences": 1,
+                                                   "shards": [], "fingerprint": "f", "command": "x"}))
+    (old / "shard-00000.parquet").write_bytes(b"parquet of the old format")
+    assert demo_data_dir(64, 300) == old
+    new = D.open_prepared(old)
+    assert new.manifest["format"] == "minilm-packed-v2" and new.num_sequences > 100
+    assert sorted(p.name for p in old.iterdir()) == ["manifest.json", "shard-00000.bin", "tokenizer.json"]
