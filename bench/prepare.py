@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import logging
 import os
 import platform
 import shutil
@@ -114,6 +115,8 @@ def prepare_ray_data(corpus: Path, out: Path, tok_path: Path, seq_len: int) -> d
     out.mkdir()
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order, ctx.enable_progress_bars = True, False
+    ctx.print_on_execution_start = False
+    logging.getLogger("ray.data").setLevel(logging.ERROR)
     reader = RecordReader(resolve_inputs([str(corpus)]), "text", "error")
     writer = packing.ShardWriter(out, seq_len)
     refs = [ray.put(pa.table({"text": pa.array(texts, pa.large_string())})) for texts, _, _ in _blocks(reader)]
