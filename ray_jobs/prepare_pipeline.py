@@ -26,6 +26,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from contextlib import suppress
 
 from .prepare_inputs import RecordReader
 
@@ -192,7 +193,8 @@ def tokenize_and_pack(reader: RecordReader, writer, tokenizer_json: str, tokeniz
             import ray
 
             for ref, *_ in in_flight:
-                ray.cancel(ref)
+                with suppress(Exception):  # never hide the error that got us here
+                    ray.cancel(ref)
     if done["documents"] != reader.documents:
         raise RuntimeError(f"{reader.documents} documents were read but {done['documents']} came back from Ray")
     stats["text_bytes"] = done["text_bytes"]
