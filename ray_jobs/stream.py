@@ -20,9 +20,10 @@ import time
 import numpy as np
 import ray
 import torch
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from minilm import data as D
+
+NODE_ID_LABEL = "ray.io/node-id"
 
 
 class ReadSequences:
@@ -44,10 +45,12 @@ def rank_dataset(order: D.RankOrder, num_positions: int, data: str, micro_batch_
     ctx.execution_options.preserve_order = True  # the order is the resume contract
     ctx.enable_progress_bars = False  # one pipeline per worker: bars would drown the log line
     ctx.print_on_execution_start = False
-    placement = {} if node_id is None else {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
+    # Ray labels every node with its id (ray.io/node-id); a label selector is a hard constraint. (The older
+    # scheduling_strategy=NodeAffinitySchedulingStrategy goes through ray_remote_args, deprecated in Ray 2.60.)
+    on_node = None if node_id is None else {NODE_ID_LABEL: node_id}
     return ray.data.range(num_positions).map_batches(
         ReadSequences, fn_constructor_args=(data, order), batch_size=micro_batch_size, batch_format="numpy",
-        compute=ray.data.ActorPoolStrategy(size=1), num_cpus=reader_cpus, **placement)
+        compute=ray.data.ActorPoolStrategy(size=1), num_cpus=reader_cpus, label_selector=on_node)
 
 
 def compact_ids(ids: np.ndarray) -> np.ndarray:
