@@ -164,9 +164,9 @@ def check_manifest(manifest, where: str) -> None:
         raise DataError(f"{where}: missing {', '.join(missing)}")
     try:
         _check_layout(manifest, where)
-    except (KeyError, TypeError, ValueError) as e:
-        if isinstance(e, DataError):
-            raise
+    except DataError:
+        raise
+    except (KeyError, TypeError, ValueError) as e:  # a field of the wrong type, a shard without a key
         raise DataError(f"{where}: malformed ({type(e).__name__}: {e})") from None
 
 
