@@ -1,24 +1,38 @@
-"""Data wait: the share of step time a worker spends waiting for its Ray Data stream (target < 2%).
+"""Data wait: the share of step time a worker spends waiting for its Ray Data stream (target < 2%);
+and, with --mode stream, the rate one rank's stream delivers with no model (target >= 2M tokens/s).
 
     python -m bench.data                      # demo corpus, demo preset model (hidden 256, 4 layers, seq 256)
     python -m bench.data --data data/tok --steps 40 --dtype fp32
+    python -m bench.data --mode stream        # seq 512, micro-batch 32, on 1 and 2 CPUs
 
 One process drives `ray_jobs.stream.RankStream` exactly as a rank of the Ray job does (world size 1,
-global batch 32 of micro-batches of 8, the parquet reader in a Ray Data actor, prefetching while the
+global batch 32 of micro-batches of 8, the token-file reader in a Ray Data actor, prefetching while the
 step runs) and times, step by step, the wait in `next_step()` against the whole step
 (`minilm.step.optimizer_step` included). The default run reads the whole demo corpus (61 steps
 per epoch) for 64 steps, so it crosses one epoch boundary, which is one more position of the
 rank's single pipeline; `--sequences` reads fewer rows, for shorter epochs. The
 first step (pipeline start-up, once per run) is reported apart from the steady state. Joins the Ray
 in RAY_ADDRESS or starts a local one. Writes data.json to bench/results/ (or $MINILM_BENCH_RESULTS).
+
+--mode stream: `RankStream` alone (world size 1, micro-batches of 32 at seq 512, accumulation 4), no
+model, over a synthetic dataset (`bench.scale.write_synthetic`, --stream-tokens) in one epoch's
+random order, in a child process pinned to 1 CPU, then to 2 (its own local Ray, on those cores
+only); with a warm page cache, and with the dataset's pages dropped first (cold). Next to each
+stream rate, in the same child: the same Ray Data pipeline with a reader that returns rows without
+reading them (what Ray Data itself allows) and `SequenceStore.take` alone in the process (what the
+reads allow). Writes data_stream.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -34,10 +48,17 @@ from ray_jobs.cli import DEMO_PRESET, ensure_ray
 from .common import environment, write_json
 
 TARGET = 0.02
+STREAM_TARGET = 2e6  # tokens/s of one rank's stream
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.data", description=__doc__.split("\n")[0])
+    p.add_argument("--mode", choices=["wait", "stream"], default="wait",
+                   help="wait: data wait share of a training step (default); stream: the stream's rate, no model")
+    p.add_argument("--cpus", type=int, nargs="+", default=[1, 2], help="stream mode: cores of each run")
+    p.add_argument("--stream-tokens", type=float, default=50e6, help="stream mode: synthetic dataset size")
+    p.add_argument("--stream-steps", type=int, default=400, help="stream mode: steps of 128 sequences per run")
+    p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--data", help="prepared data dir (default: the built-in demo corpus at --seq-len)")
     p.add_argument("--hidden-size", type=int, default=DEMO_PRESET["hidden_size"])
     p.add_argument("--num-hidden-layers", type=int, default=DEMO_PRESET["num_hidden_layers"])
@@ -52,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"])
     p.add_argument("--threads", type=int, default=2, help="torch threads of the training loop")
     args = p.parse_args(argv)
+    if args.child:
+        return stream_child(args)
+    if args.mode == "stream":
+        return stream_mode(args)
     if args.steps < 3:
         p.error("--steps must be >= 3 (the first step is start-up)")
     if args.global_batch_size % args.micro_batch_size:
@@ -134,6 +159,114 @@ def main(argv: list[str] | None = None) -> int:
     print(f"data wait: {100 * frac:.2f}% of step time (all steps after the first, {len(boundaries)} epoch start(s) "
           f"included; target < {100 * TARGET:.0f}%){verdict}")
     path = write_json("data.json", result)
+    print(f"wrote {path}")
+    return 0
+
+
+# ---- --mode stream --------------------------------------------------------------------------------------
+
+class NoRead:
+    """The stream's reader without the reads: ids in, rows of zeros out (Ray Data's own cost)."""
+
+    def __init__(self, order: D.RankOrder, row_len: int):
+        self.order, self.row_len = order, row_len
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        ids = self.order.sample_ids(batch["id"])
+        return {"sample_id": ids, "input_ids": np.zeros((len(ids), self.row_len), np.int32)}
+
+
+def stream_child(args) -> int:
+    """One measurement, in a process already pinned to its cores: prints one JSON line."""
+    import ray
+
+    from ray_jobs.stream import RankStream
+
+    spec = json.loads(args.child)
+    data = D.open_prepared(spec["data"])
+    m, accumulation = 32, 4
+    G, seq = m * accumulation, data.seq_len
+    train_ids = np.arange(data.num_sequences, dtype=np.int64)
+    spe = D.steps_per_epoch(len(train_ids), G)
+    steps = min(spec["steps"], spe)
+    if spec["cold"]:
+        from .scale import drop_page_cache
+
+        drop_page_cache(data.shard_paths)
+    ray.init(address="local", num_cpus=spec["cpus"], include_dashboard=False, log_to_driver=False,
+             logging_level="ERROR")
+
+    def rate(next_batch) -> float:
+        next_batch()  # start-up, not counted
+        t0 = time.perf_counter()
+        for _ in range(steps - 1):
+            next_batch()
+        return (steps - 1) * G * seq / (time.perf_counter() - t0)
+
+    stream = RankStream(data_dir=spec["data"], train_ids=train_ids, seed=1, global_batch_size=G, micro_batch_size=m,
+                        world_size=1, rank=0, start_step=0, total_steps=steps, steps_per_epoch=spe, device="cpu")
+    stream_rate = rate(stream.next_step)
+    del stream
+    ctx = ray.data.DataContext.get_current()
+    ctx.execution_options.preserve_order = True
+    noread = ray.data.range(steps * G).map_batches(
+        NoRead, fn_constructor_args=(D.RankOrder(train_ids, 2, spe, G, 1, 0, 0), seq + 1), batch_size=m,
+        batch_format="numpy", compute=ray.data.ActorPoolStrategy(size=1), num_cpus=0)
+    noread_batches = iter(noread.iter_batches(batch_size=m, prefetch_batches=4, batch_format="numpy"))
+
+    def noread_step():
+        for _ in range(accumulation):
+            torch.from_numpy(next(noread_batches)["input_ids"]).long()
+
+    noread_rate = rate(noread_step)
+    if spec["cold"]:
+        drop_page_cache(data.shard_paths)
+    store, position = D.SequenceStore(data), [0]
+    other = D.RankOrder(train_ids, 3, spe, G, 1, 0, 0)  # an order the stream did not read: as cold as it was
+
+    def take_step():
+        ids = other.sample_ids(np.arange(position[0], position[0] + G))
+        position[0] += G
+        torch.from_numpy(store.take(ids)).long()
+
+    take_rate = rate(take_step)
+    ray.shutdown()
+    print(json.dumps({"cpus": spec["cpus"], "cold": spec["cold"], "steps": steps, "stream_tokens_per_s": stream_rate,
+                      "noread_tokens_per_s": noread_rate, "take_tokens_per_s": take_rate,
+                      "load_average": list(os.getloadavg())}))
+    return 0
+
+
+def stream_mode(args) -> int:
+    from .scale import write_synthetic
+
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="bench-data-stream-") as tmp:
+        data = write_synthetic(Path(tmp) / "data", int(args.stream_tokens), 512, args.vocab_size)
+        specs = [{"cpus": c, "cold": False} for c in args.cpus] + [{"cpus": max(args.cpus), "cold": True}]
+        for spec in specs:
+            spec.update(data=str(data.path), steps=args.stream_steps)
+            cores = sorted(os.sched_getaffinity(0))[: spec["cpus"]]
+            proc = subprocess.run([sys.executable, "-m", "bench.data", "--child", json.dumps(spec)],
+                                  capture_output=True, text=True, timeout=900,
+                                  preexec_fn=lambda cores=cores: os.sched_setaffinity(0, cores))
+            if proc.returncode != 0:
+                print(proc.stderr[-3000:], file=sys.stderr)
+                return 1
+            runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    env = environment()
+    print(f"# {env['cpu']}; one rank's stream, seq 512, micro-batch 32 x accumulation 4, {args.stream_tokens / 1e6:.0f}M "
+          f"token synthetic dataset in random order; tokens/s (millions), one run each")
+    print(f"{'cores':>5} {'page cache':>10} {'stream':>8} {'Ray Data, no reads':>19} {'take() alone':>13} {'load':>6}")
+    for r in runs:
+        print(f"{r['cpus']:>5} {'cold' if r['cold'] else 'warm':>10} {r['stream_tokens_per_s'] / 1e6:>8.2f} "
+              f"{r['noread_tokens_per_s'] / 1e6:>19.2f} {r['take_tokens_per_s'] / 1e6:>13.2f} "
+              f"{r['load_average'][0]:>6.2f}")
+    worst = min(r["stream_tokens_per_s"] for r in runs if not r["cold"])
+    verdict = "meets" if worst >= STREAM_TARGET else "BELOW"
+    print(f"stream rate: {worst / 1e6:.2f}M tokens/s in the slowest warm-cache run ({verdict} the target of "
+          f"{STREAM_TARGET / 1e6:.0f}M tokens/s per rank)")
+    path = write_json("data_stream.json", {"args": vars(args), "environment": env, "runs": runs})
     print(f"wrote {path}")
     return 0
 

@@ -7,14 +7,32 @@ Measures, on the built-in demo corpus (stdlib docstrings, ~2 MB) and on that cor
 
 * baseline: one process, `Tokenizer.encode_batch_fast` over all texts (Rayon threads on every core,
   and with TOKENIZERS_PARALLELISM=false on one core);
-* prepare: the Ray Data pipeline (read + check JSONL in the driver, encode in Ray tasks, pack, write
-  parquet shards) on a local Ray of `--num-cpus` CPUs, with the tokenizer given (training excluded);
-  "cold" is the first run after Ray starts (worker start-up included), "warm" the best later run;
+* prepare: `ray_jobs.prepare`'s pipeline (read + check JSONL in the driver, encode blocks in Ray
+  tasks kept in an ordered window, pack, write token files) on a local Ray of `--num-cpus` CPUs,
+  with the tokenizer given (training excluded); "cold" is the first run after Ray starts (worker
+  start-up included), "warm" the best later run;
+* beside the warm prepare, alternating with it run by run: the same work through Ray Data (the
+  previous pipeline's structure: blocks put as Arrow tables, `from_arrow_refs().map_batches(encode)`
+  in order, `iter_batches`), and in one process without Ray (read + check, `encode_batch_fast` on
+  every core in 4 MB batches, pack, write);
 * end to end: `python -m ray_jobs.prepare` as a user runs it (starts Ray, trains the tokenizer).
+
+The driver's CPU time is recorded for each warm run. For 1 core, pin the whole benchmark:
+`taskset -c 0 python -m bench.prepare --num-cpus 1`.
 
 Throughput is of input text: MB/s of UTF-8 text and tokens/s (document tokens); "x baseline" is the
 ratio to the all-cores encode_batch_fast of the same text. Prints a table and writes
-bench/results/prepare.json (with the load average: on a shared machine, other processes skew it).
+prepare.json to bench/results/ (or $MINILM_BENCH_RESULTS), with the load average: on a shared
+machine, other processes skew it.
+
+    python -m bench.prepare --big-gb 1 [--big-cpus 1 2]
+
+At scale: a JSONL corpus of at least --big-gb GB (the demo corpus repeated, each copy in its own
+seeded document order), prepared by the real command line (`python -m ray_jobs.prepare`, tokenizer
+given, its own local Ray of N CPUs) in a process pinned to N cores, for each N of --big-cpus. The
+driver and every process under it (Ray's workers) are sampled every 0.5 s for RSS and for the
+kernel's peak (VmHWM). Reports wall time, MB/s of text (the pipeline's, from the summary line, and
+over the whole run) and the peak RSS of the driver and of the workers. Writes prepare_big.json.
 """
 
 from __future__ import annotations
@@ -22,15 +40,18 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import logging
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results" / "prepare.json"
+from .common import write_json
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -57,15 +78,89 @@ def baseline(tok, texts: list[str], repeats: int, parallel: bool) -> float:
 
 def prepare_once(corpus: Path, out: Path, tok_path: Path, seq_len: int) -> dict:
     from ray_jobs import prepare as PR
+    from ray_jobs.prepare_pipeline import Progress
 
     argv = ["--input", str(corpus), "--output", str(out), "--tokenizer", str(tok_path), "--seq-len", str(seq_len),
             "--overwrite"]
     args = PR.build_parser().parse_args(argv)
     stats: dict = {}
     cpu = time.process_time()
-    PR.run(args, argv, progress=PR.Progress(io.StringIO()), stats=stats)
+    PR.run(args, argv, progress=Progress(io.StringIO()), stats=stats)
     stats["driver_cpu_s"] = time.process_time() - cpu
     return stats
+
+
+def _encode_table(batch, tokenizer_json: str, tokenizer_sha256: str, eos_id: int):
+    """Ray Data UDF: a table of texts -> a table of their token ids (the task's work, through Ray Data)."""
+    import pyarrow as pa
+
+    from ray_jobs.prepare_pipeline import _encode_block
+
+    return pa.table({"ids": _encode_block(batch.column("text").to_pylist(), tokenizer_json, tokenizer_sha256, eos_id)})
+
+
+def prepare_ray_data(corpus: Path, out: Path, tok_path: Path, seq_len: int) -> dict:
+    """The same work through Ray Data: the previous pipeline's structure, for comparison."""
+    import pyarrow as pa
+    import ray
+    import ray.data
+
+    from minilm import packing
+    from minilm.data import file_sha256
+    from ray_jobs.prepare_inputs import RecordReader, resolve_inputs
+    from ray_jobs.prepare_pipeline import _blocks
+
+    t0, cpu = time.perf_counter(), time.process_time()
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir()
+    ctx = ray.data.DataContext.get_current()
+    ctx.execution_options.preserve_order, ctx.enable_progress_bars = True, False
+    ctx.print_on_execution_start = False
+    logging.getLogger("ray.data").setLevel(logging.ERROR)
+    reader = RecordReader(resolve_inputs([str(corpus)]), "text", "error")
+    writer = packing.ShardWriter(out, seq_len)
+    refs = [ray.put(pa.table({"text": pa.array(texts, pa.large_string())})) for texts, _, _ in _blocks(reader)]
+    ds = ray.data.from_arrow_refs(refs).map_batches(
+        _encode_table, batch_format="pyarrow", batch_size=None, num_cpus=1,
+        fn_kwargs={"tokenizer_json": tok_path.read_text(encoding="utf-8"), "tokenizer_sha256": file_sha256(tok_path),
+                   "eos_id": 2})
+    for batch in ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=2):
+        writer.add_stream(batch["ids"])
+    writer.close()
+    return {"elapsed_s": time.perf_counter() - t0, "driver_cpu_s": time.process_time() - cpu}
+
+
+def prepare_one_process(corpus: Path, out: Path, tok_path: Path, seq_len: int) -> dict:
+    """The same work in one process, no Ray: encode_batch_fast on every core, 4 MB of text at a time."""
+    from minilm import packing
+    from minilm import tokenizer as T
+    from ray_jobs.prepare_inputs import RecordReader, resolve_inputs
+
+    t0, cpu = time.perf_counter(), time.process_time()
+    old = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "true"
+    try:
+        tok = T.load_tokenizer(tok_path)
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir()
+        writer = packing.ShardWriter(out, seq_len)
+        texts, nbytes = [], 0
+        for text, n in RecordReader(resolve_inputs([str(corpus)]), "text", "error"):
+            texts.append(text)
+            nbytes += n
+            if nbytes >= 4 << 20:
+                for e in tok.encode_batch_fast(texts, add_special_tokens=False):
+                    writer.add_document(e.ids)
+                texts, nbytes = [], 0
+        for e in tok.encode_batch_fast(texts, add_special_tokens=False):
+            writer.add_document(e.ids)
+        writer.close()
+    finally:
+        if old is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = old
+    return {"elapsed_s": time.perf_counter() - t0, "driver_cpu_s": time.process_time() - cpu}
 
 
 def row(name: str, seconds: float, text_bytes: int, tokens: int) -> dict:
@@ -79,7 +174,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scale", type=int, default=8, help="also measure the corpus repeated this many times")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--big-gb", type=float, default=0, help="prepare a corpus of this many GB instead (see above)")
+    p.add_argument("--big-cpus", type=int, nargs="+", default=[1, 2], help="cores of each --big-gb run")
+    p.add_argument("--dir", default=None, help="--big-gb: where to write the corpus and the dataset (default: the "
+                                               "system temp folder)")
     args = p.parse_args(argv)
+    if args.big_gb:
+        return big_mode(args)
 
     import ray
 
@@ -134,21 +235,28 @@ def main(argv: list[str] | None = None) -> int:
                 cold = prepare_once(corpus, tmp / "out", tok_path, args.seq_len)
                 rows.append(row(f"{label}: prepare, cold (first run on a fresh Ray, {args.num_cpus} CPUs)",
                                 cold["elapsed_s"], text_bytes, tokens))
-            warm = min((prepare_once(corpus, tmp / "out", tok_path, args.seq_len) for _ in range(args.repeats)),
-                       key=lambda st: st["elapsed_s"])
-            rows.append(row(f"{label}: prepare, warm ({args.num_cpus} CPUs)", warm["elapsed_s"], text_bytes * scale,
-                            tokens * scale))
-            rows[-1]["driver_cpu_s"] = round(warm["driver_cpu_s"], 3)
+            variants = {f"prepare, warm ({args.num_cpus} CPUs)": prepare_once,
+                         f"the same through Ray Data, warm ({args.num_cpus} CPUs)": prepare_ray_data,
+                         "the same in one process, no Ray": prepare_one_process}
+            timed: dict[str, list[dict]] = {name: [] for name in variants}
+            for _ in range(args.repeats):  # alternating, so background load hits every variant alike
+                for name, fn in variants.items():
+                    timed[name].append(fn(corpus, tmp / "out", tok_path, args.seq_len))
+            for name, runs in timed.items():
+                best = min(runs, key=lambda st: st["elapsed_s"])
+                rows.append(row(f"{label}: {name}", best["elapsed_s"], text_bytes * scale, tokens * scale))
+                rows[-1]["driver_cpu_s"] = round(best["driver_cpu_s"], 3)
         for r in rows:
             base = next(b for b in rows if b["name"].split(":")[0] == r["name"].split(":")[0])
             r["vs_encode_batch_all_cores"] = round(r["mb_per_s"] / base["mb_per_s"], 3)
         ray.shutdown()
 
     width = max(len(r["name"]) for r in rows)
-    print(f"{'':{width}}  {'seconds':>8}  {'MB/s':>7}  {'tokens/s':>10}  {'x baseline':>10}")
+    print(f"{'':{width}}  {'seconds':>8}  {'MB/s':>7}  {'tokens/s':>10}  {'x baseline':>10}  {'driver CPU s':>12}")
     for r in rows:
+        cpu = f"{r['driver_cpu_s']:.2f}" if "driver_cpu_s" in r else ""
         print(f"{r['name']:{width}}  {r['seconds']:8.3f}  {r['mb_per_s']:7.2f}  {r['tokens_per_s']:10,}  "
-              f"{r['vs_encode_batch_all_cores']:10.2f}")
+              f"{r['vs_encode_batch_all_cores']:10.2f}  {cpu:>12}")
     for k, v in notes.items():
         print(f"{k}: {v}")
     result = {
@@ -158,9 +266,135 @@ def main(argv: list[str] | None = None) -> int:
                     "platform": platform.platform(), "loadavg_at_end": os.getloadavg()},
         "versions": versions(),
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    print(f"wrote {write_json('prepare.json', result)}")
+    return 0
+
+
+# ---- --big-gb ---------------------------------------------------------------------------------------------
+
+def write_big_corpus(demo: Path, out: Path, target_bytes: int) -> dict:
+    """The demo corpus repeated until `target_bytes`, copy k in the document order of a permutation seeded by k."""
+    import numpy as np
+
+    lines = demo.read_bytes().splitlines(keepends=True)
+    copies = 0
+    with open(out, "wb") as f:
+        while f.tell() < target_bytes:
+            for i in np.random.default_rng(copies).permutation(len(lines)):
+                f.write(lines[i])
+            copies += 1
+        size = f.tell()
+    return {"bytes": size, "copies": copies, "documents": copies * len(lines)}
+
+
+def _peak_kb(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration, ValueError):
+        return 0
+
+
+def watch(pid: int, stop, interval: float = 0.5) -> dict:
+    """Peak RSS of `pid` and of every process under it, sampled until `stop` is set (VmHWM included)."""
+    import psutil
+
+    peaks: dict[int, dict] = {}
+    root = psutil.Process(pid)
+    while not stop.is_set():
+        try:
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            break
+        for proc in procs:
+            try:
+                rss = proc.memory_info().rss
+                name = " ".join(proc.cmdline()[:3])[:80]
+            except psutil.Error:
+                continue
+            entry = peaks.setdefault(proc.pid, {"name": name, "rss": 0, "hwm": 0})
+            entry["rss"] = max(entry["rss"], rss)
+            entry["hwm"] = max(entry["hwm"], _peak_kb(proc.pid) * 1024)
+            entry["name"] = name if "ray::" in name or not entry["name"] else entry["name"]
+        stop.wait(interval)
+    return peaks
+
+
+def big_run(corpus: Path, tok_path: Path, out: Path, cpus: int, seq_len: int) -> dict:
+    import threading
+
+    cores = sorted(os.sched_getaffinity(0))[:cpus]
+    env = {**os.environ}
+    env.pop("RAY_ADDRESS", None)
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "ray_jobs.prepare", "--input", str(corpus), "--output", str(out),
+                             "--tokenizer", str(tok_path), "--seq-len", str(seq_len), "--num-cpus", str(cpus),
+                             "--overwrite"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, preexec_fn=lambda: os.sched_setaffinity(0, cores))
+    stop = threading.Event()
+    holder: dict = {}
+    sampler = threading.Thread(target=lambda: holder.update(peaks=watch(proc.pid, stop)), daemon=True)
+    sampler.start()
+    _, err = proc.communicate()
+    wall = time.perf_counter() - t0
+    stop.set()
+    sampler.join()
+    if proc.returncode != 0:
+        raise RuntimeError(f"prepare exited {proc.returncode}: {err[-2000:]}")
+    summary = err.strip().splitlines()[-1]
+    peaks = holder["peaks"]
+    driver = peaks.pop(proc.pid)
+    workers = {pid: p for pid, p in peaks.items() if "ray::" in p["name"] or "default_worker" in p["name"]}
+    return {"cpus": cpus, "wall_s": wall, "summary": summary, "driver_peak_rss": max(driver["rss"], driver["hwm"]),
+            "worker_peak_rss": max((max(p["rss"], p["hwm"]) for p in workers.values()), default=0),
+            "workers": len(workers), "other_processes": {p["name"]: max(p["rss"], p["hwm"]) for pid, p in peaks.items()
+                                                         if pid not in workers},
+            "load_average": os.getloadavg()}
+
+
+def big_mode(args) -> int:
+    import re
+
+    from minilm import tokenizer as T
+    from minilm.corpus import write_demo_corpus
+
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="bench-prepare-big-", dir=args.dir) as tmp:
+        tmp = Path(tmp)
+        if shutil.disk_usage(tmp).free < args.big_gb * 1.6e9:
+            print(f"error: --big-gb {args.big_gb} needs {args.big_gb * 1.6:.1f} GB free in {tmp}", file=sys.stderr)
+            return 2
+        write_demo_corpus(tmp / "demo.jsonl")
+        texts = [json.loads(line)["text"] for line in (tmp / "demo.jsonl").read_text(encoding="utf-8").splitlines()]
+        tok_path = T.save_tokenizer(T.train_tokenizer(texts, T.DEFAULT_VOCAB_SIZE), tmp / "tokenizer.json")
+        corpus = write_big_corpus(tmp / "demo.jsonl", tmp / "big.jsonl", int(args.big_gb * 1e9))
+        for cpus in args.big_cpus:
+            run = big_run(tmp / "big.jsonl", tok_path, tmp / "out", cpus, args.seq_len)
+            m = re.search(r"tokenized at ([0-9.]+) MB/s", run["summary"])
+            run["pipeline_mb_per_s"] = float(m.group(1)) if m else None
+            manifest = json.loads((tmp / "out" / "manifest.json").read_text())
+            run["text_bytes"] = manifest["text_bytes"]
+            run["wall_mb_per_s"] = manifest["text_bytes"] / 1e6 / run["wall_s"]
+            run["fingerprint"] = manifest["fingerprint"]
+            runs.append(run)
+            print(f"# {cpus} core(s): {run['summary']}", flush=True)
+    print(f"# corpus: {corpus['bytes'] / 1e9:.2f} GB JSONL ({corpus['copies']} copies of the demo corpus, "
+          f"{corpus['documents']:,} documents), seq {args.seq_len}, tokenizer given")
+    print(f"{'cores':>5} {'wall s':>8} {'MB/s pipeline':>14} {'MB/s wall':>10} {'driver peak':>12} "
+          f"{'worker peak':>12} {'workers':>8} {'load':>6}")
+    for r in runs:
+        print(f"{r['cpus']:>5} {r['wall_s']:>8.1f} {r['pipeline_mb_per_s'] or float('nan'):>14.2f} "
+              f"{r['wall_mb_per_s']:>10.2f} {r['driver_peak_rss'] / 2**20:>10.0f}MB {r['worker_peak_rss'] / 2**20:>10.0f}MB "
+              f"{r['workers']:>8} {r['load_average'][0]:>6.2f}")
+    best = {c: max(r["wall_mb_per_s"] for r in runs if r["cpus"] == c) for c in {r["cpus"] for r in runs}}
+    if len(best) > 1:
+        few, many = min(best), max(best)
+        print(f"speed-up {many} cores / {few}: {best[many] / best[few]:.2f}x (best wall MB/s of each)")
+        print("same fingerprint in every run:", len({r["fingerprint"] for r in runs}) == 1)
+    path = write_json("prepare_big.json", {"corpus": corpus, "runs": runs, "versions": versions(),
+                                           "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                                                       "load_average_at_end": os.getloadavg()}})
+    print(f"wrote {path}")
     return 0
 
 

@@ -1,9 +1,11 @@
-"""Packing token ids into fixed-length rows, and writing them as the shards docs/data.md describes.
+"""Packing token ids into fixed-length rows, and writing them as the token files docs/data.md describes.
 
 Every document is followed by the EOS id and the documents are concatenated in input order; the
 stream is cut into rows of `seq_len + 1` tokens (no padding) and the incomplete tail is dropped and
-counted. Rows go to parquet shards of `rows_per_shard` rows (the last one may be shorter) with
-fixed writer options, so the same rows always give the same bytes (for one pyarrow version).
+counted. Rows are appended to raw token files (`shard-NNNNN.bin`, little-endian uint16 or uint32) of
+`rows_per_shard` rows (the last one may be shorter) as they arrive, each file hashed as it is
+written: memory stays at one chunk of the stream, whatever the shard size. The bytes are the token
+ids and nothing else, so the same rows always give the same bytes and the same fingerprint.
 
 The output directory is written atomically: everything goes to a sibling `DIR.tmp-<pid>`, the
 manifest last, and only then is it renamed to DIR. An interrupted prepare leaves no DIR that
@@ -23,25 +25,14 @@ from pathlib import Path
 
 import numpy as np
 
-from .data import FORMAT, MANIFEST, file_sha256
+from .data import FORMAT, MANIFEST, TOKEN_DTYPES, TOKENIZER_FILE
 from .tokenizer import EOS_ID
 
-SHARD_NAME = "shard-{:05d}.parquet"
-TOKENIZER_FILE = "tokenizer.json"
-DEFAULT_ROWS_PER_SHARD = 8192
-ROW_GROUP_ROWS = 1024
-# Fixed writer options: no dictionary (token ids compress better without one), zstd at a fixed
-# level, no statistics; parquet files carry no timestamps, so equal rows give equal bytes.
-PARQUET_OPTIONS = {
-    "compression": "zstd",
-    "compression_level": 3,
-    "use_dictionary": False,
-    "write_statistics": False,
-    "version": "2.6",
-    "data_page_version": "1.0",
-    "store_schema": True,  # keeps the fixed_size_list type when read back
-}
-_SHARD_RE = re.compile(r"shard-\d{5}\.parquet")
+SHARD_NAME = "shard-{:05d}.bin"
+# Shards of about 256 MiB: few enough files for a 10B-token corpus (~80 at uint16), small enough to
+# copy and hash one at a time.
+SHARD_BYTES = 256 << 20
+_SHARD_RE = re.compile(r"shard-\d{5}\.(bin|parquet)")  # .parquet: what minilm-packed-v1 wrote
 
 
 class OutputError(ValueError):
@@ -50,33 +41,8 @@ class OutputError(ValueError):
 
 # ---- rows and shards --------------------------------------------------------------------------------
 
-def shard_schema(seq_len: int):
-    import pyarrow as pa
-
-    return pa.schema([("sample_id", pa.int64()), ("input_ids", pa.list_(pa.int32(), seq_len + 1))])
-
-
-def rows_table(first_sample_id: int, rows: np.ndarray):
-    """A shard's table: `rows` (n, seq_len + 1) with sample ids first_sample_id.. first_sample_id + n - 1."""
-    import pyarrow as pa
-
-    rows = np.ascontiguousarray(rows, dtype=np.int32)
-    n, row_len = rows.shape
-    ids = pa.FixedSizeListArray.from_arrays(pa.array(rows.reshape(-1), pa.int32()), row_len)
-    sample_ids = pa.array(np.arange(first_sample_id, first_sample_id + n, dtype=np.int64))
-    return pa.Table.from_arrays([sample_ids, ids], schema=shard_schema(row_len - 1))
-
-
-def write_shard(path: str | os.PathLike, first_sample_id: int, rows: np.ndarray) -> str:
-    """Write one shard and return its sha256. The file is flushed to disk before returning."""
-    import pyarrow.parquet as pq
-
-    table = rows_table(first_sample_id, rows)
-    with open(path, "wb") as f:
-        pq.write_table(table, f, row_group_size=ROW_GROUP_ROWS, **PARQUET_OPTIONS)
-        f.flush()
-        os.fsync(f.fileno())
-    return file_sha256(path)
+def default_rows_per_shard(seq_len: int, token_dtype: str) -> int:
+    return max(1, SHARD_BYTES // ((seq_len + 1) * TOKEN_DTYPES[token_dtype].itemsize))
 
 
 def pack_documents(docs: Iterable[Sequence[int]], seq_len: int, eos_id: int = EOS_ID) -> tuple[np.ndarray, int]:
@@ -96,7 +62,8 @@ def pack_documents(docs: Iterable[Sequence[int]], seq_len: int, eos_id: int = EO
 @dataclass
 class PackResult:
     seq_len: int
-    shards: list[dict] = field(default_factory=list)  # {"file", "first_sample_id", "num_sequences", "sha256"}
+    token_dtype: str
+    shards: list[dict] = field(default_factory=list)  # {"file", "first_sample_id", "num_sequences", "bytes", "sha256"}
     num_sequences: int = 0
     documents: int = 0
     stream_tokens: int = 0  # document tokens plus one EOS per document
@@ -107,85 +74,117 @@ class PackResult:
         return self.num_sequences * (self.seq_len + 1)
 
 
-class ShardWriter:
-    """Streams documents (or an EOS-separated token stream) into shards in `directory`."""
+def open_shard(path: Path):
+    """A new token file for writing (a function of its own so that tests can make it fail)."""
+    return open(path, "xb")
 
-    def __init__(self, directory: str | os.PathLike, seq_len: int,
-                 rows_per_shard: int = DEFAULT_ROWS_PER_SHARD, eos_id: int = EOS_ID):
+
+class ShardWriter:
+    """Streams documents (or an EOS-separated token stream) into token files in `directory`.
+
+    `token_dtype` is "uint16" or "uint32" (`minilm.data.token_dtype_for(vocab_size)`); an id that
+    does not fit it is an error, never a silent wrap-around.
+    """
+
+    def __init__(self, directory: str | os.PathLike, seq_len: int, rows_per_shard: int | None = None,
+                 eos_id: int = EOS_ID, token_dtype: str = "uint16"):
         if seq_len < 1:
             raise ValueError(f"seq_len must be at least 1, got {seq_len}")
+        if token_dtype not in TOKEN_DTYPES:
+            raise ValueError(f"token_dtype must be one of {', '.join(TOKEN_DTYPES)}, got {token_dtype!r}")
+        rows_per_shard = default_rows_per_shard(seq_len, token_dtype) if rows_per_shard is None else rows_per_shard
         if rows_per_shard < 1:
             raise ValueError(f"rows_per_shard must be at least 1, got {rows_per_shard}")
         self.directory = Path(directory)
         self.row_len = seq_len + 1
         self.rows_per_shard = rows_per_shard
         self.eos_id = eos_id
-        self.result = PackResult(seq_len=seq_len)
-        self._chunks: list[np.ndarray] = []
-        self._buffered = 0
+        self.dtype = TOKEN_DTYPES[token_dtype]
+        self._max_id = np.iinfo(self.dtype).max
+        self.result = PackResult(seq_len=seq_len, token_dtype=token_dtype)
+        self._carry = np.zeros(0, self.dtype)  # fewer than row_len tokens, waiting for the rest of their row
+        self._file = None
+        self._hash = None
+        self._rows_in_shard = 0
         self._closed = False
 
     def add_document(self, ids: Sequence[int]) -> None:
-        doc = np.asarray(ids, dtype=np.int32)
-        self.add_stream(np.append(doc, np.int32(self.eos_id)), documents=1)
+        doc = np.asarray(ids, dtype=np.int64)
+        self.add_stream(np.append(doc, self.eos_id), documents=1)
 
     def add_stream(self, tokens: np.ndarray, documents: int = 0) -> None:
         """Append tokens that already carry an EOS after each document (`documents` of them)."""
         if self._closed:
             raise RuntimeError("ShardWriter is closed")
-        tokens = np.ascontiguousarray(tokens, dtype=np.int32)
-        self._chunks.append(tokens)
-        self._buffered += len(tokens)
+        tokens = np.asarray(tokens)
+        if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) > self._max_id):
+            raise ValueError(f"token ids {int(tokens.min())}..{int(tokens.max())} do not fit "
+                             f"{self.result.token_dtype}")
+        tokens = tokens.astype(self.dtype, copy=False)
         self.result.stream_tokens += len(tokens)
         self.result.documents += documents
-        if self._buffered >= self.rows_per_shard * self.row_len:
-            self._flush(final=False)
-
-    def _flush(self, final: bool) -> None:
-        buf = np.concatenate(self._chunks) if self._chunks else np.zeros(0, np.int32)
-        shard_tokens = self.rows_per_shard * self.row_len
+        buf = np.concatenate([self._carry, tokens]) if len(self._carry) else tokens
+        rows = len(buf) // self.row_len
         pos = 0
-        while len(buf) - pos >= shard_tokens:
-            self._write(buf[pos: pos + shard_tokens])
-            pos += shard_tokens
-        if final:
-            rows = (len(buf) - pos) // self.row_len
-            if rows:
-                self._write(buf[pos: pos + rows * self.row_len])
-                pos += rows * self.row_len
-            self.result.dropped_tail_tokens = len(buf) - pos
-            pos = len(buf)
-        rest = buf[pos:]
-        self._chunks = [rest] if len(rest) else []
-        self._buffered = len(rest)
+        while rows:
+            take = min(rows, self.rows_per_shard - self._rows_in_shard)
+            self._write(buf[pos: pos + take * self.row_len])
+            pos += take * self.row_len
+            rows -= take
+        self._carry = buf[pos:].copy()
 
     def _write(self, tokens: np.ndarray) -> None:
-        rows = tokens.reshape(-1, self.row_len)
-        name = SHARD_NAME.format(len(self.result.shards))
-        first = self.result.num_sequences
-        sha = write_shard(self.directory / name, first, rows)
-        self.result.shards.append({"file": name, "first_sample_id": first, "num_sequences": len(rows),
-                                   "sha256": sha})
-        self.result.num_sequences += len(rows)
+        if self._file is None:
+            name = SHARD_NAME.format(len(self.result.shards))
+            self._file, self._hash = open_shard(self.directory / name), hashlib.sha256()
+            self.result.shards.append({"file": name, "first_sample_id": self.result.num_sequences,
+                                       "num_sequences": 0, "bytes": 0, "sha256": None})
+        data = memoryview(np.ascontiguousarray(tokens)).cast("B")
+        self._file.write(data)
+        self._hash.update(data)
+        n = len(tokens) // self.row_len
+        shard = self.result.shards[-1]
+        shard["num_sequences"] += n
+        shard["bytes"] += len(data)
+        self._rows_in_shard += n
+        self.result.num_sequences += n
+        if self._rows_in_shard == self.rows_per_shard:
+            self._finish_shard()
+
+    def _finish_shard(self) -> None:
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        self.result.shards[-1]["sha256"] = self._hash.hexdigest()
+        self._file, self._hash, self._rows_in_shard = None, None, 0
 
     def close(self) -> PackResult:
-        """Write what is left as the last shard (whole rows only) and return the totals."""
+        """Finish the last token file (whole rows only; the tail is dropped and counted) and return the totals."""
         if not self._closed:
-            self._flush(final=True)
+            if self._file is not None:
+                self._finish_shard()
+            self.result.dropped_tail_tokens = len(self._carry)
+            self._carry = self._carry[:0]
             self._closed = True
         return self.result
+
+    def abort(self) -> None:
+        """Close an unfinished token file (the caller removes the folder)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
 
 # ---- manifest ---------------------------------------------------------------------------------------
 
-def compute_fingerprint(tokenizer_sha256: str, seq_len: int, shard_sha256s: Sequence[str]) -> str:
-    """sha256 of the canonical JSON {"format", "seq_len", "shards": [sha256...], "tokenizer_sha256"}.
+def compute_fingerprint(tokenizer_sha256: str, seq_len: int, shard_sha256s: Sequence[str], token_dtype: str) -> str:
+    """sha256 of the canonical JSON {"format", "seq_len", "shards": [sha256...], "token_dtype", "tokenizer_sha256"}.
 
     Two prepared datasets with the same fingerprint hold the same token rows in the same order,
     made with the same tokenizer.
     """
     payload = {"format": FORMAT, "seq_len": int(seq_len), "shards": list(shard_sha256s),
-               "tokenizer_sha256": tokenizer_sha256}
+               "token_dtype": token_dtype, "tokenizer_sha256": tokenizer_sha256}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
@@ -198,6 +197,7 @@ def build_manifest(result: PackResult, *, tokenizer: dict, inputs: list[dict], d
     manifest = {
         "format": FORMAT,
         "seq_len": result.seq_len,
+        "token_dtype": result.token_dtype,
         "num_sequences": result.num_sequences,
         "num_tokens": result.num_tokens,
         "dropped_tail_tokens": result.dropped_tail_tokens,
@@ -208,7 +208,7 @@ def build_manifest(result: PackResult, *, tokenizer: dict, inputs: list[dict], d
         "tokenizer": tokenizer,
         "inputs": inputs,
         "fingerprint": compute_fingerprint(tokenizer["sha256"], result.seq_len,
-                                           [s["sha256"] for s in result.shards]),
+                                           [s["sha256"] for s in result.shards], result.token_dtype),
         "command": command,
         "created_by": f"minilm {__version__}",
     }

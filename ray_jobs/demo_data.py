@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 from minilm import data as D
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("MINILM_CACHE", Path.home() / ".cache" / "minilm")).expanduser()
+from minilm.data import cache_root
 
 
 def demo_data_dir(seq_len: int, vocab_size: int) -> Path:
-    """Prepare the demo corpus (stdlib docstrings) once per (Python version, seq_len, vocab)."""
+    """Prepare the demo corpus (stdlib docstrings) once per (Python version, seq_len, vocab).
+
+    A copy that does not open (missing, damaged, or of an older format) is prepared again.
+    """
     from minilm.corpus import write_demo_corpus
 
     from . import prepare

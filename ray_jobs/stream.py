@@ -5,10 +5,12 @@ promise which rank gets which rows. So the order is ours (`minilm.data`: a pure 
 epoch, optimizer step, rank and world size) and Ray Data does the streaming. Each worker streams
 one dataset for the rest of the run: the positions 0, 1, 2, ... of what this rank will consume
 from its resume step to the last step (`ray.data.range`, lazy, no id array held anywhere); a
-`map_batches` actor turns positions into sample ids (`minilm.data.RankOrder`) and reads those rows from the
-parquet shards; `iter_torch_batches` prefetches them while the step runs. Epoch boundaries are
-just positions, so no pipeline starts mid-run; restarting at any step, at any world size, is
-building the same pipeline from a different first step.
+`map_batches` actor, placed on the worker's own node, turns positions into sample ids
+(`minilm.data.RankOrder`) and reads those rows from the node's token files (`SequenceStore`:
+positional reads through the page cache every process of the node shares; a remote `--data` is
+copied to the node once, by `minilm.data.open_local`); `iter_batches` prefetches them while the
+step runs. Epoch boundaries are just positions, so no pipeline starts mid-run; restarting at any
+step, at any world size, is building the same pipeline from a different first step.
 """
 
 from __future__ import annotations
@@ -21,12 +23,14 @@ import torch
 
 from minilm import data as D
 
+NODE_ID_LABEL = "ray.io/node-id"
+
 
 class ReadSequences:
-    """Ray Data callable class: stream positions in, sample ids and packed rows out (shards cached)."""
+    """Ray Data callable class: stream positions in, sample ids and packed rows out."""
 
-    def __init__(self, data_dir: str, order: D.RankOrder):
-        self.store = D.SequenceStore(D.open_prepared(data_dir))
+    def __init__(self, data: str, order: D.RankOrder):
+        self.store = D.SequenceStore(D.open_local(data))
         self.order = order
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -34,30 +38,43 @@ class ReadSequences:
         return {"sample_id": ids, "input_ids": self.store.take(ids)}
 
 
-def rank_dataset(order: D.RankOrder, num_positions: int, data_dir: str, micro_batch_size: int, reader_cpus: float):
+def rank_dataset(order: D.RankOrder, num_positions: int, data: str, micro_batch_size: int, reader_cpus: float,
+                 node_id: str | None = None):
+    """The rank's Ray Data pipeline; its reader actor runs on `node_id` (the rank's node) when given."""
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True  # the order is the resume contract
     ctx.enable_progress_bars = False  # one pipeline per worker: bars would drown the log line
     ctx.print_on_execution_start = False
+    # Ray labels every node with its id (ray.io/node-id); a label selector is a hard constraint. (The older
+    # scheduling_strategy=NodeAffinitySchedulingStrategy goes through ray_remote_args, deprecated in Ray 2.60.)
+    on_node = None if node_id is None else {NODE_ID_LABEL: node_id}
     return ray.data.range(num_positions).map_batches(
-        ReadSequences, fn_constructor_args=(data_dir, order), batch_size=micro_batch_size, batch_format="numpy",
-        compute=ray.data.ActorPoolStrategy(size=1), num_cpus=reader_cpus)
+        ReadSequences, fn_constructor_args=(data, order), batch_size=micro_batch_size, batch_format="numpy",
+        compute=ray.data.ActorPoolStrategy(size=1), num_cpus=reader_cpus, label_selector=on_node)
+
+
+def compact_ids(ids: np.ndarray) -> np.ndarray:
+    """Sample ids as int32 when they fit: the reader's copy of the order (ids and two epoch permutations)
+    then takes 4 bytes a sample, not 8. The values, and so the order, are the same."""
+    ids = np.asarray(ids)
+    return ids.astype(np.int32) if len(ids) == 0 or int(ids.max()) < 2**31 else ids.astype(np.int64)
 
 
 class RankStream:
     """Micro-batches for one rank from optimizer step `start_step` to `total_steps`.
 
-    `next_step()` returns the accumulation_steps micro-batches of the next optimizer step and the
-    sample ids they hold; `data_wait_s` accumulates the time spent waiting on the pipeline.
+    `data_dir` is a prepared folder or a remote URI. `next_step()` returns the accumulation_steps
+    micro-batches of the next optimizer step and the sample ids they hold; `data_wait_s`
+    accumulates the time spent waiting on the pipeline.
     """
 
     def __init__(self, *, data_dir: str, train_ids: np.ndarray, seed: int, global_batch_size: int,
                  micro_batch_size: int, world_size: int, rank: int, start_step: int, total_steps: int,
                  steps_per_epoch: int, device: torch.device, prefetch_batches: int = 4, reader_cpus: float = 0.0):
-        self.order = D.RankOrder(np.asarray(train_ids, dtype=np.int64), seed, steps_per_epoch, global_batch_size,
-                               world_size, rank, start_step)
+        self.order = D.RankOrder(compact_ids(train_ids), seed, steps_per_epoch, global_batch_size, world_size, rank,
+                                 start_step)
         self.num_positions = max(0, total_steps - start_step) * (global_batch_size // world_size)
-        self.data_dir, self.m, self.device = data_dir, micro_batch_size, torch.device(device)
+        self.data_dir, self.m, self.device = str(data_dir), micro_batch_size, torch.device(device)
         self.accumulation_steps = global_batch_size // (micro_batch_size * world_size)
         self.prefetch_batches, self.reader_cpus = prefetch_batches, reader_cpus
         self.step = start_step
@@ -65,7 +82,8 @@ class RankStream:
         self.data_wait_s = 0.0
 
     def _start(self):
-        ds = rank_dataset(self.order, self.num_positions, self.data_dir, self.m, self.reader_cpus)
+        ds = rank_dataset(self.order, self.num_positions, self.data_dir, self.m, self.reader_cpus,
+                          node_id=ray.get_runtime_context().get_node_id())
         # Numpy batches: the sample ids stay on the host (they are only recorded, never computed on), and
         # the token rows are copied to the device here, from pinned memory on CUDA so the copy is async.
         return iter(ds.iter_batches(batch_size=self.m, prefetch_batches=self.prefetch_batches, batch_format="numpy",

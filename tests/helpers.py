@@ -28,29 +28,27 @@ def _tokenizer(vocab_size: int, path: Path) -> str:
 
 def make_prepared(out: Path, *, num_sequences: int, seq_len: int, vocab_size: int, seed: int = 0,
                   rows_per_shard: int = 200) -> Path:
-    """Sequences drawn from a few repeating token patterns, so a tiny model's loss falls quickly."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    """Sequences drawn from a few repeating token patterns, so a tiny model's loss falls quickly.
 
+    Written by hand (numpy and json, not minilm.packing): raw little-endian uint16 token files of
+    rows_per_shard rows and the manifest that lists them.
+    """
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     patterns = rng.integers(3, vocab_size, size=(8, 24))
     rows = np.stack([np.resize(np.roll(patterns[i % 8], i), seq_len + 1) for i in range(num_sequences)])
-    rows = rows.astype(np.int32)
+    rows = rows.astype("<u2")
     shards = []
     for k, start in enumerate(range(0, num_sequences, rows_per_shard)):
         part = rows[start:start + rows_per_shard]
-        table = pa.table({"sample_id": pa.array(np.arange(start, start + len(part)), pa.int64()),
-                          "input_ids": pa.FixedSizeListArray.from_arrays(pa.array(part.reshape(-1), pa.int32()),
-                                                                         seq_len + 1)})
-        name = f"shard-{k:05d}.parquet"
-        pq.write_table(table, out / name)
-        shards.append({"file": name, "first_sample_id": start, "num_sequences": len(part),
-                       "sha256": hashlib.sha256((out / name).read_bytes()).hexdigest()})
+        name = f"shard-{k:05d}.bin"
+        (out / name).write_bytes(part.tobytes())
+        shards.append({"file": name, "first_sample_id": start, "num_sequences": len(part), "bytes": part.nbytes,
+                       "sha256": hashlib.sha256(part.tobytes()).hexdigest()})
     tok_sha = _tokenizer(vocab_size, out / "tokenizer.json")
     fingerprint = hashlib.sha256(json.dumps([tok_sha, seq_len, [s["sha256"] for s in shards]]).encode()).hexdigest()
-    manifest = {"format": "minilm-packed-v1", "seq_len": seq_len, "num_sequences": num_sequences,
-                "num_tokens": num_sequences * (seq_len + 1), "shards": shards,
+    manifest = {"format": "minilm-packed-v2", "seq_len": seq_len, "token_dtype": "uint16",
+                "num_sequences": num_sequences, "num_tokens": num_sequences * (seq_len + 1), "shards": shards,
                 "tokenizer": {"path": "tokenizer.json", "sha256": tok_sha, "vocab_size": vocab_size,
                               "eos_token_id": 2, "bos_token_id": 1, "pad_token_id": 0},
                 "fingerprint": fingerprint}

@@ -35,7 +35,7 @@ def test_pack_documents_keeps_every_token_in_order(docs, seq_len):
     assert rows.reshape(-1).tolist() + stream[len(stream) - dropped:] == stream
 
 
-def write_dataset(directory, docs, seq_len, rows_per_shard, tokenizer_sha="t" * 64, by_stream=False):
+def write_dataset(directory, docs, seq_len, rows_per_shard, by_stream=False):
     w = P.ShardWriter(directory, seq_len, rows_per_shard)
     if by_stream:  # the pipeline's path: EOS already in the stream, any chunking
         stream = np.array(stream_of(docs), np.int32)
@@ -48,7 +48,8 @@ def write_dataset(directory, docs, seq_len, rows_per_shard, tokenizer_sha="t" * 
     result = w.close()
     (directory / P.TOKENIZER_FILE).write_text("{}")
     manifest = P.build_manifest(
-        result, tokenizer={"path": P.TOKENIZER_FILE, "source": "test", "sha256": tokenizer_sha, "vocab_size": 300,
+        result, tokenizer={"path": P.TOKENIZER_FILE, "source": "test", "sha256": file_sha256(directory / P.TOKENIZER_FILE),
+                           "vocab_size": 300,
                            "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
         inputs=[], documents_read=len(docs), documents_skipped=0, skipped_by_reason={}, command="test")
     P.write_manifest(directory, manifest)
@@ -77,25 +78,45 @@ def test_shards_hold_exactly_the_packed_rows(tmp_path_factory, docs, seq_len, ro
     np.testing.assert_array_equal(SequenceStore(data).take(order), rows[order])
 
 
-def test_shard_format(tmp_path):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
+def test_token_file_format(tmp_path):
+    """Each shard is the raw little-endian rows, nothing else; the manifest lists its rows, bytes and hash."""
     rng = np.random.default_rng(1)
     docs = [rng.integers(3, 6400, rng.integers(0, 50)).tolist() for _ in range(200)]
     m = write_dataset(tmp_path, docs, 16, 64)
-    assert [s["file"] for s in m["shards"]] == [f"shard-{i:05d}.parquet" for i in range(len(m["shards"]))]
+    rows, _ = P.pack_documents(docs, 16)
+    assert m["token_dtype"] == "uint16"
+    assert [s["file"] for s in m["shards"]] == [f"shard-{i:05d}.bin" for i in range(len(m["shards"]))]
     first = 0
     for s in m["shards"]:
-        table = pq.read_table(tmp_path / s["file"])
-        assert table.schema.names == ["sample_id", "input_ids"]
-        assert table.schema.field("sample_id").type == pa.int64()
-        assert table.schema.field("input_ids").type == pa.list_(pa.int32(), 17)
-        assert table.column("sample_id").to_pylist() == list(range(first, first + s["num_sequences"]))
+        raw = (tmp_path / s["file"]).read_bytes()
+        assert len(raw) == s["bytes"] == s["num_sequences"] * 17 * 2
+        np.testing.assert_array_equal(np.frombuffer(raw, "<u2").reshape(-1, 17), rows[first:first + s["num_sequences"]])
         assert s["first_sample_id"] == first
         assert s["sha256"] == file_sha256(tmp_path / s["file"])
         first += s["num_sequences"]
-    assert first == m["num_sequences"]
+    assert first == m["num_sequences"] == len(rows)
+
+
+def test_uint32_tokens_for_a_large_vocabulary(tmp_path):
+    rows = np.array([[70000, 5, 2], [3, 65536, 99999]])
+    w = P.ShardWriter(tmp_path, 2, token_dtype="uint32")
+    w.add_stream(rows.reshape(-1))
+    result = w.close()
+    assert result.token_dtype == "uint32" and result.shards[0]["bytes"] == 6 * 4
+    np.testing.assert_array_equal(np.fromfile(tmp_path / "shard-00000.bin", "<u4").reshape(2, 3), rows)
+
+
+def test_ids_that_do_not_fit_are_refused(tmp_path):
+    w = P.ShardWriter(tmp_path, 4, token_dtype="uint16")
+    with pytest.raises(ValueError, match="do not fit uint16"):
+        w.add_stream(np.array([1, 2, 65536]))
+    with pytest.raises(ValueError, match="do not fit uint16"):
+        w.add_stream(np.array([-1, 2]))
+
+
+def test_default_shards_hold_about_256_mb():
+    assert P.default_rows_per_shard(512, "uint16") == (256 << 20) // (513 * 2)
+    assert P.default_rows_per_shard(512, "uint32") == (256 << 20) // (513 * 4)
 
 
 def test_same_rows_same_bytes(tmp_path):
@@ -111,22 +132,25 @@ def test_same_rows_same_bytes(tmp_path):
     assert ma["shards"] == mb["shards"]
 
 
-def test_fingerprint_depends_on_tokenizer_seq_len_and_shards():
-    base = P.compute_fingerprint("a" * 64, 16, ["x", "y"])
-    assert base == P.compute_fingerprint("a" * 64, 16, ["x", "y"])
-    assert len({base, P.compute_fingerprint("b" * 64, 16, ["x", "y"]), P.compute_fingerprint("a" * 64, 17, ["x", "y"]),
-                P.compute_fingerprint("a" * 64, 16, ["y", "x"]), P.compute_fingerprint("a" * 64, 16, ["x"])}) == 5
+def test_fingerprint_depends_on_tokenizer_seq_len_shards_and_token_type():
+    def fp(tok="a" * 64, seq_len=16, shards=("x", "y"), dtype="uint16"):
+        return P.compute_fingerprint(tok, seq_len, list(shards), dtype)
+
+    base = fp()
+    assert base == fp()
+    assert len({base, fp(tok="b" * 64), fp(seq_len=17), fp(shards=("y", "x")), fp(shards=("x",)),
+                fp(dtype="uint32")}) == 6
 
 
 def test_manifest_fields(tmp_path):
     m = write_dataset(tmp_path, [[5, 6, 7]] * 10, 3, 2)
     on_disk = json.loads((tmp_path / "manifest.json").read_text())
     assert on_disk == m
-    for key in ("format", "seq_len", "num_sequences", "num_tokens", "dropped_tail_tokens", "documents_read",
+    for key in ("format", "seq_len", "token_dtype", "num_sequences", "num_tokens", "dropped_tail_tokens", "documents_read",
                 "documents_skipped", "skipped_by_reason", "shards", "tokenizer", "inputs", "fingerprint",
                 "command", "created_by"):
         assert key in m
-    assert m["format"] == "minilm-packed-v1"
+    assert m["format"] == "minilm-packed-v2" and m["token_dtype"] == "uint16"
     assert m["num_sequences"] == 10 and m["dropped_tail_tokens"] == 0
     assert m["created_by"].startswith("minilm ")
 
@@ -161,7 +185,7 @@ def test_atomic_output_abort_leaves_nothing(tmp_path):
     final = tmp_path / "tok"
     with P.AtomicOutput(final) as out:
         P.ShardWriter(out.tmp, 3, 2).add_document([4] * 20)
-        (out.tmp / "shard-00000.parquet").write_bytes(b"partial")
+        (out.tmp / "shard-00009.bin").write_bytes(b"partial")
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(DataError, match="does not exist"):
         open_prepared(final)
@@ -196,7 +220,7 @@ def test_existing_dataset_is_refused_unless_overwrite(tmp_path):
 def test_incomplete_dataset_needs_overwrite(tmp_path):
     final = tmp_path / "tok"
     final.mkdir()
-    (final / "shard-00000.parquet").write_bytes(b"x")
+    (final / "shard-00000.bin").write_bytes(b"x")
     with pytest.raises(P.OutputError, match="incomplete prepared dataset"):
         P.AtomicOutput(final)
     finished(P.AtomicOutput(final, overwrite=True))

@@ -20,6 +20,8 @@ import pytest
 from minilm import tokenizer as T
 from minilm.data import DataError, SequenceStore, file_sha256, open_prepared
 from ray_jobs import prepare as PR
+from ray_jobs import prepare_inputs as PI
+from ray_jobs import prepare_pipeline as PP
 
 ROOT = Path(__file__).resolve().parents[1]
 SEQ = 16
@@ -306,12 +308,12 @@ def mixed_inputs(tmp_path):
 def test_directory_walk_reads_every_format_in_sorted_order(mixed_inputs):
     root, expected = mixed_inputs
     warnings = []
-    sources = PR.resolve_inputs([str(root)], warn=warnings.append)
+    sources = PI.resolve_inputs([str(root)], warn=warnings.append)
     assert [(Path(s.display).relative_to(root).as_posix(), s.kind) for s in sources] == [
         ("a.jsonl", "jsonl"), ("b.txt", "txt"), ("c.parquet", "parquet"), ("d_hf", "hf"),
         ("e/nested.jsonl", "jsonl"), ("e/z.txt", "txt")]
     assert len(warnings) == 1 and "README.md" in warnings[0]
-    reader = PR.RecordReader(sources, "text", "error")
+    reader = PI.RecordReader(sources, "text", "error")
     assert [t for t, _ in reader] == expected
     assert reader.documents == len(expected) and reader.documents_skipped == 0
     assert [c["documents"] for c in reader.per_source] == [10, 1, 13, 15, 10, 1]
@@ -320,7 +322,7 @@ def test_directory_walk_reads_every_format_in_sorted_order(mixed_inputs):
 def test_globs_and_repeats(mixed_inputs, tmp_path):
     root, _ = mixed_inputs
     warnings = []
-    sources = PR.resolve_inputs([str(root / "**" / "*.jsonl"), str(root / "a.jsonl")], warn=warnings.append)
+    sources = PI.resolve_inputs([str(root / "**" / "*.jsonl"), str(root / "a.jsonl")], warn=warnings.append)
     assert [Path(s.display).name for s in sources] == ["a.jsonl", "nested.jsonl"]
     assert any("reading it once" in w for w in warnings)
 
@@ -329,18 +331,19 @@ def test_output_folder_is_not_read_as_input(tmp_path):
     write_jsonl(tmp_path / "in" / "a.jsonl", DOCS[:3])
     write_jsonl(tmp_path / "in" / "out" / "x.jsonl", DOCS[:3])
     write_jsonl(tmp_path / "in" / "out.tmp-123" / "x.jsonl", DOCS[:3])
-    sources = PR.resolve_inputs([str(tmp_path / "in")], exclude=tmp_path / "in" / "out")
+    sources = PI.resolve_inputs([str(tmp_path / "in")], exclude=tmp_path / "in" / "out")
     assert [Path(s.display).name for s in sources] == ["a.jsonl"]
 
 
 def test_text_field_and_bom(tmp_path):
     src = tmp_path / "c.jsonl"
     src.write_bytes(b"\xef\xbb\xbf" + json.dumps({"content": "with a BOM"}).encode() + b"\r\n")
-    reader = PR.RecordReader(PR.resolve_inputs([str(src)]), "content", "error")
+    reader = PI.RecordReader(PI.resolve_inputs([str(src)]), "content", "error")
     assert [t for t, _ in reader] == ["with a BOM"]
 
 
-def test_progress_line_only_on_a_terminal():
+def test_progress_bar_only_on_a_terminal():
+    """On a terminal, a tqdm bar of input bytes with documents and tokens; through a pipe, the messages alone."""
     import io
 
     class Tty(io.StringIO):
@@ -349,12 +352,27 @@ def test_progress_line_only_on_a_terminal():
 
     tty, pipe = Tty(), io.StringIO()
     for stream in (tty, pipe):
-        p = PR.Progress(stream)
-        p.update(1000, 250_000, 1_000_000, force=True)
+        p = PP.Progress(stream, interval=0)
+        p.begin(2_000_000, "prepare")
+        p.update(1_000_000, 1000, 250_000)
         p.message("warning: something")
+        p.update(2_000_000, 2000, 500_000)
         p.done()
-    assert "docs (" in tty.getvalue() and "tokens (" in tty.getvalue() and "/s)" in tty.getvalue()
+    shown = tty.getvalue()
+    assert "prepare" in shown and "100%" in shown and "2.00M/2.00M" in shown and "2,000 docs, 500.0k tokens" in shown, shown
+    assert "warning: something\n" in shown
     assert pipe.getvalue() == "warning: something\n"
+
+
+def test_record_reader_counts_input_bytes(mixed_inputs):
+    """The progress bar's measure: every input's bytes, once, whatever its format."""
+    root, _ = mixed_inputs
+    sources = PI.resolve_inputs([str(root)])
+    reader = PI.RecordReader(sources, "text", "error")
+    seen = []
+    for _ in reader:
+        seen.append(reader.input_bytes)
+    assert seen == sorted(seen) and reader.input_bytes == sum(s.bytes for s in sources)
 
 
 # ---- full runs (Ray) ----------------------------------------------------------------------------------
@@ -381,7 +399,7 @@ def test_every_token_of_every_document_in_order(ray_cluster, capsys, tmp_path, t
                               "vocab_size": 300, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
     assert m["inputs"] == [{"path": str(src), "bytes": src.stat().st_size, "format": "jsonl",
                             "documents": len(DOCS), "skipped": 0}]
-    assert m["seq_len"] == SEQ and m["format"] == "minilm-packed-v1"
+    assert m["seq_len"] == SEQ and m["format"] == "minilm-packed-v2" and m["token_dtype"] == "uint16"
     assert m["command"].startswith("python -m ray_jobs.prepare --input ")
     assert f"prepared {out}: {len(rows)} sequences of {SEQ}+1 tokens" in err
     assert "tokens/s" in err and "MB/s" in err
@@ -393,9 +411,9 @@ def test_same_input_same_bytes(ray_cluster, capsys, tmp_path, tok_path, monkeypa
     src = write_jsonl(tmp_path / "corpus.jsonl", DOCS * 3)
     args = ["--input", src, "--seq-len", SEQ, "--rows-per-shard", 20, "--vocab-size", 300]
     assert prep(capsys, *args, "--output", tmp_path / "a")[0] == 0
-    # different block and wave sizes (many Ray blocks, several waves) must not change a byte
-    monkeypatch.setattr(PR, "BLOCK_BYTES", 3000)
-    monkeypatch.setattr(PR, "WAVE_BYTES", 20000)
+    # other block sizes (many Ray tasks, some of one document) must not change a byte
+    monkeypatch.setattr(PP, "BLOCK_BYTES", 3000)
+    monkeypatch.setattr(PP, "BLOCK_DOCS", 7)
     assert prep(capsys, *args, "--output", tmp_path / "b")[0] == 0
     ma, mb = manifest_of(tmp_path / "a"), manifest_of(tmp_path / "b")
     assert ma["fingerprint"] == mb["fingerprint"]
@@ -518,16 +536,16 @@ def test_failure_midway_leaves_nothing(ray_cluster, capsys, tmp_path, tok_path, 
     from minilm import packing
 
     src = write_jsonl(tmp_path / "c.jsonl", DOCS * 2)
-    real = packing.write_shard
+    real = packing.open_shard
     calls = []
 
-    def failing(path, first, rows):
+    def failing(path):
         calls.append(path)
         if len(calls) == 3:
             raise OSError(28, "No space left on device")
-        return real(path, first, rows)
+        return real(path)
 
-    monkeypatch.setattr(packing, "write_shard", failing)
+    monkeypatch.setattr(packing, "open_shard", failing)
     args = PR.build_parser().parse_args(["--input", str(src), "--output", str(tmp_path / "out"), "--tokenizer",
                                          str(tok_path), "--seq-len", str(SEQ), "--rows-per-shard", "5"])
     with pytest.raises(OSError, match="No space left"):
@@ -537,10 +555,10 @@ def test_failure_midway_leaves_nothing(ray_cluster, capsys, tmp_path, tok_path, 
     with pytest.raises(DataError):
         open_prepared(tmp_path / "out")
 
-    def interrupted(path, first, rows):
+    def interrupted(path):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(packing, "write_shard", interrupted)
+    monkeypatch.setattr(packing, "open_shard", interrupted)
     code, err = prep(capsys, "--input", src, "--output", tmp_path / "out", "--tokenizer", tok_path,
                      "--seq-len", SEQ)
     assert code == 130

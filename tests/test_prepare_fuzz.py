@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from minilm.tokenizer import save_tokenizer, train_tokenizer
@@ -58,12 +58,15 @@ def tokenizer_path(tmp_path_factory) -> Path:
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(lines=st.lists(record_line, min_size=1, max_size=8))
+@example(lines=[b"\xef\xbb\xbf"])  # found by this test: a file holding only a byte order mark is an empty input
 def test_prepare_never_crashes_and_keeps_every_valid_record(ray_address, tokenizer_path, tmp_path_factory, lines,
                                                             capsys):
     tmp = tmp_path_factory.mktemp("fuzz")
     src = tmp / "in.jsonl"
     src.write_bytes(b"\n".join(lines) + b"\n")
-    kinds = [classify(line) for line in lines]
+    # a UTF-8 byte order mark opening the file is not part of its first record (the reader drops it)
+    kinds = [classify(line[3:] if i == 0 and line.startswith(b"\xef\xbb\xbf") else line)
+             for i, line in enumerate(lines)]
     valid = sum(k is None for k in kinds)
 
     code = prepare.main(["--input", str(src), "--output", str(tmp / "skip"), "--tokenizer", str(tokenizer_path),

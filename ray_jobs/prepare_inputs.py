@@ -1,0 +1,400 @@
+"""The inputs of `ray_jobs.prepare`: which files, and every record in them, checked, in input order.
+
+Inputs are read in the order given (a directory is walked recursively, a glob is expanded, both sorted):
+
+* `.jsonl` / `.ndjson`: one JSON object per line, text in `--text-field` (MiniMind's `{"text": ...}`);
+  blank lines are ignored;
+* `.txt`: the whole file is one document;
+* `.parquet`: one document per row of the `--text-field` column;
+* a folder written by `datasets.Dataset.save_to_disk` (it holds dataset_info.json and state.json).
+
+`RecordReader` yields every usable text and checks every record, so a bad one is reported as
+`file:line` (parquet and datasets: `file: row N`) and stops the run; with `--on-bad-record skip` it
+is skipped, counted by reason (malformed_json, not_an_object, missing_text_field, non_string_text,
+invalid_utf8) and the first few are shown as warnings. An empty text (`""`) is always skipped and
+counted as `empty_text`, never an error; an input with no record at all is an error, or with `skip`
+listed as an empty input.
+
+Stdlib imports only at module level: pyarrow and datasets load when a parquet or datasets input is read.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".txt": "txt", ".parquet": "parquet"}
+# the skip reasons counted in the manifest's skipped_by_reason
+REASONS = ("malformed_json", "not_an_object", "missing_text_field", "non_string_text", "invalid_utf8",
+           "empty_text")
+MAX_SKIP_WARNINGS = 10
+
+
+class UserError(Exception):
+    """A mistake in the flags or the inputs: reported as `error: ...`, exit status 2."""
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message)
+        self.hint = hint
+
+
+# ---- which files ------------------------------------------------------------------------------------
+
+@dataclass
+class Source:
+    path: Path
+    display: str  # the path as the user would recognise it (given, globbed or walked)
+    kind: str  # jsonl | txt | parquet | hf
+    bytes: int
+
+
+def _is_hf_dataset(p: Path) -> bool:
+    return (p / "dataset_info.json").is_file() and (p / "state.json").is_file()
+
+
+def _is_hf_dict(p: Path) -> bool:
+    return (p / "dataset_dict.json").is_file()
+
+
+def _dir_bytes(p: Path) -> int:
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+
+
+def resolve_inputs(specs: list[str], exclude: Path | None = None,
+                   warn: Callable[[str], None] = lambda m: None) -> list[Source]:
+    """Expand globs and directories (sorted) into the ordered list of sources; refuse what is unusable."""
+    sources: list[Source] = []
+    seen: dict[Path, str] = {}
+    ignored: dict[str, list[str]] = {}
+    exclude_re = None
+    if exclude is not None:
+        exclude = exclude.resolve()
+        exclude_re = re.compile(re.escape(exclude.name) + r"(\.(tmp|old)-\d+)?")
+
+    def excluded(p: Path) -> bool:
+        return exclude_re is not None and p.resolve().parent == exclude.parent and bool(
+            exclude_re.fullmatch(p.name))
+
+    def add(p: Path, display: str, kind: str) -> None:
+        key = p.resolve()
+        if key in seen:
+            warn(f"{display} is the same input as {seen[key]}; reading it once")
+            return
+        seen[key] = display
+        size = _dir_bytes(p) if kind == "hf" else p.stat().st_size
+        sources.append(Source(path=p, display=display, kind=kind, bytes=size))
+
+    visited: set[Path] = set()
+
+    def walk(d: Path, display: str, top: str) -> None:
+        if d.resolve() in visited:  # a symlink loop, or a folder reached twice
+            return
+        visited.add(d.resolve())
+        for child in sorted(d.iterdir(), key=lambda c: c.name):
+            shown = os.path.join(display, child.name)
+            if child.name.startswith(".") or excluded(child):
+                continue
+            if child.is_dir():
+                if _is_hf_dataset(child):
+                    add(child, shown, "hf")
+                elif not _is_hf_dict(child):
+                    walk(child, shown, top)
+                else:
+                    ignored.setdefault(top, []).append(shown + "/ (a DatasetDict)")
+            elif child.is_file():
+                kind = FORMATS.get(child.suffix.lower())
+                if kind:
+                    add(child, shown, kind)
+                else:
+                    ignored.setdefault(top, []).append(shown)
+
+    def add_path(spec_path: str, explicit: bool, top: str) -> None:
+        p = Path(spec_path)
+        if p.is_dir():
+            if _is_hf_dataset(p):
+                add(p, spec_path, "hf")
+            elif _is_hf_dict(p):
+                splits = ""
+                try:
+                    splits = ", ".join(json.loads((p / "dataset_dict.json").read_text()).get("splits", []))
+                except (OSError, ValueError, AttributeError):
+                    pass
+                raise UserError(f"input {spec_path} is a datasets DatasetDict (splits: {splits or '?'}); "
+                                f"pass one split's folder, e.g. {os.path.join(spec_path, 'train')}")
+            else:
+                walk(p, spec_path, top)
+        elif p.is_file():
+            kind = FORMATS.get(p.suffix.lower())
+            if kind:
+                add(p, spec_path, kind)
+            elif explicit:
+                raise UserError(f"input {spec_path}: unsupported file type {p.suffix or '(no suffix)'!r}; use "
+                                f".jsonl, .txt, .parquet or a datasets save_to_disk folder")
+            else:
+                ignored.setdefault(top, []).append(spec_path)
+        elif explicit:
+            raise UserError(f"input {spec_path} does not exist")
+
+    for spec in specs:
+        if glob.has_magic(spec):
+            matches = sorted(m for m in glob.glob(spec, recursive=True) if not excluded(Path(m)))
+            if not matches:
+                raise UserError(f"input {spec}: no file matches this pattern")
+            for m in matches:
+                add_path(m, explicit=False, top=spec)
+        else:
+            if not os.path.exists(spec):
+                raise UserError(f"input {spec} does not exist")
+            add_path(spec, explicit=True, top=spec)
+    for top, names in ignored.items():
+        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+        warn(f"ignoring {len(names)} file(s) of unsupported type in {top}: {', '.join(names[:3])}{more} "
+             f"(inputs are .jsonl, .txt, .parquet and datasets save_to_disk folders)")
+    if not sources:
+        raise UserError("no input files found in " + " ".join(specs) +
+                        " (inputs are .jsonl, .txt, .parquet and datasets save_to_disk folders)")
+    return sources
+
+
+# ---- reading and checking records --------------------------------------------------------------------
+
+@dataclass
+class Bad:
+    reason: str
+    detail: str
+
+
+def _utf8_detail(raw: bytes, e: UnicodeDecodeError) -> tuple[int, str]:
+    """(line number, detail) of the first invalid byte in `raw`."""
+    line = raw.count(b"\n", 0, e.start) + 1
+    col = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
+    return line, f"invalid UTF-8 (byte 0x{raw[e.start]:02x} at column {col})"
+
+
+def _check_text(value, field_name: str) -> str | Bad:
+    if not isinstance(value, str):
+        what = "null" if value is None else type(value).__name__
+        return Bad("non_string_text", f"{field_name!r} is {what}, not a string")
+    if value == "":
+        return Bad("empty_text", f"{field_name!r} is empty")
+    return value
+
+
+def _read_jsonl(src: Source, text_field: str) -> Iterator[tuple[str, str | Bad, float]]:
+    with open(src.path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                raw = raw[3:]
+            line = raw.rstrip(b"\r\n")
+            if not line.strip():
+                continue
+            where = f"{src.display}:{lineno}"
+            try:
+                s = line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield where, Bad("invalid_utf8", _utf8_detail(line, e)[1]), len(raw)
+                continue
+            try:
+                obj = json.loads(s)
+            except json.JSONDecodeError as e:
+                yield where, Bad("malformed_json", f"malformed JSON ({e.msg} at column {e.colno})"), len(raw)
+                continue
+            if not isinstance(obj, dict):
+                yield where, Bad("not_an_object", f"a JSON {type(obj).__name__}, not an object with "
+                                                  f"{text_field!r}"), len(raw)
+                continue
+            if text_field not in obj:
+                keys = ", ".join(list(obj)[:5]) or "none"
+                yield where, Bad("missing_text_field", f"no {text_field!r} field (keys: {keys})"), len(raw)
+                continue
+            yield where, _check_text(obj[text_field], text_field), len(raw)
+
+
+def _read_txt(src: Source, text_field: str) -> Iterator[tuple[str, str | Bad, float]]:
+    raw = src.path.read_bytes()
+    if raw.startswith(b"\xef\xbb\xbf"):
+        raw = raw[3:]
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line, detail = _utf8_detail(raw, e)
+        yield f"{src.display}:{line}", Bad("invalid_utf8", detail), len(raw)
+        return
+    if text.strip():
+        yield f"{src.display}:1", text, len(raw)
+
+
+def _read_columnar(src: Source, text_field: str, batches: Iterator, names: list[str], col_type,
+                   num_rows: int) -> Iterator[tuple[str, str | Bad, float]]:
+    import pyarrow as pa
+
+    share = src.bytes / max(1, num_rows)  # each row's share of the input's size, for the progress bar
+    if text_field not in names:
+        detail = f"no {text_field!r} column (columns: {', '.join(names[:8]) or 'none'})"
+        for row in range(1, num_rows + 1):
+            yield f"{src.display}: row {row}", Bad("missing_text_field", detail), share
+        return
+    is_text = pa.types.is_string(col_type) or pa.types.is_large_string(col_type) or \
+        pa.types.is_binary(col_type) or pa.types.is_large_binary(col_type) or \
+        str(col_type) in ("string_view", "binary_view")
+    row = 0
+    for batch in batches:
+        col = batch.column(text_field) if isinstance(batch, pa.Table) else batch.column(
+            batch.schema.get_field_index(text_field))
+        if not is_text:
+            for _ in range(len(col)):
+                row += 1
+                yield f"{src.display}: row {row}", Bad(
+                    "non_string_text", f"column {text_field!r} has type {col_type}, not string"), share
+            continue
+        for value in col.cast(pa.large_binary()).to_pylist():
+            row += 1
+            where = f"{src.display}: row {row}"
+            if value is None:
+                yield where, Bad("non_string_text", f"{text_field!r} is null, not a string"), share
+                continue
+            try:
+                text = value.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield where, Bad("invalid_utf8", _utf8_detail(value, e)[1]), share
+                continue
+            yield where, _check_text(text, text_field), share
+
+
+def _read_parquet(src: Source, text_field: str) -> Iterator[tuple[str, str | Bad, float]]:
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(src.path)
+        schema = pf.schema_arrow
+    except Exception as e:  # pyarrow raises ArrowInvalid / OSError for a file that is not parquet
+        raise UserError(f"{src.display}: not a readable parquet file ({e})") from None
+    cols = [text_field] if text_field in schema.names else []
+    col_type = schema.field(text_field).type if cols else None
+    batches = pf.iter_batches(batch_size=8192, columns=cols) if cols else iter(())
+    try:
+        yield from _read_columnar(src, text_field, batches, schema.names, col_type, pf.metadata.num_rows)
+    except UserError:
+        raise
+    except OSError as e:
+        raise UserError(f"{src.display}: cannot read parquet data ({e})") from None
+
+
+def _read_hf(src: Source, text_field: str) -> Iterator[tuple[str, str | Bad, float]]:
+    import datasets
+
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        ds = datasets.load_from_disk(str(src.path))
+    except Exception as e:  # datasets raises FileNotFoundError / various for a damaged folder
+        raise UserError(f"{src.display}: cannot load the datasets folder ({type(e).__name__}: {e})") from None
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
+    if not isinstance(ds, datasets.Dataset):
+        raise UserError(f"{src.display}: is a {type(ds).__name__}, not a single Dataset; pass one split's folder")
+    names = list(ds.column_names)
+    col_type = ds.data.schema.field(text_field).type if text_field in names else None
+    batches = ds.with_format("arrow").iter(batch_size=8192) if text_field in names else iter(())
+    yield from _read_columnar(src, text_field, batches, names, col_type, ds.num_rows)
+
+
+# Each reader yields (where, text or Bad, input bytes the record took) for every record of one input.
+READERS = {"jsonl": _read_jsonl, "txt": _read_txt, "parquet": _read_parquet, "hf": _read_hf}
+
+
+class SkipWarnings:
+    """Prints the first few skipped records (each once, though the tokenizer pass reads them too)."""
+
+    def __init__(self, warn: Callable[[str], None], limit: int = MAX_SKIP_WARNINGS):
+        self.warn = warn
+        self.limit = limit
+        self.shown: set[str] = set()
+
+    def __call__(self, where: str, detail: str) -> None:
+        if where in self.shown or len(self.shown) >= self.limit:
+            return
+        self.shown.add(where)
+        self.warn(f"skipping {where}: {detail}" + (f" (showing the first {self.limit} skips; the manifest "
+                                                   f"counts them all)" if len(self.shown) == self.limit else ""))
+
+
+class RecordReader:
+    """Yields (text, utf8_bytes) of every usable record, in input order, counting what it skips.
+
+    In `error` mode the first bad record raises UserError naming file:line; empty texts are always
+    skipped and counted (`empty_text`), never an error.
+    """
+
+    def __init__(self, sources: list[Source], text_field: str, on_bad: str,
+                 warn: Callable[[str, str], None] | None = None):
+        self.sources = sources
+        self.text_field = text_field
+        self.on_bad = on_bad
+        self.warn = warn
+        self.skipped: Counter[str] = Counter()
+        self.examples: list[str] = []
+        self.empty_inputs: list[str] = []
+        self.documents = 0
+        self.text_bytes = 0
+        self.input_bytes = 0.0  # of the input files, read so far (what the progress bar counts)
+        self.per_source = [{"documents": 0, "skipped": 0} for _ in sources]
+        self._current = 0
+
+    def _skip(self, src: Source, where: str, bad: Bad) -> None:
+        if self.on_bad == "error" and bad.reason != "empty_text":
+            raise UserError(f"{where}: {bad.detail}",
+                            hint="pass --on-bad-record skip to skip bad records (they are counted in the manifest)")
+        self.skipped[bad.reason] += 1
+        self.per_source[self._current]["skipped"] += 1
+        if len(self.examples) < 100:
+            self.examples.append(f"{where}: {bad.detail}")
+        if self.warn is not None:
+            self.warn(where, bad.detail)
+
+    def __iter__(self) -> Iterator[tuple[str, int]]:
+        for i, src in enumerate(self.sources):
+            self._current = i
+            records = 0
+            done_before = self.input_bytes
+            for where, rec, raw_bytes in self._read(src):
+                records += 1
+                self.input_bytes += raw_bytes
+                if isinstance(rec, Bad):
+                    self._skip(src, where, rec)
+                    continue
+                try:
+                    nbytes = len(rec.encode("utf-8"))
+                except UnicodeEncodeError as e:  # a lone surrogate, from a \ud800 escape in JSON
+                    self._skip(src, where, Bad("invalid_utf8", f"{self.text_field!r} holds a lone surrogate "
+                                                               f"{rec[e.start]!r}: not valid Unicode"))
+                    continue
+                self.per_source[i]["documents"] += 1
+                self.documents += 1
+                self.text_bytes += nbytes
+                yield rec, nbytes
+            self.input_bytes = done_before + src.bytes
+            if records == 0:
+                if self.on_bad == "error":
+                    raise UserError(f"{src.display}: the input is empty (no records)",
+                                    hint="remove it, or pass --on-bad-record skip to skip empty inputs")
+                self.empty_inputs.append(src.display)
+                if self.warn is not None:
+                    self.warn(src.display, "the input is empty (no records)")
+
+    def _read(self, src: Source) -> Iterator[tuple[str, str | Bad, float]]:
+        try:
+            yield from READERS[src.kind](src, self.text_field)
+        except OSError as e:
+            raise UserError(f"{src.display}: cannot read it ({e.strerror or e})") from None
+
+    @property
+    def documents_skipped(self) -> int:
+        return sum(self.skipped.values())
