@@ -27,7 +27,12 @@ DEMO_PRESET = {
 
 
 class UsageError(Exception):
-    """A mistake on the command line, in a config file or in the inputs: `error: ...`, exit 2."""
+    """A mistake on the command line, in a config file or in the inputs: `error: ...`, exit 2 (and, when
+    given, one `hint: ...` line saying what to do)."""
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message)
+        self.hint = hint
 
 
 def fail(message: str, code: int = EXIT_USAGE) -> int:

@@ -20,7 +20,8 @@ from pathlib import Path
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-EXIT_USAGE = 2
+from minilm.cli import EXIT_USAGE
+
 # (metric, panel title, y-axis label); world size is a step function.
 PANELS = (
     ("loss", "loss", "loss"),

@@ -31,12 +31,10 @@ import threading
 import time
 from pathlib import Path
 
-from .prepare_inputs import RecordReader, SkipWarnings, UserError, resolve_inputs
-from .prepare_pipeline import Progress, _si, tokenize_and_pack
+from minilm.cli import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, UsageError
 
-EXIT_USAGE = 2
-EXIT_FAILED = 1
-EXIT_INTERRUPTED = 130
+from .prepare_inputs import RecordReader, SkipWarnings, resolve_inputs
+from .prepare_pipeline import Progress, _si, tokenize_and_pack
 
 
 class _Terminated(BaseException):
@@ -98,7 +96,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace, argv: list[str], progress: Progress | None = None,
         stats: dict | None = None) -> dict:
-    """Prepare the dataset `args` describe. Returns {"manifest", "stats"}; raises UserError.
+    """Prepare the dataset `args` describe. Returns {"manifest", "stats"}; raises UsageError.
 
     `stats` (timings, counts, whether this run started Ray) is filled in as the run goes, so a
     caller can shut down a Ray this run started even when it fails.
@@ -154,7 +152,7 @@ def run(args: argparse.Namespace, argv: list[str], progress: Progress | None = N
             raise _no_records(reader)
         result = writer.close()
         if result.num_sequences == 0:
-            raise UserError(f"the inputs give {result.stream_tokens} tokens ({reader.documents} documents), fewer "
+            raise UsageError(f"the inputs give {result.stream_tokens} tokens ({reader.documents} documents), fewer "
                             f"than one sequence of seq_len + 1 = {args.seq_len + 1}; use a smaller --seq-len "
                             f"or more text")
         manifest = packing.build_manifest(
@@ -185,11 +183,11 @@ def run(args: argparse.Namespace, argv: list[str], progress: Progress | None = N
     return {"manifest": manifest, "stats": stats, "reader": reader}
 
 
-def _no_records(reader: RecordReader) -> UserError:
+def _no_records(reader: RecordReader) -> UsageError:
     parts = [f"{n} {r}" for r, n in sorted(reader.skipped.items())]
     if reader.empty_inputs:
         parts.append(f"{len(reader.empty_inputs)} empty input(s)")
-    return UserError("the inputs hold no usable record" + (f" ({', '.join(parts)})" if parts else ""))
+    return UsageError("the inputs hold no usable record" + (f" ({', '.join(parts)})" if parts else ""))
 
 
 def summary_line(output: str, manifest: dict, stats: dict) -> str:
@@ -230,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     stats: dict = {}
     try:
         outcome = run(args, argv, progress, stats)
-    except (UserError, OutputError, TokenizerError) as e:
+    except (UsageError, OutputError, TokenizerError) as e:
         progress.message(f"error: {e}")
         if getattr(e, "hint", None):
             progress.message(f"hint: {e.hint}")

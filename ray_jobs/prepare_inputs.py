@@ -29,20 +29,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from minilm.cli import UsageError  # the one usage-error class: `error: ...`, exit 2
+
 FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".txt": "txt", ".parquet": "parquet"}
 # the skip reasons counted in the manifest's skipped_by_reason
 REASONS = ("malformed_json", "not_an_object", "missing_text_field", "non_string_text", "invalid_utf8",
            "empty_text")
 MAX_SKIP_WARNINGS = 10
-
-
-class UserError(Exception):
-    """A mistake in the flags or the inputs: reported as `error: ...`, exit status 2."""
-
-    def __init__(self, message: str, hint: str | None = None):
-        super().__init__(message)
-        self.hint = hint
-
 
 # ---- which files ------------------------------------------------------------------------------------
 
@@ -125,7 +118,7 @@ def resolve_inputs(specs: list[str], exclude: Path | None = None,
                     splits = ", ".join(json.loads((p / "dataset_dict.json").read_text()).get("splits", []))
                 except (OSError, ValueError, AttributeError):
                     pass
-                raise UserError(f"input {spec_path} is a datasets DatasetDict (splits: {splits or '?'}); "
+                raise UsageError(f"input {spec_path} is a datasets DatasetDict (splits: {splits or '?'}); "
                                 f"pass one split's folder, e.g. {os.path.join(spec_path, 'train')}")
             else:
                 walk(p, spec_path, top)
@@ -134,30 +127,30 @@ def resolve_inputs(specs: list[str], exclude: Path | None = None,
             if kind:
                 add(p, spec_path, kind)
             elif explicit:
-                raise UserError(f"input {spec_path}: unsupported file type {p.suffix or '(no suffix)'!r}; use "
+                raise UsageError(f"input {spec_path}: unsupported file type {p.suffix or '(no suffix)'!r}; use "
                                 f".jsonl, .txt, .parquet or a datasets save_to_disk folder")
             else:
                 ignored.setdefault(top, []).append(spec_path)
         elif explicit:
-            raise UserError(f"input {spec_path} does not exist")
+            raise UsageError(f"input {spec_path} does not exist")
 
     for spec in specs:
         if glob.has_magic(spec):
             matches = sorted(m for m in glob.glob(spec, recursive=True) if not excluded(Path(m)))
             if not matches:
-                raise UserError(f"input {spec}: no file matches this pattern")
+                raise UsageError(f"input {spec}: no file matches this pattern")
             for m in matches:
                 add_path(m, explicit=False, top=spec)
         else:
             if not os.path.exists(spec):
-                raise UserError(f"input {spec} does not exist")
+                raise UsageError(f"input {spec} does not exist")
             add_path(spec, explicit=True, top=spec)
     for top, names in ignored.items():
         more = f" and {len(names) - 3} more" if len(names) > 3 else ""
         warn(f"ignoring {len(names)} file(s) of unsupported type in {top}: {', '.join(names[:3])}{more} "
              f"(inputs are .jsonl, .txt, .parquet and datasets save_to_disk folders)")
     if not sources:
-        raise UserError("no input files found in " + " ".join(specs) +
+        raise UsageError("no input files found in " + " ".join(specs) +
                         " (inputs are .jsonl, .txt, .parquet and datasets save_to_disk folders)")
     return sources
 
@@ -274,16 +267,16 @@ def _read_parquet(src: Source, text_field: str) -> Iterator[tuple[str, str | Bad
         pf = pq.ParquetFile(src.path)
         schema = pf.schema_arrow
     except Exception as e:  # pyarrow raises ArrowInvalid / OSError for a file that is not parquet
-        raise UserError(f"{src.display}: not a readable parquet file ({e})") from None
+        raise UsageError(f"{src.display}: not a readable parquet file ({e})") from None
     cols = [text_field] if text_field in schema.names else []
     col_type = schema.field(text_field).type if cols else None
     batches = pf.iter_batches(batch_size=8192, columns=cols) if cols else iter(())
     try:
         yield from _read_columnar(src, text_field, batches, schema.names, col_type, pf.metadata.num_rows)
-    except UserError:
+    except UsageError:
         raise
     except OSError as e:
-        raise UserError(f"{src.display}: cannot read parquet data ({e})") from None
+        raise UsageError(f"{src.display}: cannot read parquet data ({e})") from None
 
 
 def _read_hf(src: Source, text_field: str) -> Iterator[tuple[str, str | Bad, float]]:
@@ -294,12 +287,12 @@ def _read_hf(src: Source, text_field: str) -> Iterator[tuple[str, str | Bad, flo
     try:
         ds = datasets.load_from_disk(str(src.path))
     except Exception as e:  # datasets raises FileNotFoundError / various for a damaged folder
-        raise UserError(f"{src.display}: cannot load the datasets folder ({type(e).__name__}: {e})") from None
+        raise UsageError(f"{src.display}: cannot load the datasets folder ({type(e).__name__}: {e})") from None
     finally:
         if bars:
             datasets.enable_progress_bars()
     if not isinstance(ds, datasets.Dataset):
-        raise UserError(f"{src.display}: is a {type(ds).__name__}, not a single Dataset; pass one split's folder")
+        raise UsageError(f"{src.display}: is a {type(ds).__name__}, not a single Dataset; pass one split's folder")
     names = list(ds.column_names)
     col_type = ds.data.schema.field(text_field).type if text_field in names else None
     batches = ds.with_format("arrow").iter(batch_size=8192) if text_field in names else iter(())
@@ -329,7 +322,7 @@ class SkipWarnings:
 class RecordReader:
     """Yields (text, utf8_bytes) of every usable record, in input order, counting what it skips.
 
-    In `error` mode the first bad record raises UserError naming file:line; empty texts are always
+    In `error` mode the first bad record raises UsageError naming file:line; empty texts are always
     skipped and counted (`empty_text`), never an error.
     """
 
@@ -350,7 +343,7 @@ class RecordReader:
 
     def _skip(self, src: Source, where: str, bad: Bad) -> None:
         if self.on_bad == "error" and bad.reason != "empty_text":
-            raise UserError(f"{where}: {bad.detail}",
+            raise UsageError(f"{where}: {bad.detail}",
                             hint="pass --on-bad-record skip to skip bad records (they are counted in the manifest)")
         self.skipped[bad.reason] += 1
         self.per_source[self._current]["skipped"] += 1
@@ -383,7 +376,7 @@ class RecordReader:
             self.input_bytes = done_before + src.bytes
             if records == 0:
                 if self.on_bad == "error":
-                    raise UserError(f"{src.display}: the input is empty (no records)",
+                    raise UsageError(f"{src.display}: the input is empty (no records)",
                                     hint="remove it, or pass --on-bad-record skip to skip empty inputs")
                 self.empty_inputs.append(src.display)
                 if self.warn is not None:
@@ -393,7 +386,7 @@ class RecordReader:
         try:
             yield from READERS[src.kind](src, self.text_field)
         except OSError as e:
-            raise UserError(f"{src.display}: cannot read it ({e.strerror or e})") from None
+            raise UsageError(f"{src.display}: cannot read it ({e.strerror or e})") from None
 
     @property
     def documents_skipped(self) -> int:

@@ -115,7 +115,7 @@ class RunPlan:
     name: str
     storage: str
     run_dir: Path | None
-    data_dir: Path
+    data_dir: Path | str  # a local folder, or a remote URI every node copies once
     prepared: D.PreparedData
     steps_per_epoch: int
     resume_path: Path | None = None
@@ -226,8 +226,8 @@ def plan_run(args: argparse.Namespace, extra_keys: frozenset[str] = frozenset(),
     if local_storage:
         check_storage_writable(Path(storage))
     if not demo:
-        data_dir = Path(opts["data"]).expanduser().resolve()
-        D.open_prepared(data_dir)  # a missing or incomplete --data is refused before Ray starts
+        data_dir = opts["data"] if D.is_remote(opts["data"]) else Path(opts["data"]).expanduser().resolve()
+        D.open_prepared(data_dir)  # a missing, incomplete or damaged --data is refused before Ray starts
     started_here = ensure_ray(opts.get("num_cpus"))
     if opts["cpus_per_worker"] == "auto":
         opts["cpus_per_worker"] = auto_cpus_per_worker(max_w * concurrent_runs, started_here, opts)

@@ -27,10 +27,19 @@ NODE_ID_LABEL = "ray.io/node-id"
 
 
 class ReadSequences:
-    """Ray Data callable class: stream positions in, sample ids and packed rows out."""
+    """Ray Data callable class: stream positions in, sample ids and packed rows out.
 
-    def __init__(self, data: str, order: D.RankOrder):
-        self.store = D.SequenceStore(D.open_local(data))
+    `order` is a `RankOrder`, or its recipe without the training ids (`order_recipe`): the actor then makes
+    the ids itself from the data and `val_samples` (`minilm.data.split_ids`), so its constructor
+    arguments stay a few bytes. A large argument would go through the object store, which Ray warns
+    about for restartable actors (ray-project/ray#53727), and cost a copy per rank."""
+
+    def __init__(self, data: str, order: D.RankOrder | dict):
+        prepared = D.open_local(data)
+        self.store = D.SequenceStore(prepared)
+        if isinstance(order, dict):
+            train_ids, _ = D.split_ids(prepared.num_sequences, order.pop("val_samples"))
+            order = D.RankOrder(compact_ids(train_ids), **order)
         self.order = order
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -38,7 +47,14 @@ class ReadSequences:
         return {"sample_id": ids, "input_ids": self.store.take(ids)}
 
 
-def rank_dataset(order: D.RankOrder, num_positions: int, data: str, micro_batch_size: int, reader_cpus: float,
+def order_recipe(order: D.RankOrder, val_samples: int) -> dict:
+    """What ReadSequences needs to rebuild `order` (whose training ids are split_ids(N, val_samples)[0])."""
+    return {"val_samples": val_samples, "seed": order.seed, "steps_per_epoch": order.steps_per_epoch,
+            "global_batch_size": order.global_batch_size, "world_size": order.world_size, "rank": order.rank,
+            "start_step": order.start_step}
+
+
+def rank_dataset(order: D.RankOrder | dict, num_positions: int, data: str, micro_batch_size: int, reader_cpus: float,
                  node_id: str | None = None):
     """The rank's Ray Data pipeline; its reader actor runs on `node_id` (the rank's node) when given."""
     ctx = ray.data.DataContext.get_current()
@@ -70,9 +86,13 @@ class RankStream:
 
     def __init__(self, *, data_dir: str, train_ids: np.ndarray, seed: int, global_batch_size: int,
                  micro_batch_size: int, world_size: int, rank: int, start_step: int, total_steps: int,
-                 steps_per_epoch: int, device: torch.device, prefetch_batches: int = 4, reader_cpus: float = 0.0):
+                 steps_per_epoch: int, device: torch.device, prefetch_batches: int = 4, reader_cpus: float = 0.0,
+                 val_samples: int | None = None):
+        """`val_samples`: the training ids are `split_ids(N, val_samples)[0]` (the trainer's): the reader rebuilds
+        them instead of receiving the array."""
         self.order = D.RankOrder(compact_ids(train_ids), seed, steps_per_epoch, global_batch_size, world_size, rank,
                                  start_step)
+        self.val_samples = val_samples
         self.num_positions = max(0, total_steps - start_step) * (global_batch_size // world_size)
         self.data_dir, self.m, self.device = str(data_dir), micro_batch_size, torch.device(device)
         self.accumulation_steps = global_batch_size // (micro_batch_size * world_size)
@@ -82,7 +102,8 @@ class RankStream:
         self.data_wait_s = 0.0
 
     def _start(self):
-        ds = rank_dataset(self.order, self.num_positions, self.data_dir, self.m, self.reader_cpus,
+        order = self.order if self.val_samples is None else order_recipe(self.order, self.val_samples)
+        ds = rank_dataset(order, self.num_positions, self.data_dir, self.m, self.reader_cpus,
                           node_id=ray.get_runtime_context().get_node_id())
         # Numpy batches: the sample ids stay on the host (they are only recorded, never computed on), and
         # the token rows are copied to the device here, from pinned memory on CUDA so the copy is async.

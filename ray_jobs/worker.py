@@ -29,7 +29,7 @@ from .stream import RankStream
 def train_func(config: dict) -> None:
     run, train_cfg = config["run"], TrainConfig.from_dict(config["train"])
     launcher = RayLauncher(run, train_cfg.micro_batch_size)
-    prepared = D.open_prepared(run["data_dir"])
+    prepared = D.open_local(run["data_dir"])  # a remote --data is copied to this node once
     trainer = Trainer(ModelConfig.from_dict(config["model"]), train_cfg, RunOptions.from_dict(run),
                       Dataset.prepared(prepared), launcher)
     outcome = "failed"
@@ -66,7 +66,7 @@ class RayLauncher:
                           global_batch_size=order.global_batch_size, micro_batch_size=self.micro_batch_size,
                           world_size=order.world_size, rank=order.rank, start_step=order.start_step,
                           total_steps=total_steps, steps_per_epoch=order.steps_per_epoch, device=self.device,
-                          reader_cpus=self.run.get("reader_cpus", 0.0))
+                          reader_cpus=self.run.get("reader_cpus", 0.0), val_samples=self.run.get("val_samples", 0))
 
     def checkpoint_to_resume(self, log) -> Path | None:
         """The newest complete checkpoint beside Ray's latest registered one (passing over incomplete ones).

@@ -18,8 +18,22 @@ sys.path.insert(0, str(Path(__file__).parent))
 from helpers import make_prepared  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def test_cache(tmp_path_factory):
+    """The session's MINILM_CACHE (the prepared demo corpus, data verification stamps): never the user's
+    ~/.cache/minilm. Subprocess drivers and the Ray workers inherit it."""
+    cache = tmp_path_factory.mktemp("minilm-cache")
+    before = os.environ.get("MINILM_CACHE")
+    os.environ["MINILM_CACHE"] = str(cache)
+    yield cache
+    if before is None:
+        os.environ.pop("MINILM_CACHE", None)
+    else:
+        os.environ["MINILM_CACHE"] = before
+
+
 @pytest.fixture(scope="session")
-def ray_address():
+def ray_address(test_cache):
     """Start one local Ray for the session; subprocess drivers join it through RAY_ADDRESS.
 
     8 logical CPUs on a 2-core machine: training workers must not take every CPU, or the Ray Data

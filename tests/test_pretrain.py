@@ -115,7 +115,6 @@ def test_the_zero_argument_preset_trains_in_process(ray_address, tmp_path, monke
     from ray_jobs.demo_data import demo_data_dir
     from ray_jobs.pretrain import RUN_KEYS, build_parser
 
-    monkeypatch.setenv("MINILM_CACHE", str(tmp_path / "cache"))
     cfgs = build_configs(build_parser().parse_args([]), {}, RUN_KEYS, demo=True)
     for key, value in DEMO_PRESET.items():
         assert getattr(cfgs.model if hasattr(cfgs.model, key) else cfgs.train, key) == value, key
@@ -133,7 +132,7 @@ def test_the_zero_argument_preset_trains_in_process(ray_address, tmp_path, monke
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("MINILM_SKIP_DEMO") == "1", reason="MINILM_SKIP_DEMO=1")
 def test_zero_argument_run_finishes_and_loss_falls(ray_address, tmp_path):
-    env = run_env(ray_address, MINILM_CACHE=str(tmp_path / "cache"))
+    env = run_env(ray_address)  # the session's MINILM_CACHE: the demo corpus the preset test prepared
     proc = subprocess.run([sys.executable, "-m", "ray_jobs.pretrain"], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=840)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
