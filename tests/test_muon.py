@@ -198,3 +198,13 @@ def test_every_ddp_rank_applies_the_same_update(tmp_path):
         assert torch.equal(a, rank1[name]), name
     assert not torch.equal(rank0["model.layers.0.self_attn.q_proj.weight"],
                            start.state_dict()["model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_muon_is_in_the_tune_search_space():
+    from ray_jobs.tune import apply_params, parse_search
+
+    dim = parse_search("optimizer=choice:adamw,muon")
+    assert dim.values == ("adamw", "muon")
+    assert parse_search("muon_lr=loguniform:0.005:0.05").values == (0.005, 0.05)
+    _, t = apply_params(tiny_cfg(), TrainConfig(), {"optimizer": "muon", "muon_lr": 0.01})
+    assert t.validate().optimizer == "muon" and t.muon_lr == 0.01
