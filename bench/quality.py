@@ -34,8 +34,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
+import statistics
 import sys
 import tempfile
 import time
@@ -51,11 +53,11 @@ from minilm.corpus import demo_corpus_documents
 from minilm.model import MiniMindForCausalLM
 from minilm.rows import bos_aligned_rows, packed_rows, padded_document_rows
 from minilm.schedule import get_lr
-from minilm.step import autocast, make_optimizer, set_lr
+from minilm.step import autocast, make_grad_scaler, make_optimizer, optimizer_step, set_lr
 from minilm.tokenizer import BOS_ID, EOS_ID, save_tokenizer, train_tokenizer, vocab_size_of
 from minilm.train import train as minilm_train
 
-from .common import environment, load_average, write_json
+from .common import alternate, environment, load_average, write_json
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -233,6 +235,28 @@ def warm_up(model_cfg: ModelConfig, args) -> None:
             model(ids, labels=ids).loss.backward()
 
 
+def step_times(model_cfg: ModelConfig, args, steps: int = 4) -> dict[str, float]:
+    """Median optimizer step time of minilm's defaults and of its best options, alternating step by step.
+
+    The quality runs follow each other, so their wall times drift with the machine's load; these
+    steps take turns, so the ratio holds on a busy machine too.
+    """
+    scaler = make_grad_scaler(DTYPES[args.dtype], "cpu")
+    batch = torch.randint(3, model_cfg.vocab_size, (args.batch_size, args.seq_len + 1),
+                          generator=torch.Generator().manual_seed(0))
+    fns = {}
+    for name, best in (("minilm", False), ("best", True)):
+        cfg_m, cfg_t = minilm_configs(args, model_cfg, best)
+        torch.manual_seed(args.seed)
+        model = MiniMindForCausalLM(cfg_m).train()
+        opt = make_optimizer(model, cfg_t)
+        step = functools.partial(optimizer_step, model, opt, scaler, [batch], lr=args.lr, grad_clip=1.0,
+                                 dtype=DTYPES[args.dtype])
+        fns[name] = lambda _i, step=step: step()
+    times = alternate(fns, timed=steps, warmup=1)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def parse_runs(spec: str) -> list[str]:
     names: list[str] = []
     for part in spec.split(","):
@@ -317,7 +341,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name:32s} bpb {score['bpb']:.4f}  train {info['train_s']:6.1f} s  load {load_average()}",
               flush=True)
     print_table(results)
-    write_json("quality.json", {"environment": environment(), "args": vars(args), "results": results})
+    timing = None
+    if "best" in runs:
+        timing = step_times(model_cfg, args)
+        print(f"optimizer step, alternating (median of 4, load {load_average()}): minilm {timing['minilm']:.3f} s, "
+              f"best {timing['best']:.3f} s, best / minilm {timing['best'] / timing['minilm']:.2f}x")
+    write_json("quality.json", {"environment": environment(), "args": vars(args), "results": results,
+                                "step_times": timing})
     return 0
 
 

@@ -5,7 +5,6 @@ and the same update on every DDP rank."""
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -168,13 +167,13 @@ def test_muon_settings_are_validated():
 WORLD = 2
 
 
-def _ddp_worker(rank: int, port: int, out_dir: str) -> None:
+def _ddp_worker(rank: int, out_dir: str) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    # A file rendezvous: no port to pick in advance, so no race with other processes for it.
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=WORLD)
     try:
         model, opt = fresh()
         ddp = DDP(model)
@@ -188,10 +187,7 @@ def _ddp_worker(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_every_ddp_rank_applies_the_same_update(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_ddp_worker, args=(port, str(tmp_path)), nprocs=WORLD, join=True)
+    mp.spawn(_ddp_worker, args=(str(tmp_path),), nprocs=WORLD, join=True)
     rank0, rank1 = (torch.load(tmp_path / f"{r}.pt", weights_only=True) for r in range(WORLD))
     start, _ = fresh()
     for name, a in rank0.items():

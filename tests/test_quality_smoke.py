@@ -27,6 +27,7 @@ def test_quality_table(tmp_path):
                       env=env(tmp_path), timeout=240, check=True)
     assert "minilm / reference: bits per byte" in proc.stdout
     assert "best / reference: bits per byte" in proc.stdout
+    assert "best / minilm" in proc.stdout.splitlines()[-1]  # the alternating step-time line
     result = json.loads((tmp_path / "quality.json").read_text())
     runs = {r["run"]: r for r in result["results"]}
     assert list(runs) == ["reference", "minilm", "best"]
@@ -35,6 +36,7 @@ def test_quality_table(tmp_path):
     assert len({r["bytes"] for r in runs.values()}) == 1
     for r in runs.values():
         assert 0 < r["bpb"] < 20 and r["train_s"] > 0
+    assert set(result["step_times"]) == {"minilm", "best"}
 
 
 @pytest.mark.parametrize("args, message", [
