@@ -3,6 +3,7 @@ sliding windows, and the batched scorers against one-window-at-a-time forwards."
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -156,8 +157,9 @@ def test_batched_windows_equal_one_window_at_a_time(tokenizer):
     tok, path = tokenizer
     lengths = token_byte_lengths(path)
     model = tiny_model(len(lengths))
-    docs = [tok.encode(t, add_special_tokens=False).ids for t in demo_corpus_documents(max_bytes=1_500)]
-    docs.append(tok.encode(" ".join(demo_corpus_documents(max_bytes=800)), add_special_tokens=False).ids)  # long
+    texts = list(itertools.islice(demo_corpus_documents(max_bytes=60_000), 6))
+    docs = [tok.encode(t, add_special_tokens=False).ids[:30] for t in texts]
+    docs.append(tok.encode(" ".join(texts), add_special_tokens=False).ids[:150])  # a long one: several windows
     r = evaluate_documents(model, docs, lengths, prefix=[BOS_ID], window=48, stride=20, batch_size=7)
     assert r["windows"] > len(docs)  # some documents need several windows
     nats = nbytes = 0
