@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 DTYPES = ("auto", "bf16", "fp16", "fp32")
+OPTIMIZERS = ("adamw", "muon")
 
 
 class ConfigError(ValueError):
@@ -49,6 +50,8 @@ class ModelConfig:
     bos_token_id: int = 1
     eos_token_id: int = 2
     pad_token_id: int = 0
+    # Packed rows: attend only within the same document (a BOS, or the token after an EOS, starts one).
+    document_mask: bool = False
 
     def __post_init__(self) -> None:
         if self.intermediate_size is None and isinstance(self.hidden_size, int) and self.hidden_size > 0:
@@ -88,6 +91,8 @@ class ModelConfig:
                          f"got {self.num_experts_per_tok!r}")
         if self.router_aux_loss_coef < 0:
             p.append(f"router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef!r}")
+        if not isinstance(self.document_mask, bool):
+            p.append(f"document_mask must be true or false, got {self.document_mask!r}")
         return p
 
     def validate(self) -> ModelConfig:
@@ -124,6 +129,9 @@ class TrainConfig:
     max_nonfinite_steps: int = 5  # this many non-finite gradient steps in a row stop the run
     compile: bool = False  # torch.compile each transformer block (minilm.step.prepare_model)
     activation_checkpointing: bool = False  # recompute each block in backward: less memory, ~1/3 more compute
+    optimizer: str = "adamw"  # "muon": Muon for the blocks' weight matrices, AdamW for the rest (minilm.muon)
+    muon_lr: float = 0.02  # Muon's peak lr (the schedule scales it like lr)
+    muon_momentum: float = 0.95
 
     def problems(self, world_size: int | None = None, total_steps: int | None = None) -> list[str]:
         p: list[str] = []
@@ -161,6 +169,12 @@ class TrainConfig:
         betas = tuple(self.betas) if isinstance(self.betas, (list, tuple)) else ()
         if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas):
             p.append(f"betas must be two numbers in [0, 1), got {self.betas!r}")
+        if self.optimizer not in OPTIMIZERS:
+            p.append(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if not (isinstance(self.muon_lr, (int, float)) and math.isfinite(self.muon_lr) and self.muon_lr > 0):
+            p.append(f"muon_lr must be a positive number, got {self.muon_lr!r}")
+        if not (isinstance(self.muon_momentum, (int, float)) and 0.0 <= self.muon_momentum < 1.0):
+            p.append(f"muon_momentum must be in [0, 1), got {self.muon_momentum!r}")
         for name in ("compile", "activation_checkpointing"):
             if not isinstance(getattr(self, name), bool):
                 p.append(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -226,4 +240,5 @@ def _from_dict(cls, d: dict[str, Any], what: str):
     return cls(**d)
 
 
-__all__ = ["ConfigError", "ModelConfig", "TrainConfig", "accumulation_steps", "check_fits", "valid_world_sizes", "DTYPES"]
+__all__ = ["ConfigError", "ModelConfig", "TrainConfig", "accumulation_steps", "check_fits", "valid_world_sizes", "DTYPES",
+           "OPTIMIZERS"]

@@ -66,7 +66,7 @@ class Attention(nn.Module):
         self.dropout = cfg.dropout
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x, cos, sin, past_key_value=None, use_cache=False):
+    def forward(self, x, cos, sin, past_key_value=None, use_cache=False, attn_mask=None):
         b, t, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim))
         k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim))
@@ -81,8 +81,11 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        if past_key_value is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        dropout_p = self.dropout if self.training else 0.0
+        if attn_mask is not None:  # causal and within one document (document_mask)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
+        elif past_key_value is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
         elif t == 1:  # one new token attends to every cached position
             y = F.scaled_dot_product_attention(q, k, v)
         else:  # several new tokens after a cache: causal, offset by the cache length
@@ -182,8 +185,8 @@ class MiniMindBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoEFeedForward(cfg) if cfg.use_moe else FeedForward(cfg)
 
-    def forward(self, x, cos, sin, past_key_value=None, use_cache=False):
-        attn, present = self.self_attn(self.input_layernorm(x), cos, sin, past_key_value, use_cache)
+    def forward(self, x, cos, sin, past_key_value=None, use_cache=False, attn_mask=None):
+        attn, present = self.self_attn(self.input_layernorm(x), cos, sin, past_key_value, use_cache, attn_mask)
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x)), present
 
@@ -201,21 +204,37 @@ class MiniMindModel(nn.Module):
         # Set by minilm.step.prepare_model: keep only each block's input for backward and recompute
         # the block there (activation memory per layer drops to one hidden state, compute rises ~1/3).
         self.activation_checkpointing = False
+        self.document_mask = cfg.document_mask
+        self.bos_token_id, self.eos_token_id = cfg.bos_token_id, cfg.eos_token_id
+
+    def attention_mask(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(batch, 1, t, t) bool: causal, and no attention across a document boundary in packed rows.
+
+        A document starts at a BOS or right after an EOS; position i attends to j <= i of its own document.
+        """
+        starts = input_ids == self.bos_token_id
+        starts[:, 1:] |= input_ids[:, :-1] == self.eos_token_id
+        doc = starts.cumsum(dim=1)
+        t = input_ids.shape[1]
+        causal = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).tril()
+        return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
 
     def forward(self, input_ids, past_key_values=None, use_cache=False):
         start = past_key_values[0][0].shape[1] if past_key_values else 0
         t = input_ids.shape[1]
         cos, sin = self.freqs_cos[start:start + t], self.freqs_sin[start:start + t]
         x = self.dropout(self.embed_tokens(input_ids))
+        # Generation with a cache reads one document: the plain causal mask is the document mask there.
+        mask = self.attention_mask(input_ids) if self.document_mask and not past_key_values else None
         presents = []
         recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled() and not use_cache
         for i, layer in enumerate(self.layers):
             if recompute:
                 # Non-reentrant: the variant that composes with DDP and torch.compile, and it also recomputes
                 # the MoE aux loss built inside the block; the RNG state is replayed, so dropout masks match.
-                x, present = checkpoint(layer, x, cos, sin, use_reentrant=False)
+                x, present = checkpoint(layer, x, cos, sin, None, False, mask, use_reentrant=False)
             else:
-                x, present = layer(x, cos, sin, past_key_values[i] if past_key_values else None, use_cache)
+                x, present = layer(x, cos, sin, past_key_values[i] if past_key_values else None, use_cache, mask)
             presents.append(present)
         return self.norm(x), presents
 

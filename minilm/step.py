@@ -126,8 +126,17 @@ def prepare_model(model: torch.nn.Module, cfg: TrainConfig, device: torch.device
 
 # ---- optimizer --------------------------------------------------------------------------------
 
-def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices (linear and embedding weights) only, not on norm gains."""
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices (linear and embedding weights) only, not on norm gains.
+
+    With `cfg.optimizer == "muon"`: one `minilm.muon.Muon` that moves the transformer blocks' weight
+    matrices by Muon (peak lr `cfg.muon_lr`) and the rest by AdamW (`cfg.lr`, `cfg.betas`).
+    """
+    if cfg.optimizer == "muon":
+        from .muon import Muon, muon_param_groups
+
+        groups = muon_param_groups(model, lr=cfg.lr, muon_lr=cfg.muon_lr, weight_decay=cfg.weight_decay)
+        return Muon(groups, lr=cfg.lr, momentum=cfg.muon_momentum, betas=tuple(cfg.betas))
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
@@ -139,7 +148,7 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Adam
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    """The schedule's lr into every param group (times the group's `lr_ratio`, where it has one)."""
+    """The schedule's lr for this step; a group with an `lr_ratio` (Muon's) runs at lr x ratio."""
     for group in optimizer.param_groups:
         group["lr"] = lr * group.get("lr_ratio", 1.0)
 

@@ -33,7 +33,8 @@ from .pretrain import RunPlan, check_options, plan_run
 from .pretrain import build_parser as pretrain_parser
 
 SEARCHABLE = {"lr": float, "warmup_steps": int, "min_lr_ratio": float, "global_batch_size": int,
-              "grad_clip": float, "router_aux_loss_coef": float, "weight_decay": float}
+              "grad_clip": float, "router_aux_loss_coef": float, "weight_decay": float,
+              "optimizer": str, "muon_lr": float, "muon_momentum": float}
 KINDS = ("loguniform", "uniform", "choice", "grid")  # grid: every value, x --num-samples
 TUNE_KEYS = frozenset({"search", "num_samples", "max_concurrent_trials", "workers_per_trial", "scheduler",
                        "grace_steps", "metric"})

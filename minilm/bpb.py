@@ -1,0 +1,181 @@
+"""Bits per byte: held-out cross-entropy that compares models with different tokenizers fairly.
+
+    bits per byte = (sum of next-token cross-entropy in nats) / ln 2 / (UTF-8 bytes those tokens spell)
+
+A byte-level BPE decodes every token to a fixed byte string, so the bytes a target token stands for
+are a property of the tokenizer alone: `token_byte_lengths` builds that table (0 for special tokens,
+which spell no text). Special-token targets (EOS, BOS, PAD) count in neither sum: bits per byte
+measures how well the model predicts text.
+
+Two ways to score held-out data:
+
+* `score_rows`: packed token rows as the training loop holds them (`val_bpb` beside `val_loss`). The
+  bytes of a row's targets come from the table, so nothing but the rows and the tokenizer is needed.
+* `evaluate_documents`: whole documents, each scored from its start in sliding windows so that every
+  token after the first window has at least `window - stride` tokens of context (`bench.quality`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Sequence
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+@lru_cache(maxsize=1)
+def byte_level_alphabet() -> dict[str, int]:
+    """The printable character a byte-level BPE writes for each byte value, mapped back to the byte.
+
+    Bytes that are printable Latin-1 characters stand for themselves; the other 68 byte values are
+    shifted to code points 256 and up, in byte order (the GPT-2 convention that HF `tokenizers`'
+    ByteLevel pre-tokenizer and decoder follow).
+    """
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    char_to_byte = {chr(b): b for b in printable}
+    shifted = 0
+    for b in range(256):
+        if b not in printable:
+            char_to_byte[chr(256 + shifted)] = b
+            shifted += 1
+    return char_to_byte
+
+
+def token_bytes(token: str) -> bytes:
+    """The bytes a byte-level BPE token string stands for (KeyError if it is not byte-level)."""
+    alphabet = byte_level_alphabet()
+    return bytes(alphabet[c] for c in token)
+
+
+def token_byte_lengths(tokenizer_json: str | os.PathLike) -> np.ndarray:
+    """UTF-8 bytes each token id decodes to, from a byte-level BPE `tokenizer.json` (or its folder).
+
+    Index = token id, for every id up to the largest (gaps hold 0); special (added) tokens get 0.
+    Raises ValueError for a tokenizer that is not byte-level: its tokens have no fixed bytes.
+    """
+    path = Path(tokenizer_json)
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    spec = json.loads(path.read_text(encoding="utf-8"))
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE" or (spec.get("decoder") or {}).get("type") != "ByteLevel":
+        raise ValueError(f"{path}: bits per byte needs a byte-level BPE tokenizer (model BPE, decoder ByteLevel)")
+    special = {t["id"] for t in spec.get("added_tokens", [])}
+    vocab: dict[str, int] = model["vocab"]
+    size = max([*vocab.values(), *special]) + 1
+    lengths = np.zeros(size, dtype=np.int64)
+    for tok, i in vocab.items():
+        if i in special:
+            continue
+        try:
+            lengths[i] = len(token_bytes(tok))
+        except KeyError:
+            raise ValueError(f"{path}: token {tok!r} (id {i}) is not in the byte-level alphabet") from None
+    return lengths
+
+
+def bits_per_byte(nats: float, num_bytes: int) -> float:
+    """Sum of cross-entropy in nats over the scored tokens -> bits per UTF-8 byte of their text."""
+    if num_bytes <= 0:
+        raise ValueError(f"bits per byte of {num_bytes} bytes is undefined")
+    return float(nats) / math.log(2) / num_bytes
+
+
+def _targets_nats(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
+                  autocast_dtype: torch.dtype | None) -> torch.Tensor:
+    """Sum over positions of CE(logits at t, targets[t]) x weights[t] (weights are 0 or 1), in fp32."""
+    ctx = (torch.autocast(inputs.device.type, dtype=autocast_dtype) if autocast_dtype not in (None, torch.float32)
+           else torch.autocast(inputs.device.type, enabled=False))
+    with ctx:
+        logits = model(inputs).logits
+    ce = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")
+    return (ce * weights.flatten()).sum()
+
+
+@torch.no_grad()
+def score_rows(model: torch.nn.Module, rows: torch.Tensor, byte_lengths: torch.Tensor, *,
+               autocast_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(nats, bytes) summed over the targets of `rows` (n, seq_len + 1), each row input and labels at once.
+
+    Position t predicts token t + 1, as in training. Targets that spell no text (special tokens,
+    byte length 0) are left out of both sums. Both results stay on the device (no host sync):
+    add them up over batches and workers, then call `bits_per_byte`. The model is used as it is:
+    call `model.eval()` first.
+    """
+    byte_lengths = byte_lengths.to(rows.device)
+    targets = rows[:, 1:]
+    nbytes = byte_lengths[targets]
+    nats = _targets_nats(model, rows[:, :-1], targets, (nbytes > 0).float(), autocast_dtype)
+    return nats, nbytes.sum()
+
+
+def document_windows(ids: Sequence[int], window: int, stride: int) -> list[tuple[list[int], int]]:
+    """Sliding windows over one token sequence: [(tokens, first_scored_target), ...].
+
+    `ids` is what the model reads, starting with the document-start context (e.g. BOS); every
+    target ids[1:] is scored exactly once. A window holds at most `window` tokens and scores its
+    targets from index `first_scored_target` on (target j predicts tokens[j + 1]); after the first
+    window each scored target sees at least `window - stride` earlier tokens.
+    """
+    if not 0 < stride < window:
+        raise ValueError(f"need 0 < stride < window, got stride {stride}, window {window}")
+    out: list[tuple[list[int], int]] = []
+    n_targets = len(ids) - 1
+    scored = 0  # targets scored so far
+    start = 0
+    while scored < n_targets:
+        chunk = list(ids[start:start + window])
+        out.append((chunk, scored - start))
+        scored = start + len(chunk) - 1
+        start += stride
+    return out
+
+
+@torch.no_grad()
+def evaluate_documents(model: torch.nn.Module, documents: Sequence[Sequence[int]], byte_lengths: np.ndarray, *,
+                       prefix: Sequence[int], window: int, stride: int | None = None, batch_size: int = 16,
+                       device: str | torch.device = "cpu", autocast_dtype: torch.dtype | None = None) -> dict:
+    """Bits per byte of `documents` (token ids, without special tokens), each read as prefix + document.
+
+    `prefix` is the document-start context of the training format (MiniMind's rows: [BOS]; packed
+    rows: [EOS], the end of the document before). Windows of all documents are batched together,
+    right-padded (causal attention: padding after a position never changes it) with padded
+    positions not scored. Returns {"bpb", "nats", "bytes", "tokens", "windows"}.
+    """
+    stride = stride or window // 2
+    pieces: list[tuple[list[int], int]] = []
+    for doc in documents:
+        pieces.extend(document_windows([*prefix, *doc], window, stride))
+    lengths = torch.as_tensor(byte_lengths, dtype=torch.long)
+    was_training = model.training
+    model.eval()
+    nats = torch.zeros((), dtype=torch.float64)
+    num_bytes = tokens = 0
+    for b in range(0, len(pieces), batch_size):
+        batch = pieces[b:b + batch_size]
+        width = max(len(t) for t, _ in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        scored = torch.zeros(len(batch), width - 1, dtype=torch.bool)
+        for i, (toks, first) in enumerate(batch):
+            ids[i, :len(toks)] = torch.as_tensor(toks)
+            scored[i, first:len(toks) - 1] = True
+        targets = ids[:, 1:]
+        nbytes = lengths[targets] * scored
+        weights = (nbytes > 0).float()
+        ids, targets, weights = ids.to(device), targets.to(device), weights.to(device)
+        nats += _targets_nats(model, ids[:, :-1], targets, weights, autocast_dtype).double().cpu()
+        num_bytes += int(nbytes.sum())
+        tokens += int(weights.sum())
+    model.train(was_training)
+    return {"bpb": bits_per_byte(float(nats), num_bytes), "nats": float(nats), "bytes": num_bytes,
+            "tokens": tokens, "windows": len(pieces)}
+
+
+__all__ = ["token_byte_lengths", "token_bytes", "bits_per_byte", "score_rows", "document_windows",
+           "evaluate_documents", "byte_level_alphabet"]

@@ -1,0 +1,153 @@
+"""How tokenized documents become training rows: three layouts, as pure functions.
+
+A row is `row_len` token ids (seq_len + 1: input and labels at once, the model shifts the labels).
+
+* `padded_document_rows`: MiniMind's pretraining rows. One document per row, `[BOS] + doc + [EOS]`
+  cut to row_len (the document's tail is never trained on), PAD after it; PAD targets get label
+  -100 (no loss).
+* `packed_rows`: minilm's packing (`minilm.packing.pack_documents`, what `ray_jobs.prepare`
+  writes): documents each followed by EOS (optionally preceded by BOS), concatenated and cut every
+  row_len tokens. No padding; a document may start anywhere in a row and continue in the next.
+* `bos_aligned_rows`: every row starts at a document start. Documents (`[BOS] + doc + [EOS]`) are
+  placed best-fit into rows: each row takes the longest waiting document that fits the space left,
+  and when none fits, the shortest one is cropped to fill the row; its rest is dropped, never
+  carried into the next row. So every document in a row is read from its beginning, with its BOS.
+
+`document_starts` marks where documents begin inside rows of any layout (after an EOS, or at a
+BOS), which is what document-masked attention needs.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .packing import pack_documents
+from .tokenizer import BOS_ID, EOS_ID, PAD_ID
+
+
+def padded_document_rows(docs: Iterable[Sequence[int]], row_len: int, *, bos_id: int = BOS_ID,
+                         eos_id: int = EOS_ID, pad_id: int = PAD_ID) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, labels), both int64 (n_docs, row_len): MiniMind's `[BOS] + doc[:row_len - 2] + [EOS]`, padded.
+
+    Labels equal the rows except at padded positions (-100). MiniMind masks by value (`input_ids ==
+    pad_token_id`); masking by position is the same for any document that does not contain PAD.
+    """
+    if row_len < 2:
+        raise ValueError(f"row_len must be >= 2 (BOS and EOS), got {row_len}")
+    docs = list(docs)
+    rows = np.full((len(docs), row_len), pad_id, dtype=np.int64)
+    labels = np.full((len(docs), row_len), -100, dtype=np.int64)
+    for i, doc in enumerate(docs):
+        ids = [bos_id, *doc[: row_len - 2], eos_id]
+        rows[i, : len(ids)] = ids
+        labels[i, : len(ids)] = ids
+    return rows, labels
+
+
+def packed_rows(docs: Iterable[Sequence[int]], row_len: int, *, eos_id: int = EOS_ID,
+                bos_id: int | None = None) -> tuple[np.ndarray, int]:
+    """(rows, dropped tail tokens): minilm's packing; with `bos_id`, each document starts with a BOS too."""
+    if bos_id is not None:
+        docs = ([bos_id, *doc] for doc in docs)
+    return pack_documents(docs, row_len - 1, eos_id=eos_id)
+
+
+@dataclass
+class BestFitStats:
+    rows: int = 0
+    documents: int = 0  # documents placed (whole or cropped)
+    cropped_documents: int = 0
+    cropped_tokens: int = 0  # tokens cut off cropped documents (never trained on)
+    leftover_documents: int = 0  # documents still waiting when the input ran out (they fill no whole row)
+    leftover_tokens: int = 0
+
+
+def iter_bos_aligned_rows(docs: Iterable[Sequence[int]], row_len: int, *, bos_id: int = BOS_ID,
+                          eos_id: int = EOS_ID, buffer_docs: int = 1000,
+                          stats: BestFitStats | None = None) -> Iterator[np.ndarray]:
+    """Yield BOS-aligned rows (int32, row_len) from `docs`, best-fit within a window of `buffer_docs` documents.
+
+    Streams: at most `buffer_docs` documents wait at a time, so memory stays flat in the corpus size.
+    The rule, row by row: take the longest waiting document that fits the space left in the row;
+    when none fits, crop the shortest waiting one to the space left (cropping the shortest wastes
+    the fewest tokens) and close the row. Documents still waiting when the input ends and that
+    cannot fill a last row are dropped (counted in `stats`).
+    """
+    if row_len < 2:
+        raise ValueError(f"row_len must be >= 2 (BOS and EOS), got {row_len}")
+    if buffer_docs < 1:
+        raise ValueError(f"buffer_docs must be >= 1, got {buffer_docs}")
+    stats = stats if stats is not None else BestFitStats()
+    source = iter(docs)
+    keys: list[tuple[int, int]] = []  # (length, arrival number), sorted: bisect finds the best fit
+    waiting: dict[int, np.ndarray] = {}
+    arrivals = waiting_tokens = 0
+    exhausted = False
+
+    def refill() -> None:
+        # Keep buffer_docs documents waiting, and at least a row's worth of tokens, while input lasts.
+        nonlocal arrivals, waiting_tokens, exhausted
+        while not exhausted and (len(keys) < buffer_docs or waiting_tokens < row_len):
+            doc = next(source, None)
+            if doc is None:
+                exhausted = True
+                return
+            ids = np.asarray([bos_id, *doc, eos_id], dtype=np.int32)
+            bisect.insort(keys, (len(ids), arrivals))
+            waiting[arrivals] = ids
+            waiting_tokens += len(ids)
+            arrivals += 1
+
+    while True:
+        refill()
+        if waiting_tokens < row_len:  # only once the input is exhausted
+            stats.leftover_documents += len(keys)
+            stats.leftover_tokens += waiting_tokens
+            return
+        row = np.empty(row_len, dtype=np.int32)
+        filled = 0
+        while filled < row_len:
+            space = row_len - filled
+            # The longest document of length <= space: the last key before (space + 1, -1).
+            i = bisect.bisect_left(keys, (space + 1, -1)) - 1
+            if i >= 0:
+                length, n = keys.pop(i)
+                row[filled:filled + length] = waiting.pop(n)
+                filled += length
+            else:  # nothing fits: waiting_tokens >= space guarantees a document is waiting
+                length, n = keys.pop(0)
+                row[filled:] = waiting.pop(n)[:space]
+                stats.cropped_documents += 1
+                stats.cropped_tokens += length - space
+                filled = row_len
+            waiting_tokens -= length
+            stats.documents += 1
+            refill()
+        stats.rows += 1
+        yield row
+
+
+def bos_aligned_rows(docs: Iterable[Sequence[int]], row_len: int, *, bos_id: int = BOS_ID, eos_id: int = EOS_ID,
+                     buffer_docs: int = 1000) -> tuple[np.ndarray, BestFitStats]:
+    """All BOS-aligned rows of `docs` as one int32 array (n, row_len), and what was cropped or left over."""
+    stats = BestFitStats()
+    rows = list(iter_bos_aligned_rows(docs, row_len, bos_id=bos_id, eos_id=eos_id, buffer_docs=buffer_docs,
+                                      stats=stats))
+    return (np.stack(rows) if rows else np.zeros((0, row_len), np.int32)), stats
+
+
+def document_starts(rows: np.ndarray, *, bos_id: int = BOS_ID, eos_id: int = EOS_ID) -> np.ndarray:
+    """Bool (n, row_len): True where a document begins: at a BOS, or right after an EOS (and at position 0)."""
+    rows = np.asarray(rows)
+    starts = rows == bos_id
+    starts[:, 1:] |= rows[:, :-1] == eos_id
+    starts[:, 0] = True
+    return starts
+
+
+__all__ = ["padded_document_rows", "packed_rows", "bos_aligned_rows", "iter_bos_aligned_rows", "BestFitStats",
+           "document_starts"]

@@ -1,0 +1,206 @@
+"""Muon (minilm.muon) through minilm.step.make_optimizer: which parameters it moves, its learning
+rates, an exactly resumable state, a skipped step that changes nothing (found_inf, no host sync),
+and the same update on every DDP rank."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
+
+from minilm.config import ConfigError, ModelConfig, TrainConfig
+from minilm.model import MiniMindForCausalLM
+from minilm.muon import Muon, orthogonalize
+from minilm.step import make_grad_scaler, make_optimizer, optimizer_step, set_lr
+
+SEQ, MICRO, ACCUMULATION, VOCAB = 16, 2, 2, 64
+
+
+def tiny_cfg(**kw) -> ModelConfig:
+    return ModelConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       vocab_size=VOCAB, max_position_embeddings=SEQ + 1, **kw)
+
+
+def muon_cfg(**kw) -> TrainConfig:
+    return TrainConfig(optimizer="muon", lr=1e-3, muon_lr=0.02, **kw)
+
+
+def fresh(seed: int = 0, **model_kw) -> tuple[MiniMindForCausalLM, Muon]:
+    torch.manual_seed(seed)
+    model = MiniMindForCausalLM(tiny_cfg(**model_kw))
+    return model, make_optimizer(model, muon_cfg())
+
+
+def batch(step: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(3, VOCAB, (MICRO * ACCUMULATION, SEQ + 1), generator=gen)
+
+
+def train(model, opt, steps: range) -> None:
+    scaler = make_grad_scaler(torch.float32, "cpu")
+    for step in steps:
+        optimizer_step(model, opt, scaler, list(batch(step).split(MICRO)), lr=1e-3 * (1 - step / 20), grad_clip=1.0)
+
+
+@pytest.mark.parametrize("shape", [(32, 32), (32, 88), (88, 32), (7, 300)])
+def test_orthogonalize_gives_unit_singular_values(shape):
+    g = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    o = orthogonalize(g)
+    assert o.shape == g.shape and o.dtype == g.dtype
+    s = torch.linalg.svdvals(o)
+    assert s.min() > 0.6 and s.max() < 1.25  # Newton-Schulz lands near 1, not exactly on it
+    # The same directions as g: o ~ U V^T of g.
+    u, _, vh = torch.linalg.svd(g, full_matrices=False)
+    assert torch.nn.functional.cosine_similarity(o.flatten(), (u @ vh).flatten(), dim=0) > 0.95
+
+
+def test_block_matrices_on_muon_the_rest_on_adamw():
+    model = MiniMindForCausalLM(tiny_cfg(use_moe=True))
+    opt = make_optimizer(model, muon_cfg(weight_decay=0.1))
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon, decay, no_decay = ([names[id(p)] for p in g["params"]] for g in opt.param_groups)
+    assert all(".layers." in n and n.endswith("_proj.weight") for n in muon)
+    assert len(muon) == 2 * (4 + 3 * 4)  # q k v o, and gate/up/down of 4 experts, per layer
+    assert sorted(decay) == ["model.embed_tokens.weight", "model.layers.0.mlp.gate.weight",
+                             "model.layers.1.mlp.gate.weight"]  # tied embedding/head and the routers
+    assert all(n.endswith("norm.weight") for n in no_decay)
+    assert sum(map(len, (muon, decay, no_decay))) == len(list(model.parameters()))
+    ratio = 0.02 / 1e-3
+    assert opt.param_groups[0]["use_muon"] and opt.param_groups[0]["lr_ratio"] == pytest.approx(ratio)
+    # lr x decay per step is the same for every matrix: Muon's decay is divided by its lr ratio.
+    assert opt.param_groups[0]["weight_decay"] * ratio == pytest.approx(opt.param_groups[1]["weight_decay"])
+    assert opt.param_groups[2]["weight_decay"] == 0.0
+    set_lr(opt, 5e-4)
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([5e-4 * ratio, 5e-4, 5e-4])
+
+
+def test_muon_trains():
+    model, opt = fresh()
+    scaler = make_grad_scaler(torch.float32, "cpu")
+    pattern = torch.arange(3, 3 + SEQ + 1).repeat(MICRO, 1)
+    losses = [float(optimizer_step(model, opt, scaler, [pattern], lr=1e-3, grad_clip=1.0).loss) for _ in range(25)]
+    assert losses[-1] < 0.8 * losses[0]
+
+
+def test_resumed_run_is_bitwise_equal_to_uninterrupted(tmp_path):
+    model, opt = fresh()
+    train(model, opt, range(6))
+
+    model_a, opt_a = fresh()
+    train(model_a, opt_a, range(3))
+    save_file({k: v.detach().clone().contiguous() for k, v in model_a.state_dict().items()}, tmp_path / "model.safetensors")
+    torch.save(opt_a.state_dict(), tmp_path / "optimizer.pt")
+    del model_a, opt_a
+
+    model_b, opt_b = fresh(seed=123)  # other initial weights: everything must come from the files
+    model_b.load_state_dict(load_file(tmp_path / "model.safetensors"))
+    opt_b.load_state_dict(torch.load(tmp_path / "optimizer.pt", weights_only=True))
+    train(model_b, opt_b, range(3, 6))
+    for (name, a), b in zip(model.state_dict().items(), model_b.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    for sa, sb in zip(opt.state.values(), opt_b.state.values(), strict=True):
+        assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def snapshot(model, opt) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()] + \
+           [t.clone() for s in opt.state.values() for t in s.values()]
+
+
+def step_with_grads(model, opt, grads, found_inf):
+    for p, g in zip(model.parameters(), grads, strict=True):
+        p.grad = g.clone()
+    opt.found_inf = found_inf
+    opt.step()
+    opt.found_inf = None
+
+
+def test_found_inf_skips_the_step_bitwise_without_a_host_sync(monkeypatch):
+    model, opt = fresh()
+    train(model, opt, range(2))  # non-empty state
+    grads = [torch.randn_like(p) for p in model.parameters()]
+    grads[0][0, 0] = float("nan")
+    grads[5].fill_(float("inf"))
+    before = snapshot(model, opt)
+
+    def no_sync(*_a, **_k):
+        raise AssertionError("host sync inside step()")
+
+    monkeypatch.setattr(torch.Tensor, "item", no_sync)
+    monkeypatch.setattr(torch.Tensor, "__bool__", no_sync)
+    step_with_grads(model, opt, grads, torch.tensor(1.0))
+    monkeypatch.undo()
+    after = snapshot(model, opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def test_found_inf_zero_is_an_ordinary_step():
+    model_a, opt_a = fresh()
+    model_b, opt_b = fresh()
+    train(model_a, opt_a, range(2))
+    train(model_b, opt_b, range(2))
+    grads = [torch.randn_like(p) for p in model_a.parameters()]
+    step_with_grads(model_a, opt_a, grads, None)
+    step_with_grads(model_b, opt_b, grads, torch.tensor(0.0))
+    assert all(torch.equal(a, b) for a, b in zip(snapshot(model_a, opt_a), snapshot(model_b, opt_b), strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(snapshot(model_a, opt_a)[:3], snapshot(*fresh())[:3],
+                                                     strict=True))
+
+
+def test_muon_settings_are_validated():
+    with pytest.raises(ConfigError, match="optimizer must be one of adamw, muon"):
+        TrainConfig(optimizer="sgd").validate()
+    with pytest.raises(ConfigError, match="muon_lr must be a positive number"):
+        TrainConfig(optimizer="muon", muon_lr=0).validate()
+    with pytest.raises(ConfigError, match="muon_momentum must be in"):
+        TrainConfig(muon_momentum=1.0).validate()
+    with pytest.raises(ValueError, match="2-D"):
+        Muon([{"params": [torch.nn.Parameter(torch.zeros(3))], "use_muon": True}], lr=1e-3)
+
+
+# ---- DDP: every rank applies the same update ------------------------------------------------------
+
+WORLD = 2
+
+
+def _ddp_worker(rank: int, out_dir: str) -> None:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    # A file rendezvous: no port to pick in advance, so no race with other processes for it.
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=WORLD)
+    try:
+        model, opt = fresh()
+        ddp = DDP(model)
+        scaler = make_grad_scaler(torch.float32, "cpu")
+        for step in range(4):
+            mine = batch(step).chunk(WORLD)[rank]  # each rank its own half of the global batch
+            optimizer_step(ddp, opt, scaler, list(mine.split(MICRO // WORLD or 1)), lr=1e-3, grad_clip=1.0)
+        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(out_dir, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_ddp_rank_applies_the_same_update(tmp_path):
+    mp.spawn(_ddp_worker, args=(str(tmp_path),), nprocs=WORLD, join=True)
+    rank0, rank1 = (torch.load(tmp_path / f"{r}.pt", weights_only=True) for r in range(WORLD))
+    start, _ = fresh()
+    for name, a in rank0.items():
+        assert torch.equal(a, rank1[name]), name
+    assert not torch.equal(rank0["model.layers.0.self_attn.q_proj.weight"],
+                           start.state_dict()["model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_muon_is_in_the_tune_search_space():
+    from ray_jobs.tune import apply_params, parse_search
+
+    dim = parse_search("optimizer=choice:adamw,muon")
+    assert dim.values == ("adamw", "muon")
+    assert parse_search("muon_lr=loguniform:0.005:0.05").values == (0.005, 0.05)
+    _, t = apply_params(tiny_cfg(), TrainConfig(), {"optimizer": "muon", "muon_lr": 0.01})
+    assert t.validate().optimizer == "muon" and t.muon_lr == 0.01
