@@ -186,7 +186,7 @@ def load_resume_state(path: str | os.PathLike, map_location: str | torch.device 
 
 
 def resume_problems(state: dict[str, Any], model_config: ModelConfig, global_batch_size: int, seed: int,
-                    data_fingerprint: str, dtype: str | None = None) -> list[str]:
+                    data_fingerprint: str, dtype: str | None = None, optimizer: str | None = None) -> list[str]:
     """Why a run with these settings cannot continue from a checkpoint's state.json (empty: it can)."""
     problems = []
     before = checkpoint_dtype(state)
@@ -196,14 +196,20 @@ def resume_problems(state: dict[str, Any], model_config: ModelConfig, global_bat
     if state["global_batch_size"] != global_batch_size:
         problems.append(f"global_batch_size {global_batch_size} != {state['global_batch_size']} in the checkpoint "
                         f"(the global batch is the invariant of a run)")
-    if state["model_config"] != model_config.to_dict():
-        changed = sorted(k for k, v in model_config.to_dict().items() if state["model_config"].get(k) != v)
+    # A field added to ModelConfig since the checkpoint was written (e.g. document_mask) has its default there.
+    saved_model = {**ModelConfig().to_dict(), **state["model_config"]}
+    if saved_model != model_config.to_dict():
+        changed = sorted(k for k, v in model_config.to_dict().items() if saved_model.get(k) != v)
         problems.append(f"the model config differs from the checkpoint's ({', '.join(changed)})")
     if state["data_fingerprint"] != data_fingerprint:
         problems.append(f"the data fingerprint {data_fingerprint[:12]} differs from the checkpoint's "
                         f"{state['data_fingerprint'][:12]} (other --data, or data made with another tokenizer)")
     if state["train_config"]["seed"] != seed:
         problems.append(f"seed {seed} != {state['train_config']['seed']} in the checkpoint")
+    saved_optimizer = state["train_config"].get("optimizer", "adamw")
+    if optimizer is not None and optimizer != saved_optimizer:
+        problems.append(f"optimizer {optimizer} != {saved_optimizer} in the checkpoint (its state has no "
+                        f"counterpart in the other optimizer)")
     return problems
 
 

@@ -21,7 +21,7 @@ EXIT_INTERRUPTED = 130  # Ctrl-C / SIGTERM of the driver
 # on 2 CPUs. With --data, the dataclasses' defaults (MiniMind's) apply; flags and --config override both.
 DEMO_PRESET = {
     "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
-    "seq_len": 256, "micro_batch_size": 8, "global_batch_size": 32, "lr": 1e-3, "warmup_steps": 20,
+    "seq_len": 256, "micro_batch_size": 8, "global_batch_size": 32, "lr": 1e-3, "warmup_steps": 0,
     "log_every": 10, "checkpoint_every": 50, "max_steps": 100,
 }
 

@@ -65,7 +65,10 @@ class Muon(torch.optim.Optimizer):
         for group in self.param_groups:
             if group["use_muon"] and any(p.dim() != 2 for p in group["params"]):
                 raise ValueError("Muon groups take 2-D weight matrices only")
-        self.found_inf: torch.Tensor | None = None
+
+    # torch's amp protocol (as fused AdamW): GradScaler and minilm.step.step_unless_nonfinite hand `found_inf`
+    # (and `grad_scale`) over as attributes for one step and delete them after it.
+    _step_supports_amp_scaling = True
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
@@ -80,7 +83,9 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        skip = self.found_inf
+        if getattr(self, "grad_scale", None) is not None:
+            raise RuntimeError("Muon takes unscaled gradients: call scaler.unscale_(optimizer) before the step")
+        skip = getattr(self, "found_inf", None)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from .data import FORMAT, MANIFEST, TOKEN_DTYPES, TOKENIZER_FILE
-from .tokenizer import EOS_ID
+from .tokenizer import BOS_ID, EOS_ID
 
 SHARD_NAME = "shard-{:05d}.bin"
 # Shards of about 256 MiB: few enough files for a 10B-token corpus (~80 at uint16), small enough to
@@ -173,6 +173,43 @@ class ShardWriter:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+class BosAlignedShardWriter(ShardWriter):
+    """A ShardWriter whose rows each start at a document start (`prepare --rows bos-aligned`).
+
+    The EOS-separated stream is split back into documents, which `minilm.rows.BestFitRows` places
+    best-fit into rows of seq_len + 1 (`[BOS] + doc + [EOS]` each, the last one of a row cropped
+    rather than split into the next row); the rows go to the token files as usual. `best_fit` counts
+    what was cropped and what was left over.
+    """
+
+    def __init__(self, directory: str | os.PathLike, seq_len: int, rows_per_shard: int | None = None,
+                 eos_id: int = EOS_ID, token_dtype: str = "uint16", bos_id: int = BOS_ID, buffer_docs: int = 1000):
+        from .rows import BestFitRows, BestFitStats
+
+        super().__init__(directory, seq_len, rows_per_shard, eos_id=eos_id, token_dtype=token_dtype)
+        self.best_fit = BestFitStats()
+        self._packer = BestFitRows(seq_len + 1, bos_id=bos_id, eos_id=eos_id, buffer_docs=buffer_docs,
+                                   stats=self.best_fit)
+
+    def add_stream(self, tokens: np.ndarray, documents: int = 0) -> None:
+        tokens = np.asarray(tokens)
+        ends = np.flatnonzero(tokens == self.eos_id)
+        rows, start = [], 0
+        for end in ends:
+            rows += self._packer.add(tokens[start:end])
+            start = int(end) + 1
+        self._write_rows(rows, documents)
+
+    def close(self) -> PackResult:
+        if not self._closed:
+            self._write_rows(self._packer.finish(), 0)
+        return super().close()
+
+    def _write_rows(self, rows: list, documents: int) -> None:
+        stream = np.concatenate(rows) if rows else np.zeros(0, np.int32)
+        super().add_stream(stream, documents=documents)
 
 
 # ---- manifest ---------------------------------------------------------------------------------------

@@ -103,6 +103,8 @@ def format_log_line(m: dict) -> str:
         line += f" skipped {m['skipped_steps']}"
     if "val_loss" in m:
         line += f" val_loss {m['val_loss']:.4f}"
+    if "val_bpb" in m:
+        line += f" val_bpb {m['val_bpb']:.4f}"
     loads = m.get("expert_load")
     if loads:
         line += " expert_load " + " | ".join("/".join(f"{x:.2f}" for x in layer) for layer in loads)

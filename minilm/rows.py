@@ -66,69 +66,81 @@ class BestFitStats:
     leftover_tokens: int = 0
 
 
+class BestFitRows:
+    """BOS-aligned best-fit rows from documents pushed one at a time (`add`), for a streaming writer.
+
+    At most `buffer_docs` documents wait: once that many wait (and a row's worth of tokens), `add`
+    returns the rows it could close; `finish` closes the rows the rest can fill. The rule, row by
+    row: take the longest waiting document that fits the space left in the row; when none fits,
+    crop the shortest waiting one to the space left (cropping the shortest wastes the fewest
+    tokens) and close the row. Documents still waiting at the end that cannot fill a last row are
+    dropped (counted in `stats`).
+    """
+
+    def __init__(self, row_len: int, *, bos_id: int = BOS_ID, eos_id: int = EOS_ID, buffer_docs: int = 1000,
+                 stats: BestFitStats | None = None):
+        if row_len < 2:
+            raise ValueError(f"row_len must be >= 2 (BOS and EOS), got {row_len}")
+        if buffer_docs < 1:
+            raise ValueError(f"buffer_docs must be >= 1, got {buffer_docs}")
+        self.row_len, self.bos_id, self.eos_id, self.buffer_docs = row_len, bos_id, eos_id, buffer_docs
+        self.stats = stats if stats is not None else BestFitStats()
+        self.keys: list[tuple[int, int]] = []  # (length, arrival number), sorted: bisect finds the best fit
+        self.waiting: dict[int, np.ndarray] = {}
+        self.arrivals = self.waiting_tokens = 0
+
+    def add(self, doc: Sequence[int]) -> list[np.ndarray]:
+        ids = np.asarray([self.bos_id, *doc, self.eos_id], dtype=np.int32)
+        bisect.insort(self.keys, (len(ids), self.arrivals))
+        self.waiting[self.arrivals] = ids
+        self.waiting_tokens += len(ids)
+        self.arrivals += 1
+        rows = []
+        while len(self.keys) >= self.buffer_docs and self.waiting_tokens >= self.row_len:
+            rows.append(self._row())
+        return rows
+
+    def finish(self) -> list[np.ndarray]:
+        rows = []
+        while self.waiting_tokens >= self.row_len:
+            rows.append(self._row())
+        self.stats.leftover_documents += len(self.keys)
+        self.stats.leftover_tokens += self.waiting_tokens
+        self.keys, self.waiting, self.waiting_tokens = [], {}, 0
+        return rows
+
+    def _row(self) -> np.ndarray:
+        row = np.empty(self.row_len, dtype=np.int32)
+        filled = 0
+        while filled < self.row_len:
+            space = self.row_len - filled
+            # The longest document of length <= space: the last key before (space + 1, -1).
+            i = bisect.bisect_left(self.keys, (space + 1, -1)) - 1
+            if i >= 0:
+                length, n = self.keys.pop(i)
+                row[filled:filled + length] = self.waiting.pop(n)
+                filled += length
+            else:  # nothing fits: waiting_tokens >= space guarantees a document is waiting
+                length, n = self.keys.pop(0)
+                row[filled:] = self.waiting.pop(n)[:space]
+                self.stats.cropped_documents += 1
+                self.stats.cropped_tokens += length - space
+                filled = self.row_len
+            self.waiting_tokens -= length
+            self.stats.documents += 1
+        self.stats.rows += 1
+        return row
+
+
 def iter_bos_aligned_rows(docs: Iterable[Sequence[int]], row_len: int, *, bos_id: int = BOS_ID,
                           eos_id: int = EOS_ID, buffer_docs: int = 1000,
                           stats: BestFitStats | None = None) -> Iterator[np.ndarray]:
-    """Yield BOS-aligned rows (int32, row_len) from `docs`, best-fit within a window of `buffer_docs` documents.
-
-    Streams: at most `buffer_docs` documents wait at a time, so memory stays flat in the corpus size.
-    The rule, row by row: take the longest waiting document that fits the space left in the row;
-    when none fits, crop the shortest waiting one to the space left (cropping the shortest wastes
-    the fewest tokens) and close the row. Documents still waiting when the input ends and that
-    cannot fill a last row are dropped (counted in `stats`).
-    """
-    if row_len < 2:
-        raise ValueError(f"row_len must be >= 2 (BOS and EOS), got {row_len}")
-    if buffer_docs < 1:
-        raise ValueError(f"buffer_docs must be >= 1, got {buffer_docs}")
-    stats = stats if stats is not None else BestFitStats()
-    source = iter(docs)
-    keys: list[tuple[int, int]] = []  # (length, arrival number), sorted: bisect finds the best fit
-    waiting: dict[int, np.ndarray] = {}
-    arrivals = waiting_tokens = 0
-    exhausted = False
-
-    def refill() -> None:
-        # Keep buffer_docs documents waiting, and at least a row's worth of tokens, while input lasts.
-        nonlocal arrivals, waiting_tokens, exhausted
-        while not exhausted and (len(keys) < buffer_docs or waiting_tokens < row_len):
-            doc = next(source, None)
-            if doc is None:
-                exhausted = True
-                return
-            ids = np.asarray([bos_id, *doc, eos_id], dtype=np.int32)
-            bisect.insort(keys, (len(ids), arrivals))
-            waiting[arrivals] = ids
-            waiting_tokens += len(ids)
-            arrivals += 1
-
-    while True:
-        refill()
-        if waiting_tokens < row_len:  # only once the input is exhausted
-            stats.leftover_documents += len(keys)
-            stats.leftover_tokens += waiting_tokens
-            return
-        row = np.empty(row_len, dtype=np.int32)
-        filled = 0
-        while filled < row_len:
-            space = row_len - filled
-            # The longest document of length <= space: the last key before (space + 1, -1).
-            i = bisect.bisect_left(keys, (space + 1, -1)) - 1
-            if i >= 0:
-                length, n = keys.pop(i)
-                row[filled:filled + length] = waiting.pop(n)
-                filled += length
-            else:  # nothing fits: waiting_tokens >= space guarantees a document is waiting
-                length, n = keys.pop(0)
-                row[filled:] = waiting.pop(n)[:space]
-                stats.cropped_documents += 1
-                stats.cropped_tokens += length - space
-                filled = row_len
-            waiting_tokens -= length
-            stats.documents += 1
-            refill()
-        stats.rows += 1
-        yield row
+    """Yield BOS-aligned rows (int32, row_len) from `docs`, best-fit within a window of `buffer_docs` documents
+    (`BestFitRows`). Streams: memory stays flat in the corpus size."""
+    packer = BestFitRows(row_len, bos_id=bos_id, eos_id=eos_id, buffer_docs=buffer_docs, stats=stats)
+    for doc in docs:
+        yield from packer.add(doc)
+    yield from packer.finish()
 
 
 def bos_aligned_rows(docs: Iterable[Sequence[int]], row_len: int, *, bos_id: int = BOS_ID, eos_id: int = EOS_ID,
@@ -149,5 +161,6 @@ def document_starts(rows: np.ndarray, *, bos_id: int = BOS_ID, eos_id: int = EOS
     return starts
 
 
-__all__ = ["padded_document_rows", "packed_rows", "bos_aligned_rows", "iter_bos_aligned_rows", "BestFitStats",
+__all__ = ["padded_document_rows", "packed_rows", "bos_aligned_rows", "iter_bos_aligned_rows", "BestFitRows",
+           "BestFitStats",
            "document_starts"]

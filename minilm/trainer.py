@@ -30,9 +30,11 @@ from typing import Protocol
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from . import checkpoint as C
 from . import data as D
+from .bpb import bits_per_byte, token_byte_lengths
 from .config import ModelConfig, TrainConfig, accumulation_steps
 from .distributed import Collectives, FlagAgreement
 from .model import MiniMindForCausalLM
@@ -164,6 +166,7 @@ class Trainer:
         self.metrics_log = MetricsLog(Path(run.run_dir) / "metrics.jsonl") if run.run_dir and self.rank == 0 else None
         self.timeline = WorldSizeTimeline(run.run_dir) if run.run_dir and self.rank == 0 else None
         self.redone_steps, self.last_checkpoint_s, self.history = 0, 0.0, []
+        self.token_bytes = None  # val_bpb's byte table, made at the first evaluation
         self.start()
 
     # ---- set-up -------------------------------------------------------------------------------
@@ -216,7 +219,8 @@ class Trainer:
         resume = C.load_resume_state(path)
         s = resume.state
         problems = C.resume_problems(s, self.model_cfg, self.train_cfg.global_batch_size, self.train_cfg.seed,
-                                     self.data.fingerprint, dtype=self.train_cfg.dtype)
+                                     self.data.fingerprint, dtype=self.train_cfg.dtype,
+                                     optimizer=self.train_cfg.optimizer)
         if problems:
             raise C.CheckpointError(f"cannot resume from {path}: " + "; ".join(problems))
         self.raw_model.load_state_dict(resume.model_state, strict=True)
@@ -288,11 +292,11 @@ class Trainer:
     # ---- log and save -------------------------------------------------------------------------
 
     def log(self, m, lr: float, evaluating: bool) -> dict:
-        """Every rank: the metrics of this log step (loss means over ranks, val_loss); rank 0 also prints the
+        """Every rank: the metrics of this log step (loss means over ranks, val_loss and val_bpb); rank 0 also prints the
         log line and writes metrics.jsonl, the trackers and the last completed step."""
         metrics = self.meter.metrics(m, lr)
         if evaluating:
-            metrics["val_loss"] = self.validation_loss()
+            metrics.update(self.validate())
         self.history.append(metrics)
         if self.rank == 0:
             self.log_line(format_log_line(metrics))
@@ -333,21 +337,44 @@ class Trainer:
         }
 
     @torch.no_grad()
-    def validation_loss(self) -> float:
-        """Mean next-token loss over the held-out sequences (each rank scores every W-th; summed over ranks)."""
+    def validate(self) -> dict:
+        """val_loss, the mean next-token loss over the held-out rows, and val_bpb, bits per UTF-8 byte of the text
+        their targets spell (special tokens left out; a byte-level BPE spells fixed bytes per token, so the bytes
+        come from the tokenizer: minilm.bpb). Each rank scores every W-th row; the sums are added over ranks."""
         model, m = self.raw_model, self.train_cfg.micro_batch_size
+        if self.token_bytes is None:
+            self.token_bytes = self._token_bytes()
         model.eval()
-        total = torch.zeros(2, dtype=torch.float64, device=self.device)  # (sum of losses x rows, rows)
+        # nats over all targets, targets, nats over targets that spell text, their bytes
+        total = torch.zeros(4, dtype=torch.float64, device=self.device)
         for start in range(0, len(self.val_ids), m):
-            chunk = self.val_ids[start:start + m]
-            ids = torch.from_numpy(np.ascontiguousarray(self.data.store.take(chunk))).to(self.device).long()
+            rows = torch.from_numpy(np.ascontiguousarray(self.data.store.take(self.val_ids[start:start + m])))
+            rows = rows.to(self.device).long()
             with autocast(self.device.type, self.dtype):
-                loss = model(ids, labels=ids).loss
-            total[0] += loss.double() * len(chunk)
-            total[1] += len(chunk)
+                logits = model(rows).logits[:, :-1]
+            targets = rows[:, 1:].reshape(-1)
+            nats = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets, reduction="none")
+            total[0] += nats.sum()
+            total[1] += nats.numel()
+            if self.token_bytes is not False:
+                nbytes = self.token_bytes[targets]
+                total[2] += (nats * (nbytes > 0)).sum()
+                total[3] += nbytes.sum()
         model.train()
-        total = self.collectives.sum(total)
-        return float(total[0] / total[1])
+        nats_all, targets, nats_text, nbytes = self.collectives.sum(total).tolist()
+        result = {"val_loss": nats_all / targets}
+        if nbytes > 0:
+            result["val_bpb"] = bits_per_byte(nats_text, nbytes)
+        return result
+
+    def _token_bytes(self):
+        """The UTF-8 bytes each token id spells, on the device; False without a byte-level BPE tokenizer."""
+        if self.data.tokenizer_path is None:
+            return False
+        try:
+            return torch.as_tensor(token_byte_lengths(self.data.tokenizer_path), device=self.device)
+        except (ValueError, OSError, KeyError):
+            return False
 
     # ---- small helpers ------------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ PANELS = (
     ("grad_norm", "grad norm (before clipping)", "grad_norm"),
     ("tokens_per_s", "throughput", "tokens/s"),
     ("world_size", "world size", "workers"),
+    ("val_bpb", "held-out bits per byte", "val_bpb"),
 )
 X_LABEL = "optimizer step"
 
@@ -104,9 +105,9 @@ def figure_for_runs(runs: list[RunCurves]) -> Figure:
     On each panel the lines are in run order (run i's curve is ax.lines[i] when every run has the
     metric); the loss panel then adds one dashed val_loss line per run that has val_loss.
     """
-    fig = Figure(figsize=(12, 10), layout="constrained")
+    fig = Figure(figsize=(12, 13), layout="constrained")
     FigureCanvasAgg(fig)  # rendered with Agg: no display, no pyplot state
-    axes = fig.subplots(3, 2, sharex=True).flatten()
+    axes = fig.subplots(4, 2, sharex=True).flatten()
     for ax, (metric, title, ylabel) in zip(axes, PANELS, strict=False):
         ax.set_title(title)
         ax.set_ylabel(ylabel)
@@ -128,6 +129,8 @@ def figure_for_runs(runs: list[RunCurves]) -> Figure:
             ax.yaxis.get_major_locator().set_params(integer=True)
     legend_ax = axes[len(PANELS)]
     legend_ax.axis("off")
+    for spare in axes[len(PANELS) + 1:]:
+        spare.set_visible(False)
     handles, labels = axes[0].get_legend_handles_labels()
     legend_ax.legend(handles, labels, loc="center", title="runs (dashed: val_loss)", frameon=False)
     fig.suptitle("training curves from metrics.jsonl")

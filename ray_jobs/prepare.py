@@ -22,6 +22,7 @@ Exit status: 0 done, 2 for any mistake in the flags or the inputs (the message s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shlex
 import shutil
@@ -66,6 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="JSON key / column holding the text (default: text)")
     p.add_argument("--on-bad-record", choices=["error", "skip"], default="error",
                    help="stop at the first bad record (default) or skip and count it")
+    p.add_argument("--rows", choices=["packed", "bos-aligned"], default="packed",
+                   help="packed (default): documents, each followed by EOS, concatenated and cut every seq_len + 1 "
+                        "tokens; bos-aligned: every row starts at a document start ([BOS] doc [EOS] placed best-fit, "
+                        "the last document of a row cropped, not continued): pair it with --document-mask when "
+                        "training (docs/quality.md)")
     p.add_argument("--rows-per-shard", type=int, default=None, metavar="N",
                    help="sequences per token file (default: about 256 MB of tokens per file)")
     p.add_argument("--num-cpus", type=int, default=None, metavar="N",
@@ -139,8 +145,13 @@ def run(args: argparse.Namespace, argv: list[str], progress: Progress | None = N
         vocab_size = T.vocab_size_of(tok)
 
         reader = RecordReader(sources, args.text_field, args.on_bad_record, warn=skip_warn)
-        writer = packing.ShardWriter(out.tmp, args.seq_len, args.rows_per_shard, eos_id=ids["eos_token_id"],
-                                     token_dtype=token_dtype_for(vocab_size))
+        if args.rows == "bos-aligned":
+            writer = packing.BosAlignedShardWriter(out.tmp, args.seq_len, args.rows_per_shard,
+                                                   eos_id=ids["eos_token_id"], bos_id=ids["bos_token_id"],
+                                                   token_dtype=token_dtype_for(vocab_size))
+        else:
+            writer = packing.ShardWriter(out.tmp, args.seq_len, args.rows_per_shard, eos_id=ids["eos_token_id"],
+                                         token_dtype=token_dtype_for(vocab_size))
         t0 = time.perf_counter()
         try:
             tokenize_and_pack(reader, writer, tokenizer_json, tok_sha, ids["eos_token_id"], args.num_cpus,
@@ -168,7 +179,8 @@ def run(args: argparse.Namespace, argv: list[str], progress: Progress | None = N
             extra={"text_field": args.text_field, "on_bad_record": args.on_bad_record,
                    "rows_per_shard": writer.rows_per_shard, "text_bytes": reader.text_bytes,
                    "document_tokens": result.stream_tokens, "empty_inputs": reader.empty_inputs,
-                   "skipped_examples": reader.examples[:20]},
+                   "skipped_examples": reader.examples[:20], "rows": args.rows,
+                   **({"best_fit": dataclasses.asdict(writer.best_fit)} if args.rows == "bos-aligned" else {})},
         )
         packing.write_manifest(out.tmp, manifest)
         out.commit()
@@ -198,6 +210,10 @@ def summary_line(output: str, manifest: dict, stats: dict) -> str:
         if m.get("empty_inputs"):
             reasons += (", " if reasons else "") + f"empty inputs {len(m['empty_inputs'])}"
         skipped = f"; skipped {m['documents_skipped']} record(s) ({reasons})"
+    if m.get("rows") == "bos-aligned":
+        fit = m["best_fit"]
+        skipped += (f"; rows bos-aligned: {fit['cropped_documents']:,} of {fit['documents']:,} documents cropped "
+                    f"({fit['cropped_tokens']:,} tokens not trained on), {fit['leftover_documents']} left over")
     dt = max(stats.get("pipeline_s", 0.0), 1e-9)
     return (f"prepared {output}: {m['num_sequences']:,} sequences of {m['seq_len']}+1 tokens in "
             f"{len(m['shards'])} shard(s) from {m['documents_read']:,} documents "

@@ -71,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--keep-checkpoints", type=int, help="CheckpointConfig(num_to_keep) (default 3)")
     r.add_argument("--exit-after-steps", type=int, help="checkpoint and exit cleanly after this optimizer step")
     r.add_argument("--exit-after-minutes", type=float, help="checkpoint and exit cleanly after this many minutes")
-    r.add_argument("--val-samples", type=int, help="held-out sequences for val_loss (default 0: no validation)")
+    r.add_argument("--val-samples", type=int, help="held-out sequences for val_loss and val_bpb (default 0: no "
+                                                    "validation)")
     r.add_argument("--eval-every", type=int, help="optimizer steps between val_loss evaluations "
                                                    "(default: --checkpoint-every)")
     r.add_argument("--elastic-check-seconds", type=float, help="how often Ray checks to resize an elastic run")
@@ -339,7 +340,8 @@ def check_resumable(path: Path | None, model_cfg: ModelConfig, train_cfg: TrainC
     import json
 
     state = json.loads((path / "state.json").read_text())
-    problems = C.resume_problems(state, model_cfg, train_cfg.global_batch_size, train_cfg.seed, prepared.fingerprint)
+    problems = C.resume_problems(state, model_cfg, train_cfg.global_batch_size, train_cfg.seed, prepared.fingerprint,
+                                 dtype=train_cfg.dtype, optimizer=train_cfg.optimizer)
     if problems:
         raise UsageError(f"cannot resume from {path}: " + "; ".join(problems) +
                          " (use another --name to start a new run)")
@@ -492,9 +494,10 @@ def summarize(result, run_dir: Path | None, wall_s: float) -> None:
     if not metrics:
         print("no optimizer step was run (the run had already reached its last step)")
     else:
+        held_out = "".join(f"  {k} {metrics[k]:.4f}" for k in ("val_loss", "val_bpb") if k in metrics)
         print(f"steps {metrics['optimizer_step']}/{metrics['total_steps']}  samples {metrics['samples_seen']}  "
-              f"tokens {metrics['tokens_seen']:,}  final loss {metrics['loss']:.4f}  wall {format_duration(wall_s)}",
-              flush=True)
+              f"tokens {metrics['tokens_seen']:,}  final loss {metrics['loss']:.4f}{held_out}  "
+              f"wall {format_duration(wall_s)}", flush=True)
     if ckpt is not None:
         print(f"checkpoint  {ckpt.path}")
         weights = Path(ckpt.path) / "weights"

@@ -162,18 +162,18 @@ def collect(results, dims: dict[str, SearchDim], metric: str) -> list[dict]:
         step = m.get("optimizer_step", 0)
         status = "ERROR" if r.error else ("DONE" if step and step >= m.get("total_steps", math.inf) else "STOPPED")
         row = {"trial": Path(r.path).name if r.path else "?", **{d: params.get(d) for d in dims},
-               "steps": step, "loss": m.get("loss"), "val_loss": m.get("val_loss"),
+               "steps": step, "loss": m.get("loss"), "val_loss": m.get("val_loss"), "val_bpb": m.get("val_bpb"),
                "tokens_per_s": m.get("tokens_per_s"), "status": status}
         row["_records"] = reported_records(r.metrics_dataframe)
         rows.append(row)
-    key = metric if metric in ("loss", "val_loss") else "loss"
+    key = metric if metric in ("loss", "val_loss", "val_bpb") else "loss"
     rows.sort(key=lambda r: (r[key] is None or (isinstance(r[key], float) and math.isnan(r[key])),
                              r[key] if r[key] is not None else math.inf))
     return rows
 
 
 def write_results(rows: list[dict], dims: dict[str, SearchDim], plan: RunPlan, out: Path, metric: str) -> None:
-    cols = ["trial", *dims, "steps", "loss", "val_loss", "tokens_per_s", "status"]
+    cols = ["trial", *dims, "steps", "loss", "val_loss", "val_bpb", "tokens_per_s", "status"]
     fmt = {float: lambda v: f"{v:.4g}", int: str}
     table = [[fmt.get(type(r[c]), str)(r[c]) if r[c] is not None else "-" for c in cols] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in table)) for i, c in enumerate(cols)]
@@ -250,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--workers-per-trial", type=int, default=None, help="Ray Train workers per trial (default 1)")
     g.add_argument("--scheduler", choices=["asha", "none"], default=None, help="default asha")
     g.add_argument("--grace-steps", type=int, default=None, help="ASHA: optimizer steps before a trial can stop")
-    g.add_argument("--metric", choices=["loss", "val_loss"], default=None,
+    g.add_argument("--metric", choices=["loss", "val_loss", "val_bpb"], default=None,
                    help="what to minimise (default: val_loss when --val-samples > 0, else loss)")
     return p
 
@@ -292,8 +292,8 @@ def run(args: argparse.Namespace) -> int:
     plan = plan_run(args, concurrent_runs=concurrent)
     plan.opts["tracker_group"] = plan.name  # trials of one sweep: one W&B group / MLflow tag
     metric = tune_opts["metric"] or ("val_loss" if plan.opts["val_samples"] > 0 else "loss")
-    if metric == "val_loss" and plan.opts["val_samples"] == 0:
-        raise UsageError("--metric val_loss needs --val-samples N > 0")
+    if metric in ("val_loss", "val_bpb") and plan.opts["val_samples"] == 0:
+        raise UsageError(f"--metric {metric} needs --val-samples N > 0")
 
     def steps_of(t: TrainConfig) -> int:
         train_ids, _ = D.split_ids(plan.prepared.num_sequences, plan.opts["val_samples"])

@@ -26,6 +26,7 @@ def write_run(run_dir: Path, steps: list[int], world: dict[int, int], val_every:
                "run_id": run_dir.name, "expert_load": [[0.5, 0.5]]}
         if val_every and s % val_every == 0:
             rec["val_loss"] = scale * 9.0 / (1 + s)
+            rec["val_bpb"] = scale * 3.0 / (1 + s)
         records.append(rec)
     run_dir.mkdir(parents=True, exist_ok=True)
     text = "".join(json.dumps(r, sort_keys=True) + "\n" for r in records)
@@ -65,7 +66,9 @@ def test_panels_axes_and_line_data_match_metrics_jsonl(two_runs):
     assert val[0].get_linestyle() == "--" and to_hex(val[0].get_color()) == RUN_COLOURS[0]
     assert val[0].get_xydata().tolist() == [[50, rec_a[4]["val_loss"]], [100, rec_a[9]["val_loss"]]]
     assert axes[4].lines[0].get_drawstyle() == "steps-post"  # world size 2 -> 4 is a step, not a ramp
-    legend = axes[5].get_legend()
+    assert axes[5].get_title() == "held-out bits per byte" and [line.get_label() for line in axes[5].lines] == ["run-a"]
+    assert axes[5].lines[0].get_xydata().tolist() == [[50, rec_a[4]["val_bpb"]], [100, rec_a[9]["val_bpb"]]]
+    legend = axes[6].get_legend()
     assert [t.get_text() for t in legend.get_texts()] == ["run-a", "run-b", "run-a val_loss"]
 
 

@@ -616,3 +616,33 @@ def test_cli_end_to_end(ray_cluster, tmp_path, tok_path):
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith(f"prepared {tmp_path / 'out'}: "), r.stderr  # one summary line
     assert open_prepared(tmp_path / "out").num_sequences == manifest_of(tmp_path / "out")["num_sequences"] > 0
+
+
+@pytest.mark.ray
+def test_bos_aligned_rows_start_at_a_document_and_follow_the_best_fit_rule(ray_cluster, capsys, tmp_path, tok_path, tok):
+    """--rows bos-aligned: every row starts with BOS; each BOS opens one corpus document, whole and followed by its
+    EOS, except the last of a row, which may be cropped (never continued in the next row); the rows equal
+    minilm.rows.bos_aligned_rows of the same documents."""
+    from minilm.rows import bos_aligned_rows
+
+    seq = 31
+    src = write_jsonl(tmp_path / "corpus.jsonl", DOCS)
+    code, err = prep(capsys, "--input", src, "--output", tmp_path / "out", "--seq-len", seq, "--tokenizer", tok_path,
+                     "--rows", "bos-aligned")
+    assert code == 0, err
+    rows, m = read_all(tmp_path / "out"), manifest_of(tmp_path / "out")
+    docs = [tok.encode(d, add_special_tokens=False).ids for d in DOCS]
+    expected, fit = bos_aligned_rows(docs, seq + 1)
+    assert np.array_equal(rows, expected)
+    assert m["rows"] == "bos-aligned" and m["best_fit"]["rows"] == len(rows) == fit.rows
+    assert "rows bos-aligned:" in err and "documents cropped" in err
+    whole = {tuple(d) for d in docs}
+    for row in rows.tolist():
+        assert row[0] == 1
+        starts = [i for i, t in enumerate(row) if t == 1] + [len(row)]
+        for k, (a, b) in enumerate(zip(starts, starts[1:], strict=False)):
+            segment = row[a + 1:b]
+            if k < len(starts) - 2 or (segment and segment[-1] == 2):  # a whole document: ids, then EOS
+                assert segment[-1] == 2 and tuple(segment[:-1]) in whole, (row, k)
+            else:  # the row's last document, cropped: a prefix of some document
+                assert any(tuple(d[:len(segment)]) == tuple(segment) for d in docs), (row, k)

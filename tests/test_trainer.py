@@ -254,3 +254,39 @@ def test_checkpoint_and_evaluation_time_stay_out_of_the_next_intervals_tokens_pe
     second = meter.metrics(m, 1e-3)
     assert first["tokens_per_s"] == second["tokens_per_s"] == 2048
     assert second["mfu"] == 2048 / 1e6
+
+
+def test_validation_reports_val_loss_and_val_bpb_as_scored_independently(run_data, tmp_path):
+    """val_loss and val_bpb of the last step against minilm.bpb.score_rows and the model's own loss, computed here
+    on the held-out rows (split_ids) of the final weights."""
+    import numpy as np
+
+    from minilm import data as D
+    from minilm.bpb import bits_per_byte, score_rows, token_byte_lengths
+
+    trainer, _, lines = run_local(run_data, tmp_path / "val", val_samples=32, max_steps=8)
+    last = metrics(tmp_path / "val")[-1]
+    assert "val_loss" in last and "val_bpb" in last and f"val_bpb {last['val_bpb']:.4f}" in lines[-1]
+    prepared = D.open_prepared(run_data)
+    _, val_ids = D.split_ids(prepared.num_sequences, 32)
+    rows = torch.from_numpy(D.SequenceStore(prepared).take(val_ids)).long()
+    model = trainer.raw_model.eval()
+    with torch.no_grad():
+        nats, nbytes = score_rows(model, rows, torch.as_tensor(token_byte_lengths(prepared.tokenizer_path)))
+        loss = model(rows, labels=rows).loss
+    assert last["val_bpb"] == pytest.approx(bits_per_byte(float(nats), int(nbytes)), rel=1e-5)
+    assert last["val_loss"] == pytest.approx(float(loss), rel=1e-5)
+    assert np.isfinite(last["val_bpb"]) and last["val_bpb"] > 0
+
+
+def test_a_resumed_muon_run_is_bitwise_equal_and_the_replay(run_data, tmp_path):
+    """Muon (block matrices) + AdamW (the rest) as one optimizer, through the Trainer's checkpoint: stopped at 8 and
+    resumed, bitwise the uninterrupted run; both the replay's, which builds its optimizer from the same config."""
+    straight, split, ids = tmp_path / "straight", tmp_path / "split", tmp_path / "ids"
+    run_local(run_data, straight, optimizer="muon", max_steps=12)
+    run_local(run_data, split, optimizer="muon", max_steps=12, exit_after_steps=8, record=ids)
+    _, _, lines = run_local(run_data, split, optimizer="muon", max_steps=12, record=ids)
+    assert any("resumed run split at optimizer step 8" in line for line in lines)
+    assert bitwise_equal(checkpoint_weights(split, 12), checkpoint_weights(straight, 12))
+    model_cfg, train_cfg = configs(optimizer="muon", max_steps=12)
+    check_run(replay(model_cfg, train_cfg, run_data, ids, 12), checkpoint_weights(split, 12), metrics(split))
