@@ -1,15 +1,26 @@
-"""Ray's overhead and data-parallel scaling on one machine, each a ratio measured side by side in one run.
+"""The Ray loop's fixed per-step cost, and data-parallel scaling on one machine, each measured side by side in one run.
 
-    python -m bench.overhead                 # demo preset (hidden 256, 4 layers, seq 256, global batch 32), fp32
-    python -m bench.overhead --steps 60 --single-steps 25 --rounds 6      # longer, steadier
-    python -m bench.overhead --skip-ddp      # only part 1
+    python -m bench.overhead                       # both parts at their defaults
+    python -m bench.overhead --mode fixed-cost     # part 1 at issue #17's tiny config (hidden 64, 2 layers, seq 128)
+    python -m bench.overhead --mode fixed-cost --hidden-size 512 --num-hidden-layers 4 --seq-len 256 \
+        --micro-batch-size 8 --global-batch-size 8                     # a real-size step
+    python -m bench.overhead --mode ddp --rounds 6                     # part 2 only
 
-Part 1, Ray Train with 1 worker vs the single-process loop, same config: `minilm.train.train`
-(single process), then `ray_jobs.pretrain` with 1 worker (`--cpus-per-worker` = --threads), then the
-single-process loop again. The Ray figure is the mean `tokens_per_s` of its steady log intervals
-(the first interval and intervals that hold a checkpoint excluded), compared with the faster
-single-process run (background load only slows a run down, so that is the conservative
-reference). It also reports the data wait and the checkpoint cost from the job's metrics.
+Part 1, the fixed cost per optimizer step of the training loop, same config and data, threads = CPUs:
+
+  (a) bare: `minilm.step.optimizer_step` on micro-batches already in memory, in this process;
+  (b) trainer: `minilm.train.train`, the `minilm.trainer.Trainer` loop in this process (data order,
+      lr schedule, non-finite guard, stop flags, metrics, logging, checkpoints);
+  (c) ray: `python -m ray_jobs.pretrain --num-workers 1` in a subprocess with default flags (its own local
+      Ray, as a user's run starts one; or the Ray in RAY_ADDRESS): the same Trainer behind Ray Train,
+      fed by the Ray Data stream.
+
+Rounds alternate (a), (b), (c), so background load hits them alike. A round's figure for (b) and (c)
+is wall time per optimizer step from the run's metrics.jsonl timestamps: between log records, after the first
+(start-up, compilation) and leaving out intervals that hold a checkpoint. Every later step counts,
+log steps and `ray.train.report` included. The fixed cost of (b) and (c) is their median step time
+minus that of (a), also given as a share of a 20 ms step (MiniMind-26M on one H100). The job's data
+wait and checkpoint time come from its metrics.
 
 Part 2, 2 workers on 2 CPUs (1 thread each, DDP over gloo, set up by Ray Train's TorchTrainer):
 each round runs, one after the other, the same global batch as
@@ -29,7 +40,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -39,73 +54,134 @@ import torch
 
 from minilm import data as D
 from minilm.config import ModelConfig, TrainConfig
+from minilm.model import MiniMindForCausalLM
+from minilm.step import make_grad_scaler, make_optimizer, optimizer_step, resolve_dtype
 from minilm.train import train
 from ray_jobs.cli import DEMO_PRESET, ensure_ray
 
-from .common import environment, write_json
+from .common import environment, load_average, write_json
 
-# ---- part 1: Ray Train (1 worker) vs the single-process loop ----------------------------------------
+# Issue #17's tiny config: steps of a few ms, so a fixed cost per step shows.
+FIXED_COST_PRESET = {"hidden_size": 64, "num_hidden_layers": 2, "seq_len": 128, "micro_batch_size": 8,
+                     "global_batch_size": 8}
+REFERENCE_STEP_S = 0.020  # a MiniMind-26M optimizer step on one H100: what the fixed cost is weighed against
+SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "seq_len", "micro_batch_size", "global_batch_size")
 
-def single_process_tokens_per_s(model_cfg, train_cfg, sequences, warmup: int) -> float:
-    _, history = train(model_cfg, train_cfg, sequences, log=lambda s: None)
-    times = [h["step_time_s"] for h in history[warmup:]]
-    return train_cfg.global_batch_size * train_cfg.seq_len / statistics.mean(times)
-
-
-def job_checkpoint_every(args) -> int:
-    """The job checkpoints at least once before its last step: the metrics carry a checkpoint's wall time
-    in the next log record, so one mid-run checkpoint is what gives the checkpoint cost."""
-    return min(args.checkpoint_every, max(1, args.steps // 2))
+# ---- part 1: the fixed per-step cost of the loop -----------------------------------------------------
 
 
-def steady_records(records: list[dict], every: int) -> list[dict]:
-    """Log intervals without start-up and without a checkpoint: not the first record, and not a record
-    right after a checkpoint step (the save happens after that step's metrics, in the next interval)."""
-    return [r for prev, r in zip(records[:-1], records[1:], strict=True) if prev["optimizer_step"] % every != 0]
+def bare_step_s(model_cfg: ModelConfig, train_cfg: TrainConfig, sequences: torch.Tensor, steps: int,
+                warmup: int) -> float:
+    """(a) Seconds per optimizer step of `optimizer_step` alone, on global batches cut from `sequences` up front."""
+    torch.manual_seed(train_cfg.seed)
+    model = MiniMindForCausalLM(model_cfg).train()
+    optimizer = make_optimizer(model, train_cfg)
+    dtype = resolve_dtype(train_cfg.dtype, "cpu")
+    scaler = make_grad_scaler(dtype, "cpu")
+    G = train_cfg.global_batch_size
+    batches = [list(sequences[(i * G) % (len(sequences) - G + 1):][:G].split(train_cfg.micro_batch_size))
+               for i in range(warmup + steps)]
+    for i, micro_batches in enumerate(batches):
+        if i == warmup:
+            t0 = time.perf_counter()
+        m = optimizer_step(model, optimizer, scaler, micro_batches, lr=train_cfg.lr, grad_clip=train_cfg.grad_clip,
+                           dtype=dtype)
+    float(m.loss)
+    return (time.perf_counter() - t0) / steps
 
 
-def ray_job(data_dir: Path, args, storage: Path) -> list[dict]:
-    from ray_jobs import pretrain
+def steady_step_s(records: list[dict], checkpoint_every: int) -> tuple[float, int]:
+    """Wall seconds per optimizer step between consecutive metrics records, after the first record and without
+    the intervals that hold a checkpoint (saved after its step's record, so inside the next interval);
+    returns (seconds per step, steps counted)."""
+    seconds, steps = 0.0, 0
+    for prev, rec in zip(records[:-1], records[1:], strict=True):
+        if prev["optimizer_step"] % checkpoint_every == 0:
+            continue
+        seconds += rec["time"] - prev["time"]
+        steps += rec["optimizer_step"] - prev["optimizer_step"]
+    if steps == 0:
+        raise SystemExit("no steady log interval: raise --steps to several --log-every")
+    return seconds / steps, steps
 
-    argv = ["--data", str(data_dir), "--num-workers", "1", "--cpus-per-worker", str(args.threads),
-            "--dtype", args.dtype, "--max-steps", str(args.steps), "--warmup-steps", str(min(5, args.steps - 1)),
-            "--log-every", str(args.log_every), "--checkpoint-every", str(job_checkpoint_every(args)),
-            "--storage-path", str(storage), "--name", "overhead",
-            "--hidden-size", str(args.hidden_size), "--num-hidden-layers", str(args.num_hidden_layers),
-            "--vocab-size", str(args.vocab_size), "--seq-len", str(args.seq_len),
-            "--micro-batch-size", str(args.micro_batch_size), "--global-batch-size", str(args.global_batch_size)]
-    code = pretrain.main(argv)
-    if code != 0:
-        raise SystemExit(f"the Ray job failed (exit {code})")
-    return [json.loads(line) for line in (storage / "overhead" / "metrics.jsonl").read_text().splitlines()]
+
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def ray_vs_single(args, model_cfg: ModelConfig, train_cfg: TrainConfig) -> dict:
+def trainer_step_s(model_cfg: ModelConfig, train_cfg: TrainConfig, sequences: torch.Tensor) -> dict:
+    """(b) The Trainer in this process, with a run folder (metrics.jsonl, checkpoints) as the job has."""
+    with tempfile.TemporaryDirectory() as tmp:
+        train(model_cfg, train_cfg, sequences, log=lambda line: None, run_dir=tmp)
+        records = read_metrics(Path(tmp) / "metrics.jsonl")
+    step_s, counted = steady_step_s(records, train_cfg.checkpoint_every)
+    return {"step_s": step_s, "steps_counted": counted}
+
+
+def job_argv(data_dir: Path, model_cfg: ModelConfig, train_cfg: TrainConfig, storage: Path, name: str) -> list[str]:
+    """The 1-worker job: default run flags (threads, data, reporting); the shape and schedule of the other runs."""
+    argv = ["--data", str(data_dir), "--num-workers", "1", "--storage-path", str(storage), "--name", name]
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size"):
+        argv += ["--" + key.replace("_", "-"), str(getattr(model_cfg, key))]
+    for key in ("seq_len", "micro_batch_size", "global_batch_size", "dtype", "max_steps", "warmup_steps", "lr",
+                "log_every", "checkpoint_every"):
+        argv += ["--" + key.replace("_", "-"), str(getattr(train_cfg, key))]
+    return argv
+
+
+def ray_job_step_s(data_dir: Path, model_cfg: ModelConfig, train_cfg: TrainConfig, timeout: float) -> dict:
+    """(c) `python -m ray_jobs.pretrain` with 1 worker, in a subprocess: what a user runs."""
+    with tempfile.TemporaryDirectory() as tmp:
+        argv = job_argv(data_dir, model_cfg, train_cfg, Path(tmp), "overhead")
+        proc = subprocess.run([sys.executable, "-m", "ray_jobs.pretrain", *argv], capture_output=True, text=True,
+                              timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        if proc.returncode != 0:
+            raise SystemExit(f"the Ray job failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        records = read_metrics(Path(tmp) / "overhead" / "metrics.jsonl")
+    step_s, counted = steady_step_s(records, train_cfg.checkpoint_every)
+    cpus = re.search(r"workers 1 x (\S+) CPU", proc.stdout)
+    checkpoints = [r["checkpoint_s"] for r in records if r.get("checkpoint_s", 0) > 0]
+    steady = [r for prev, r in zip(records[:-1], records[1:], strict=True)
+              if prev["optimizer_step"] % train_cfg.checkpoint_every]
+    return {"step_s": step_s, "steps_counted": counted, "cpus_per_worker": cpus.group(1) if cpus else None,
+            "checkpoint_s": statistics.mean(checkpoints) if checkpoints else None,
+            "data_wait_frac": statistics.mean(r["data_wait_frac"] for r in steady) if steady else None}
+
+
+def fixed_cost(args, model_cfg: ModelConfig, train_cfg: TrainConfig) -> dict:
     from ray_jobs.demo_data import demo_data_dir
 
     data_dir = Path(args.data) if args.data else demo_data_dir(train_cfg.seq_len, model_cfg.vocab_size)
     prepared = D.open_prepared(data_dir)
+    D.check_compatible(prepared, vocab_size=model_cfg.vocab_size, seq_len=train_cfg.seq_len)
     sequences = torch.as_tensor(D.SequenceStore(prepared).take(np.arange(prepared.num_sequences))).long()
-    warmup = min(3, args.single_steps - 1)
     torch.set_num_threads(args.threads)
-    single_a = single_process_tokens_per_s(model_cfg, train_cfg, sequences, warmup=warmup)
-    with tempfile.TemporaryDirectory() as tmp:
-        records = ray_job(data_dir, args, Path(tmp))
-    single_b = single_process_tokens_per_s(model_cfg, train_cfg, sequences, warmup=warmup)
-
-    steady = steady_records(records, job_checkpoint_every(args))
-    if not steady:
-        raise SystemExit(f"no steady log interval: raise --steps ({args.steps}) to a few --log-every ({args.log_every})")
-    ray_tps = statistics.mean(r["tokens_per_s"] for r in steady)
-    single = max(single_a, single_b)
-    checkpoint_s = statistics.mean(r["checkpoint_s"] for r in records if r["checkpoint_s"] > 0)
-    # One checkpoint against checkpoint_every steady steps: the share at the demo's interval, whatever
-    # interval this short job used to get a checkpoint measured.
-    step_s = train_cfg.global_batch_size * train_cfg.seq_len / ray_tps
-    return {"single_tokens_per_s": [single_a, single_b], "ray_tokens_per_s": ray_tps, "ray_over_single": ray_tps / single,
-            "overhead": 1 - ray_tps / single, "checkpoint_s": checkpoint_s, "checkpoint_every": args.checkpoint_every,
-            "checkpoint_fraction": checkpoint_s / (checkpoint_s + args.checkpoint_every * step_s),
-            "data_wait_frac": statistics.mean(r["data_wait_frac"] for r in steady), "steady_intervals": len(steady)}
+    runs: dict[str, list[dict]] = {"bare": [], "trainer": [], "ray": []}
+    loads = []
+    for r in range(args.rounds):
+        loads.append(load_average())
+        runs["bare"].append({"step_s": bare_step_s(model_cfg, train_cfg, sequences, args.steps - train_cfg.log_every,
+                                                   train_cfg.log_every)})
+        runs["trainer"].append(trainer_step_s(model_cfg, train_cfg, sequences))
+        runs["ray"].append(ray_job_step_s(data_dir, model_cfg, train_cfg, args.job_timeout))
+        print(f"round {r + 1}/{args.rounds} (load {loads[-1]}): " + ", ".join(
+            f"{k} {1e3 * v[-1]['step_s']:.2f} ms" for k, v in runs.items()), flush=True)
+    median = {k: statistics.median(x["step_s"] for x in v) for k, v in runs.items()}
+    cost = {k: median[k] - median["bare"] for k in ("trainer", "ray")}
+    # Paired per round as well: background load that drifts between rounds then cancels out.
+    paired = {k: statistics.median(x["step_s"] - b["step_s"] for x, b in zip(runs[k], runs["bare"], strict=True))
+              for k in ("trainer", "ray")}
+    spread = {k: (min(x["step_s"] for x in v), max(x["step_s"] for x in v)) for k, v in runs.items()}
+    ray = runs["ray"]
+    checkpoints = [x["checkpoint_s"] for x in ray if x["checkpoint_s"] is not None]
+    return {"data": str(data_dir), "rounds": runs, "step_s_median": median, "step_s_range": spread,
+            "fixed_cost_s": cost, "fixed_cost_paired_s": paired,
+            "fixed_cost_of_20ms_step": {k: v / REFERENCE_STEP_S for k, v in cost.items()},
+            "ray_over_trainer_tokens_per_s": median["trainer"] / median["ray"],
+            "ray_over_bare_tokens_per_s": median["bare"] / median["ray"],
+            "cpus_per_worker": ray[0]["cpus_per_worker"], "load_average": loads,
+            "checkpoint_s": statistics.mean(checkpoints) if checkpoints else None,
+            "data_wait_frac": statistics.median(x["data_wait_frac"] for x in ray if x["data_wait_frac"] is not None)}
 
 
 # ---- part 2: 2 DDP workers on 2 CPUs ----------------------------------------------------------------
@@ -115,9 +191,6 @@ def ddp_rounds(config: dict) -> None:
     import ray.train
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from minilm.model import MiniMindForCausalLM
-    from minilm.step import make_grad_scaler, make_optimizer, optimizer_step
 
     torch.set_num_threads(1)  # 1 CPU per worker
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -214,72 +287,108 @@ def two_workers(args, model_cfg: ModelConfig, train_cfg: TrainConfig) -> dict:
 
 # ---- main -----------------------------------------------------------------------------------------
 
+def configs(args, preset: dict) -> tuple[ModelConfig, TrainConfig]:
+    """The part's preset shape, overridden by any shape flag given."""
+    shape = {**preset, **{k: getattr(args, k) for k in SHAPE_KEYS if getattr(args, k) is not None}}
+    model_cfg = ModelConfig(hidden_size=shape["hidden_size"], num_hidden_layers=shape["num_hidden_layers"],
+                            vocab_size=args.vocab_size)
+    train_cfg = TrainConfig(seq_len=shape["seq_len"], micro_batch_size=shape["micro_batch_size"],
+                            global_batch_size=shape["global_batch_size"], dtype=args.dtype, lr=DEMO_PRESET["lr"])
+    return model_cfg, train_cfg
+
+
+def print_fixed_cost(part1: dict, model_cfg: ModelConfig, train_cfg: TrainConfig, args) -> None:
+    med, lo_hi = part1["step_s_median"], part1["step_s_range"]
+    tokens = train_cfg.global_batch_size * train_cfg.seq_len
+    print(f"part 1: fixed per-step cost; hidden {model_cfg.hidden_size}, {model_cfg.num_hidden_layers} layers, seq "
+          f"{train_cfg.seq_len}, global batch {train_cfg.global_batch_size} (micro-batch {train_cfg.micro_batch_size}), "
+          f"{train_cfg.dtype}, {args.threads} threads / Ray worker x {part1['cpus_per_worker']} CPUs; "
+          f"{args.rounds} rounds of {args.steps} steps")
+    labels = {"bare": "(a) bare optimizer_step loop", "trainer": "(b) Trainer in-process (minilm.train)",
+              "ray": "(c) Ray job, 1 worker, default flags"}
+    print(f"{'run':<42}{'ms/step':>9}{'range':>17}{'tokens/s':>10}{'+ms/step':>10}{'of 20 ms':>10}")
+    for k, label in labels.items():
+        extra = "" if k == "bare" else (f"{1e3 * part1['fixed_cost_s'][k]:>10.2f}"
+                                        f"{part1['fixed_cost_of_20ms_step'][k]:>10.1%}")
+        rng = f"{1e3 * lo_hi[k][0]:.2f}-{1e3 * lo_hi[k][1]:.2f}"
+        print(f"{label:<42}{1e3 * med[k]:>9.2f}{rng:>17}{tokens / med[k]:>10,.0f}{extra}")
+    paired = part1["fixed_cost_paired_s"]
+    print(f"fixed cost per step, paired by round: Trainer {1e3 * paired['trainer']:+.2f} ms, Ray job "
+          f"{1e3 * paired['ray']:+.2f} ms (target: < 5% of a 20 ms step = 1 ms)")
+    print(f"Ray job / Trainer in-process: {part1['ray_over_trainer_tokens_per_s']:.3f}x tokens/s; "
+          f"Ray job / bare loop: {part1['ray_over_bare_tokens_per_s']:.3f}x")
+    if part1["data_wait_frac"] is not None:
+        print(f"Ray job data wait: {part1['data_wait_frac']:.2%} of step time")
+    if part1["checkpoint_s"] is not None:
+        share = part1["checkpoint_s"] / (part1["checkpoint_s"] + DEMO_PRESET["checkpoint_every"] * med["ray"])
+        print(f"Ray job checkpoint: {part1['checkpoint_s']:.2f} s = {share:.2%} of training time at checkpoint_every "
+              f"{DEMO_PRESET['checkpoint_every']}")
+
+
+def print_ddp(part2: dict, args) -> None:
+    med, tps = part2["step_s_median"], part2["tokens_per_s"]
+    labels = {"single": "1 worker x 1 CPU (whole batch)",
+              "ddp_no_sync": "2 workers x 1 CPU, no_sync (default)",
+              "ddp_sync_every_micro_step": "2 workers x 1 CPU, all-reduce every micro-step",
+              "ddp_no_allreduce": "2 workers x 1 CPU, no all-reduce (compute)"}
+    print(f"{'part 2: ' + str(args.rounds) + ' rounds, median':<50}{'step s':>8}{'tokens/s':>10}")
+    for k, label in labels.items():
+        print(f"{label:<50}{med[k]:>8.3f}{tps[k]:>10,.0f}")
+    print(f"scaling efficiency, 2 workers vs 1 (1 CPU each): {part2['scaling_efficiency']:.1%} with no_sync, "
+          f"{part2['scaling_efficiency_without_no_sync']:.1%} without")
+    print(f"all-reduce share of step time: {part2['allreduce_share']:.1%} with no_sync, "
+          f"{part2['allreduce_share_without_no_sync']:.1%} without ({part2['accumulation_per_rank']} micro-steps "
+          f"per rank); no_sync makes the step {part2['no_sync_speedup']:.2f}x faster")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.overhead", description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=20, help="optimizer steps of the Ray job (part 1)")
-    p.add_argument("--single-steps", type=int, default=8, help="optimizer steps of each single-process run (part 1)")
-    p.add_argument("--rounds", type=int, default=3, help="timed rounds of part 2 (after one warm-up round)")
+    p.add_argument("--mode", choices=["all", "fixed-cost", "ddp"], default="all",
+                   help="fixed-cost: part 1; ddp: part 2; all: both")
+    p.add_argument("--steps", type=int, default=60, help="optimizer steps of each part-1 run")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of each part (part 2: after one warm-up round)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-    p.add_argument("--threads", type=int, default=2, help="torch threads (single) = CPUs per worker (Ray), part 1")
-    p.add_argument("--log-every", type=int, default=4)
-    p.add_argument("--checkpoint-every", type=int, default=DEMO_PRESET["checkpoint_every"])
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+                   help="torch threads of runs (a) and (b); default the cores, as the job's --cpus-per-worker auto")
+    p.add_argument("--log-every", type=int, default=TrainConfig.log_every)
+    p.add_argument("--checkpoint-every", type=int,
+                   help="part 1 (default: half the steps, so one checkpoint is timed mid-run)")
+    p.add_argument("--job-timeout", type=float, default=600, help="seconds before a part-1 Ray job is stopped")
     p.add_argument("--data", help="prepared data dir for part 1 (default: the built-in demo corpus)")
-    for name in ("hidden_size", "num_hidden_layers", "seq_len", "micro_batch_size", "global_batch_size"):
-        p.add_argument("--" + name.replace("_", "-"), type=int, default=DEMO_PRESET[name])
+    for name in SHAPE_KEYS:
+        p.add_argument("--" + name.replace("_", "-"), type=int,
+                       help=f"default {FIXED_COST_PRESET[name]} in part 1, {DEMO_PRESET[name]} in part 2")
     p.add_argument("--vocab-size", type=int, default=6400)
-    p.add_argument("--skip-ray-vs-single", action="store_true", help="only part 2")
-    p.add_argument("--skip-ddp", action="store_true", help="only part 1")
     args = p.parse_args(argv)
-    if args.single_steps < 2 or args.rounds < 1:
-        p.error("--single-steps must be >= 2 and --rounds >= 1")
-    if args.global_batch_size % (2 * args.micro_batch_size):
-        p.error("--global-batch-size must be a multiple of 2 x --micro-batch-size (part 2 has 2 workers)")
-
-    ensure_ray()
-    preset = {**DEMO_PRESET, **{k: getattr(args, k) for k in ("hidden_size", "num_hidden_layers", "seq_len",
-                                                              "micro_batch_size", "global_batch_size")}}
-    model_cfg = ModelConfig(**{k: v for k, v in preset.items() if k in ModelConfig.__dataclass_fields__},
-                            vocab_size=args.vocab_size)
-    train_cfg = TrainConfig(**{k: v for k, v in preset.items() if k in TrainConfig.__dataclass_fields__})
-    train_cfg.dtype, train_cfg.warmup_steps, train_cfg.max_steps = args.dtype, 1, args.single_steps
+    if args.rounds < 1 or args.log_every < 1 or args.steps < 3 * args.log_every:
+        p.error("--rounds and --log-every must be >= 1, and --steps >= 3 x --log-every (steady log intervals)")
     t_start = time.perf_counter()
-    part1 = None if args.skip_ray_vs_single else ray_vs_single(args, model_cfg, train_cfg)
-    part2 = None if args.skip_ddp else two_workers(args, model_cfg, train_cfg)
     env = environment()
+    print(f"# {env['cpu']}, {env['cpus']} CPUs, torch {env['torch']}, load average {env['load_average']}")
 
-    print(f"\n# {env['cpu']}, {env['cpus']} CPUs, torch {env['torch']}, load average {env['load_average']}")
-    print(f"# config: hidden {model_cfg.hidden_size}, {model_cfg.num_hidden_layers} layers, seq {train_cfg.seq_len}, "
-          f"global batch {train_cfg.global_batch_size} of micro-batches of {train_cfg.micro_batch_size}, {args.dtype}")
-    if part1:
-        single_a, single_b = part1["single_tokens_per_s"]
-        print(f"{'part 1: run':<44}{'tokens/s':>12}")
-        print(f"{'single process (before), ' + str(args.threads) + ' threads':<44}{single_a:>12,.0f}")
-        print(f"{'Ray Train, 1 worker x ' + str(args.threads) + ' CPUs':<44}{part1['ray_tokens_per_s']:>12,.0f}")
-        print(f"{'single process (after)':<44}{single_b:>12,.0f}")
-        print(f"Ray / single: {part1['ray_over_single']:.3f}  (overhead {100 * part1['overhead']:+.1f}%, target < 3%)")
-        print(f"data wait: {100 * part1['data_wait_frac']:.2f}% of step time (target < 2%)")
-        print(f"checkpoint: {part1['checkpoint_s']:.2f} s every {args.checkpoint_every} steps = "
-              f"{100 * part1['checkpoint_fraction']:.2f}% of training time")
-    if part2:
-        med, tps = part2["step_s_median"], part2["tokens_per_s"]
-        labels = {"single": "1 worker x 1 CPU (whole batch)",
-                  "ddp_no_sync": "2 workers x 1 CPU, no_sync (default)",
-                  "ddp_sync_every_micro_step": "2 workers x 1 CPU, all-reduce every micro-step",
-                  "ddp_no_allreduce": "2 workers x 1 CPU, no all-reduce (compute)"}
-        print(f"{'part 2: ' + str(args.rounds) + ' rounds, median':<50}{'step s':>8}{'tokens/s':>10}")
-        for k, label in labels.items():
-            print(f"{label:<50}{med[k]:>8.3f}{tps[k]:>10,.0f}")
-        print(f"scaling efficiency, 2 workers vs 1 (1 CPU each): {part2['scaling_efficiency']:.1%} with no_sync, "
-              f"{part2['scaling_efficiency_without_no_sync']:.1%} without")
-        print(f"all-reduce share of step time: {part2['allreduce_share']:.1%} with no_sync, "
-              f"{part2['allreduce_share_without_no_sync']:.1%} without ({part2['accumulation_per_rank']} micro-steps "
-              f"per rank); no_sync makes the step {part2['no_sync_speedup']:.2f}x faster")
-        if part1:
-            print(f"2 workers x 1 CPU / 1 Ray worker x {args.threads} CPUs: "
-                  f"{tps['ddp_no_sync'] / part1['ray_tokens_per_s']:.2f}x tokens/s")
+    part1 = part2 = None
+    if args.mode in ("all", "fixed-cost"):
+        model_cfg, train_cfg = configs(args, FIXED_COST_PRESET)
+        train_cfg.max_steps, train_cfg.warmup_steps, train_cfg.log_every = args.steps, 1, args.log_every
+        # one checkpoint about halfway, on a log step, with a steady interval before it
+        train_cfg.checkpoint_every = args.checkpoint_every or max(2 * args.log_every,
+                                                                  args.steps // 2 // args.log_every * args.log_every)
+        part1 = fixed_cost(args, model_cfg, train_cfg)
+        part1["config"] = {"model": model_cfg.to_dict(), "train": train_cfg.to_dict()}
+        print_fixed_cost(part1, model_cfg, train_cfg, args)
+    if args.mode in ("all", "ddp"):
+        model_cfg, train_cfg = configs(args, DEMO_PRESET)
+        if train_cfg.global_batch_size % (2 * train_cfg.micro_batch_size):
+            p.error("part 2 has 2 workers: the global batch must be a multiple of 2 x the micro-batch")
+        ensure_ray()  # after part 1: its runs must not share the CPUs with an idle Ray
+        part2 = two_workers(args, model_cfg, train_cfg)
+        print(f"# part 2 config: hidden {model_cfg.hidden_size}, {model_cfg.num_hidden_layers} layers, seq "
+              f"{train_cfg.seq_len}, global batch {train_cfg.global_batch_size} of micro-batches of "
+              f"{train_cfg.micro_batch_size}, {args.dtype}; load average {load_average()}")
+        print_ddp(part2, args)
     wall = time.perf_counter() - t_start
     print(f"wall time {wall:.0f} s")
-    path = write_json("overhead.json", {"args": vars(args), "environment": env, "ray_vs_single": part1,
+    path = write_json("overhead.json", {"args": vars(args), "environment": env, "fixed_cost": part1,
                                         "two_workers": part2, "wall_s": wall})
     print(f"wrote {path}")
     return 0
