@@ -6,21 +6,25 @@
         --micro-batch-size 8 --global-batch-size 8                     # a real-size step
     python -m bench.overhead --mode ddp --rounds 6                     # part 2 only
 
-Part 1, the fixed cost per optimizer step of the training loop, same config and data, threads = CPUs:
+Part 1, the fixed cost per optimizer step of the training loop: the same config and data in three fresh
+processes, the threads = this machine's cores (--threads for (a) and (b); the job's --cpus-per-worker auto):
 
-  (a) bare: `minilm.step.optimizer_step` on micro-batches already in memory, in this process;
-  (b) trainer: `minilm.train.train`, the `minilm.trainer.Trainer` loop in this process (data order,
-      lr schedule, non-finite guard, stop flags, metrics, logging, checkpoints);
-  (c) ray: `python -m ray_jobs.pretrain --num-workers 1` in a subprocess with default flags (its own local
-      Ray, as a user's run starts one; or the Ray in RAY_ADDRESS): the same Trainer behind Ray Train,
-      fed by the Ray Data stream.
+  (a) bare: `minilm.step.optimizer_step` on micro-batches read into memory up front (`python -c`);
+  (b) trainer: `python -m minilm.train --data ...`, the `minilm.trainer.Trainer` loop in one process (data
+      order and reads, lr schedule, non-finite guard, stop flags, metrics, logging, checkpoints);
+  (c) ray: `python -m ray_jobs.pretrain --num-workers 1`, run flags at their defaults (its own local Ray, as a
+      user's run starts one; or the Ray in RAY_ADDRESS): the same Trainer in a Ray Train worker, fed by the
+      Ray Data stream.
 
-Rounds alternate (a), (b), (c), so background load hits them alike. A round's figure for (b) and (c)
-is wall time per optimizer step from the run's metrics.jsonl timestamps: between log records, after the first
-(start-up, compilation) and leaving out intervals that hold a checkpoint. Every later step counts,
-log steps and `ray.train.report` included. The fixed cost of (b) and (c) is their median step time
-minus that of (a), also given as a share of a 20 ms step (MiniMind-26M on one H100). The job's data
-wait and checkpoint time come from its metrics.
+Rounds alternate (a), (b), (c), so background load hits them alike. (a) is timed over the steps after the
+first log interval; (b) and (c) by wall time per optimizer step from their metrics.jsonl timestamps: between log
+records, after the first (start-up) and leaving out intervals that hold a checkpoint. Every other step counts,
+log steps and `ray.train.report` included. The fixed cost of (b) and (c) is their median step time minus that
+of (a), also as a share of a 20 ms step (MiniMind-26M on one H100). From /proc (Linux): the CPU per step of (a)
+and of the job's training worker, and the cores the job's other processes (Ray's services, the Train
+controller, the Ray Data reader, idle workers, the dashboard) use while it trains. The job's data wait and
+checkpoint time come from its metrics. --omp-wait-policy sets OMP_WAIT_POLICY for all three (on a loaded
+machine libgomp's spinning threads cost a main-thread loop far more than Ray's training thread: RESULTS.md).
 
 Part 2, 2 workers on 2 CPUs (1 thread each, DDP over gloo, set up by Ray Train's TorchTrainer):
 each round runs, one after the other, the same global batch as
@@ -46,6 +50,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -56,7 +61,6 @@ from minilm import data as D
 from minilm.config import ModelConfig, TrainConfig
 from minilm.model import MiniMindForCausalLM
 from minilm.step import make_grad_scaler, make_optimizer, optimizer_step, resolve_dtype
-from minilm.train import train
 from ray_jobs.cli import DEMO_PRESET, ensure_ray
 
 from .common import environment, load_average, write_json
@@ -70,24 +74,28 @@ SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "seq_len", "micro_batch_size",
 # ---- part 1: the fixed per-step cost of the loop -----------------------------------------------------
 
 
-def bare_step_s(model_cfg: ModelConfig, train_cfg: TrainConfig, sequences: torch.Tensor, steps: int,
-                warmup: int) -> float:
-    """(a) Seconds per optimizer step of `optimizer_step` alone, on global batches cut from `sequences` up front."""
+def bare_loop(config: dict) -> None:
+    """(a), run as `python -c` by `bare_step_s`: `optimizer_step` alone on global batches read from the prepared
+    data up front; prints wall and CPU seconds per step as JSON."""
+    model_cfg, train_cfg = ModelConfig.from_dict(config["model"]), TrainConfig.from_dict(config["train"])
+    prepared = D.open_prepared(config["data"])
+    G, steps, warmup = train_cfg.global_batch_size, config["steps"], config["warmup"]
+    ids = np.arange(G * (warmup + steps)) % prepared.num_sequences
+    rows = torch.as_tensor(D.SequenceStore(prepared).take(ids)).long()
+    batches = [list(rows[i * G:(i + 1) * G].split(train_cfg.micro_batch_size)) for i in range(warmup + steps)]
     torch.manual_seed(train_cfg.seed)
     model = MiniMindForCausalLM(model_cfg).train()
     optimizer = make_optimizer(model, train_cfg)
     dtype = resolve_dtype(train_cfg.dtype, "cpu")
     scaler = make_grad_scaler(dtype, "cpu")
-    G = train_cfg.global_batch_size
-    batches = [list(sequences[(i * G) % (len(sequences) - G + 1):][:G].split(train_cfg.micro_batch_size))
-               for i in range(warmup + steps)]
     for i, micro_batches in enumerate(batches):
         if i == warmup:
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.process_time()
         m = optimizer_step(model, optimizer, scaler, micro_batches, lr=train_cfg.lr, grad_clip=train_cfg.grad_clip,
                            dtype=dtype)
     float(m.loss)
-    return (time.perf_counter() - t0) / steps
+    print(json.dumps({"step_s": (time.perf_counter() - t0) / steps,
+                      "cpu_s_per_step": (time.process_time() - cpu0) / steps}))
 
 
 def steady_step_s(records: list[dict], checkpoint_every: int) -> tuple[float, int]:
@@ -109,18 +117,9 @@ def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def trainer_step_s(model_cfg: ModelConfig, train_cfg: TrainConfig, sequences: torch.Tensor) -> dict:
-    """(b) The Trainer in this process, with a run folder (metrics.jsonl, checkpoints) as the job has."""
-    with tempfile.TemporaryDirectory() as tmp:
-        train(model_cfg, train_cfg, sequences, log=lambda line: None, run_dir=tmp)
-        records = read_metrics(Path(tmp) / "metrics.jsonl")
-    step_s, counted = steady_step_s(records, train_cfg.checkpoint_every)
-    return {"step_s": step_s, "steps_counted": counted}
-
-
-def job_argv(data_dir: Path, model_cfg: ModelConfig, train_cfg: TrainConfig, storage: Path, name: str) -> list[str]:
-    """The 1-worker job: default run flags (threads, data, reporting); the shape and schedule of the other runs."""
-    argv = ["--data", str(data_dir), "--num-workers", "1", "--storage-path", str(storage), "--name", name]
+def config_argv(model_cfg: ModelConfig, train_cfg: TrainConfig) -> list[str]:
+    """The shape and schedule flags every run of part 1 shares."""
+    argv = []
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size"):
         argv += ["--" + key.replace("_", "-"), str(getattr(model_cfg, key))]
     for key in ("seq_len", "micro_batch_size", "global_batch_size", "dtype", "max_steps", "warmup_steps", "lr",
@@ -129,21 +128,141 @@ def job_argv(data_dir: Path, model_cfg: ModelConfig, train_cfg: TrainConfig, sto
     return argv
 
 
-def ray_job_step_s(data_dir: Path, model_cfg: ModelConfig, train_cfg: TrainConfig, timeout: float) -> dict:
-    """(c) `python -m ray_jobs.pretrain` with 1 worker, in a subprocess: what a user runs."""
+def run_child(argv: list[str], env: dict, timeout: float, what: str) -> tuple[str, ProcessTreeCPU]:
+    """Run `python ARGV` to the end, sampling the CPU of its process tree; its stdout."""
+    proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    with ProcessTreeCPU(proc.pid) as cpu:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise SystemExit(f"{what} did not finish within --job-timeout {timeout:g} s") from None
+    if proc.returncode != 0:
+        raise SystemExit(f"{what} failed (exit {proc.returncode}):\n{stdout[-3000:]}\n{stderr[-3000:]}")
+    return stdout, cpu
+
+
+def bare_step_s(data_dir: Path, model_cfg: ModelConfig, train_cfg: TrainConfig, env: dict, timeout: float) -> dict:
+    """(a) The bare loop in a fresh process, timed over the steps after the first log interval."""
+    config = {"model": model_cfg.to_dict(), "train": train_cfg.to_dict(), "data": str(data_dir),
+              "steps": train_cfg.max_steps - train_cfg.log_every, "warmup": train_cfg.log_every}
+    code = "import json, sys; from bench.overhead import bare_loop; bare_loop(json.loads(sys.argv[1]))"
+    stdout, _ = run_child(["-c", code, json.dumps(config)], env, timeout, "the bare loop")
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def trainer_step_s(data_dir: Path, model_cfg: ModelConfig, train_cfg: TrainConfig, env: dict, timeout: float) -> dict:
+    """(b) `python -m minilm.train` (the Trainer in one process, no Ray) with a run folder, as the job has."""
     with tempfile.TemporaryDirectory() as tmp:
-        argv = job_argv(data_dir, model_cfg, train_cfg, Path(tmp), "overhead")
-        proc = subprocess.run([sys.executable, "-m", "ray_jobs.pretrain", *argv], capture_output=True, text=True,
-                              timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        if proc.returncode != 0:
-            raise SystemExit(f"the Ray job failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        argv = ["-m", "minilm.train", "--data", str(data_dir), "--run-dir", tmp, *config_argv(model_cfg, train_cfg)]
+        run_child(argv, env, timeout, "python -m minilm.train")
+        records = read_metrics(Path(tmp) / "metrics.jsonl")
+    step_s, counted = steady_step_s(records, train_cfg.checkpoint_every)
+    return {"step_s": step_s, "steps_counted": counted}
+
+
+class ProcessTreeCPU:
+    """CPU seconds of a process and all its descendants, sampled from /proc in a thread (Linux; elsewhere nothing).
+
+    A job started without RAY_ADDRESS starts its own Ray, so every Ray process of the run (GCS, raylet, dashboard,
+    the Train controller, the training worker, the Ray Data reader) descends from the driver. On a machine whose
+    cores the training threads already fill, the CPU the others use is time taken from training.
+    """
+
+    def __init__(self, root_pid: int, interval_s: float = 0.25):
+        self.root, self.interval = root_pid, interval_s
+        self.samples: list[tuple[float, dict[int, tuple[str, float]]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+    def __enter__(self):
+        if Path("/proc").is_dir():
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.samples.append((time.time(), self._snapshot()))
+            self._stop.wait(self.interval)
+
+    def _snapshot(self) -> dict[int, tuple[str, float]]:
+        stats = {}
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit():
+                try:
+                    fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+                    stats[int(d.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / self.tick)
+                except (OSError, IndexError, ValueError):
+                    continue
+        tree, grew = {self.root}, True
+        while grew:
+            children = {pid for pid, (ppid, _) in stats.items() if ppid in tree} - tree
+            tree |= children
+            grew = bool(children)
+        return {pid: (process_label(pid), stats[pid][1]) for pid in tree if pid in stats}
+
+    def between(self, t0: float, t1: float) -> dict[str, float]:
+        """CPU seconds per process label used from the sample nearest t0 to the sample nearest t1."""
+        if not self.samples:
+            return {}
+        first = min(self.samples, key=lambda s: abs(s[0] - t0))[1]
+        last = min(self.samples, key=lambda s: abs(s[0] - t1))[1]
+        used: dict[str, float] = {}
+        for pid, (label, cpu) in last.items():
+            before = first.get(pid, (label, 0.0))[1]
+            used[label] = used.get(label, 0.0) + max(0.0, cpu - before)
+        return used
+
+
+def process_label(pid: int) -> str:
+    """A short name for a process of the job: Ray's title (ray::RayTrainWorker...), else its program or module."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return "?"
+    if argv[0].startswith("ray::"):
+        return argv[0].split()[0].split(".")[0]
+    if len([a for a in argv if a]) == 1:  # a title set over the whole command line: split it again
+        argv = argv[0].split()
+    if "-m" in argv[:-1]:
+        return argv[argv.index("-m") + 1]
+    if "-c" in argv[:-1]:  # e.g. the dashboard's module processes: "from multiprocessing.forkserver import main; ..."
+        code = argv[argv.index("-c") + 1].split()
+        return code[1] if code[:1] == ["from"] and len(code) > 1 else "python -c"
+    script = next((a for a in argv[1:] if a.endswith(".py")), argv[0])
+    return Path(script).name
+
+
+def ray_job_step_s(data_dir: Path, model_cfg: ModelConfig, train_cfg: TrainConfig, env: dict, timeout: float) -> dict:
+    """(c) `python -m ray_jobs.pretrain --num-workers 1`, other run flags at their defaults: what a user runs.
+    Also the CPU its processes used over the steady steps."""
+    with tempfile.TemporaryDirectory() as tmp:
+        argv = ["-m", "ray_jobs.pretrain", "--data", str(data_dir), "--num-workers", "1", "--storage-path", tmp,
+                "--name", "overhead", *config_argv(model_cfg, train_cfg)]
+        stdout, cpu = run_child(argv, env, timeout, "the Ray job")
         records = read_metrics(Path(tmp) / "overhead" / "metrics.jsonl")
     step_s, counted = steady_step_s(records, train_cfg.checkpoint_every)
-    cpus = re.search(r"workers 1 x (\S+) CPU", proc.stdout)
+    cpus = re.search(r"workers 1 x (\S+) CPU", stdout)
     checkpoints = [r["checkpoint_s"] for r in records if r.get("checkpoint_s", 0) > 0]
     steady = [r for prev, r in zip(records[:-1], records[1:], strict=True)
               if prev["optimizer_step"] % train_cfg.checkpoint_every]
+    # CPU used from the first record to the checkpoint's (steady steps only): the training worker's per step, the
+    # other processes' per second (Ray's services and actors poll on timers, whatever the step time)
+    end = [r for r in records if r["optimizer_step"] <= train_cfg.checkpoint_every][-1]
+    steps, seconds = end["optimizer_step"] - records[0]["optimizer_step"], end["time"] - records[0]["time"]
+    used = cpu.between(records[0]["time"], end["time"]) if steps > 0 else {}
+    worker = sum(v for k, v in used.items() if k.startswith("ray::RayTrainWorker"))
+    others = {k: v / seconds for k, v in used.items() if not k.startswith("ray::RayTrainWorker")}
     return {"step_s": step_s, "steps_counted": counted, "cpus_per_worker": cpus.group(1) if cpus else None,
+            "worker_cpu_s_per_step": worker / steps if used else None, "other_cpu_cores": others,
             "checkpoint_s": statistics.mean(checkpoints) if checkpoints else None,
             "data_wait_frac": statistics.mean(r["data_wait_frac"] for r in steady) if steady else None}
 
@@ -152,18 +271,22 @@ def fixed_cost(args, model_cfg: ModelConfig, train_cfg: TrainConfig) -> dict:
     from ray_jobs.demo_data import demo_data_dir
 
     data_dir = Path(args.data) if args.data else demo_data_dir(train_cfg.seq_len, model_cfg.vocab_size)
-    prepared = D.open_prepared(data_dir)
-    D.check_compatible(prepared, vocab_size=model_cfg.vocab_size, seq_len=train_cfg.seq_len)
-    sequences = torch.as_tensor(D.SequenceStore(prepared).take(np.arange(prepared.num_sequences))).long()
-    torch.set_num_threads(args.threads)
+    D.check_compatible(D.open_prepared(data_dir), vocab_size=model_cfg.vocab_size, seq_len=train_cfg.seq_len)
+    # Every run is a fresh process in the same environment (the Ray job's worker inherits it through the local Ray
+    # its driver starts). The job's worker threads come from --cpus-per-worker (auto: the cores); (a) and (b) get
+    # --threads (default: the cores) through OMP_NUM_THREADS, which the job's other Ray processes must not see.
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if args.omp_wait_policy:
+        env["OMP_WAIT_POLICY"] = args.omp_wait_policy
+    envs = {"bare": {**env, "OMP_NUM_THREADS": str(args.threads)}, "trainer": {**env, "OMP_NUM_THREADS": str(args.threads)},
+            "ray": env}
     runs: dict[str, list[dict]] = {"bare": [], "trainer": [], "ray": []}
+    measure = {"bare": bare_step_s, "trainer": trainer_step_s, "ray": ray_job_step_s}
     loads = []
     for r in range(args.rounds):
         loads.append(load_average())
-        runs["bare"].append({"step_s": bare_step_s(model_cfg, train_cfg, sequences, args.steps - train_cfg.log_every,
-                                                   train_cfg.log_every)})
-        runs["trainer"].append(trainer_step_s(model_cfg, train_cfg, sequences))
-        runs["ray"].append(ray_job_step_s(data_dir, model_cfg, train_cfg, args.job_timeout))
+        for name, fn in measure.items():
+            runs[name].append(fn(data_dir, model_cfg, train_cfg, envs[name], args.job_timeout))
         print(f"round {r + 1}/{args.rounds} (load {loads[-1]}): " + ", ".join(
             f"{k} {1e3 * v[-1]['step_s']:.2f} ms" for k, v in runs.items()), flush=True)
     median = {k: statistics.median(x["step_s"] for x in v) for k, v in runs.items()}
@@ -174,12 +297,18 @@ def fixed_cost(args, model_cfg: ModelConfig, train_cfg: TrainConfig) -> dict:
     spread = {k: (min(x["step_s"] for x in v), max(x["step_s"] for x in v)) for k, v in runs.items()}
     ray = runs["ray"]
     checkpoints = [x["checkpoint_s"] for x in ray if x["checkpoint_s"] is not None]
+    labels = sorted({k for x in ray for k in x["other_cpu_cores"]})
+    others = {k: statistics.median(x["other_cpu_cores"].get(k, 0.0) for x in ray) for k in labels}
+    worker_cpu = [x["worker_cpu_s_per_step"] for x in ray if x["worker_cpu_s_per_step"] is not None]
     return {"data": str(data_dir), "rounds": runs, "step_s_median": median, "step_s_range": spread,
             "fixed_cost_s": cost, "fixed_cost_paired_s": paired,
             "fixed_cost_of_20ms_step": {k: v / REFERENCE_STEP_S for k, v in cost.items()},
             "ray_over_trainer_tokens_per_s": median["trainer"] / median["ray"],
             "ray_over_bare_tokens_per_s": median["bare"] / median["ray"],
             "cpus_per_worker": ray[0]["cpus_per_worker"], "load_average": loads,
+            "bare_cpu_s_per_step": statistics.median(x["cpu_s_per_step"] for x in runs["bare"]),
+            "ray_worker_cpu_s_per_step": statistics.median(worker_cpu) if worker_cpu else None,
+            "ray_other_cpu_cores": others,
             "checkpoint_s": statistics.mean(checkpoints) if checkpoints else None,
             "data_wait_frac": statistics.median(x["data_wait_frac"] for x in ray if x["data_wait_frac"] is not None)}
 
@@ -317,6 +446,14 @@ def print_fixed_cost(part1: dict, model_cfg: ModelConfig, train_cfg: TrainConfig
           f"{1e3 * paired['ray']:+.2f} ms (target: < 5% of a 20 ms step = 1 ms)")
     print(f"Ray job / Trainer in-process: {part1['ray_over_trainer_tokens_per_s']:.3f}x tokens/s; "
           f"Ray job / bare loop: {part1['ray_over_bare_tokens_per_s']:.3f}x")
+    if part1["ray_worker_cpu_s_per_step"] is not None:
+        others = sorted(part1["ray_other_cpu_cores"].items(), key=lambda kv: -kv[1])
+        total = sum(v for _, v in others)
+        print(f"CPU per step (median of rounds): bare loop {1e3 * part1['bare_cpu_s_per_step']:.2f} ms, Ray training "
+              f"worker {1e3 * part1['ray_worker_cpu_s_per_step']:.2f} ms")
+        cores = len(os.sched_getaffinity(0))
+        print(f"the Ray job's other processes while it trains: {total:.3f} cores = {total / cores:.1%} of this "
+              f"machine's {cores}; " + ", ".join(f"{k} {v:.3f}" for k, v in others[:8] if v > 0))
     if part1["data_wait_frac"] is not None:
         print(f"Ray job data wait: {part1['data_wait_frac']:.2%} of step time")
     if part1["checkpoint_s"] is not None:
@@ -353,7 +490,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-every", type=int, default=TrainConfig.log_every)
     p.add_argument("--checkpoint-every", type=int,
                    help="part 1 (default: half the steps, so one checkpoint is timed mid-run)")
-    p.add_argument("--job-timeout", type=float, default=600, help="seconds before a part-1 Ray job is stopped")
+    p.add_argument("--job-timeout", type=float, default=600, help="seconds before a part-1 run is stopped")
+    p.add_argument("--omp-wait-policy", choices=["active", "passive"],
+                   help="OMP_WAIT_POLICY of every part-1 run (default: unset, libgomp's spin-then-sleep)")
     p.add_argument("--data", help="prepared data dir for part 1 (default: the built-in demo corpus)")
     for name in SHAPE_KEYS:
         p.add_argument("--" + name.replace("_", "-"), type=int,
