@@ -1,10 +1,11 @@
-"""The Ray loop's fixed per-step cost, and data-parallel scaling on one machine, each measured side by side in one run.
+"""The Ray loop's fixed per-step cost, how long ray.train.report blocks, and data-parallel scaling on one machine.
 
-    python -m bench.overhead                       # both parts at their defaults
+    python -m bench.overhead                       # every part at its defaults
     python -m bench.overhead --mode fixed-cost     # part 1 at issue #17's tiny config (hidden 64, 2 layers, seq 128)
     python -m bench.overhead --mode fixed-cost --hidden-size 512 --num-hidden-layers 4 --seq-len 256 \
         --micro-batch-size 8 --global-batch-size 8                     # a real-size step
     python -m bench.overhead --mode ddp --rounds 6                     # part 2 only
+    python -m bench.overhead --mode report                             # part 3 only
 
 Part 1, the fixed cost per optimizer step of the training loop: the same config and data in three fresh
 processes, the threads = this machine's cores (--threads for (a) and (b); the job's --cpus-per-worker auto):
@@ -37,7 +38,14 @@ each round runs, one after the other, the same global batch as
 
 Scaling efficiency = tokens/s of (2) / (2 x tokens/s of (1)). All-reduce share of step time =
 1 - time(4) / time(2), and the same against (3). Rounds alternate the four, so background load
-hits them alike. Prints a table and writes overhead.json to bench/results/ (or $MINILM_BENCH_RESULTS).
+hits them alike.
+
+Part 3, how long `ray.train.report` blocks against the time since the previous report: a 1-worker
+TorchTrainer sleeps for an interval (the steps between two log steps), then times a report, for intervals of
+0.05 to 3 s. Ray Train V2 holds one pending report per worker, and its controller takes it every
+RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (2 s by default), so a loop that reports more often waits for the rest.
+
+Prints a table per part and writes overhead.json to bench/results/ (or $MINILM_BENCH_RESULTS).
 """
 
 from __future__ import annotations
@@ -209,6 +217,10 @@ class ProcessTreeCPU:
             grew = bool(children)
         return {pid: (process_label(pid), stats[pid][1]) for pid in tree if pid in stats}
 
+    def count_at(self, t: float) -> int:
+        """Processes in the tree at the sample nearest `t`."""
+        return len(min(self.samples, key=lambda s: abs(s[0] - t))[1]) if self.samples else 0
+
     def between(self, t0: float, t1: float) -> dict[str, float]:
         """CPU seconds per process label used from the sample nearest t0 to the sample nearest t1."""
         if not self.samples:
@@ -259,10 +271,14 @@ def ray_job_step_s(data_dir: Path, model_cfg: ModelConfig, train_cfg: TrainConfi
     end = [r for r in records if r["optimizer_step"] <= train_cfg.checkpoint_every][-1]
     steps, seconds = end["optimizer_step"] - records[0]["optimizer_step"], end["time"] - records[0]["time"]
     used = cpu.between(records[0]["time"], end["time"]) if steps > 0 else {}
-    worker = sum(v for k, v in used.items() if k.startswith("ray::RayTrainWorker"))
-    others = {k: v / seconds for k, v in used.items() if not k.startswith("ray::RayTrainWorker")}
+    is_worker = {k: k.startswith("ray::RayTrainWorker") for k in used}
+    if not any(is_worker.values()):  # a Ray joined through RAY_ADDRESS: its processes are not the driver's children
+        used = {}
+    worker = sum(v for k, v in used.items() if is_worker[k])
+    others = {k: v / seconds for k, v in used.items() if not is_worker[k]}
     return {"step_s": step_s, "steps_counted": counted, "cpus_per_worker": cpus.group(1) if cpus else None,
             "worker_cpu_s_per_step": worker / steps if used else None, "other_cpu_cores": others,
+            "processes": cpu.count_at((records[0]["time"] + end["time"]) / 2) if used else None,
             "checkpoint_s": statistics.mean(checkpoints) if checkpoints else None,
             "data_wait_frac": statistics.mean(r["data_wait_frac"] for r in steady) if steady else None}
 
@@ -280,8 +296,11 @@ def fixed_cost(args, model_cfg: ModelConfig, train_cfg: TrainConfig) -> dict:
         env["OMP_WAIT_POLICY"] = args.omp_wait_policy
     envs = {"bare": {**env, "OMP_NUM_THREADS": str(args.threads)}, "trainer": {**env, "OMP_NUM_THREADS": str(args.threads)},
             "ray": env}
-    runs: dict[str, list[dict]] = {"bare": [], "trainer": [], "ray": []}
     measure = {"bare": bare_step_s, "trainer": trainer_step_s, "ray": ray_job_step_s}
+    if args.ray_poll_interval:  # (d): the job again, its Train controller draining reports more often
+        envs["ray_poll"] = {**env, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": str(args.ray_poll_interval)}
+        measure["ray_poll"] = ray_job_step_s
+    runs: dict[str, list[dict]] = {name: [] for name in measure}
     loads = []
     for r in range(args.rounds):
         loads.append(load_average())
@@ -290,10 +309,11 @@ def fixed_cost(args, model_cfg: ModelConfig, train_cfg: TrainConfig) -> dict:
         print(f"round {r + 1}/{args.rounds} (load {loads[-1]}): " + ", ".join(
             f"{k} {1e3 * v[-1]['step_s']:.2f} ms" for k, v in runs.items()), flush=True)
     median = {k: statistics.median(x["step_s"] for x in v) for k, v in runs.items()}
-    cost = {k: median[k] - median["bare"] for k in ("trainer", "ray")}
+    loops = [k for k in runs if k != "bare"]
+    cost = {k: median[k] - median["bare"] for k in loops}
     # Paired per round as well: background load that drifts between rounds then cancels out.
     paired = {k: statistics.median(x["step_s"] - b["step_s"] for x, b in zip(runs[k], runs["bare"], strict=True))
-              for k in ("trainer", "ray")}
+              for k in loops}
     spread = {k: (min(x["step_s"] for x in v), max(x["step_s"] for x in v)) for k, v in runs.items()}
     ray = runs["ray"]
     checkpoints = [x["checkpoint_s"] for x in ray if x["checkpoint_s"] is not None]
@@ -308,6 +328,7 @@ def fixed_cost(args, model_cfg: ModelConfig, train_cfg: TrainConfig) -> dict:
             "cpus_per_worker": ray[0]["cpus_per_worker"], "load_average": loads,
             "bare_cpu_s_per_step": statistics.median(x["cpu_s_per_step"] for x in runs["bare"]),
             "ray_worker_cpu_s_per_step": statistics.median(worker_cpu) if worker_cpu else None,
+            "ray_processes": ray[-1]["processes"],
             "ray_other_cpu_cores": others,
             "checkpoint_s": statistics.mean(checkpoints) if checkpoints else None,
             "data_wait_frac": statistics.median(x["data_wait_frac"] for x in ray if x["data_wait_frac"] is not None)}
@@ -414,6 +435,61 @@ def two_workers(args, model_cfg: ModelConfig, train_cfg: TrainConfig) -> dict:
             "no_sync_speedup": med["ddp_sync_every_micro_step"] / med["ddp_no_sync"]}
 
 
+# ---- part 3: how long ray.train.report blocks, against the time between reports ---------------------------
+
+REPORT_INTERVALS_S = (0.05, 0.2, 0.5, 1.0, 2.0, 3.0)
+
+
+def report_rounds(config: dict) -> None:
+    """Ray Train worker function of part 3: sleep for a log interval (the steps between two reports), then time
+    `ray.train.report` of a metrics dict the size of the loop's; hand the times back in a checkpoint."""
+    import ray.train
+
+    metrics = {key: 1.0 for key in ("loss", "lm_loss", "aux_loss", "lr", "grad_norm", "tokens_per_s", "mfu",
+                                    "samples_seen", "tokens_seen", "eta_s", "data_wait_frac", "checkpoint_s")}
+    times: dict[str, list[float]] = {}
+    for interval in config["intervals"]:
+        times[str(interval)] = []
+        for i in range(config["reports"]):
+            time.sleep(interval)
+            t0 = time.perf_counter()
+            ray.train.report({**metrics, "optimizer_step": i})
+            times[str(interval)].append(time.perf_counter() - t0)
+    with tempfile.TemporaryDirectory() as tmp:
+        Path(tmp, "times.json").write_text(json.dumps(times))
+        ray.train.report({"done": 1}, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+
+
+def report_blocking(args) -> dict:
+    from ray.train import LoggingConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    config = {"intervals": list(REPORT_INTERVALS_S), "reports": args.reports}
+    with tempfile.TemporaryDirectory() as tmp:
+        result = TorchTrainer(report_rounds, train_loop_config=config,
+                              scaling_config=ScalingConfig(num_workers=1, use_gpu=False, resources_per_worker={"CPU": 1}),
+                              run_config=RunConfig(name="overhead-report", storage_path=tmp,
+                                                   logging_config=LoggingConfig(log_level="WARNING")),
+                              torch_config=TorchConfig(backend="gloo")).fit()
+        times = json.loads(Path(result.checkpoint.path, "times.json").read_text())
+    rows = []
+    for interval, t in times.items():
+        blocked = statistics.median(t[1:])  # the first follows another interval's reports
+        rows.append({"interval_s": float(interval), "report_s_median": blocked, "report_s_all": t,
+                     "throughput_factor": float(interval) / (float(interval) + blocked)})
+    return {"rows": rows, "health_check_interval_s": os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "default (2)")}
+
+
+def print_report_blocking(part3: dict) -> None:
+    print(f"part 3: ray.train.report after each log interval, 1 worker, controller poll interval "
+          f"{part3['health_check_interval_s']} s")
+    print(f"{'interval s':>10}{'report s':>10}{'steps get':>11}")
+    for r in part3["rows"]:
+        print(f"{r['interval_s']:>10.2f}{r['report_s_median']:>10.3f}{r['throughput_factor']:>11.1%}")
+    print("steps get = interval / (interval + report): the share of wall time left to training when the loop reports "
+          "that often")
+
+
 # ---- main -----------------------------------------------------------------------------------------
 
 def configs(args, preset: dict) -> tuple[ModelConfig, TrainConfig]:
@@ -434,16 +510,17 @@ def print_fixed_cost(part1: dict, model_cfg: ModelConfig, train_cfg: TrainConfig
           f"{train_cfg.dtype}, {args.threads} threads / Ray worker x {part1['cpus_per_worker']} CPUs; "
           f"{args.rounds} rounds of {args.steps} steps")
     labels = {"bare": "(a) bare optimizer_step loop", "trainer": "(b) Trainer in-process (minilm.train)",
-              "ray": "(c) Ray job, 1 worker, default flags"}
+              "ray": "(c) Ray job, 1 worker, default flags",
+              "ray_poll": f"(d) (c), Ray Train polling every {args.ray_poll_interval} s"}
     print(f"{'run':<42}{'ms/step':>9}{'range':>17}{'tokens/s':>10}{'+ms/step':>10}{'of 20 ms':>10}")
-    for k, label in labels.items():
+    for k, label in ((k, v) for k, v in labels.items() if k in med):
         extra = "" if k == "bare" else (f"{1e3 * part1['fixed_cost_s'][k]:>10.2f}"
                                         f"{part1['fixed_cost_of_20ms_step'][k]:>10.1%}")
         rng = f"{1e3 * lo_hi[k][0]:.2f}-{1e3 * lo_hi[k][1]:.2f}"
         print(f"{label:<42}{1e3 * med[k]:>9.2f}{rng:>17}{tokens / med[k]:>10,.0f}{extra}")
     paired = part1["fixed_cost_paired_s"]
-    print(f"fixed cost per step, paired by round: Trainer {1e3 * paired['trainer']:+.2f} ms, Ray job "
-          f"{1e3 * paired['ray']:+.2f} ms (target: < 5% of a 20 ms step = 1 ms)")
+    print("fixed cost per step over (a), paired by round: " + ", ".join(
+        f"({'bcd'[i]}) {1e3 * v:+.2f} ms" for i, v in enumerate(paired.values())) + " (target: < 5% of a 20 ms step = 1 ms)")
     print(f"Ray job / Trainer in-process: {part1['ray_over_trainer_tokens_per_s']:.3f}x tokens/s; "
           f"Ray job / bare loop: {part1['ray_over_bare_tokens_per_s']:.3f}x")
     if part1["ray_worker_cpu_s_per_step"] is not None:
@@ -452,7 +529,7 @@ def print_fixed_cost(part1: dict, model_cfg: ModelConfig, train_cfg: TrainConfig
         print(f"CPU per step (median of rounds): bare loop {1e3 * part1['bare_cpu_s_per_step']:.2f} ms, Ray training "
               f"worker {1e3 * part1['ray_worker_cpu_s_per_step']:.2f} ms")
         cores = len(os.sched_getaffinity(0))
-        print(f"the Ray job's other processes while it trains: {total:.3f} cores = {total / cores:.1%} of this "
+        print(f"the Ray job's {part1['ray_processes'] - 1} other processes while it trains: {total:.3f} cores = {total / cores:.1%} of this "
               f"machine's {cores}; " + ", ".join(f"{k} {v:.3f}" for k, v in others[:8] if v > 0))
     if part1["data_wait_frac"] is not None:
         print(f"Ray job data wait: {part1['data_wait_frac']:.2%} of step time")
@@ -480,8 +557,8 @@ def print_ddp(part2: dict, args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.overhead", description=__doc__.split("\n")[0])
-    p.add_argument("--mode", choices=["all", "fixed-cost", "ddp"], default="all",
-                   help="fixed-cost: part 1; ddp: part 2; all: both")
+    p.add_argument("--mode", choices=["all", "fixed-cost", "ddp", "report"], default="all",
+                   help="fixed-cost: part 1; ddp: part 2; report: part 3; all: every part")
     p.add_argument("--steps", type=int, default=60, help="optimizer steps of each part-1 run")
     p.add_argument("--rounds", type=int, default=3, help="rounds of each part (part 2: after one warm-up round)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
@@ -491,6 +568,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint-every", type=int,
                    help="part 1 (default: half the steps, so one checkpoint is timed mid-run)")
     p.add_argument("--job-timeout", type=float, default=600, help="seconds before a part-1 run is stopped")
+    p.add_argument("--ray-poll-interval", type=float,
+                   help="part 1: add run (d), the Ray job with RAY_TRAIN_HEALTH_CHECK_INTERVAL_S set to this (how often "
+                        "Ray Train's controller takes each worker's one pending report; Ray's default is 2 s)")
     p.add_argument("--omp-wait-policy", choices=["active", "passive"],
                    help="OMP_WAIT_POLICY of every part-1 run (default: unset, libgomp's spin-then-sleep)")
     p.add_argument("--data", help="prepared data dir for part 1 (default: the built-in demo corpus)")
@@ -498,6 +578,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--" + name.replace("_", "-"), type=int,
                        help=f"default {FIXED_COST_PRESET[name]} in part 1, {DEMO_PRESET[name]} in part 2")
     p.add_argument("--vocab-size", type=int, default=6400)
+    p.add_argument("--reports", type=int, default=4, help="part 3: reports timed per interval (the first is not counted)")
     args = p.parse_args(argv)
     if args.rounds < 1 or args.log_every < 1 or args.steps < 3 * args.log_every:
         p.error("--rounds and --log-every must be >= 1, and --steps >= 3 x --log-every (steady log intervals)")
@@ -505,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
     env = environment()
     print(f"# {env['cpu']}, {env['cpus']} CPUs, torch {env['torch']}, load average {env['load_average']}")
 
-    part1 = part2 = None
+    part1 = part2 = part3 = None
     if args.mode in ("all", "fixed-cost"):
         model_cfg, train_cfg = configs(args, FIXED_COST_PRESET)
         train_cfg.max_steps, train_cfg.warmup_steps, train_cfg.log_every = args.steps, 1, args.log_every
@@ -525,10 +606,14 @@ def main(argv: list[str] | None = None) -> int:
               f"{train_cfg.seq_len}, global batch {train_cfg.global_batch_size} of micro-batches of "
               f"{train_cfg.micro_batch_size}, {args.dtype}; load average {load_average()}")
         print_ddp(part2, args)
+    if args.mode in ("all", "report"):
+        ensure_ray()
+        part3 = report_blocking(args)
+        print_report_blocking(part3)
     wall = time.perf_counter() - t_start
     print(f"wall time {wall:.0f} s")
     path = write_json("overhead.json", {"args": vars(args), "environment": env, "fixed_cost": part1,
-                                        "two_workers": part2, "wall_s": wall})
+                                        "two_workers": part2, "report_blocking": part3, "wall_s": wall})
     print(f"wrote {path}")
     return 0
 

@@ -136,7 +136,7 @@ def test_overhead(ray_address, tiny_data, tmp_path):
                                        "--micro-batch-size", "4", "--global-batch-size", "16", "--steps", "6",
                                        "--log-every", "2", "--rounds", "1", "--threads", "1"],
                     tmp_path, env=run_env(ray_address))
-    assert "(c) Ray job, 1 worker, default flags" in out and "fixed cost per step, paired by round:" in out
+    assert "(c) Ray job, 1 worker, default flags" in out and "fixed cost per step over (a), paired by round:" in out
     assert "scaling efficiency, 2 workers vs 1 (1 CPU each):" in out
     assert "all-reduce share of step time:" in out
     result = written(tmp_path, "overhead.json")
