@@ -85,11 +85,12 @@ def test_gpu_check_dry_run(ray_address, tmp_path):
         ["step-26m", "step-104m", "fp16", "trainer", "prepare", "ray-job", "ray-job-resume", "export", "sample",
          "stream"], "ok")
     table = {row["check"]: row for row in result["table"]}
-    assert len(table) == 11 and "check" in proc.stdout and "Ray Data stream delivery, CPU" in proc.stdout
+    assert len(table) == 12 and "check" in proc.stdout and "Ray Data stream delivery, CPU" in proc.stdout
     assert table["bench.step 104M bf16 compiled"]["goal"] == ">= 40% MFU"
     assert {row["status"] for name, row in table.items() if not name.startswith("fp16")} == {"dry run"}
     figures = result["figures"]
     assert figures["ray_job"]["resumed"] and figures["ray_job"]["last_step"] == 12
+    assert [h["steps_counted"] for h in figures["ray_job"]["halves"].values()] == [5, 5]  # records 1..6 and 7..12
     assert figures["fp16"]["passed"] and figures["fp16"]["scale_changes"][0] == {"step": 20, "from": 65536.0,
                                                                                  "to": 32768.0}
     assert figures["stream"]["tokens_per_s"] > 0 and figures["sample"]
@@ -113,7 +114,8 @@ def test_gpu_check_table_without_ray():
     assert table["bench.step 104M bf16 compiled"]["status"] == "PASS"  # 42% of the data sheet >= 40%
     assert "MFU 42.0%" in table["bench.step 104M bf16 compiled"]["result"]
     assert table["Trainer in-process (minilm.train), 26M"]["status"] == "BELOW GOAL"  # 0.94x < 0.95x
-    for check in ("Ray job 1 worker, 26M: train, exit, resume", "export + sample", "Ray Data stream delivery, CPU"):
+    for check in ("Ray job 1 worker, 26M, to the exit", "  resumed, Train polling every 0.1 s", "export + sample",
+                  "Ray Data stream delivery, CPU"):
         assert table[check]["status"] == "SKIPPED" and table[check]["result"] == why
     assert table["fp16 + GradScaler"]["status"] == "TIMEOUT"
     assert table["fp16 + GradScaler"]["result"] == "stopped at its 60 s limit"
