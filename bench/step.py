@@ -5,13 +5,15 @@
     python -m bench.step --dtype both                      # add a bf16-autocast pair of rows
     python -m bench.step --compile                         # add torch.compile'd rows (minilm.step.prepare_model)
     python -m bench.step --device cuda --dtype bf16 --compile --hidden-size 768 --num-hidden-layers 16 --seq-len 1024
+    python -m bench.step --no-moe ...                      # the dense model only (bench/gpu_check.sh)
 
 For each dtype it measures, in this process: the matmul peak (n^3, best of 10, before and after the
 steps; the larger counts; n = 2048 on CPU, 8192 on GPU) and `minilm.step.optimizer_step`
 (accumulation 1) for the dense model and for the MoE model (4 experts, top-1: the same active FFN
 width), and with --compile for both again with `prepare_model(compile=True)`. All configurations
 alternate step by step, so background load hits them alike; warm-up steps (which include the
-compilation) are excluded. MFU = flops_per_token(seq_len) * tokens/s / measured peak.
+compilation) are excluded. MFU = flops_per_token(seq_len) * tokens/s / measured peak; on a GPU listed in
+minilm.progress.GPU_PEAK_BF16 also against its data-sheet peak (the figure the training loop's MFU uses).
 Writes step.json to bench/results/ (or $MINILM_BENCH_RESULTS).
 """
 
@@ -25,7 +27,7 @@ import torch
 
 from minilm.config import ModelConfig, TrainConfig
 from minilm.model import MiniMindForCausalLM
-from minilm.progress import measured_matmul_peak
+from minilm.progress import datasheet_peak, measured_matmul_peak
 from minilm.step import configure_backends, make_grad_scaler, make_optimizer, optimizer_step, prepare_model
 
 from .common import add_model_args, alternate, environment, write_json
@@ -48,9 +50,9 @@ def bench_dtype(args, dtype_name: str) -> dict:
     dtype = DTYPES[dtype_name]
     device = torch.device(args.device)
     peak_before = measured_matmul_peak(dtype, n=args.peak_size, repeats=10, device=device)
-    configs = [("dense", False, False), ("moe", True, False)]
+    configs = [("dense", False, False)] + ([] if args.no_moe else [("moe", True, False)])
     if args.compile:
-        configs += [("dense+compile", False, True), ("moe+compile", True, True)]
+        configs += [("dense+compile", False, True)] + ([] if args.no_moe else [("moe+compile", True, True)])
     runs = {}
     for name, use_moe, compile_ in configs:
         model = build(args, use_moe, compile_)
@@ -74,6 +76,7 @@ def bench_dtype(args, dtype_name: str) -> dict:
     # Measured before and after the steps; the larger is the less disturbed by other load on the host.
     peak_after = measured_matmul_peak(dtype, n=args.peak_size, repeats=10, device=device)
     peak = max(peak_before, peak_after)
+    sheet = datasheet_peak(torch.cuda.get_device_name(device), dtype) if device.type == "cuda" else None
     rows = []
     tokens = args.micro_batch_size * args.seq_len
     for name, r in runs.items():
@@ -90,22 +93,26 @@ def bench_dtype(args, dtype_name: str) -> dict:
             "achieved_flops": model.flops_per_token(args.seq_len) * tps,
             "mfu": model.estimate_mfu(tps, args.seq_len, peak),
             "mfu_best_step": model.estimate_mfu(tokens / min(t), args.seq_len, peak),
+            "mfu_datasheet": model.estimate_mfu(tps, args.seq_len, sheet) if sheet else None,
             "max_expert_share": float(load.max()) if load is not None else None,
         })
     by = {r["config"]: r for r in rows}
-    ratios = {"moe_over_dense": by["moe"]["step_s_median"] / by["dense"]["step_s_median"],
-              "moe_over_dense_min": by["moe"]["step_s_min"] / by["dense"]["step_s_min"]}
+    ratios = {}
+    if not args.no_moe:
+        ratios.update({"moe_over_dense": by["moe"]["step_s_median"] / by["dense"]["step_s_median"],
+                       "moe_over_dense_min": by["moe"]["step_s_min"] / by["dense"]["step_s_min"]})
     if args.compile:
+        # > 1: compile made the step faster by that factor; < 1: slower
+        ratios.update({"compile_speedup_dense": by["dense"]["step_s_median"] / by["dense+compile"]["step_s_median"],
+                       "compile_speedup_dense_min": by["dense"]["step_s_min"] / by["dense+compile"]["step_s_min"]})
+    if args.compile and not args.no_moe:
         ratios.update({
             "moe_over_dense_compiled": by["moe+compile"]["step_s_median"] / by["dense+compile"]["step_s_median"],
-            # > 1: compile made the step faster by that factor; < 1: slower
-            "compile_speedup_dense": by["dense"]["step_s_median"] / by["dense+compile"]["step_s_median"],
             "compile_speedup_moe": by["moe"]["step_s_median"] / by["moe+compile"]["step_s_median"],
-            "compile_speedup_dense_min": by["dense"]["step_s_min"] / by["dense+compile"]["step_s_min"],
             "compile_speedup_moe_min": by["moe"]["step_s_min"] / by["moe+compile"]["step_s_min"],
         })
     return {"dtype": dtype_name, "peak_flops": peak, "peak_flops_before": peak_before, "peak_flops_after": peak_after,
-            "rows": rows, **ratios}
+            "peak_flops_datasheet": sheet, "rows": rows, **ratios}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=["fp32", "bf16", "both"], default="fp32")
     p.add_argument("--device", default="cpu", help="cpu or cuda (one GPU)")
     p.add_argument("--compile", action="store_true", help="add rows with torch.compile'd blocks")
+    p.add_argument("--no-moe", action="store_true", help="the dense model only (no MoE rows)")
     p.add_argument("--peak-size", type=int, default=None, help="n of the n^3 matmul peak (default 2048 CPU, 8192 GPU)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     args = p.parse_args(argv)
@@ -155,17 +163,23 @@ def main(argv: list[str] | None = None) -> int:
     for res in results:
         print(f"matmul peak ({res['dtype']}, {args.peak_size}^3, best of 10): {res['peak_flops_before'] / 1e9:.1f} "
               f"GFLOP/s before, {res['peak_flops_after'] / 1e9:.1f} after the steps; MFU uses the larger")
+        if res["peak_flops_datasheet"]:
+            print(f"  against the data-sheet peak ({res['peak_flops_datasheet'] / 1e12:.1f} TFLOP/s): MFU "
+                  + ", ".join(f"{r['config']} {r['mfu_datasheet']:.1%}" for r in res["rows"]))
         if any(r["mfu"] > 1 for r in res["rows"]):
             print("  warning: MFU > 100%: the peak was measured while the host was busier than during the steps")
     for res in results:
-        ratio = res["moe_over_dense"]
-        print(f"MoE / dense step time ({res['dtype']}): {ratio:.2f}x median, {res['moe_over_dense_min']:.2f}x best "
-              f"(target <= 1.10x){'' if ratio <= 1.10 else '  ABOVE TARGET'}")
+        if "moe_over_dense" in res:
+            ratio = res["moe_over_dense"]
+            print(f"MoE / dense step time ({res['dtype']}): {ratio:.2f}x median, {res['moe_over_dense_min']:.2f}x best "
+                  f"(target <= 1.10x){'' if ratio <= 1.10 else '  ABOVE TARGET'}")
         if args.compile:
-            print(f"compile speed-up = eager / compiled step time ({res['dtype']}; > 1: compile is faster): "
-                  f"dense {res['compile_speedup_dense']:.2f}x median ({res['compile_speedup_dense_min']:.2f}x best), "
-                  f"MoE {res['compile_speedup_moe']:.2f}x median ({res['compile_speedup_moe_min']:.2f}x best); "
-                  f"compiled MoE / dense {res['moe_over_dense_compiled']:.2f}x")
+            line = (f"compile speed-up = eager / compiled step time ({res['dtype']}; > 1: compile is faster): "
+                    f"dense {res['compile_speedup_dense']:.2f}x median ({res['compile_speedup_dense_min']:.2f}x best)")
+            if "compile_speedup_moe" in res:
+                line += (f", MoE {res['compile_speedup_moe']:.2f}x median ({res['compile_speedup_moe_min']:.2f}x "
+                         f"best); compiled MoE / dense {res['moe_over_dense_compiled']:.2f}x")
+            print(line)
     path = write_json("step.json", {"args": vars(args), "environment": env, "results": results})
     print(f"wrote {path}")
     return 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -70,9 +71,54 @@ def test_checkpoint(tmp_path):
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("bench-checkpoint-")] == []  # cleaned up
 
 
-def test_gpu_script_parses():
-    # The GPU run itself needs a GPU; `bash bench/gpu.sh --device cpu` is its dry run (about a minute).
-    subprocess.run(["bash", "-n", str(ROOT / "bench" / "gpu.sh")], check=True)
+@pytest.mark.slow
+@pytest.mark.ray
+def test_gpu_check_dry_run(ray_address, tmp_path):
+    # The only run of bench/gpu_check.sh off a GPU: its CPU dry run, every part through the same commands at tiny
+    # sizes. Slow (minutes: ten subprocesses, a compile, two Ray jobs), and the Ray parts join the session's Ray.
+    env = {**run_env(ray_address), "MINILM_BENCH_RESULTS": str(tmp_path), "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--device", "cpu"], env=env,
+                          capture_output=True, text=True, timeout=1600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    result = written(tmp_path, "gpu_check.json")
+    assert {name: part["status"] for name, part in result["parts"].items()} == dict.fromkeys(
+        ["step-26m", "step-104m", "fp16", "trainer", "prepare", "ray-job", "ray-job-resume", "export", "sample",
+         "stream"], "ok")
+    table = {row["check"]: row for row in result["table"]}
+    assert len(table) == 12 and "check" in proc.stdout and "Ray Data stream delivery, CPU" in proc.stdout
+    assert table["bench.step 104M bf16 compiled"]["goal"] == ">= 40% MFU"
+    assert {row["status"] for name, row in table.items() if not name.startswith("fp16")} == {"dry run"}
+    figures = result["figures"]
+    assert figures["ray_job"]["resumed"] and figures["ray_job"]["last_step"] == 12
+    assert [h["steps_counted"] for h in figures["ray_job"]["halves"].values()] == [5, 5]  # records 1..6 and 7..12
+    assert figures["fp16"]["passed"] and figures["fp16"]["scale_changes"][0] == {"step": 20, "from": 65536.0,
+                                                                                 "to": 32768.0}
+    assert figures["stream"]["tokens_per_s"] > 0 and figures["sample"]
+    for part in result["parts"]:
+        assert (tmp_path / "logs" / f"{part}.log").is_file()
+
+
+def test_gpu_check_table_without_ray():
+    # A machine without ray: the Ray parts are SKIPPED rows that say what to install; the rest still report.
+    from bench.gpu_check import Part, table_rows
+
+    why = "needs ray in this python: pip install ..."
+    parts = {name: Part(name, "ok") for name in ("step-26m", "step-104m", "trainer")}
+    parts["fp16"] = Part("fp16", "timeout", note="stopped at its 60 s limit")
+    parts.update({name: Part(name, "skipped", note=why) for name in ("prepare", "ray-job", "ray-job-resume",
+                                                                     "export", "sample", "stream")})
+    row = {"tokens_per_s": 1000.0, "mfu": 0.5, "mfu_datasheet": 0.42}
+    figures = {"step-26m": {"dense": row, "dense+compile": row}, "step-104m": {"dense": row, "dense+compile": row},
+               "trainer": {"tokens_per_s": 940.0}}
+    table = {r["check"]: r for r in table_rows(parts, figures, gpu=True)}
+    assert table["bench.step 104M bf16 compiled"]["status"] == "PASS"  # 42% of the data sheet >= 40%
+    assert "MFU 42.0%" in table["bench.step 104M bf16 compiled"]["result"]
+    assert table["Trainer in-process (minilm.train), 26M"]["status"] == "BELOW GOAL"  # 0.94x < 0.95x
+    for check in ("Ray job 1 worker, 26M, to the exit", "  resumed, Train polling every 0.1 s", "export + sample",
+                  "Ray Data stream delivery, CPU"):
+        assert table[check]["status"] == "SKIPPED" and table[check]["result"] == why
+    assert table["fp16 + GradScaler"]["status"] == "TIMEOUT"
+    assert table["fp16 + GradScaler"]["result"] == "stopped at its 60 s limit"
 
 
 @pytest.mark.ray
@@ -89,14 +135,18 @@ def test_data(ray_address, tiny_data, tmp_path):
 @pytest.mark.ray
 def test_overhead(ray_address, tiny_data, tmp_path):
     out = run_bench("bench.overhead", ["--data", str(tiny_data), *TINY_MODEL, "--seq-len", "32",
-                                       "--micro-batch-size", "4", "--global-batch-size", "16", "--steps", "4",
-                                       "--log-every", "1", "--single-steps", "2", "--rounds", "1", "--threads", "1"],
+                                       "--micro-batch-size", "4", "--global-batch-size", "16", "--steps", "6",
+                                       "--log-every", "2", "--rounds", "1", "--threads", "1"],
                     tmp_path, env=run_env(ray_address))
-    assert "Ray / single:" in out
+    assert "(c) Ray job, 1 worker, default flags" in out and "fixed cost per step over (a), paired by round:" in out
     assert "scaling efficiency, 2 workers vs 1 (1 CPU each):" in out
     assert "all-reduce share of step time:" in out
     result = written(tmp_path, "overhead.json")
-    assert result["ray_vs_single"]["checkpoint_s"] > 0
+    fixed = result["fixed_cost"]
+    assert set(fixed["step_s_median"]) == {"bare", "trainer", "ray"} and min(fixed["step_s_median"].values()) > 0
+    # 6 steps logged every 2, a checkpoint at step 4: the steady interval is 2 -> 4 (4 -> 6 holds the checkpoint)
+    assert fixed["rounds"]["trainer"][0]["steps_counted"] == fixed["rounds"]["ray"][0]["steps_counted"] == 2
+    assert fixed["checkpoint_s"] > 0
     assert set(result["two_workers"]["step_s_median"]) == {"single", "ddp_no_sync", "ddp_sync_every_micro_step",
                                                            "ddp_no_allreduce"}
     assert result["two_workers"]["accumulation_per_rank"] == 2
