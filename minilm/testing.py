@@ -53,10 +53,10 @@ class FaultHooks:
 
     # ---- the hooks, called by the loop and the checkpoint writer ----------------------------------
 
-    def after_step(self, step: int, rank: int, sample_ids) -> None:
+    def after_step(self, step: int, rank: int, world_size: int, sample_ids) -> None:
         if self.record_sample_ids:
             with open(Path(self.record_sample_ids) / f"rank{rank}.jsonl", "a") as f:
-                f.write(json.dumps({"optimizer_step": step, "rank": rank, "time": time.time(),
+                f.write(json.dumps({"optimizer_step": step, "rank": rank, "world_size": world_size, "time": time.time(),
                                     "sample_ids": [int(i) for i in sample_ids]}) + "\n")
         if self.step_delay_s:
             time.sleep(self.step_delay_s)

@@ -255,7 +255,7 @@ class Trainer:
                 self.step += 1
                 self.guard.update(m, self.step, self.scaler.is_enabled())
                 self.meter.add(m.tokens * self.world_size)
-                hooks.after_step(self.step, self.rank, sample_ids)
+                hooks.after_step(self.step, self.rank, self.world_size, sample_ids)
 
                 time_up = deadline is not None and time.monotonic() > deadline
                 reasons = stop.push(self.step, [*self.launcher.stop_flags(), time_up], [self.guard.tripped()])

@@ -35,6 +35,14 @@ def parse_num_workers(spec: str) -> tuple[int, int]:
     return lo, hi
 
 
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity), which Ray's logical CPUs may overstate."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def ensure_ray(num_cpus: int | None = None, *, quiet: bool = True) -> bool:
     """Connect to the cluster in RAY_ADDRESS (ray job submit sets it) or start a local Ray; True when this call
     started a local Ray (its machine is all the run has).

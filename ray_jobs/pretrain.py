@@ -38,7 +38,7 @@ from minilm.progress import MetricsLog, format_duration
 from minilm.timeline import TIMELINE, WorldSizeTimeline, format_timeline
 from minilm.trackers import TrackerError, check_trackers
 
-from .cli import ensure_ray, parse_num_workers
+from .cli import available_cores, ensure_ray, parse_num_workers
 from .elastic import SHARED_STORAGE_HINT, nodes_missing_path
 
 RUN_KEYS = {"data", "num_workers", "use_gpu", "cpus_per_worker", "storage_path", "name", "resume", "max_failures",
@@ -286,13 +286,6 @@ def auto_cpus_per_worker(workers: int, local: bool, opts: dict) -> float:
     return float(max(1, int(min(r["CPU"] for r in nodes) - 1) // per_node))
 
 
-def available_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
 def check_storage_writable(storage: Path) -> None:
     """A local --storage-path that cannot be created or written is one error line here, not a traceback from
     Ray's controller later."""
@@ -440,6 +433,11 @@ def make_trainer(config: dict, opts: dict, storage: str, name: str, workers: tup
 
     from .worker import train_func
 
+    # Ray Train's controller takes one report per worker per poll, every 2 s by default, and a report made before
+    # the previous one was taken blocks until the next poll: at GPU step times (10 steps between log steps well under
+    # 2 s) that is most of the wall time (bench.overhead --mode report). Ray hands this variable from the process
+    # that calls fit() to the controller; a value the user set wins.
+    os.environ.setdefault(CONTROLLER_POLL_ENV, CONTROLLER_POLL_S)
     use_gpu = uses_gpu(opts)
     min_w, max_w = workers
     scaling = ScalingConfig(num_workers=min_w if min_w == max_w else (min_w, max_w), use_gpu=use_gpu,
@@ -456,6 +454,7 @@ def make_trainer(config: dict, opts: dict, storage: str, name: str, workers: tup
                                                  timeout_s=opts["backend_timeout_s"]))
 
 
+CONTROLLER_POLL_ENV, CONTROLLER_POLL_S = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1"
 WORKER_ENV = ("MINILM_CACHE", "MINILM_GIT_COMMIT")  # the only MINILM_* settings a worker reads
 
 

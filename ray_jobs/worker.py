@@ -23,6 +23,7 @@ from minilm.config import ModelConfig, TrainConfig
 from minilm.trainer import Dataset, Preempted, RunOptions, Trainer
 
 from . import console, dashboard_metrics
+from .cli import available_cores
 from .stream import RankStream
 
 
@@ -50,6 +51,8 @@ class RayLauncher:
         self.rank, self.world_size = ctx.get_world_rank(), ctx.get_world_size()
         quiet_ray_train_reports()
         self.device: torch.device = ray.train.torch.get_device()
+        if self.device.type == "cpu":
+            cap_threads(ctx.get_local_world_size())
         self.run, self.micro_batch_size = run, micro_batch_size
         self.sigterm = False
         try:
@@ -127,6 +130,15 @@ class RayLauncher:
 
     def say(self, message: str) -> None:
         console.say(message)
+
+
+def cap_threads(local_workers: int) -> None:
+    """A CPU worker's threads (OMP_NUM_THREADS, from --cpus-per-worker) stay within this node's cores shared among
+    the run's workers on it. A node's logical CPUs can overstate its cores (a local Ray declares more so that Ray
+    Data's tasks are not starved: ensure_ray), and threads beyond the cores spin against each other."""
+    share = max(1, available_cores() // max(1, local_workers))
+    if torch.get_num_threads() > share:
+        torch.set_num_threads(share)
 
 
 def quiet_ray_train_reports() -> None:

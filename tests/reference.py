@@ -52,12 +52,9 @@ def recorded_steps(record_dir: Path) -> dict[int, list[int]]:
     steps = {}
     for step, recs in sorted(records.items()):
         recs.sort(key=lambda r: r["time"], reverse=True)
-        latest: dict[int, dict] = {}
-        for r in recs:  # the newest record of each rank, until a rank repeats (an older attempt)
-            if r["rank"] in latest:
-                break
-            latest[r["rank"]] = r
-        steps[step] = [i for rank in sorted(latest) for i in latest[rank]["sample_ids"]]
+        latest = recs[: recs[0]["world_size"]]  # the newest attempt: one record per rank
+        assert sorted(r["rank"] for r in latest) == list(range(recs[0]["world_size"])), f"step {step}: {latest}"
+        steps[step] = [i for r in sorted(latest, key=lambda r: r["rank"]) for i in r["sample_ids"]]
     return steps
 
 

@@ -20,7 +20,7 @@ import torch
 from conftest import run_env
 from helpers import ROOT, make_prepared, run_module
 from inprocess import configs
-from reference import check_run, replay
+from reference import check_run, recorded_steps, replay
 from safetensors.torch import load_file
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -78,18 +78,7 @@ def timeline(run_dir: Path) -> list[dict]:
 
 def final_ids_per_step(record_dir: Path) -> dict[int, list[int]]:
     """optimizer_step -> sorted sample ids of the attempt that counted (the latest one of each step)."""
-    records: dict[int, list[dict]] = {}
-    for f in record_dir.glob("rank*.jsonl"):
-        for line in f.read_text().splitlines():
-            rec = json.loads(line)
-            records.setdefault(rec["optimizer_step"], []).append(rec)
-    result = {}
-    for step, recs in records.items():
-        recs.sort(key=lambda r: r["time"], reverse=True)
-        latest = recs[: recs[0]["world_size"]]  # one record per rank of the newest attempt
-        assert sorted(r["rank"] for r in latest) == list(range(recs[0]["world_size"])), f"step {step}: {latest}"
-        result[step] = sorted(i for r in latest for i in r["sample_ids"])
-    return dict(sorted(result.items()))
+    return {step: sorted(ids) for step, ids in recorded_steps(record_dir).items()}
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -163,7 +152,11 @@ def check_exact_resume(baseline: dict, run_dir: Path, ids_dir: Path, data: Path)
     diff = max_rel_diff(baseline["weights"], weights(run_dir))
     assert diff < 1e-5, diff
     model_cfg, train_cfg = configs(max_steps=STEPS, micro_batch_size=2, global_batch_size=12)
-    check_run(replay(model_cfg, train_cfg, data, ids_dir, STEPS), weights(run_dir), read_metrics(run_dir))
+    # The replay accumulates all 6 micro-batches in one process; the run averages them over 2 or 3 ranks, float sums
+    # in another order, which Adam carries through 32 steps (5e-5 seen). The mistakes this catches (an lr one step
+    # off, another sample order) move the weights by 1e-2 and more.
+    check_run(replay(model_cfg, train_cfg, data, ids_dir, STEPS), weights(run_dir), read_metrics(run_dir),
+              rtol_weights=2e-4)
 
 
 def test_node_lost_then_regained_shrinks_and_grows_without_changing_the_optimisation(cluster, data, storage,

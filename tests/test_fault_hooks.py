@@ -55,7 +55,7 @@ def test_the_default_hooks_do_nothing(tmp_path):
 
     hooks = FaultHooks()
     t0 = time.perf_counter()
-    hooks.after_step(3, 0, [1, 2])
+    hooks.after_step(3, 0, 1, [1, 2])
     assert time.perf_counter() - t0 < 0.01 and not list(tmp_path.iterdir())
     model = torch.nn.Module()
     model.lm_head = torch.nn.Linear(2, 2)
