@@ -48,8 +48,7 @@ RUN_KEYS = {"data", "num_workers", "use_gpu", "cpus_per_worker", "storage_path",
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ray_jobs.pretrain", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m ray_jobs.pretrain", description=__doc__.split("\n")[0])
     p.add_argument("--config", help="YAML file of option: value (any flag below, underscores or dashes)")
     r = p.add_argument_group("run")
     r.add_argument("--data", help="prepared data dir (ray_jobs.prepare); default: the built-in demo corpus, "
