@@ -14,9 +14,10 @@ would start past it is reported as skipped):
   trainer              `python -m minilm.train` on random tokens at the 26M shape: the Trainer alone, no Ray
   prepare              the demo corpus through `python -m ray_jobs.prepare` at seq 512
   ray-job              `python -m ray_jobs.pretrain --use-gpu true --num-workers 1` at the 26M shape, stopped
-                       halfway by --exit-after-steps and run again to continue (--resume auto); the second half
-                       with RAY_TRAIN_HEALTH_CHECK_INTERVAL_S=0.1 (Ray Train's controller polls every 2 s, and a
-                       report made sooner waits: `bench.overhead --mode report`)
+                       halfway by --exit-after-steps and run again to continue (--resume auto); the first half
+                       with RAY_TRAIN_HEALTH_CHECK_INTERVAL_S=2 (Ray's default: its Train controller polls every 2 s,
+                       and a report made sooner waits, `bench.overhead --mode report`), the second with the job's
+                       own setting (0.1 s)
   export, sample       `python -m ray_jobs.export` of the last checkpoint, `python -m minilm.sample` from it
   stream               the Ray Data stream's delivery rate on this machine's CPUs at seq 512, micro-batch 32:
                        `bench.data`'s stream mode if it has one, else `ray_jobs.stream.RankStream` driven here
@@ -231,14 +232,14 @@ def prepare_part(r: Runner, s: Shapes, work: Path) -> Path | None:
     return None
 
 
-POLL_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1"}  # the resumed half: Ray Train's controller takes reports 20x as often
+RAY_DEFAULT_POLL = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "2"}  # the first half: Ray's default, which the job overrides
 
 
 def ray_job_part(r: Runner, s: Shapes, data: Path, use_gpu: str, work: Path) -> dict | None:
-    """Train to half the steps (--exit-after-steps), then the same command again continues to the end. The resumed
-    half runs with Ray Train's controller polling every 0.1 s instead of 2 s (`bench.overhead --mode report`: a
-    loop that reports more often than the controller polls waits in ray.train.report), so the two halves compare
-    Ray's default with that setting at this machine's step time."""
+    """Train to half the steps (--exit-after-steps), then the same command again continues to the end. The first
+    half runs with Ray Train's controller polling every 2 s (Ray's default; `bench.overhead --mode report`: a loop
+    that reports more often than the controller polls waits in ray.train.report), the resumed half with the job's
+    0.1 s, so the two halves compare them at this machine's step time."""
     from .overhead import read_metrics, steady_step_s
 
     shape, steps = s.small, s.job_steps
@@ -248,10 +249,10 @@ def ray_job_part(r: Runner, s: Shapes, data: Path, use_gpu: str, work: Path) -> 
             *flags(shape, "hidden_size", "num_hidden_layers", "vocab_size", "seq_len", "micro_batch_size"),
             "--global-batch-size", str(shape["micro_batch_size"]), "--dtype", "bf16", "--max-steps", str(steps),
             "--warmup-steps", "1", "--log-every", str(max(1, steps // 30)), "--checkpoint-every", str(steps)]
-    first = r.run("ray-job", [*args, "--exit-after-steps", str(half)], s.limits["ray-job"])
+    first = r.run("ray-job", [*args, "--exit-after-steps", str(half)], s.limits["ray-job"], env=RAY_DEFAULT_POLL)
     if first.status != "ok":
         return None
-    second = r.run("ray-job-resume", args, s.limits["ray-job-resume"], env=POLL_ENV)
+    second = r.run("ray-job-resume", args, s.limits["ray-job-resume"])
     if second.status != "ok":
         return None
     records = read_metrics(storage / name / "metrics.jsonl")
@@ -261,12 +262,12 @@ def ray_job_part(r: Runner, s: Shapes, data: Path, use_gpu: str, work: Path) -> 
         second.status = "failed"
     tokens = shape["micro_batch_size"] * shape["seq_len"]
     halves = {}
-    for key, part in (("default", [rec for rec in records if rec["optimizer_step"] <= half]),
+    for key, part in (("poll_2s", [rec for rec in records if rec["optimizer_step"] <= half]),
                       ("poll_0.1s", [rec for rec in records if rec["optimizer_step"] > half])):
         step_s, counted = steady_step_s(part, steps)
         halves[key] = {"step_s": step_s, "steps_counted": counted, "tokens_per_s": tokens / step_s}
     checkpoints = sorted(p for p in (storage / name).glob("checkpoint_*") if p.is_dir())
-    return {"halves": halves, "tokens_per_s": halves["default"]["tokens_per_s"],
+    return {"halves": halves, "tokens_per_s": halves["poll_0.1s"]["tokens_per_s"],
             "last_step": records[-1]["optimizer_step"], "resumed": resumed,
             "checkpoint": str(checkpoints[-1]) if checkpoints else None,
             "data_wait_frac": [rec["data_wait_frac"] for rec in records]}
@@ -422,8 +423,8 @@ def table_rows(parts: dict[str, Part], fig: dict, gpu: bool) -> list[dict]:
     eager = (fig.get("step-26m") or {}).get("dense")
     job = fig.get("ray_job") or {"halves": {}}
     for run, check, part in ((fig.get("trainer"), "Trainer in-process (minilm.train), 26M", "trainer"),
-                             (job["halves"].get("default"), "Ray job 1 worker, 26M, to the exit", "ray-job"),
-                             (job["halves"].get("poll_0.1s"), "  resumed, Train polling every 0.1 s", "ray-job-resume")):
+                             (job["halves"].get("poll_2s"), "Ray job 1 worker, 26M, Train polling every 2 s", "ray-job"),
+                             (job["halves"].get("poll_0.1s"), "  resumed with the job's 0.1 s polling", "ray-job-resume")):
         ratio = run["tokens_per_s"] / eager["tokens_per_s"] if run and eager else None
         result = "" if not run else f"{run['tokens_per_s']:,.0f} tok/s" + (
             f" = {ratio:.3f}x bench.step eager" if ratio else "")

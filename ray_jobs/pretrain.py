@@ -13,6 +13,7 @@ world size that keeps the global batch.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 import sys
@@ -192,9 +193,11 @@ def parse_resources(spec) -> dict[str, float]:
     return resources
 
 
-def plan_run(args: argparse.Namespace, extra_keys: frozenset[str] = frozenset(), concurrent_runs: int = 1) -> RunPlan:
+def plan_run(args: argparse.Namespace, extra_keys: frozenset[str] = frozenset(), concurrent_runs: int = 1,
+             reserved_cpus: float = 0.0) -> RunPlan:
     """Flags + YAML -> a checked RunPlan (starts or joins Ray, prepares the demo data if needed).
-    `concurrent_runs`: runs sharing the machine at once (Tune trials), for --cpus-per-worker auto."""
+    `concurrent_runs`: runs sharing the machine at once (Tune trials), and `reserved_cpus` the CPUs other actors
+    of theirs hold (Tune's trial functions), for --cpus-per-worker auto."""
     file_values = load_yaml(args.config)
     demo = not (args.data or file_values.get("data"))
     configs = build_configs(args, file_values, RUN_KEYS | extra_keys, demo=demo)
@@ -230,7 +233,7 @@ def plan_run(args: argparse.Namespace, extra_keys: frozenset[str] = frozenset(),
         D.open_prepared(data_dir)  # a missing, incomplete or damaged --data is refused before Ray starts
     started_here = ensure_ray(opts.get("num_cpus"))
     if opts["cpus_per_worker"] == "auto":
-        opts["cpus_per_worker"] = auto_cpus_per_worker(max_w * concurrent_runs, started_here, opts)
+        opts["cpus_per_worker"] = auto_cpus_per_worker(max_w * concurrent_runs, started_here, opts, reserved_cpus)
     if local_storage:
         missing = nodes_missing_path(Path(storage))
         if missing:
@@ -263,12 +266,14 @@ def plan_run(args: argparse.Namespace, extra_keys: frozenset[str] = frozenset(),
                    resume_path=resume_path, hooks=hooks, notes=[n for n in notes if n])
 
 
-def auto_cpus_per_worker(workers: int, local: bool, opts: dict) -> float:
+def auto_cpus_per_worker(workers: int, local: bool, opts: dict, reserved_cpus: float = 0.0) -> float:
     """--cpus-per-worker auto. A local Ray this command started: the machine's cores divided among the workers
     (at least 1), so 1 worker on a laptop uses every core. A running cluster: the CPUs of its smallest node that
     can host a worker, less one left for Ray Data and Ray itself (workers that take every CPU starve the tasks
-    that feed them), divided among the workers such a node would host if they spread evenly (GPU runs: one
-    worker per GPU). A local Ray's logical CPUs are not used: it declares more than there are cores (ensure_ray)."""
+    that feed them) and less the CPUs other actors of the runs reserve (Tune's trial functions: counted whole, on
+    every node, since they go wherever Tune puts them), divided among the workers such a node would host if they
+    spread evenly (GPU runs: one worker per GPU). A local Ray's logical CPUs are not used: it declares more than
+    there are cores (ensure_ray)."""
     if local:
         return float(max(1, available_cores() // max(1, workers)))
     import ray
@@ -282,7 +287,7 @@ def auto_cpus_per_worker(workers: int, local: bool, opts: dict) -> float:
     if not nodes:
         return 1.0
     per_node = -(-workers // len(nodes))
-    return float(max(1, int(min(r["CPU"] for r in nodes) - 1) // per_node))
+    return float(max(1, int(min(r["CPU"] for r in nodes) - 1 - math.ceil(reserved_cpus)) // per_node))
 
 
 def check_storage_writable(storage: Path) -> None:

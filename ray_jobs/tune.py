@@ -289,7 +289,7 @@ def run(args: argparse.Namespace) -> int:
         tmp = Path(tempfile.mkdtemp()) / "pretrain.yaml"
         tmp.write_text(yaml.safe_dump(file_values))
         args.config = str(tmp)
-    plan = plan_run(args, concurrent_runs=concurrent)
+    plan = plan_run(args, concurrent_runs=concurrent, reserved_cpus=concurrent * TRIAL_CPUS)
     plan.opts["tracker_group"] = plan.name  # trials of one sweep: one W&B group / MLflow tag
     metric = tune_opts["metric"] or ("val_loss" if plan.opts["val_samples"] > 0 else "loss")
     if metric in ("val_loss", "val_bpb") and plan.opts["val_samples"] == 0:

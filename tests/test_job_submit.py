@@ -199,7 +199,7 @@ def first_job(head, data, storage):
     name = f"jobrun-{secrets.token_hex(3)}"
     sid = f"minilm-{name}"
     proc = submit(head, sid, pretrain_entrypoint(data, storage, name),
-                  env_vars={"MINILM_TEST_STEP_DELAY_S": STEP_DELAY_S})
+                  env_vars={"MINILM_TESTING": "1", "MINILM_TEST_STEP_DELAY_S": STEP_DELAY_S})
     assert proc.returncode == 0, f"submit failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     return {"id": sid, "name": name, "submitted": time.time()}
 

@@ -50,3 +50,40 @@ def test_worker_threads_stay_within_the_nodes_cores(monkeypatch, threads, cores,
         assert torch.get_num_threads() == expected
     finally:
         torch.set_num_threads(before)
+
+
+def auto(monkeypatch, nodes: list[dict], workers: int, gpu: bool = False, reserved: float = 0.0) -> float:
+    import ray
+
+    from ray_jobs import pretrain
+
+    monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "Resources": r} for r in nodes])
+    monkeypatch.setattr(pretrain, "uses_gpu", lambda opts: gpu)
+    return pretrain.auto_cpus_per_worker(workers, False, {"resources_per_worker": {}}, reserved)
+
+
+@pytest.mark.parametrize(("cores", "workers", "expected"), [(2, 1, 2.0), (2, 2, 1.0), (2, 3, 1.0), (16, 4, 4.0)])
+def test_auto_cpus_on_a_local_ray_share_the_cores(monkeypatch, cores, workers, expected):
+    from ray_jobs import pretrain
+
+    monkeypatch.setattr(pretrain, "available_cores", lambda: cores)
+    assert pretrain.auto_cpus_per_worker(workers, True, {"resources_per_worker": {}}) == expected
+
+
+def test_auto_cpus_on_a_cluster_leave_one_cpu_per_node_for_ray_data(monkeypatch):
+    assert auto(monkeypatch, [{"CPU": 8}], 1) == 7.0
+    assert auto(monkeypatch, [{"CPU": 8}], 2) == 3.0
+    assert auto(monkeypatch, [{"CPU": 8}, {"CPU": 16}], 4) == 3.0  # 2 a node, the smaller node decides
+    assert auto(monkeypatch, [{"CPU": 2}], 4) == 1.0  # at least one
+
+
+def test_auto_cpus_leave_room_for_tune_trial_actors(monkeypatch):
+    """A 1-worker trial on an 8-CPU node: 7 CPUs for the worker plus the trial's 0.1 left Ray Data 0.9 CPUs, less
+    than one task needs, and the trial's stream never started (the sweep hung at step 0)."""
+    assert auto(monkeypatch, [{"CPU": 8}], 1, reserved=0.1) == 6.0
+    assert auto(monkeypatch, [{"CPU": 8}], 2, reserved=0.2) == 3.0
+
+
+def test_auto_cpus_on_gpu_nodes_are_the_cpus_per_gpu(monkeypatch):
+    assert auto(monkeypatch, [{"CPU": 96, "GPU": 8}], 16, gpu=True) == 11.0
+    assert auto(monkeypatch, [{"CPU": 4, "GPU": 8}], 8, gpu=True) == 1.0
