@@ -16,12 +16,15 @@ step, at any world size, is building the same pipeline from a different first st
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 import ray
-import torch
 
 from minilm import data as D
+
+if TYPE_CHECKING:
+    import torch
 
 NODE_ID_LABEL = "ray.io/node-id"
 
@@ -94,6 +97,8 @@ class RankStream:
                                  start_step)
         self.val_samples = val_samples
         self.num_positions = max(0, total_steps - start_step) * (global_batch_size // world_size)
+        import torch  # here, not at the top: the reader actor imports this module and needs no torch (~1 s a start)
+
         self.data_dir, self.m, self.device = str(data_dir), micro_batch_size, torch.device(device)
         self.accumulation_steps = global_batch_size // (micro_batch_size * world_size)
         self.prefetch_batches, self.reader_cpus = prefetch_batches, reader_cpus
@@ -120,6 +125,8 @@ class RankStream:
         return [self._to_device(b["input_ids"]) for b in batches], np.concatenate([b["sample_id"] for b in batches])
 
     def _to_device(self, rows: np.ndarray) -> torch.Tensor:
+        import torch
+
         t = torch.from_numpy(np.ascontiguousarray(rows))
         if self.device.type == "cuda":
             t = t.pin_memory()
