@@ -461,10 +461,30 @@ def report_rounds(config: dict) -> None:
 
 
 def report_blocking(args) -> dict:
+    """Part 3 twice, side by side: Ray Train's controller polling at Ray's default (2 s) and at the job's own
+    setting (ray_jobs.pretrain.CONTROLLER_POLL_S), unless --ray-poll-interval names one to compare instead."""
+    from ray_jobs.pretrain import CONTROLLER_POLL_ENV, CONTROLLER_POLL_S
+
+    polls = {"ray_default": "2", "minilm": str(args.ray_poll_interval or CONTROLLER_POLL_S)}
+    before = os.environ.get(CONTROLLER_POLL_ENV)
+    results = {}
+    try:
+        for label, poll in polls.items():
+            os.environ[CONTROLLER_POLL_ENV] = poll  # Ray hands it from this process to the controller at fit()
+            results[label] = {"poll_s": float(poll), "rows": report_rows(args)}
+    finally:
+        if before is None:
+            os.environ.pop(CONTROLLER_POLL_ENV, None)
+        else:
+            os.environ[CONTROLLER_POLL_ENV] = before
+    return results
+
+
+def report_rows(args) -> list[dict]:
     from ray.train import LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    config = {"intervals": list(REPORT_INTERVALS_S), "reports": args.reports}
+    config = {"intervals": [float(x) for x in args.report_intervals.split(",")], "reports": args.reports}
     with tempfile.TemporaryDirectory() as tmp:
         result = TorchTrainer(report_rounds, train_loop_config=config,
                               scaling_config=ScalingConfig(num_workers=1, use_gpu=False, resources_per_worker={"CPU": 1}),
@@ -477,17 +497,20 @@ def report_blocking(args) -> dict:
         blocked = statistics.median(t[1:])  # the first follows another interval's reports
         rows.append({"interval_s": float(interval), "report_s_median": blocked, "report_s_all": t,
                      "throughput_factor": float(interval) / (float(interval) + blocked)})
-    return {"rows": rows, "health_check_interval_s": os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "default (2)")}
+    return rows
 
 
 def print_report_blocking(part3: dict) -> None:
-    print(f"part 3: ray.train.report after each log interval, 1 worker, controller poll interval "
-          f"{part3['health_check_interval_s']} s")
-    print(f"{'interval s':>10}{'report s':>10}{'steps get':>11}")
-    for r in part3["rows"]:
-        print(f"{r['interval_s']:>10.2f}{r['report_s_median']:>10.3f}{r['throughput_factor']:>11.1%}")
+    default, ours = part3["ray_default"], part3["minilm"]
+    print(f"part 3: ray.train.report after each log interval, 1 worker; Ray Train's controller polling every "
+          f"{default['poll_s']:g} s (Ray's default) and every {ours['poll_s']:g} s (the job's), one after the other")
+    print(f"{'interval s':>10}{'report s':>10}{'steps get':>11}{'report s':>10}{'steps get':>11}{'ratio':>8}")
+    for a, b in zip(default["rows"], ours["rows"], strict=True):
+        print(f"{a['interval_s']:>10.2f}{a['report_s_median']:>10.3f}{a['throughput_factor']:>11.1%}"
+              f"{b['report_s_median']:>10.3f}{b['throughput_factor']:>11.1%}"
+              f"{b['throughput_factor'] / a['throughput_factor']:>7.2f}x")
     print("steps get = interval / (interval + report): the share of wall time left to training when the loop reports "
-          "that often")
+          "that often; ratio: the job's setting over Ray's default")
 
 
 # ---- main -----------------------------------------------------------------------------------------
@@ -570,7 +593,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--job-timeout", type=float, default=600, help="seconds before a part-1 run is stopped")
     p.add_argument("--ray-poll-interval", type=float,
                    help="part 1: add run (d), the Ray job with RAY_TRAIN_HEALTH_CHECK_INTERVAL_S set to this (how often "
-                        "Ray Train's controller takes each worker's one pending report; Ray's default is 2 s)")
+                        "Ray Train's controller takes each worker's one pending report; Ray's default is 2 s, the "
+                        "job's 0.1 s); part 3: the interval compared with Ray's default (default: the job's)")
     p.add_argument("--omp-wait-policy", choices=["active", "passive"],
                    help="OMP_WAIT_POLICY of every part-1 run (default: unset, libgomp's spin-then-sleep)")
     p.add_argument("--data", help="prepared data dir for part 1 (default: the built-in demo corpus)")
@@ -579,6 +603,8 @@ def main(argv: list[str] | None = None) -> int:
                        help=f"default {FIXED_COST_PRESET[name]} in part 1, {DEMO_PRESET[name]} in part 2")
     p.add_argument("--vocab-size", type=int, default=6400)
     p.add_argument("--reports", type=int, default=4, help="part 3: reports timed per interval (the first is not counted)")
+    p.add_argument("--report-intervals", default=",".join(str(x) for x in REPORT_INTERVALS_S),
+                   help="part 3: seconds between reports, comma-separated")
     args = p.parse_args(argv)
     if args.rounds < 1 or args.log_every < 1 or args.steps < 3 * args.log_every:
         p.error("--rounds and --log-every must be >= 1, and --steps >= 3 x --log-every (steady log intervals)")

@@ -15,6 +15,9 @@ import threading
 from pathlib import Path
 
 TAG = "[minilm] "
+# Raylet messages that need nothing from the user: Ray starting more worker processes than it expected (the
+# reader actors and Ray Data's tasks start beside the training workers).
+ROUTINE_RAYLET = ("PYTHON worker processes have been started",)
 
 
 def say(message: str) -> None:
@@ -22,6 +25,10 @@ def say(message: str) -> None:
     also tee print() and show it twice."""
     for line in str(message).splitlines() or [""]:
         print(TAG + line, file=sys.__stdout__, flush=True)
+
+
+def is_routine(data: dict) -> bool:
+    return data.get("pid") == "raylet" and any(r in line for line in data.get("lines", []) for r in ROUTINE_RAYLET)
 
 
 class ConsoleFilter:
@@ -45,8 +52,23 @@ class ConsoleFilter:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         dispatcher.remove_handler("ray_print_logs")
         dispatcher.add_handler("minilm_console", self.handle)
+        # The raylet's messages reach the driver through print_to_stdstream (looked up at call time): routine
+        # ones go to the file, the rest (a worker killed for memory, ...) still to the console.
+        ray_print = ray_worker.print_to_stdstream
+
+        def print_raylet_or_route(data: dict, ignore_prefix: bool) -> None:
+            if is_routine(data):
+                self.append([f"(raylet) {line}" for line in data.get("lines", [])])
+            else:
+                ray_print(data, ignore_prefix)
+
+        ray_worker.print_to_stdstream = print_raylet_or_route
         self.installed = True
         return True
+
+    def append(self, lines: list[str]) -> None:
+        with self._lock, open(self.log_path, "a") as f:
+            f.write("\n".join(lines) + "\n")
 
     def handle(self, data: dict) -> None:
         ours, theirs = [], []
@@ -58,9 +80,8 @@ class ConsoleFilter:
                 ours.append(line[len(TAG):])
             else:
                 theirs.append(prefix + line)
+        if theirs:
+            self.append(theirs)
         with self._lock:
-            if theirs:
-                with open(self.log_path, "a") as f:
-                    f.write("\n".join(theirs) + "\n")
             for line in ours:
                 print(line, file=sys.stdout, flush=True)

@@ -136,7 +136,8 @@ def test_data(ray_address, tiny_data, tmp_path):
 def test_overhead(ray_address, tiny_data, tmp_path):
     out = run_bench("bench.overhead", ["--data", str(tiny_data), *TINY_MODEL, "--seq-len", "32",
                                        "--micro-batch-size", "4", "--global-batch-size", "16", "--steps", "6",
-                                       "--log-every", "2", "--rounds", "1", "--threads", "1"],
+                                       "--log-every", "2", "--rounds", "1", "--threads", "1", "--reports", "2",
+                                       "--report-intervals", "0.05,0.5"],
                     tmp_path, env=run_env(ray_address))
     assert "(c) Ray job, 1 worker, default flags" in out and "fixed cost per step over (a), paired by round:" in out
     assert "scaling efficiency, 2 workers vs 1 (1 CPU each):" in out
@@ -150,3 +151,7 @@ def test_overhead(ray_address, tiny_data, tmp_path):
     assert set(result["two_workers"]["step_s_median"]) == {"single", "ddp_no_sync", "ddp_sync_every_micro_step",
                                                            "ddp_no_allreduce"}
     assert result["two_workers"]["accumulation_per_rank"] == 2
+    report = result["report_blocking"]
+    assert (report["ray_default"]["poll_s"], report["minilm"]["poll_s"]) == (2.0, 0.1)
+    assert [r["interval_s"] for r in report["minilm"]["rows"]] == [0.05, 0.5]
+    assert "(the job's)" in out and "ratio: the job's setting over Ray's default" in out

@@ -21,6 +21,8 @@ from inprocess import configs
 from reference import check_run, replay
 from runs import STEPS, final_weights, metrics, pretrain, tiny_args
 
+from ray_jobs.cli import available_cores
+
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 
 
@@ -141,3 +143,11 @@ def test_zero_argument_run_finishes_and_loss_falls(ray_address, tmp_path):
     assert records[-1]["optimizer_step"] == 100
     assert records[-1]["loss"] < records[0]["loss"] - 1.0
     assert "=== run summary ===" in proc.stdout
+    # The console a person reads (issue #17): minilm's lines; Ray's chatter in the run's ray-workers.log.
+    console = proc.stdout + proc.stderr
+    threads = max(1, available_cores() // 2)  # 2 workers share the cores, whatever the Ray's logical CPUs
+    assert f"{threads} CPU thread(s) per worker" in console
+    for chatter in ("TrainingReport(", "core_worker.cc", "(RayTrainWorker pid=", "PYTHON worker processes"):
+        assert chatter not in console, f"{chatter!r} on the console:\n{console[-3000:]}"
+    assert [line for line in console.splitlines() if " E " in line] == []
+    assert (runs[0] / "ray-workers.log").is_file()
