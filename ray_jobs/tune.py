@@ -347,7 +347,10 @@ def sweep(plan: RunPlan, dims, num_samples, concurrent, scheduler, grace, metric
                              f"or choose another --name")
         sched = None
         if scheduler == "asha":
-            sched = ASHAScheduler(time_attr="optimizer_step", max_t=max(steps_of(plan.train_cfg), grace + 1),
+            # max_t one past the last step: a trial that reaches its end returns by itself. At max_t Tune stops the
+            # trial's actor at its last report, and its Train controller dies before it releases the workers'
+            # placement group (Ray Train's cleaner then needs the State API, i.e. a dashboard, to notice).
+            sched = ASHAScheduler(time_attr="optimizer_step", max_t=max(steps_of(plan.train_cfg), grace) + 1,
                                   grace_period=grace, reduction_factor=2)
         tuner = tune.Tuner(
             trainable, param_space={d.name: d.to_tune() for d in dims.values()},

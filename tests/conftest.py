@@ -37,12 +37,14 @@ def ray_address(test_cache):
     """Start one local Ray for the session; subprocess drivers join it through RAY_ADDRESS.
 
     8 logical CPUs on a 2-core machine: training workers must not take every CPU, or the Ray Data
-    tasks that feed them never run.
+    tasks that feed them never run. With the dashboard, as a user's Ray has it: Ray Train's placement-group
+    cleaner asks the State API (the dashboard) whether a controller died, and without it a Tune trial stopped
+    by its scheduler keeps its workers' CPUs reserved for good.
     """
     import ray
 
     if not ray.is_initialized():  # address="local": never join another Ray that happens to run on the machine
-        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+        ray.init(address="local", num_cpus=8, include_dashboard=True, log_to_driver=False, logging_level="ERROR")
     address = ray.get_runtime_context().gcs_address
     yield address
     ray.shutdown()
