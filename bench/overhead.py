@@ -484,7 +484,7 @@ def report_rows(args) -> list[dict]:
     from ray.train import LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    config = {"intervals": [float(x) for x in args.report_intervals.split(",")], "reports": args.reports}
+    config = {"intervals": list(args.report_intervals), "reports": args.reports}
     with tempfile.TemporaryDirectory() as tmp:
         result = TorchTrainer(report_rounds, train_loop_config=config,
                               scaling_config=ScalingConfig(num_workers=1, use_gpu=False, resources_per_worker={"CPU": 1}),
@@ -578,6 +578,14 @@ def print_ddp(part2: dict, args) -> None:
           f"per rank); no_sync makes the step {part2['no_sync_speedup']:.2f}x faster")
 
 
+def seconds_list(text: str) -> tuple[float, ...]:
+    """--report-intervals: comma-separated seconds, each > 0 (argparse turns the ValueError into a usage error)."""
+    values = tuple(float(x) for x in text.split(","))
+    if not all(v > 0 for v in values):
+        raise ValueError(text)
+    return values
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.overhead", description=__doc__.split("\n")[0])
     p.add_argument("--mode", choices=["all", "fixed-cost", "ddp", "report"], default="all",
@@ -603,7 +611,7 @@ def main(argv: list[str] | None = None) -> int:
                        help=f"default {FIXED_COST_PRESET[name]} in part 1, {DEMO_PRESET[name]} in part 2")
     p.add_argument("--vocab-size", type=int, default=6400)
     p.add_argument("--reports", type=int, default=4, help="part 3: reports timed per interval (the first is not counted)")
-    p.add_argument("--report-intervals", default=",".join(str(x) for x in REPORT_INTERVALS_S),
+    p.add_argument("--report-intervals", type=seconds_list, default=REPORT_INTERVALS_S,
                    help="part 3: seconds between reports, comma-separated")
     args = p.parse_args(argv)
     if args.rounds < 1 or args.log_every < 1 or args.steps < 3 * args.log_every:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .data import FORMAT, MANIFEST, TOKEN_DTYPES, TOKENIZER_FILE
+from .data import FORMAT, MANIFEST, TOKEN_DTYPES, TOKENIZER_FILE, _fsync_dir
 from .tokenizer import BOS_ID, EOS_ID
 
 SHARD_NAME = "shard-{:05d}.bin"
@@ -362,15 +362,3 @@ class AtomicOutput:
     def __exit__(self, exc_type, exc, tb) -> None:
         self.abort()
 
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
