@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast lint bench clean
+.PHONY: setup demo test test-fast test-nightly lint bench clean
 
 setup: $(STAMP)
 
@@ -22,6 +22,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The 100-step demo end to end (the quick start's `make demo`, ~4 min here); `make test` runs a 4-step one.
+test-nightly: $(STAMP)
+	$(PY) -m pytest -q --nightly -m nightly
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not ray"

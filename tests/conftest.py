@@ -18,6 +18,19 @@ sys.path.insert(0, str(Path(__file__).parent))
 from helpers import make_prepared  # noqa: E402
 
 
+def pytest_addoption(parser):
+    parser.addoption("--nightly", action="store_true", help="also run the tests marked nightly (the 100-step demo)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--nightly"):
+        return
+    skip = pytest.mark.skip(reason="nightly (the 100-step demo): make test-nightly, or pytest --nightly")
+    for item in items:
+        if "nightly" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def test_cache(tmp_path_factory):
     """The session's MINILM_CACHE (the prepared demo corpus, data verification stamps): never the user's

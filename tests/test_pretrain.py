@@ -131,10 +131,36 @@ def test_the_zero_argument_preset_trains_in_process(ray_address, tmp_path, monke
     assert "4.98M parameters" in lines[0] and "world size 1 x accumulation 4 x micro-batch 8" in lines[0]
 
 
-@pytest.mark.slow
+def console_of_a_user(proc: subprocess.CompletedProcess, runs: list) -> None:
+    """The console a person reads (issue #17): minilm's lines; Ray's chatter in the run's ray-workers.log."""
+    console = proc.stdout + proc.stderr
+    threads = max(1, available_cores() // 2)  # 2 workers share the cores, whatever the Ray's logical CPUs
+    assert f"{threads} CPU thread(s) per worker" in console
+    for chatter in ("TrainingReport(", "core_worker.cc", "(RayTrainWorker pid=", "PYTHON worker processes"):
+        assert chatter not in console, f"{chatter!r} on the console:\n{console[-3000:]}"
+    assert [line for line in console.splitlines() if " E " in line] == []
+    assert (runs[0] / "ray-workers.log").is_file()
+
+
+@pytest.mark.slow  # the demo's 2-worker job on its 5M-parameter preset
+def test_zero_argument_job_for_a_few_steps_keeps_the_console_readable(ray_address, tmp_path):
+    # The demo's job (the preset on the built-in corpus, 2 workers) cut to 4 steps with a report every 2: the
+    # console a user of `make demo` sees, from the start line to the summary. The whole 100 steps: nightly below.
+    env = run_env(ray_address)  # the session's MINILM_CACHE: the demo corpus the preset test prepared
+    proc = subprocess.run([sys.executable, "-m", "ray_jobs.pretrain", "--max-steps", "4", "--log-every", "2"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = list((tmp_path / "runs").iterdir())
+    records = [json.loads(line) for line in (runs[0] / "metrics.jsonl").read_text().splitlines()]
+    assert [r["optimizer_step"] for r in records] == [2, 4]
+    assert "=== run summary ===" in proc.stdout and "step 4/4" in proc.stdout
+    console_of_a_user(proc, runs)
+
+
+@pytest.mark.nightly
 @pytest.mark.skipif(os.environ.get("MINILM_SKIP_DEMO") == "1", reason="MINILM_SKIP_DEMO=1")
 def test_zero_argument_run_finishes_and_loss_falls(ray_address, tmp_path):
-    env = run_env(ray_address)  # the session's MINILM_CACHE: the demo corpus the preset test prepared
+    env = run_env(ray_address)
     proc = subprocess.run([sys.executable, "-m", "ray_jobs.pretrain"], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=840)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -143,11 +169,4 @@ def test_zero_argument_run_finishes_and_loss_falls(ray_address, tmp_path):
     assert records[-1]["optimizer_step"] == 100
     assert records[-1]["loss"] < records[0]["loss"] - 1.0
     assert "=== run summary ===" in proc.stdout
-    # The console a person reads (issue #17): minilm's lines; Ray's chatter in the run's ray-workers.log.
-    console = proc.stdout + proc.stderr
-    threads = max(1, available_cores() // 2)  # 2 workers share the cores, whatever the Ray's logical CPUs
-    assert f"{threads} CPU thread(s) per worker" in console
-    for chatter in ("TrainingReport(", "core_worker.cc", "(RayTrainWorker pid=", "PYTHON worker processes"):
-        assert chatter not in console, f"{chatter!r} on the console:\n{console[-3000:]}"
-    assert [line for line in console.splitlines() if " E " in line] == []
-    assert (runs[0] / "ray-workers.log").is_file()
+    console_of_a_user(proc, runs)
