@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import run_env
-from helpers import ROOT, make_prepared, run_module
+from helpers import ROOT, make_prepared
 from inprocess import configs
 from reference import check_run, recorded_steps, replay
 from safetensors.torch import load_file
@@ -90,22 +90,6 @@ def weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(run_dir / f"checkpoint_{STEPS:08d}" / "model.safetensors"))
 
 
-def max_rel_diff(a: dict, b: dict) -> float:
-    return max(((a[k] - b[k]).abs().max() / a[k].abs().max().clamp_min(1e-12)).item() for k in a)
-
-
-@pytest.fixture(scope="module")
-def baseline(cluster, data, storage, tmp_path_factory):
-    """The same elastic run with no node changes: 3 workers from start to finish."""
-    ids = tmp_path_factory.mktemp("ids-baseline")
-    proc = run_module("ray_jobs.pretrain", run_args(data, storage, "baseline"),
-                      env=env(cluster, MINILM_TEST_RECORD_SAMPLE_IDS=str(ids)), timeout=300, check=True)
-    rows = timeline(storage / "baseline")
-    assert [(r["event"], r["world_size"]) for r in rows] == [("start", "3"), ("finish", "3")], rows
-    assert "world size" in proc.stdout and "finish" in proc.stdout  # the summary prints the timeline
-    return {"weights": weights(storage / "baseline"), "ids": final_ids_per_step(ids)}
-
-
 class Driver:
     """A pretrain driver in the background, and waits on its run folder."""
 
@@ -141,26 +125,24 @@ class Driver:
         return log
 
 
-def check_exact_resume(baseline: dict, run_dir: Path, ids_dir: Path, data: Path) -> None:
-    """Same global batch: weights within 1e-5 of the uninterrupted run and of the independent replay (every
-    logged lr and loss too); every sample once per epoch."""
+def check_exact_resume(run_dir: Path, ids_dir: Path, data: Path) -> None:
+    """Same global batch at every world size: each step's samples are the order contract's (the replay checks
+    them step by step), every sample once per epoch, and the final weights and every logged lr and loss are the
+    independent replay's."""
     ids = final_ids_per_step(ids_dir)
     assert list(ids) == list(range(1, STEPS + 1))
-    assert ids == baseline["ids"]  # the same sequences in every optimizer step, whatever the world size
     epoch = [i for step in range(1, 21) for i in ids[step]]  # the first epoch: 20 steps
     assert len(epoch) == len(set(epoch)) == 240  # none twice, none skipped (val_samples 0: all 240 train)
-    diff = max_rel_diff(baseline["weights"], weights(run_dir))
-    assert diff < 1e-5, diff
     model_cfg, train_cfg = configs(max_steps=STEPS, micro_batch_size=2, global_batch_size=12)
     # The replay accumulates all 6 micro-batches in one process; the run averages them over 2 or 3 ranks, float sums
     # in another order, which Adam carries through 32 steps (5e-5 seen). The mistakes this catches (an lr one step
-    # off, another sample order) move the weights by 1e-2 and more.
+    # off, another sample order, a micro-batch lost in a resize) move the weights by 1e-2 and more.
     check_run(replay(model_cfg, train_cfg, data, ids_dir, STEPS), weights(run_dir), read_metrics(run_dir),
               rtol_weights=2e-4)
 
 
 def test_node_lost_then_regained_shrinks_and_grows_without_changing_the_optimisation(cluster, data, storage,
-                                                                                     baseline, tmp_path):
+                                                                                     tmp_path):
     """3 -> 2 (a node killed outright) -> 3 (the node back): two resizes in one run."""
     name, ids, hold = "lost-and-regained", tmp_path / "ids", tmp_path / "hold"
     run_dir = storage / name
@@ -190,12 +172,11 @@ def test_node_lost_then_regained_shrinks_and_grows_without_changing_the_optimisa
     assert [m["optimizer_step"] for m in metrics] == sorted({m["optimizer_step"] for m in metrics})
     assert metrics[-1]["redone_steps"] == sum(redone)
     assert {m["world_size"] for m in metrics} == {2, 3}
-    check_exact_resume(baseline, run_dir, ids, data)
+    check_exact_resume(run_dir, ids, data)
     print(f"abrupt node loss: redone steps per restart {redone}")  # docs/elastic.md quotes these
 
 
-def test_drained_node_checkpoints_at_the_step_boundary_and_redoes_nothing(cluster, data, storage, baseline,
-                                                                          tmp_path):
+def test_drained_node_checkpoints_at_the_step_boundary_and_redoes_nothing(cluster, data, storage, tmp_path):
     """A node drain (what a spot reclaim or the autoscaler sends): checkpoint now, restart with fewer workers."""
     name, ids = "drained", tmp_path / "ids"
     run_dir = storage / name
@@ -218,7 +199,7 @@ def test_drained_node_checkpoints_at_the_step_boundary_and_redoes_nothing(cluste
     assert int(shrink["optimizer_step"]) == int(preempt["optimizer_step"])  # resumed from the drain checkpoint
     assert int(shrink["redone_steps"]) == 0
     assert [r["event"] for r in timeline(run_dir)] == ["start", "preempt", "shrink", "finish"]
-    check_exact_resume(baseline, run_dir, ids, data)
+    check_exact_resume(run_dir, ids, data)
     cluster.slot_nodes.append(cluster.add_node(num_cpus=2, resources={"slot": 1}))  # leave 3 slots for later tests
 
 
