@@ -41,7 +41,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(420)]
 
 RAY_CLI = str(Path(sys.executable).with_name("ray"))
 LOCAL_SH = ROOT / "cluster" / "local.sh"
-STEPS = 40
+STEPS = 60
 STEP_DELAY_S = "1.0"  # the first job: ~1 s a step leaves time to look at it, then stop it mid-run
 REQUIRED_GAUGES = ["tokens_per_s", "loss", "lr", "mfu", "optimizer_step", "samples_seen"]
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
@@ -246,8 +246,9 @@ except Exception as e:
 """
 
 
-def test_job_submit_without_the_token_is_refused_and_with_it_succeeds(head):
-    # A driver without the token cannot join through the GCS port either (Ray retries ~20 s first).
+def test_job_submit_without_the_token_is_refused_and_with_it_succeeds(head, first_job):
+    # A driver without the token cannot join through the GCS port either (Ray retries ~20 s first, while the
+    # module's training job, submitted first, starts up).
     gcs = subprocess.Popen([sys.executable, "-c", GCS_CONNECT.format(address=head.gcs_address)],
                            env=head.env(None), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     no_token = submit(head, "minilm-no-token", ["python", "-c", "print('should not run')"], token=None)
@@ -435,6 +436,7 @@ def complete_steps(run_dir: Path) -> list[int]:
     return sorted(int(p.parent.name.split("_")[1]) for p in run_dir.glob("checkpoint_*/COMPLETE.json"))
 
 
+@pytest.mark.slow  # a stopped job and a second, resumed one
 def test_ray_job_stop_leaves_a_checkpoint_and_resume_auto_continues(head, first_job, data, storage):
     run_dir = storage / first_job["name"]
     deadline = time.time() + 180
