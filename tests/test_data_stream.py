@@ -88,6 +88,7 @@ cluster.shutdown()
 """
 
 
+@pytest.mark.slow  # a 2-node cluster of its own
 @pytest.mark.timeout(300)
 def test_reader_runs_on_its_ranks_node_and_copies_remote_data_there(tmp_path):
     path = make_prepared(tmp_path / "tok", num_sequences=60, seq_len=16, vocab_size=300, rows_per_shard=25)

@@ -178,6 +178,7 @@ def test_sweep_interrupted_resumed_asha_stops_the_bad_trial_and_best_yaml_runs(r
 
 
 @pytest.mark.ray
+@pytest.mark.slow  # a sweep of 2 trials, each a Ray Train run
 @pytest.mark.timeout(600)
 def test_sweep_reports_val_loss_per_trial(ray_address, sweep_data, tmp_path):
     env = run_env(ray_address)

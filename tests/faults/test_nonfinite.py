@@ -9,6 +9,7 @@ from runs import error_lines, pretrain, tiny_args
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 
 
+@pytest.mark.slow  # a Ray run to its stop (the Trainer's NaN logic without Ray: tests/test_trainer.py)
 def test_nan_steps_in_a_row_stop_the_run_naming_the_steps(ray_address, run_data, run_storage):
     proc = pretrain(ray_address, tiny_args(run_data, run_storage, "nan3", "--num-workers", "2",
                                            "--max-nonfinite-steps", "3", steps=12),
