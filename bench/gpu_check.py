@@ -20,7 +20,7 @@ would start past it is reported as skipped):
                        own setting (0.1 s)
   export, sample       `python -m ray_jobs.export` of the last checkpoint, `python -m minilm.sample` from it
   stream               the Ray Data stream's delivery rate on this machine's CPUs at seq 512, micro-batch 32:
-                       `bench.data`'s stream mode if it has one, else `ray_jobs.stream.RankStream` driven here
+                       one rank's `ray_jobs.stream.RankStream` (the job's pipeline) driven here alone
 
 The Trainer and the Ray job are compared with `bench.step`'s eager 26M row (the same shape, dtype and batch,
 no compile): tokens/s from wall time per step between their metrics records, log steps included.
@@ -289,50 +289,20 @@ def export_and_sample(r: Runner, s: Shapes, checkpoint: str, work: Path) -> str 
     return text
 
 
-def stream_part(r: Runner, s: Shapes, data: Path, out: Path) -> dict | None:
-    """bench.data's no-model stream mode if it has one (issue #15), else RankStream driven in `stream_rate`."""
+def stream_part(r: Runner, s: Shapes, data: Path) -> dict | None:
+    """One rank's `RankStream` (the job's own pipeline) driven alone on the prepared data: `stream_rate`.
+
+    (It once tried `bench.data --mode stream` first; that mode builds its own 50M-token dataset and Rays, and
+    its figure was never found in its output, so every run paid for both: 67 s of the CPU dry run.)"""
     shape = s.small
-    common = ["--data", str(data), "--seq-len", str(shape["seq_len"]), "--vocab-size", str(shape["vocab_size"]),
-              "--micro-batch-size", str(shape["micro_batch_size"])]
-    help_text = subprocess.run([r.python, "-m", "bench.data", "--help"], capture_output=True, text=True,
-                               env=r.env, timeout=60).stdout
-    mode = re.search(r"--mode\s+\{?([\w,-]*stream[\w,-]*)", help_text)
-    if mode and "stream" in mode.group(1).split(","):
-        folder = out / "stream"
-        part = r.run("stream", ["-m", "bench.data", "--mode", "stream", *common], s.limits["stream"],
-                     env={"MINILM_BENCH_RESULTS": str(folder)})
-        rate = rate_from(folder, part.output) if part.status == "ok" else None
-        if rate:
-            return {"tokens_per_s": rate, "by": "bench.data --mode stream"}
-        if part.status == "ok":
-            part.note = "no tokens/s found in bench.data's output: measured by RankStream instead"
-    part = r.run("stream", ["-m", "bench.gpu_check", "stream-rate", *common, "--steps", str(s.stream_steps),
-                            "--global-batch-size", str(shape["micro_batch_size"])], s.limits["stream"])
+    part = r.run("stream", ["-m", "bench.gpu_check", "stream-rate", "--data", str(data), "--seq-len",
+                            str(shape["seq_len"]), "--vocab-size", str(shape["vocab_size"]), "--micro-batch-size",
+                            str(shape["micro_batch_size"]), "--steps", str(s.stream_steps), "--global-batch-size",
+                            str(shape["micro_batch_size"])], s.limits["stream"])
     if part.status != "ok":
         return None
     found = re.search(r"stream delivery rate: ([\d,]+) tokens/s", part.output)
     return {"tokens_per_s": float(found.group(1).replace(",", "")), "by": "ray_jobs.stream.RankStream"} if found else None
-
-
-def rate_from(folder: Path, output: str) -> float | None:
-    """A tokens/s figure from bench.data's JSON (a key holding tokens_per_s), else from its last tokens/s line."""
-    def search(obj):
-        if isinstance(obj, dict):
-            for k, v in obj.items():
-                if "tokens_per_s" in k and isinstance(v, (int, float)):
-                    return float(v)
-            for v in obj.values():
-                found = search(v)
-                if found:
-                    return found
-        return None
-
-    for path in sorted(folder.glob("*.json")):
-        found = search(json.loads(path.read_text()))
-        if found:
-            return found
-    lines = re.findall(r"([\d,]+(?:\.\d+)?)\s*tokens/s", output)
-    return float(lines[-1].replace(",", "")) if lines else None
 
 
 # ---- the stream's delivery rate (no model in the loop) ------------------------------------------------------
@@ -489,7 +459,7 @@ def check(argv: list[str]) -> int:
                 fig["ray_job"] = ray_job_part(runner, s, data, "true" if gpu else "false", work)
                 if fig["ray_job"] and fig["ray_job"]["checkpoint"]:
                     fig["sample"] = export_and_sample(runner, s, fig["ray_job"]["checkpoint"], work)
-                fig["stream"] = stream_part(runner, s, data, out)
+                fig["stream"] = stream_part(runner, s, data)
     finally:
         if args.keep_work:
             print(f"work folder kept: {work}")
