@@ -108,7 +108,7 @@ def test_world_size_that_breaks_the_global_batch_is_refused(ray_address, run_dat
 
 
 def test_the_zero_argument_preset_trains_in_process(ray_address, tmp_path, monkeypatch):
-    """What `python -m ray_jobs.pretrain` with no argument trains (the slow test below runs it whole): the demo
+    """What `python -m ray_jobs.pretrain` with no argument trains (the nightly test below runs it whole): the demo
     preset on the built-in corpus, a few steps of it through the Trainer in this process."""
     from minilm.cli import DEMO_PRESET, build_configs, fit_default_warmup
     from minilm.data import open_prepared
