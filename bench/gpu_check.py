@@ -291,9 +291,7 @@ def export_and_sample(r: Runner, s: Shapes, checkpoint: str, work: Path) -> str 
 
 def stream_part(r: Runner, s: Shapes, data: Path) -> dict | None:
     """One rank's `RankStream` (the job's own pipeline) driven alone on the prepared data: `stream_rate`.
-
-    (It once tried `bench.data --mode stream` first; that mode builds its own 50M-token dataset and Rays, and
-    its figure was never found in its output, so every run paid for both: 67 s of the CPU dry run.)"""
+    (`bench.data --mode stream` measures the same on a synthetic dataset of its own, too big for this budget.)"""
     shape = s.small
     part = r.run("stream", ["-m", "bench.gpu_check", "stream-rate", "--data", str(data), "--seq-len",
                             str(shape["seq_len"]), "--vocab-size", str(shape["vocab_size"]), "--micro-batch-size",
