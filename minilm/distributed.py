@@ -13,7 +13,9 @@ ranks through a stand-in that refuses any other tensor.
 
 from __future__ import annotations
 
+import gc
 import os
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -141,3 +143,18 @@ def init_from_torchrun(backend: str | None = None) -> tuple[int, int, torch.devi
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group(backend or ("nccl" if device.type == "cuda" else "gloo"))
     return rank, world_size, device
+
+
+def leave_process_group() -> None:
+    """Destroy the process group, and with it gloo's threads, while the interpreter is fully alive.
+
+    Left to interpreter exit, a gloo thread that drops a finished collective's tensors needs the GIL, finds the
+    interpreter finalizing and aborts the process ("terminate called without an active exception", about 1 exit
+    in 10 under torchrun here). DDP holds the group too, so the trainer's reference cycles are collected first
+    (destroy then joins the threads), and the GIL is released briefly for a thread still dropping tensors.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    gc.collect()
+    time.sleep(0.05)
+    dist.destroy_process_group()

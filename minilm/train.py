@@ -37,7 +37,7 @@ from .cli import (
     load_yaml,
 )
 from .config import ConfigError, ModelConfig, TrainConfig, check_fits
-from .distributed import Collectives, init_from_torchrun
+from .distributed import Collectives, init_from_torchrun, leave_process_group
 from .model import MiniMindForCausalLM
 from .step import NonFiniteLossError, resolve_dtype
 from .testing import FaultHooks
@@ -156,6 +156,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return run_cli(argv)
+    finally:
+        leave_process_group()
+
+
+def run_cli(argv: list[str] | None) -> int:
+    """Parse, check, train; every user error is one line and an exit code."""
     args = build_parser().parse_args(argv)
     try:
         file_values = load_yaml(args.config)

@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import run_env
 from helpers import ROOT
-from inprocess import STEPS, checkpoint_weights, configs, metrics, run_local, torchrun, train_flags
+from inprocess import STEPS, checkpoint_weights, configs, free_port, metrics, run_local, torchrun, train_flags
 from reference import check_run, max_rel_diff, replay
 
 from minilm import checkpoint as C
@@ -81,6 +81,31 @@ def test_resume_at_another_world_size_under_torchrun(run_data, tmp_path, uninter
             f"accumulation {acc[before]} -> {acc[after]}") in second.stdout
     check_run(replay(*configs(), run_data, ids, STEPS), checkpoint_weights(run_dir), metrics(run_dir))
     assert max_rel_diff(checkpoint_weights(run_dir), uninterrupted["weights"]) < 1e-5
+
+
+THEN_LIST_THREADS = """
+import os, sys
+from minilm.train import main
+code = main(sys.argv[1:])
+print("threads:", sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")))
+sys.exit(code)
+"""
+
+
+def test_minilm_train_under_torchrun_ends_gloos_threads_before_the_interpreter_exits(run_data, tmp_path):
+    """Left to interpreter exit, a gloo thread dropping a finished collective's tensors needs the GIL, finds the
+    interpreter finalizing and aborts the rank (SIGABRT, "terminate called without an active exception": about
+    1 torchrun run in 10 failed so). main() must leave no gloo thread behind when it returns."""
+    script = tmp_path / "train_then_list_threads.py"
+    script.write_text(THEN_LIST_THREADS)
+    flags = train_flags(run_data, tmp_path / "run") + ["--exit-after-steps", "4"]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                           str(free_port()), str(script), *flags], cwd=ROOT, capture_output=True, text=True,
+                          timeout=240, env=run_env(None, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    threads = [line for line in proc.stdout.splitlines() if line.startswith("threads:")]
+    assert len(threads) == 2, proc.stdout  # one line per rank
+    assert all("gloo" not in line for line in threads), threads
 
 
 def test_resume_from_a_path(run_data, tmp_path, uninterrupted):
