@@ -29,8 +29,14 @@ STEPS = 32  # 20 steps per epoch (240 sequences, global batch 12): the runs cros
 # Test-speed settings for the simulated cluster (inherited by every Ray process it starts).
 CLUSTER_ENV = {
     "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "0.5",  # how often Ray Train looks for node drains (default 5)
-    "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "15",  # a start that waits for a dead node's slot gives up sooner
+    # How long a start waits for its placement group (default 60 s): one that counts a lost or draining node's slot
+    # gives up and retries at the size the cluster has then; free slots place in milliseconds.
+    "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "3",
 }
+
+# The GCS declares a killed node dead after 4 missed health checks 1 s apart (Ray's default: 5 missed, 3 s apart,
+# ~15-25 s). A restart that starts before then still counts the dead node's slot and waits for it.
+HEALTH_CHECKS = {"health_check_period_ms": 1000, "health_check_timeout_ms": 2000, "health_check_failure_threshold": 4}
 
 
 def run_args(data: Path, storage: Path, name: str, *extra: str) -> list[str]:
@@ -49,7 +55,8 @@ def cluster():
     with pytest.MonkeyPatch.context() as mp:
         for k, v in CLUSTER_ENV.items():
             mp.setenv(k, v)  # the cluster's processes inherit them
-        c = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "include_dashboard": False})
+        c = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "include_dashboard": False,
+                                                          "_system_config": HEALTH_CHECKS})
         c.slot_nodes = [c.add_node(num_cpus=2, resources={"slot": 1}) for _ in range(3)]
         c.wait_for_nodes()
         yield c

@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from minilm.config import ConfigError, ModelConfig, TrainConfig
+from minilm.distributed import leave_process_group
 from minilm.model import MiniMindForCausalLM
 from minilm.muon import Muon, orthogonalize
 from minilm.step import make_grad_scaler, make_optimizer, optimizer_step, set_lr
@@ -183,7 +184,7 @@ def _ddp_worker(rank: int, out_dir: str) -> None:
             optimizer_step(ddp, opt, scaler, list(mine.split(MICRO // WORLD or 1)), lr=1e-3, grad_clip=1.0)
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(out_dir, f"{rank}.pt"))
     finally:
-        dist.destroy_process_group()
+        leave_process_group()  # not left to interpreter exit: see minilm.distributed
 
 
 def test_every_ddp_rank_applies_the_same_update(tmp_path):

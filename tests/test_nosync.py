@@ -14,6 +14,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from minilm.config import ModelConfig, TrainConfig
+from minilm.distributed import leave_process_group
 from minilm.model import MiniMindForCausalLM
 from minilm.step import make_grad_scaler, make_optimizer, optimizer_step
 
@@ -79,7 +80,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         result["control_allreduce_forwards"] = list(state["allreduce_forwards"])
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
-        dist.destroy_process_group()
+        leave_process_group()  # not left to interpreter exit: see minilm.distributed
 
 
 def free_port() -> int:
