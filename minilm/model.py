@@ -153,10 +153,6 @@ class MoEFeedForward(nn.Module):
             self.aux_loss = self.aux_loss + 0 * topk_prob.sum()
         return y.view(b, t, h)
 
-    # Eager even inside a torch.compile'd block: the expert slices have data-dependent sizes, which
-    # would recompile the graph whenever the routing changes. The experts are matmuls, which compile
-    # does not speed up; the block's norms, attention and router around this call still compile.
-    @torch.compiler.disable
     def _dispatch(self, x_flat, topk_idx, topk_prob, unit_weights: bool):
         """Run every (token, slot) pair through its expert; returns (combined output, tokens per expert)."""
         flat_expert = topk_idx.reshape(-1)  # (tokens * top_k,)
@@ -175,6 +171,19 @@ class MoEFeedForward(nn.Module):
             return outputs.index_select(0, torch.argsort(order)), counts
         weighted = outputs * topk_prob.reshape(-1)[order, None].to(x_flat.dtype)
         return torch.zeros_like(x_flat).index_add_(0, token_of, weighted), counts
+
+
+
+def keep_experts_eager() -> None:
+    """Run the MoE experts eagerly inside a torch.compile'd block (minilm.step.prepare_model calls it first).
+
+    The expert slices have data-dependent sizes, which would recompile the graph whenever the routing changes;
+    the experts are matmuls, which compile does not speed up; the block's norms, attention and router around
+    them still compile. Applied when compiling, not as a decorator at import: `torch.compiler.disable` imports
+    torch._dynamo, about 1 s of CPU in every process that imports the model (each Ray worker, each rank).
+    """
+    if not getattr(MoEFeedForward._dispatch, "_torchdynamo_disable", False):
+        MoEFeedForward._dispatch = torch.compiler.disable(MoEFeedForward._dispatch)
 
 
 class MiniMindBlock(nn.Module):

@@ -119,6 +119,9 @@ def prepare_model(model: torch.nn.Module, cfg: TrainConfig, device: torch.device
             if not any(shutil.which(cc) for cc in ("c++", "g++", "clang++")):
                 raise RuntimeError("compile on CPU needs a C++ compiler (c++, g++ or clang++) on PATH; "
                                    "install one or run without --compile")
+        from .model import keep_experts_eager
+
+        keep_experts_eager()
         for block in inner.layers:
             block.compile()
     return model

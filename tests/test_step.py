@@ -439,3 +439,22 @@ def test_speed_options_are_validated_and_configure_backends_is_a_cpu_no_op():
     before = torch.get_float32_matmul_precision()
     configure_backends("cpu")
     assert torch.get_float32_matmul_precision() == before
+
+
+def test_importing_the_model_leaves_torch_dynamo_unloaded_and_compiling_keeps_the_experts_eager():
+    """torch._dynamo costs ~1 s of CPU at import: every Ray worker and rank imports the model, few compile. The
+    experts' eager mark is applied when prepare_model compiles (their slices have data-dependent sizes)."""
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    probe = "import sys, minilm.model, ray_jobs.worker; print('torch._dynamo' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip() == "False", proc.stderr[-2000:]
+
+    from minilm.model import MoEFeedForward
+
+    model = make_model()
+    prepare_model(model, TrainConfig(compile=True), "cpu")  # block.compile() is lazy: nothing compiles until a forward
+    assert getattr(MoEFeedForward._dispatch, "_torchdynamo_disable", False)
