@@ -44,6 +44,23 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
+def connect_failure(address: str, error: BaseException) -> str:
+    """One line for a cluster that could not be joined (Ray raises ConnectionError from its own chain)."""
+    chain, e = [], error
+    while e is not None and e not in chain:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    import ray.exceptions
+
+    # Ray 2.60 puts the AuthenticationError into a RuntimeError's text ("Last connection error: ..."), not its chain
+    if any(isinstance(x, ray.exceptions.AuthenticationError) or "InvalidAuthToken" in str(x) for x in chain):
+        why = ("it refused this process's authentication token (the cluster has token authentication on): set "
+               "RAY_AUTH_TOKEN to the cluster's token, or RAY_AUTH_TOKEN_PATH to a file holding it")
+    else:
+        why = f"nothing answered there; is the cluster up (`ray status --address {address}`)?"
+    return f"cannot join the Ray cluster at RAY_ADDRESS={address}: {why}"
+
+
 def ensure_ray(num_cpus: int | None = None, *, quiet: bool = True) -> bool:
     """Connect to the cluster in RAY_ADDRESS (ray job submit sets it) or start a local Ray; True when this call
     started a local Ray (its machine is all the run has).
@@ -52,11 +69,16 @@ def ensure_ray(num_cpus: int | None = None, *, quiet: bool = True) -> bool:
     starve the Ray Data tasks that feed them (a 2-core Ray with 2 workers never starts reading).
     """
     import ray
+    import ray.exceptions
 
     if ray.is_initialized():
         return False
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True, logging_level="WARNING" if quiet else "INFO")
+        address = os.environ["RAY_ADDRESS"]
+        try:
+            ray.init(address=address, log_to_driver=True, logging_level="WARNING" if quiet else "INFO")
+        except (ConnectionError, ray.exceptions.AuthenticationError) as e:
+            raise UsageError(connect_failure(address, e)) from None
         return False
     cores = os.cpu_count() or 2
     # Ray 2.60 turns token auth on for a new local cluster and says so at WARNING: nothing for the user to do.

@@ -115,6 +115,33 @@ def test_a_storage_path_that_cannot_be_written_is_one_line_before_ray(data, tmp_
         and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize("refusal,message", [
+    ("token", "it refused this process's authentication token (the cluster has token authentication on): set "
+              "RAY_AUTH_TOKEN"),
+    ("down", "nothing answered there; is the cluster up (`ray status --address 10.9.9.9:6379`)?"),
+])
+def test_a_cluster_that_cannot_be_joined_is_one_line(data, tmp_path, capsys, monkeypatch, refusal, message):
+    """RAY_ADDRESS naming a cluster that refuses the token, or nothing: Ray raises a ConnectionError (from an
+    AuthenticationError) after its retries, which used to end the driver in a 40-line traceback."""
+    import ray
+    import ray.exceptions
+
+    def refuse(*args, **kwargs):
+        # as Ray 2.60 raises them: the AuthenticationError is only in the text of the RuntimeError it chains
+        cause = RuntimeError("Failed to connect to GCS. Last connection error: Traceback (most recent call last):\n"
+                             + ("ray.exceptions.AuthenticationError: RPC error: InvalidAuthToken: Authentication token "
+                                "is missing or incorrect." if refusal == "token" else "RpcError: failed to connect"))
+        raise ConnectionError("Failed to connect to Ray cluster at 10.9.9.9:6379") from cause
+
+    monkeypatch.setenv("RAY_ADDRESS", "10.9.9.9:6379")
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", refuse)
+    code = pretrain.main(["--data", str(data), *TINY, "--storage-path", str(tmp_path / "runs"), "--name", "x"])
+    err = capsys.readouterr().err
+    assert code == 2 and err == f"error: cannot join the Ray cluster at RAY_ADDRESS=10.9.9.9:6379: {message}" + (
+        " to the cluster's token, or RAY_AUTH_TOKEN_PATH to a file holding it\n" if refusal == "token" else "\n"), err
+
+
 def test_a_default_warmup_is_fitted_to_a_short_run_and_said():
     """A warmup nobody set (a preset's, a dataclass default's; both are 0 today, as bench.quality's ablation says)
     never refuses a short run: it is fitted to the run and the start line says so; an explicit --warmup-steps keeps
