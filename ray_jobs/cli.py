@@ -55,7 +55,7 @@ def connect_failure(address: str, error: BaseException) -> str:
     # Ray 2.60 puts the AuthenticationError into a RuntimeError's text ("Last connection error: ..."), not its chain
     if any(isinstance(x, ray.exceptions.AuthenticationError) or "InvalidAuthToken" in str(x) for x in chain):
         why = ("it refused this process's authentication token (the cluster has token authentication on): set "
-               "RAY_AUTH_TOKEN to the cluster's token, or RAY_AUTH_TOKEN_PATH to a file holding it")
+               "RAY_AUTH_MODE=token and RAY_AUTH_TOKEN to the cluster's token (or RAY_AUTH_TOKEN_PATH to its file)")
     else:
         why = f"nothing answered there; is the cluster up (`ray status --address {address}`)?"
     return f"cannot join the Ray cluster at RAY_ADDRESS={address}: {why}"

@@ -117,7 +117,7 @@ def test_a_storage_path_that_cannot_be_written_is_one_line_before_ray(data, tmp_
 
 @pytest.mark.parametrize("refusal,message", [
     ("token", "it refused this process's authentication token (the cluster has token authentication on): set "
-              "RAY_AUTH_TOKEN"),
+              "RAY_AUTH_MODE=token and RAY_AUTH_TOKEN"),
     ("down", "nothing answered there; is the cluster up (`ray status --address 10.9.9.9:6379`)?"),
 ])
 def test_a_cluster_that_cannot_be_joined_is_one_line(data, tmp_path, capsys, monkeypatch, refusal, message):
@@ -139,7 +139,7 @@ def test_a_cluster_that_cannot_be_joined_is_one_line(data, tmp_path, capsys, mon
     code = pretrain.main(["--data", str(data), *TINY, "--storage-path", str(tmp_path / "runs"), "--name", "x"])
     err = capsys.readouterr().err
     assert code == 2 and err == f"error: cannot join the Ray cluster at RAY_ADDRESS=10.9.9.9:6379: {message}" + (
-        " to the cluster's token, or RAY_AUTH_TOKEN_PATH to a file holding it\n" if refusal == "token" else "\n"), err
+        " to the cluster's token (or RAY_AUTH_TOKEN_PATH to its file)\n" if refusal == "token" else "\n"), err
 
 
 def test_a_default_warmup_is_fitted_to_a_short_run_and_said():
