@@ -146,12 +146,12 @@ def init_from_torchrun(backend: str | None = None) -> tuple[int, int, torch.devi
 
 
 def leave_process_group() -> None:
-    """Destroy the process group, and with it gloo's threads, while the interpreter is fully alive.
+    """Destroy the process group at the end of a run (NCCL's pending work must finish before the process goes).
 
-    Left to interpreter exit, a gloo thread that drops a finished collective's tensors needs the GIL, finds the
-    interpreter finalizing and aborts the process ("terminate called without an active exception", about 1 exit
-    in 10 under torchrun here). DDP holds the group too, so the trainer's reference cycles are collected first
-    (destroy then joins the threads), and the GIL is released briefly for a thread still dropping tensors.
+    First the trainer's reference cycles are collected (DDP holds the group) and the GIL is released for 50 ms:
+    a gloo thread dropping a finished collective's tensors needs the GIL, and left to interpreter exit it aborts
+    the process. That lowers the odds, it cannot rule it out (gloo's threads can outlive the group), so a
+    torchrun rank also ends without finalization: `minilm.train.exit_process`.
     """
     if not (dist.is_available() and dist.is_initialized()):
         return

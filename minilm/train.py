@@ -245,5 +245,18 @@ def agreed_dtype(name: str, device: torch.device) -> str:
     return ("fp32", "bf16", "fp16")[code]
 
 
+def exit_process(code: int) -> None:
+    """The end of `python -m minilm.train`. A torchrun rank of several leaves without interpreter finalization:
+    gloo's threads can outlive `destroy_process_group` (DDP keeps the group alive past it), and one that drops a
+    finished collective's tensors while the interpreter finalizes needs the GIL, cannot have it, and aborts
+    the process (SIGABRT, "terminate called without an active exception"; 2 of 20 torchrun exits here), which
+    torchrun reports as a failed run. Everything this process wrote is closed by then (trackers, checkpoints)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        sys.exit(code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())
