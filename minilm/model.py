@@ -173,7 +173,6 @@ class MoEFeedForward(nn.Module):
         return torch.zeros_like(x_flat).index_add_(0, token_of, weighted), counts
 
 
-
 def keep_experts_eager() -> None:
     """Run the MoE experts eagerly inside a torch.compile'd block (minilm.step.prepare_model calls it first).
 
