@@ -34,8 +34,10 @@ def pretrain(ray_address, args, check=True, **env):
     return run_module("ray_jobs.pretrain", args, env=run_env(ray_address, **env), timeout=300, check=check)
 
 
-def start_pretrain(ray_address, args: list[str], capture: bool, **env) -> subprocess.Popen:
+def start_pretrain(ray_address, args: list[str], capture: bool, log: Path | None = None, **env) -> subprocess.Popen:
+    """capture: stdout and stderr through a pipe (read it before it fills); log: into that file instead."""
     out = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) if capture else \
+        dict(stdout=open(log, "w"), stderr=subprocess.STDOUT) if log else \
         dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return subprocess.Popen([sys.executable, "-m", "ray_jobs.pretrain", *args], cwd=ROOT,
                             env=run_env(ray_address, **env), **out)
@@ -122,7 +124,7 @@ def ray_train_workers() -> list:
                 found.append(p)
         except psutil.NoSuchProcess:
             pass
-    return found
+    return sorted(found, key=lambda p: p.create_time())  # the newest last
 
 
 def wait_until_workers_exit(timeout: float = 90) -> None:
