@@ -36,8 +36,11 @@ def pretrain(ray_address, args, check=True, **env):
 
 def start_pretrain(ray_address, args: list[str], capture: bool, log: Path | None = None, **env) -> subprocess.Popen:
     """capture: stdout and stderr through a pipe (read it before it fills); log: into that file instead."""
+    if log is not None:
+        with open(log, "w") as f:  # the driver keeps its own copy of the file descriptor
+            return subprocess.Popen([sys.executable, "-m", "ray_jobs.pretrain", *args], cwd=ROOT,
+                                    env=run_env(ray_address, **env), stdout=f, stderr=subprocess.STDOUT)
     out = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) if capture else \
-        dict(stdout=open(log, "w"), stderr=subprocess.STDOUT) if log else \
         dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return subprocess.Popen([sys.executable, "-m", "ray_jobs.pretrain", *args], cwd=ROOT,
                             env=run_env(ray_address, **env), **out)
@@ -125,6 +128,13 @@ def ray_train_workers() -> list:
         except psutil.NoSuchProcess:
             pass
     return sorted(found, key=lambda p: p.create_time())  # the newest last
+
+
+def timeline(run_dir: Path) -> list[dict]:
+    """world_size.csv's rows, typed (minilm.timeline's own reader)."""
+    from minilm.timeline import WorldSizeTimeline
+
+    return WorldSizeTimeline(run_dir).rows()
 
 
 def wait_until_workers_exit(timeout: float = 90) -> None:

@@ -8,7 +8,6 @@ joined to this cluster; the session's other local Ray is not used here.
 
 from __future__ import annotations
 
-import csv
 import json
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from conftest import run_env
 from helpers import ROOT, make_prepared
 from inprocess import configs
 from reference import check_run, recorded_steps, replay
+from runs import timeline
 from safetensors.torch import load_file
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -76,11 +76,6 @@ def storage(tmp_path_factory) -> Path:
 
 def env(cluster, **extra) -> dict:
     return run_env(cluster.address, **extra)
-
-
-def timeline(run_dir: Path) -> list[dict]:
-    path = run_dir / "world_size.csv"
-    return list(csv.DictReader(open(path))) if path.is_file() else []
 
 
 def final_ids_per_step(record_dir: Path) -> dict[int, list[int]]:
@@ -173,7 +168,7 @@ def test_drained_then_lost_nodes_shrink_and_grow_without_changing_the_optimisati
     cluster.slot_nodes.append(cluster.add_node(num_cpus=2, resources={"slot": 1}))
     grow = driver.wait_for_event("grow")
     hold.unlink()
-    after_grow = (int(grow["optimizer_step"]) // 4 + 1) * 4  # the first checkpoint the 3 workers write
+    after_grow = (grow["optimizer_step"] // 4 + 1) * 4  # the first checkpoint the 3 workers write
     driver.wait_for(f"checkpoint {after_grow}, at world size 3",
                     lambda: (run_dir / f"checkpoint_{after_grow:08d}" / "COMPLETE.json").is_file())
     cluster.remove_node(cluster.slot_nodes.pop(), allow_graceful=False)
@@ -182,15 +177,14 @@ def test_drained_then_lost_nodes_shrink_and_grow_without_changing_the_optimisati
 
     rows = timeline(run_dir)
     assert [(r["event"], r["world_size"], r["accumulation_steps"]) for r in rows] == [
-        ("start", "3", "2"), ("preempt", "3", "2"), ("shrink", "2", "3"), ("grow", "3", "2"), ("shrink", "2", "3"),
-        ("finish", "2", "3")], rows
+        ("start", 3, 2), ("preempt", 3, 2), ("shrink", 2, 3), ("grow", 3, 2), ("shrink", 2, 3), ("finish", 2, 3)], rows
     assert "node drain at optimizer step" in log
-    assert int(drained["optimizer_step"]) == int(preempt["optimizer_step"]) >= 8  # resumed from the drain checkpoint
-    assert int(drained["redone_steps"]) == 0
-    assert int(grow["optimizer_step"]) >= int(drained["optimizer_step"])
-    assert int(rows[4]["optimizer_step"]) >= after_grow  # from a checkpoint the 3 workers wrote
+    assert drained["optimizer_step"] == preempt["optimizer_step"] >= 8  # resumed from the drain checkpoint
+    assert drained["redone_steps"] == 0
+    assert grow["optimizer_step"] >= drained["optimizer_step"]
+    assert rows[4]["optimizer_step"] >= after_grow  # from a checkpoint the 3 workers wrote
     assert "shrink: world size 2 x accumulation 3" in log and "grow: world size 3 x accumulation 2" in log
-    redone = [int(r["redone_steps"]) for r in rows]
+    redone = [r["redone_steps"] for r in rows]
     assert all(0 <= n < 4 + 4 for n in redone), redone  # at most what the checkpoint interval (4) can lose, + 1 window
     metrics = read_metrics(run_dir)
     assert [m["optimizer_step"] for m in metrics] == sorted({m["optimizer_step"] for m in metrics})

@@ -25,13 +25,13 @@ from runs import (
     pretrain,
     ray_train_workers,
     start_pretrain,
+    timeline,
     tiny_args,
     wait_for,
     wait_until_workers_exit,
 )
 
 from minilm.distributed import AGREEMENT_DELAY
-from minilm.timeline import WorldSizeTimeline
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 
@@ -93,7 +93,3 @@ def test_sigterm_then_a_killed_worker_then_a_killed_driver_each_resume_to_the_un
     assert steps == sorted(set(steps))  # redone steps replaced, not appended
     assert bitwise_equal(final_weights(run_storage, name), baseline["weights"])
     check_run(replay(*configs(), run_data, ids, STEPS), final_weights(run_storage, name), metrics(run_dir))
-
-
-def timeline(run_dir) -> list[dict]:
-    return WorldSizeTimeline(run_dir).rows()  # world_size.csv, its values typed
