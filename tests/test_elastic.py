@@ -39,6 +39,24 @@ CLUSTER_ENV = {
 HEALTH_CHECKS = {"health_check_period_ms": 1000, "health_check_timeout_ms": 2000, "health_check_failure_threshold": 4}
 
 
+# Ray Train grows a run when Ray's autoscaling coordinator has seen the new node, which it looks for every 20 s (a
+# class constant; ~20 s of a real node's minutes of start-up). The simulated cluster's coordinator is created first,
+# here, looking every second; Ray Train's get-or-create finds it by name.
+FAST_COORDINATOR = """
+import sys
+import ray
+from ray.data._internal.cluster_autoscaler import default_autoscaling_coordinator as coordinator
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+fast = type("FastTickCoordinator", (coordinator._AutoscalingCoordinatorActor,), {"TICK_INTERVAL_S": 1})
+actor = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)(fast).options(
+    name="AutoscalingCoordinator", namespace="AutoscalingCoordinator", get_if_exists=True, lifetime="detached",
+    scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)).remote()
+assert ray.get(actor.__ray_call__.remote(lambda self: self.TICK_INTERVAL_S)) == 1
+"""
+
+
 def run_args(data: Path, storage: Path, name: str, *extra: str) -> list[str]:
     return ["--data", str(data), "--seq-len", "32", "--vocab-size", "256", "--hidden-size", "64",
             "--num-hidden-layers", "2", "--num-attention-heads", "4", "--num-key-value-heads", "2",
@@ -59,6 +77,9 @@ def cluster():
                                                           "_system_config": HEALTH_CHECKS})
         c.slot_nodes = [c.add_node(num_cpus=2, resources={"slot": 1}) for _ in range(3)]
         c.wait_for_nodes()
+        fast = subprocess.run([sys.executable, "-c", FAST_COORDINATOR, c.address], capture_output=True, text=True,
+                              timeout=120)
+        assert fast.returncode == 0, fast.stderr[-3000:]
         yield c
         c.shutdown()
 
@@ -159,8 +180,8 @@ def test_drained_then_lost_nodes_shrink_and_grow_without_changing_the_optimisati
                            capture_output=True, text=True, timeout=60)
     assert drain.returncode == 0, drain.stderr
     preempt = driver.wait_for_event("preempt")
-    time.sleep(3)  # the reclaim: the node goes away after the workers have checkpointed and exited
-    cluster.remove_node(victim, allow_graceful=False)
+    time.sleep(1)  # the reclaim: the node goes away after the workers have checkpointed and exited
+    cluster.remove_node(victim, allow_graceful=True)  # a drained node's raylet tells the GCS it is leaving
     drained = driver.wait_for_event("shrink")
     # The 2 workers wait at a step boundary until the run has grown: noticing the new node takes Ray
     # up to ~20 s (its autoscaling coordinator's tick), longer than the rest of this tiny run.
