@@ -83,7 +83,7 @@ GPU = Shapes(
 CPU = Shapes(
     small={"hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 512, "seq_len": 64, "micro_batch_size": 4},
     large={"hidden_size": 64, "num_hidden_layers": 3, "vocab_size": 512, "seq_len": 64, "micro_batch_size": 4},
-    job_steps=12, trainer_steps=12, step_args=["--steps", "2", "--warmup", "1", "--peak-size", "256"],
+    job_steps=8, trainer_steps=12, step_args=["--steps", "2", "--warmup", "1", "--peak-size", "256"],
     fp16_args=["--micro-batch-size", "2", "--seq-len", "32", "--hidden-size", "64", "--num-hidden-layers", "2",
                "--vocab-size", "1024"],
     corpus_bytes=200_000, stream_steps=20,

@@ -89,8 +89,8 @@ def test_gpu_check_dry_run(ray_address, tmp_path):
     assert table["bench.step 104M bf16 compiled"]["goal"] == ">= 40% MFU"
     assert {row["status"] for name, row in table.items() if not name.startswith("fp16")} == {"dry run"}
     figures = result["figures"]
-    assert figures["ray_job"]["resumed"] and figures["ray_job"]["last_step"] == 12
-    assert [h["steps_counted"] for h in figures["ray_job"]["halves"].values()] == [5, 5]  # records 1..6 and 7..12
+    assert figures["ray_job"]["resumed"] and figures["ray_job"]["last_step"] == 8
+    assert [h["steps_counted"] for h in figures["ray_job"]["halves"].values()] == [3, 3]  # records 1..4 and 5..8
     assert figures["fp16"]["passed"] and figures["fp16"]["scale_changes"][0] == {"step": 20, "from": 65536.0,
                                                                                  "to": 32768.0}
     assert figures["stream"]["tokens_per_s"] > 0 and figures["sample"]
