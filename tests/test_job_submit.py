@@ -128,7 +128,7 @@ class Head:
             info = self.job(submission_id)
             if info["status"] in statuses or info["status"] in TERMINAL or time.time() > deadline:
                 return info
-            time.sleep(2)
+            time.sleep(0.5)
 
 
 def _local_sh(verb: str, env: dict, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -450,10 +450,11 @@ def test_ray_job_stop_leaves_a_checkpoint_and_resume_auto_continues(head, first_
     assert stop.returncode == 0, stop.stderr[-2000:]
     info = head.wait_job(first_job["id"], TERMINAL, timeout=60)
     assert info["status"] == "STOPPED", info
-    # The driver's actors (Train controller, workers) go with it: wait until no checkpoint appears for 5 s.
+    # The driver's actors (Train controller, workers) go with it: wait until no checkpoint appears for 5 s (longer
+    # than the job's checkpoint interval, 4 steps of ~1 s).
     saved, stable_since, deadline = complete_steps(run_dir), time.time(), time.time() + 60
     while time.time() - stable_since < 5 and time.time() < deadline:
-        time.sleep(1)
+        time.sleep(0.5)
         now = complete_steps(run_dir)
         if now != saved:
             saved, stable_since = now, time.time()
