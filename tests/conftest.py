@@ -23,9 +23,6 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
-    # The tests on the session's Ray last, one after another: it starts with the first of them and stops at the end,
-    # so its idle processes (~0.08 cores) never slow the in-process tests or those that start a cluster of their own.
-    items.sort(key=lambda item: "ray_address" in item.fixturenames)
     if config.getoption("--nightly"):
         return
     skip = pytest.mark.skip(reason="nightly (the 100-step demo): make test-nightly, or pytest --nightly")
