@@ -23,6 +23,10 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
+    # The tests on the session's Ray last: it starts with the first of them and stops at the end, so the tests that
+    # start a Ray or a cluster of their own never run beside it (after a few jobs its idle processes, Ray Data's
+    # detached actors among them, take ~0.1 cores: bench/RESULTS.md).
+    items.sort(key=lambda item: "ray_address" in item.fixturenames)
     if config.getoption("--nightly"):
         return
     skip = pytest.mark.skip(reason="nightly (the 100-step demo): make test-nightly, or pytest --nightly")
