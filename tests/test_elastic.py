@@ -183,8 +183,8 @@ def test_drained_then_lost_nodes_shrink_and_grow_without_changing_the_optimisati
     time.sleep(1)  # the reclaim: the node goes away after the workers have checkpointed and exited
     cluster.remove_node(victim, allow_graceful=True)  # a drained node's raylet tells the GCS it is leaving
     drained = driver.wait_for_event("shrink")
-    # The 2 workers wait at a step boundary until the run has grown: noticing the new node takes Ray
-    # up to ~20 s (its autoscaling coordinator's tick), longer than the rest of this tiny run.
+    # The 2 workers wait at a step boundary until the run has grown: Ray sees the new node at its coordinator's next
+    # refresh (1 s here, FAST_COORDINATOR) and then restarts the group, longer than the rest of this tiny run takes.
     hold.touch()
     cluster.slot_nodes.append(cluster.add_node(num_cpus=2, resources={"slot": 1}))
     grow = driver.wait_for_event("grow")
