@@ -36,14 +36,13 @@ def pretrain(ray_address, args, check=True, **env):
 
 def start_pretrain(ray_address, args: list[str], capture: bool, log: Path | None = None, **env) -> subprocess.Popen:
     """capture: stdout and stderr through a pipe (read it before it fills); log: into that file instead."""
+    cmd, env = [sys.executable, "-m", "ray_jobs.pretrain", *args], run_env(ray_address, **env)
     if log is not None:
         with open(log, "w") as f:  # the driver keeps its own copy of the file descriptor
-            return subprocess.Popen([sys.executable, "-m", "ray_jobs.pretrain", *args], cwd=ROOT,
-                                    env=run_env(ray_address, **env), stdout=f, stderr=subprocess.STDOUT)
+            return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
     out = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) if capture else \
         dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return subprocess.Popen([sys.executable, "-m", "ray_jobs.pretrain", *args], cwd=ROOT,
-                            env=run_env(ray_address, **env), **out)
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, **out)
 
 
 def wait_for(condition, proc: subprocess.Popen, what: str, timeout: float = 240, poll: float = 0.1) -> None:

@@ -20,7 +20,7 @@ from conftest import run_env
 from helpers import ROOT, make_prepared
 from inprocess import configs
 from reference import check_run, recorded_steps, replay
-from runs import timeline
+from runs import start_pretrain, timeline
 from safetensors.torch import load_file
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -118,8 +118,7 @@ class Driver:
 
     def __init__(self, cluster, args: list[str], run_dir: Path, log: Path, **extra_env: str):
         self.run_dir, self.log_path = run_dir, log
-        self.proc = subprocess.Popen([sys.executable, "-m", "ray_jobs.pretrain", *args], cwd=ROOT,
-                                     env=env(cluster, **extra_env), stdout=open(log, "w"), stderr=subprocess.STDOUT)
+        self.proc = start_pretrain(cluster.address, args, capture=False, log=log, **extra_env)
 
     def wait_for(self, what: str, condition, timeout: float = 240) -> None:
         deadline = time.time() + timeout
