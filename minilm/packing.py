@@ -176,22 +176,24 @@ class ShardWriter:
 
 
 class BosAlignedShardWriter(ShardWriter):
-    """A ShardWriter whose rows each start at a document start (`prepare --rows bos-aligned`).
+    """A ShardWriter of best-fit rows (`prepare --rows best-fit`, the default, or `--rows bos-aligned`).
 
     The EOS-separated stream is split back into documents, which `minilm.rows.BestFitRows` places
-    best-fit into rows of seq_len + 1 (`[BOS] + doc + [EOS]` each, the last one of a row cropped
-    rather than split into the next row); the rows go to the token files as usual. `best_fit` counts
-    what was cropped and what was left over.
+    best-fit into rows of seq_len + 1 (`[BOS] + doc + [EOS]` each). With `split_long` (best-fit) a
+    long document fills rows of its own and nothing is dropped; without it (bos-aligned) the last
+    document of a row is cropped rather than split into the next row. The rows go to the token
+    files as usual; `best_fit` counts what was split, cropped and left over.
     """
 
     def __init__(self, directory: str | os.PathLike, seq_len: int, rows_per_shard: int | None = None,
-                 eos_id: int = EOS_ID, token_dtype: str = "uint16", bos_id: int = BOS_ID, buffer_docs: int = 1000):
+                 eos_id: int = EOS_ID, token_dtype: str = "uint16", bos_id: int = BOS_ID, buffer_docs: int = 1000,
+                 split_long: bool = False):
         from .rows import BestFitRows, BestFitStats
 
         super().__init__(directory, seq_len, rows_per_shard, eos_id=eos_id, token_dtype=token_dtype)
         self.best_fit = BestFitStats()
         self._packer = BestFitRows(seq_len + 1, bos_id=bos_id, eos_id=eos_id, buffer_docs=buffer_docs,
-                                   stats=self.best_fit)
+                                   stats=self.best_fit, split_long=split_long)
 
     def add_stream(self, tokens: np.ndarray, documents: int = 0) -> None:
         tokens = np.asarray(tokens)

@@ -12,6 +12,11 @@ A row is `row_len` token ids (seq_len + 1: input and labels at once, the model s
   placed best-fit into rows: each row takes the longest waiting document that fits the space left,
   and when none fits, the shortest one is cropped to fill the row; its rest is dropped, never
   carried into the next row. So every document in a row is read from its beginning, with its BOS.
+* `best_fit_rows` (`split_long=True`; what `ray_jobs.prepare` writes by default): the same best-fit
+  placement, but nothing is dropped. A document longer than a row fills whole rows of its own, in
+  order (the first starts with its BOS); its last piece, and the rest of a cropped document, wait
+  to be placed like any document. Short documents are read from their start exactly as in
+  `bos_aligned_rows`; long ones are trained on whole, in row-long stretches of their own text.
 
 `document_starts` marks where documents begin inside rows of any layout (after an EOS, or at a
 BOS), which is what document-masked attention needs.
@@ -62,6 +67,7 @@ class BestFitStats:
     documents: int = 0  # documents placed (whole or cropped)
     cropped_documents: int = 0
     cropped_tokens: int = 0  # tokens cut off cropped documents (never trained on)
+    split_documents: int = 0  # split_long: documents longer than a row, split into rows of their own
     leftover_documents: int = 0  # documents still waiting when the input ran out (they fill no whole row)
     leftover_tokens: int = 0
 
@@ -73,17 +79,21 @@ class BestFitRows:
     returns the rows it could close; `finish` closes the rows the rest can fill. The rule, row by
     row: take the longest waiting document that fits the space left in the row; when none fits,
     crop the shortest waiting one to the space left (cropping the shortest wastes the fewest
-    tokens) and close the row. Documents still waiting at the end that cannot fill a last row are
+    tokens) and close the row. With `split_long`, a document longer than a row first fills rows of
+    its own, and when none fits, the longest waiting piece is split: its head closes the row, its
+    rest waits. Documents still waiting at the end that cannot fill a last row are
     dropped (counted in `stats`).
     """
 
     def __init__(self, row_len: int, *, bos_id: int = BOS_ID, eos_id: int = EOS_ID, buffer_docs: int = 1000,
-                 stats: BestFitStats | None = None):
+                 stats: BestFitStats | None = None, split_long: bool = False):
         if row_len < 2:
             raise ValueError(f"row_len must be >= 2 (BOS and EOS), got {row_len}")
         if buffer_docs < 1:
             raise ValueError(f"buffer_docs must be >= 1, got {buffer_docs}")
         self.row_len, self.bos_id, self.eos_id, self.buffer_docs = row_len, bos_id, eos_id, buffer_docs
+        # split_long: long documents fill rows of their own and cropped rests wait again (nothing dropped).
+        self.split_long = split_long
         self.stats = stats if stats is not None else BestFitStats()
         self.keys: list[tuple[int, int]] = []  # (length, arrival number), sorted: bisect finds the best fit
         self.waiting: dict[int, np.ndarray] = {}
@@ -91,14 +101,24 @@ class BestFitRows:
 
     def add(self, doc: Sequence[int]) -> list[np.ndarray]:
         ids = np.asarray([self.bos_id, *doc, self.eos_id], dtype=np.int32)
+        rows = []
+        if self.split_long and len(ids) > self.row_len:
+            whole = (len(ids) - 1) // self.row_len  # leave a non-empty last piece to place best-fit
+            rows = [ids[i * self.row_len:(i + 1) * self.row_len] for i in range(whole)]
+            ids = ids[whole * self.row_len:]
+            self.stats.rows += whole
+            self.stats.split_documents += 1
+            self.stats.documents += 1  # placed here; its last piece starts with no BOS and is not counted again
+        self._wait(ids)
+        while len(self.keys) >= self.buffer_docs and self.waiting_tokens >= self.row_len:
+            rows.append(self._row())
+        return rows
+
+    def _wait(self, ids: np.ndarray) -> None:
         bisect.insort(self.keys, (len(ids), self.arrivals))
         self.waiting[self.arrivals] = ids
         self.waiting_tokens += len(ids)
         self.arrivals += 1
-        rows = []
-        while len(self.keys) >= self.buffer_docs and self.waiting_tokens >= self.row_len:
-            rows.append(self._row())
-        return rows
 
     def finish(self) -> list[np.ndarray]:
         rows = []
@@ -118,38 +138,62 @@ class BestFitRows:
             i = bisect.bisect_left(self.keys, (space + 1, -1)) - 1
             if i >= 0:
                 length, n = self.keys.pop(i)
-                row[filled:filled + length] = self.waiting.pop(n)
+                ids = self.waiting.pop(n)
+                row[filled:filled + length] = ids
                 filled += length
             else:  # nothing fits: waiting_tokens >= space guarantees a document is waiting
-                length, n = self.keys.pop(0)
-                row[filled:] = self.waiting.pop(n)[:space]
-                self.stats.cropped_documents += 1
-                self.stats.cropped_tokens += length - space
+                # Cropping the shortest wastes the fewest tokens; when the rest waits, splitting the
+                # longest leaves short documents whole.
+                length, n = self.keys.pop(-1 if self.split_long else 0)
+                ids = self.waiting.pop(n)
+                row[filled:] = ids[:space]
                 filled = self.row_len
+                if self.split_long:  # the rest waits for a later row
+                    self._wait(ids[space:])
+                else:
+                    self.stats.cropped_documents += 1
+                    self.stats.cropped_tokens += length - space
             self.waiting_tokens -= length
-            self.stats.documents += 1
+            self.stats.documents += int(ids[0] == self.bos_id)  # a rest piece is not a new document
         self.stats.rows += 1
         return row
 
 
 def iter_bos_aligned_rows(docs: Iterable[Sequence[int]], row_len: int, *, bos_id: int = BOS_ID,
                           eos_id: int = EOS_ID, buffer_docs: int = 1000,
-                          stats: BestFitStats | None = None) -> Iterator[np.ndarray]:
+                          stats: BestFitStats | None = None, split_long: bool = False) -> Iterator[np.ndarray]:
     """Yield BOS-aligned rows (int32, row_len) from `docs`, best-fit within a window of `buffer_docs` documents
     (`BestFitRows`). Streams: memory stays flat in the corpus size."""
-    packer = BestFitRows(row_len, bos_id=bos_id, eos_id=eos_id, buffer_docs=buffer_docs, stats=stats)
+    packer = BestFitRows(row_len, bos_id=bos_id, eos_id=eos_id, buffer_docs=buffer_docs, stats=stats,
+                         split_long=split_long)
     for doc in docs:
         yield from packer.add(doc)
     yield from packer.finish()
 
 
 def bos_aligned_rows(docs: Iterable[Sequence[int]], row_len: int, *, bos_id: int = BOS_ID, eos_id: int = EOS_ID,
-                     buffer_docs: int = 1000) -> tuple[np.ndarray, BestFitStats]:
+                     buffer_docs: int = 1000, split_long: bool = False) -> tuple[np.ndarray, BestFitStats]:
     """All BOS-aligned rows of `docs` as one int32 array (n, row_len), and what was cropped or left over."""
     stats = BestFitStats()
     rows = list(iter_bos_aligned_rows(docs, row_len, bos_id=bos_id, eos_id=eos_id, buffer_docs=buffer_docs,
-                                      stats=stats))
+                                      stats=stats, split_long=split_long))
     return (np.stack(rows) if rows else np.zeros((0, row_len), np.int32)), stats
+
+
+def best_fit_rows(docs: Iterable[Sequence[int]], row_len: int, *, bos_id: int = BOS_ID, eos_id: int = EOS_ID,
+                  buffer_docs: int = 1000) -> tuple[np.ndarray, BestFitStats]:
+    """minilm's default rows: BOS-aligned best-fit, long documents split into rows of their own, nothing dropped."""
+    return bos_aligned_rows(docs, row_len, bos_id=bos_id, eos_id=eos_id, buffer_docs=buffer_docs, split_long=True)
+
+
+def rows_note(manifest: dict, where: str) -> str | None:
+    """The start line's note for data prepared without BOS (`--rows packed`, and every prepare before best-fit)."""
+    rows = manifest.get("rows", "packed")
+    if rows != "packed":
+        return None
+    return (f"note: {where} was prepared with --rows packed: no document starts with BOS, as the model is prompted; "
+            f"it trains, but `python -m ray_jobs.prepare` (--rows best-fit, the default) is the recommended "
+            f"format (docs/quality.md)")
 
 
 def document_starts(rows: np.ndarray, *, bos_id: int = BOS_ID, eos_id: int = EOS_ID) -> np.ndarray:
@@ -161,6 +205,5 @@ def document_starts(rows: np.ndarray, *, bos_id: int = BOS_ID, eos_id: int = EOS
     return starts
 
 
-__all__ = ["padded_document_rows", "packed_rows", "bos_aligned_rows", "iter_bos_aligned_rows", "BestFitRows",
-           "BestFitStats",
-           "document_starts"]
+__all__ = ["padded_document_rows", "packed_rows", "bos_aligned_rows", "best_fit_rows", "iter_bos_aligned_rows",
+           "BestFitRows", "BestFitStats", "document_starts", "rows_note"]

@@ -39,6 +39,7 @@ from .cli import (
 from .config import ConfigError, ModelConfig, TrainConfig, check_fits
 from .distributed import Collectives, init_from_torchrun, leave_process_group
 from .model import MiniMindForCausalLM
+from .rows import rows_note
 from .step import NonFiniteLossError, resolve_dtype
 from .testing import FaultHooks
 from .testing import from_env as hooks_from_env
@@ -179,7 +180,7 @@ def run_cli(argv: list[str] | None) -> int:
         hooks = hooks_from_env(warn=lambda m: print(m, file=sys.stderr))
         rank, world_size, device = init_from_torchrun()
         train_cfg.validate(world_size=world_size)
-        data = load_data(opts, model_cfg, train_cfg)
+        data = load_data(opts, model_cfg, train_cfg, notes)
         per_epoch = D.steps_per_epoch(data.num_sequences - (opts.get("val_samples") or 0), train_cfg.global_batch_size)
         notes.append(fit_default_warmup(train_cfg, train_cfg.max_steps or max(1, per_epoch) * train_cfg.epochs,
                                         configs.explicit))
@@ -220,10 +221,11 @@ def run_cli(argv: list[str] | None) -> int:
     return 0
 
 
-def load_data(opts: dict, model_cfg: ModelConfig, train_cfg: TrainConfig) -> Dataset:
+def load_data(opts: dict, model_cfg: ModelConfig, train_cfg: TrainConfig, notes: list) -> Dataset:
     if opts.get("data"):
         prepared = D.open_prepared(opts["data"])
         D.check_compatible(prepared, vocab_size=model_cfg.vocab_size, seq_len=train_cfg.seq_len)
+        notes.append(rows_note(prepared.manifest, prepared.location))
         return Dataset.prepared(prepared)
     if opts.get("tokens"):
         path = Path(opts["tokens"])

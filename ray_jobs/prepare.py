@@ -67,11 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="JSON key / column holding the text (default: text)")
     p.add_argument("--on-bad-record", choices=["error", "skip"], default="error",
                    help="stop at the first bad record (default) or skip and count it")
-    p.add_argument("--rows", choices=["packed", "bos-aligned"], default="packed",
-                   help="packed (default): documents, each followed by EOS, concatenated and cut every seq_len + 1 "
-                        "tokens; bos-aligned: every row starts at a document start ([BOS] doc [EOS] placed best-fit, "
-                        "the last document of a row cropped, not continued): pair it with --document-mask when "
-                        "training (docs/quality.md)")
+    p.add_argument("--rows", choices=["best-fit", "bos-aligned", "packed"], default="best-fit",
+                   help="best-fit (default): every document starts with BOS, as the model is prompted; documents "
+                        "are placed whole, best-fit, and one longer than a row fills rows of its own (nothing "
+                        "dropped); bos-aligned: the same, but a document that does not fit is cropped, its rest "
+                        "dropped; packed: documents, each followed by EOS, concatenated and cut every seq_len + 1 "
+                        "tokens, with no BOS (docs/quality.md)")
     p.add_argument("--rows-per-shard", type=int, default=None, metavar="N",
                    help="sequences per token file (default: about 256 MB of tokens per file)")
     p.add_argument("--num-cpus", type=int, default=None, metavar="N",
@@ -145,10 +146,11 @@ def run(args: argparse.Namespace, argv: list[str], progress: Progress | None = N
         vocab_size = T.vocab_size_of(tok)
 
         reader = RecordReader(sources, args.text_field, args.on_bad_record, warn=skip_warn)
-        if args.rows == "bos-aligned":
+        if args.rows in ("best-fit", "bos-aligned"):
             writer = packing.BosAlignedShardWriter(out.tmp, args.seq_len, args.rows_per_shard,
                                                    eos_id=ids["eos_token_id"], bos_id=ids["bos_token_id"],
-                                                   token_dtype=token_dtype_for(vocab_size))
+                                                   token_dtype=token_dtype_for(vocab_size),
+                                                   split_long=args.rows == "best-fit")
         else:
             writer = packing.ShardWriter(out.tmp, args.seq_len, args.rows_per_shard, eos_id=ids["eos_token_id"],
                                          token_dtype=token_dtype_for(vocab_size))
@@ -180,7 +182,7 @@ def run(args: argparse.Namespace, argv: list[str], progress: Progress | None = N
                    "rows_per_shard": writer.rows_per_shard, "text_bytes": reader.text_bytes,
                    "document_tokens": result.stream_tokens, "empty_inputs": reader.empty_inputs,
                    "skipped_examples": reader.examples[:20], "rows": args.rows,
-                   **({"best_fit": dataclasses.asdict(writer.best_fit)} if args.rows == "bos-aligned" else {})},
+                   **({"best_fit": dataclasses.asdict(writer.best_fit)} if args.rows != "packed" else {})},
         )
         packing.write_manifest(out.tmp, manifest)
         out.commit()
@@ -214,6 +216,10 @@ def summary_line(output: str, manifest: dict, stats: dict) -> str:
         fit = m["best_fit"]
         skipped += (f"; rows bos-aligned: {fit['cropped_documents']:,} of {fit['documents']:,} documents cropped "
                     f"({fit['cropped_tokens']:,} tokens not trained on), {fit['leftover_documents']} left over")
+    elif m.get("rows") == "best-fit":
+        fit = m["best_fit"]
+        skipped += (f"; rows best-fit: {fit['split_documents']:,} of {fit['documents']:,} documents longer than a "
+                    f"row split into rows of their own, {fit['leftover_tokens']:,} tokens left over at the end")
     dt = max(stats.get("pipeline_s", 0.0), 1e-9)
     return (f"prepared {output}: {m['num_sequences']:,} sequences of {m['seq_len']}+1 tokens in "
             f"{len(m['shards'])} shard(s) from {m['documents_read']:,} documents "

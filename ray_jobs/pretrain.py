@@ -36,6 +36,7 @@ from minilm.cli import (
 )
 from minilm.config import ConfigError, ModelConfig, TrainConfig, check_fits, valid_world_sizes
 from minilm.progress import MetricsLog, format_duration
+from minilm.rows import rows_note
 from minilm.timeline import TIMELINE, WorldSizeTimeline, format_timeline
 from minilm.trackers import TrackerError, check_trackers
 
@@ -248,6 +249,7 @@ def plan_run(args: argparse.Namespace, extra_keys: frozenset[str] = frozenset(),
         data_dir = demo_data_dir(train_cfg.seq_len, model_cfg.vocab_size)
     prepared = D.open_prepared(data_dir)
     D.check_compatible(prepared, vocab_size=model_cfg.vocab_size, seq_len=train_cfg.seq_len)
+    notes.append(rows_note(prepared.manifest, prepared.location))
     train_ids, _ = D.split_ids(prepared.num_sequences, opts["val_samples"])
     per_epoch = D.steps_per_epoch(len(train_ids), train_cfg.global_batch_size)
     if per_epoch == 0:

@@ -82,8 +82,15 @@ def ray_cluster(ray_address):
 
 
 def prep(capsys, *args) -> tuple[int, str]:
-    """Run the CLI in this process: (exit status, stderr)."""
-    code = PR.main([str(a) for a in args])
+    """Run the CLI in this process: (exit status, stderr).
+
+    Without --rows, the packed layout: these tests check reading, sharding and hashing against rows that are
+    easy to compute (`expected_rows`); the best-fit default and bos-aligned have tests of their own below.
+    """
+    args = [str(a) for a in args]
+    if "--rows" not in args:
+        args += ["--rows", "packed"]
+    code = PR.main(args)
     return code, capsys.readouterr().err
 
 
@@ -616,6 +623,27 @@ def test_cli_end_to_end(ray_cluster, tmp_path, tok_path):
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith(f"prepared {tmp_path / 'out'}: "), r.stderr  # one summary line
     assert open_prepared(tmp_path / "out").num_sequences == manifest_of(tmp_path / "out")["num_sequences"] > 0
+
+
+@pytest.mark.ray
+def test_default_rows_are_best_fit_rows_with_nothing_dropped(ray_cluster, tmp_path, tok_path, tok):
+    """The real command line without --rows writes minilm.rows.best_fit_rows of the documents: every document
+    from its BOS, long ones split into rows of their own, nothing cropped; the summary says so."""
+    from minilm.rows import best_fit_rows
+
+    seq = 31
+    docs_text = DOCS + [" ".join(DOCS[:6])]  # one document longer than a row
+    src = write_jsonl(tmp_path / "corpus.jsonl", docs_text)
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
+    r = cli("--input", src, "--output", tmp_path / "out", "--seq-len", seq, "--tokenizer", tok_path, env=env)
+    assert r.returncode == 0, r.stderr
+    rows, m = read_all(tmp_path / "out"), manifest_of(tmp_path / "out")
+    docs = [tok.encode(d, add_special_tokens=False).ids for d in docs_text]
+    expected, fit = best_fit_rows(docs, seq + 1)
+    assert np.array_equal(rows, expected) and rows[0][0] == 1
+    assert m["rows"] == "best-fit" and m["best_fit"]["cropped_tokens"] == 0 and m["best_fit"]["split_documents"] >= 1
+    assert "rows best-fit:" in r.stderr and "split into rows of their own" in r.stderr
+    assert rows.size + m["best_fit"]["leftover_tokens"] == sum(len(d) + 2 for d in docs)
 
 
 @pytest.mark.ray

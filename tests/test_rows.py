@@ -15,11 +15,13 @@ from minilm.model import MiniMindForCausalLM
 from minilm.packing import pack_documents
 from minilm.rows import (
     BestFitStats,
+    best_fit_rows,
     bos_aligned_rows,
     document_starts,
     iter_bos_aligned_rows,
     packed_rows,
     padded_document_rows,
+    rows_note,
 )
 
 BOS, EOS, PAD = 1, 2, 0
@@ -93,6 +95,54 @@ def test_best_fit_takes_the_longest_document_that_fits_then_crops_the_shortest()
     assert rows.tolist() == [[BOS, *a, EOS, BOS, 12], [BOS, *b, EOS, BOS, 13, 13, 13]]
     assert stats == BestFitStats(rows=2, documents=4, cropped_documents=2, cropped_tokens=1 + 5,
                                  leftover_documents=0, leftover_tokens=0)
+
+
+@settings(max_examples=150, deadline=None)
+@given(docs=docs_strategy, row_len=st.integers(2, 40), buffer_docs=st.integers(1, 50))
+def test_best_fit_rows_drop_nothing_and_cut_documents_only_at_row_ends(docs, row_len, buffer_docs):
+    # Token 1000 + 100 * i + j is token j of document i: every token says where it comes from.
+    docs = [[1000 + 100 * i + j for j in range(len(d))] for i, d in enumerate(docs)]
+    full = [[BOS, *d, EOS] for d in docs]
+    rows, stats = best_fit_rows(docs, row_len, buffer_docs=buffer_docs)
+    assert rows.shape == (stats.rows, row_len)
+    assert sum(map(len, full)) == rows.size + stats.leftover_tokens  # nothing cropped
+    assert stats.cropped_tokens == stats.cropped_documents == 0 and stats.leftover_tokens < row_len
+    # Read the rows in order: each document's own tokens come back in order (a prefix: the rest is left over).
+    stream = rows.reshape(-1).tolist()
+    for i, d in enumerate(docs):
+        mine = [t for t in stream if 1000 + 100 * i <= t < 1100 + 100 * i]
+        assert mine == d[:len(mine)], i
+    # A document is cut only at a row end: a row that starts inside a document continues where an earlier row
+    # stopped (after its previous token, or after its BOS).
+    ends = []
+    for row in rows.tolist():
+        t = row[0]
+        if t >= 1000:
+            i, j = divmod(t - 1000, 100)
+            assert (j > 0 and 1000 + 100 * i + j - 1 in ends) or (j == 0 and BOS in ends), row
+        ends.append(row[-1])
+    # A document longer than a row fills a row of its own first.
+    heads = {tuple(r) for r in rows.tolist()}
+    for f in full:
+        if len(f) > row_len:
+            assert tuple(f[:row_len]) in heads
+    assert stats.split_documents == sum(len(f) > row_len for f in full)
+    assert int((rows == BOS).sum()) == stats.documents  # each document counted once, where its BOS is placed
+
+
+def test_best_fit_rows_of_short_documents_are_bos_aligned_rows():
+    """Documents that each fit a row, placed without a crop, give the same rows in both layouts."""
+    docs = [[10 + i] * n for i, n in enumerate([5, 2, 3, 1, 6, 4, 2, 5])]  # with BOS + EOS: 7 4 5 3 8 6 4 7 = 44
+    a, _ = best_fit_rows(docs, 11, buffer_docs=100)
+    b, _ = bos_aligned_rows(docs, 11, buffer_docs=100)
+    assert a.tolist() == b.tolist()
+
+
+def test_rows_note_names_only_the_packed_format():
+    assert rows_note({"rows": "best-fit"}, "d") is None and rows_note({"rows": "bos-aligned"}, "d") is None
+    for manifest in ({"rows": "packed"}, {}):  # a manifest without "rows" was written before the key existed
+        note = rows_note(manifest, "data/tok")
+        assert note.startswith("note: data/tok was prepared with --rows packed") and "\n" not in note
 
 
 def test_rows_stream_with_a_bounded_buffer():
