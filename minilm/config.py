@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from .schedule import SCHEDULES
+
 DTYPES = ("auto", "bf16", "fp16", "fp32")
 OPTIMIZERS = ("adamw", "muon")
 
@@ -114,6 +116,8 @@ class TrainConfig:
     lr: float = 5e-4
     warmup_steps: int = 0
     min_lr_ratio: float = 0.1
+    schedule: str = "wsd"  # wsd (warmup-stable-decay: lr held, then a linear decay) | cosine (MiniMind's)
+    decay_fraction: float = 0.2  # wsd: the share of the steps after warmup spent decaying
     epochs: int = 1
     max_steps: int | None = None  # optimizer steps; None: run `epochs` full epochs
     micro_batch_size: int = 16
@@ -141,6 +145,10 @@ class TrainConfig:
             p.append(f"warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             p.append(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+        if self.schedule not in SCHEDULES:
+            p.append(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if not (isinstance(self.decay_fraction, (int, float)) and 0.0 < self.decay_fraction <= 1.0):
+            p.append(f"decay_fraction must be in (0, 1], got {self.decay_fraction!r}")
         if not _is_int(self.epochs) or self.epochs < 1:
             p.append(f"epochs must be an integer >= 1, got {self.epochs!r}")
         if self.max_steps is not None and (not _is_int(self.max_steps) or self.max_steps < 1):

@@ -248,7 +248,8 @@ class Trainer:
             while self.step < self.total_steps:
                 micro_batches, sample_ids = self.batches.next_step()
                 torch.manual_seed(cfg.seed * 1_000_003 + self.step * 1009 + self.rank)  # dropout RNG: a function of the step
-                lr = get_lr(self.step, self.total_steps, cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio)
+                lr = get_lr(self.step, self.total_steps, cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio,
+                            cfg.schedule, cfg.decay_fraction)
                 with hooks.nonfinite_gradients(self.step + 1, self.raw_model):
                     m = optimizer_step(self.model, self.optimizer, self.scaler, micro_batches, lr=lr,
                                        grad_clip=cfg.grad_clip, dtype=self.dtype)

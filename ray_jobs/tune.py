@@ -32,7 +32,8 @@ from .cli import UsageError, fail
 from .pretrain import RunPlan, check_options, plan_run
 from .pretrain import build_parser as pretrain_parser
 
-SEARCHABLE = {"lr": float, "warmup_steps": int, "min_lr_ratio": float, "global_batch_size": int,
+SEARCHABLE = {"lr": float, "warmup_steps": int, "min_lr_ratio": float, "schedule": str, "decay_fraction": float,
+              "global_batch_size": int,
               "grad_clip": float, "router_aux_loss_coef": float, "weight_decay": float,
               "optimizer": str, "muon_lr": float, "muon_momentum": float}
 KINDS = ("loguniform", "uniform", "choice", "grid")  # grid: every value, x --num-samples

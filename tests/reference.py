@@ -88,7 +88,8 @@ def replay(model_cfg: ModelConfig, train_cfg: TrainConfig, data_dir: Path, recor
         assert sorted(ids) == sorted(want), f"optimizer step {step + 1}: the run read other samples than the order"
         assert ids == want, f"optimizer step {step + 1}: the ranks' slices are out of order"
         batch = torch.from_numpy(np.ascontiguousarray(rows.take(np.asarray(ids)))).long()
-        lr[step + 1] = get_lr(step, total_steps, train_cfg.lr, train_cfg.warmup_steps, train_cfg.min_lr_ratio)
+        lr[step + 1] = get_lr(step, total_steps, train_cfg.lr, train_cfg.warmup_steps, train_cfg.min_lr_ratio,
+                              train_cfg.schedule, train_cfg.decay_fraction)
         result = optimizer_step(model, optimizer, scaler, list(batch.split(m)), lr=lr[step + 1],
                                 grad_clip=train_cfg.grad_clip, dtype=dtype)
         loss[step + 1] = float(result.loss)

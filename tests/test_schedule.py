@@ -59,3 +59,36 @@ def test_min_lr_ratio_respected():
     for ratio in (0.0, 0.05, 0.3):
         assert min(get_lr(s, total, lr, 0, ratio) for s in range(total + 1)) == pytest.approx(ratio * lr, abs=1e-15)
 
+
+
+def wsd_reference(step: int, total: int, lr: float, warmup: int, ratio: float, fraction: float) -> float:
+    """Warmup-stable-decay written out: linear warmup, lr held, then a line from lr to ratio * lr that ends at the
+    last step."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    decay = max(1, round(fraction * (total - warmup)))
+    first = total - decay  # the first step of the decay is already below lr
+    if step < first:
+        return lr
+    return lr - (lr - ratio * lr) * (step - first + 1) / decay
+
+
+@pytest.mark.parametrize("total,warmup", [(t, w) for t in (1, 2, 5, 10, 166, 1000) for w in (0, 1, 3) if w < t])
+@pytest.mark.parametrize("ratio,fraction", [(0.1, 0.2), (0.0, 0.2), (0.0, 1.0), (0.5, 0.05)])
+def test_wsd_holds_then_decays_linearly_to_the_floor_at_the_last_step(total, warmup, ratio, fraction):
+    lr = 3e-3
+    lrs = [get_lr(s, total, lr, warmup, ratio, "wsd", fraction) for s in range(total)]
+    for s, x in enumerate(lrs):
+        assert x == pytest.approx(wsd_reference(s, total, lr, warmup, ratio, fraction), rel=1e-12, abs=1e-18), s
+    assert lrs[-1] == pytest.approx(ratio * lr, rel=1e-12, abs=1e-18)
+    after = lrs[warmup:]
+    assert all(b <= a for a, b in zip(after, after[1:], strict=False))
+    held = sum(x == lr for x in after)
+    assert held == (total - warmup) - max(1, round(fraction * (total - warmup)))
+
+
+def test_wsd_spends_more_steps_at_the_peak_than_the_cosine():
+    total, lr = 166, 5e-4
+    cosine = sum(get_lr(s, total, lr) for s in range(total))
+    wsd = sum(get_lr(s, total, lr, schedule="wsd") for s in range(total))
+    assert wsd > cosine and get_lr(0, total, lr, schedule="wsd") == get_lr(0, total, lr) == lr

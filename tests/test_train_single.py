@@ -80,7 +80,8 @@ def test_loss_falls_on_repeated_data():
     assert np.mean(losses[-5:]) < 0.5 * losses[0]
     assert history[-1]["skipped_steps"] == 0
     # The lr follows the schedule, one value per optimizer step.
-    assert [h["lr"] for h in history] == [get_lr(s, 40, 3e-3, 4, 0.1) for s in range(40)]
+    assert [h["lr"] for h in history] == [get_lr(s, 40, 3e-3, 4, 0.1, cfg.schedule, cfg.decay_fraction)
+                                          for s in range(40)]
     assert [h["tokens_seen"] for h in history] == [8 * 32 * s for s in range(1, 41)]
     assert logs and " step 40/40 " in logs[-1]
 
