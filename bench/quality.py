@@ -1,4 +1,8 @@
-"""Held-out bits per byte: MiniMind's pretraining loop, reproduced here, against minilm's loop.
+"""Held-out bits per byte: MiniMind's pretraining loop, re-implemented here, against minilm's loop (offline).
+
+`python -m bench.minimind --minimind DIR` runs MiniMind's own script instead, and is the reference
+bench/RESULTS.md quotes; this re-implementation is the fallback when no MiniMind checkout is at hand,
+and the place for ablations of single choices.
 
     python -m bench.quality                              # demo corpus: reference vs minilm defaults (a few minutes)
     python -m bench.quality --runs reference,minilm,best # add minilm with its best options
@@ -17,17 +21,16 @@ training documents, and are scored on the same held-out documents in bits per by
   `lr * (0.1 + 0.45 * (1 + cos(pi * t / T)))` for t = 1..T; clip 1.0; its initialisation (the HF
   `post_init`: normal(0, 0.02) for every Linear and the tied embedding, norms 1, which is also
   minilm's). The loop is written here (MiniMind is not a dependency).
-* **minilm**: `minilm.train.train` with `TrainConfig`'s defaults on minilm's packed rows
-  (`minilm.packing.pack_documents`).
-* **best**: `minilm.train.train` with the options the ablation favours (BOS-aligned rows,
-  document-masked attention, Muon).
+* **minilm**: `minilm.train.train` with `TrainConfig`'s defaults on minilm's default rows
+  (`minilm.rows.best_fit_rows`, what `ray_jobs.prepare` writes).
+* **best**: `minilm.train.train` with minilm's options beyond its defaults on the same rows
+  (document-masked attention, Muon).
 * **ablation**: the reference with one of its choices switched to minilm's (or to an option) at a time.
 
 The tokenizer is a byte-level BPE trained on the training documents (`minilm.tokenizer`); the
 held-out documents are a seeded random `--held-out` share of the corpus. Each document is scored
-after the document-start context its training format gives it: BOS for rows that begin documents
-with BOS, EOS (the previous document's end) for minilm's packed rows. Special-token targets are
-not scored (they spell no text). Writes quality.json to bench/results/ (or $MINILM_BENCH_RESULTS).
+the way the model is used: from its start, after a BOS. Special-token targets are not scored (they
+spell no text). Writes quality.json to bench/results/ (or $MINILM_BENCH_RESULTS).
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ from minilm.bpb import evaluate_documents, token_byte_lengths
 from minilm.config import ModelConfig, TrainConfig
 from minilm.corpus import demo_corpus_documents
 from minilm.model import MiniMindForCausalLM
-from minilm.rows import bos_aligned_rows, packed_rows, padded_document_rows
+from minilm.rows import best_fit_rows, bos_aligned_rows, packed_rows, padded_document_rows
 from minilm.schedule import get_lr
 from minilm.step import autocast, make_grad_scaler, make_optimizer, optimizer_step, set_lr
 from minilm.tokenizer import BOS_ID, EOS_ID, save_tokenizer, train_tokenizer, vocab_size_of
@@ -70,7 +73,7 @@ class InputError(ValueError):
 class Recipe:
     """One training loop of the ablation; the defaults are MiniMind's choices."""
 
-    rows: str = "padded"  # padded | packed (minilm) | packed-bos | bos-aligned
+    rows: str = "padded"  # padded | packed | packed-bos | bos-aligned | best-fit (minilm)
     document_mask: bool = False
     decay: str = "all"  # all: AdamW(model.parameters()); matrices: minilm's groups (no decay on norm gains)
     betas: tuple[float, float] = (0.9, 0.999)
@@ -84,11 +87,12 @@ REFERENCE = Recipe()
 # What each ablation row switches, one at a time, from the reference (minilm's choice or an option).
 ABLATION = {
     "reference": REFERENCE,
-    "rows: packed (minilm)": dataclasses.replace(REFERENCE, rows="packed"),
+    "rows: packed": dataclasses.replace(REFERENCE, rows="packed"),
     "rows: packed + BOS": dataclasses.replace(REFERENCE, rows="packed-bos"),
     "rows: packed + BOS + doc mask": dataclasses.replace(REFERENCE, rows="packed-bos", document_mask=True),
     "rows: BOS-aligned best-fit": dataclasses.replace(REFERENCE, rows="bos-aligned"),
     "rows: BOS-aligned + doc mask": dataclasses.replace(REFERENCE, rows="bos-aligned", document_mask=True),
+    "rows: best-fit (minilm)": dataclasses.replace(REFERENCE, rows="best-fit"),
     "betas 0.9/0.95 (minilm)": dataclasses.replace(REFERENCE, betas=(0.9, 0.95)),
     "weight decay 0.1 (minilm)": dataclasses.replace(REFERENCE, weight_decay=0.1),
     "decay matrices only (minilm)": dataclasses.replace(REFERENCE, decay="matrices"),
@@ -149,15 +153,12 @@ def build_rows(layout: str, docs: list[list[int]], row_len: int) -> tuple[torch.
         rows, _ = packed_rows(docs, row_len, bos_id=BOS_ID)
     elif layout == "bos-aligned":
         rows, _ = bos_aligned_rows(docs, row_len)
+    elif layout == "best-fit":
+        rows, _ = best_fit_rows(docs, row_len)
     else:
         raise ValueError(f"unknown row layout {layout!r}")
     rows = torch.as_tensor(rows.astype(np.int64))
     return rows, rows
-
-
-def eval_prefix(layout: str) -> list[int]:
-    """The document-start context the layout trains with: minilm's packed rows put documents after an EOS."""
-    return [EOS_ID] if layout == "packed" else [BOS_ID]
 
 
 def batch_order(n_rows: int, rows_needed: int, seed: int) -> torch.Tensor:
@@ -327,14 +328,11 @@ def main(argv: list[str] | None = None) -> int:
             model, info = train_recipe(recipe, model_cfg, train_docs, args)
             layout = recipe.rows
         else:
-            best = name == "best"
-            layout = "bos-aligned" if best else "packed"
-            cfg_m, cfg_t = minilm_configs(args, model_cfg, best)
-            rows = (bos_aligned_rows(train_docs, args.seq_len + 1)[0] if best
-                    else packed_rows(train_docs, args.seq_len + 1)[0])
-            model, info = train_minilm(cfg_m, cfg_t, rows)
+            layout = "best-fit"
+            cfg_m, cfg_t = minilm_configs(args, model_cfg, name == "best")
+            model, info = train_minilm(cfg_m, cfg_t, best_fit_rows(train_docs, args.seq_len + 1)[0])
         t0 = time.perf_counter()
-        score = evaluate_documents(model, held_docs, byte_lengths, prefix=eval_prefix(layout), window=args.seq_len + 1,
+        score = evaluate_documents(model, held_docs, byte_lengths, prefix=[BOS_ID], window=args.seq_len + 1,
                                    stride=args.eval_stride or args.seq_len // 2, autocast_dtype=DTYPES[args.dtype])
         results.append({"run": name, "rows": layout, **info, "eval_s": time.perf_counter() - t0, **score,
                         "load": load_average()})

@@ -31,7 +31,7 @@ def test_quality_table(tmp_path):
     result = json.loads((tmp_path / "quality.json").read_text())
     runs = {r["run"]: r for r in result["results"]}
     assert list(runs) == ["reference", "minilm", "best"]
-    assert [runs[n]["rows"] for n in runs] == ["padded", "packed", "bos-aligned"]
+    assert [runs[n]["rows"] for n in runs] == ["padded", "best-fit", "best-fit"]
     # Every run is scored on the same held-out text: the same bytes, a finite figure.
     assert len({r["bytes"] for r in runs.values()}) == 1
     for r in runs.values():

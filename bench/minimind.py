@@ -1,0 +1,452 @@
+"""Held-out quality against MiniMind's own `trainer/train_pretrain.py`, run beside minilm on the same documents.
+
+    python -m bench.minimind --minimind ~/src/minimind                          # 3 corpora: MiniMind vs minilm defaults
+    python -m bench.minimind --minimind DIR --corpus kjv-passages --runs minimind,minilm,"minilm --rows packed"
+    python -m bench.minimind --minimind DIR --seeds 42,43                        # several seeds
+
+MiniMind is not a dependency: `--minimind` names a checkout (github.com/jingyaogong/minimind). Its
+`model/`, `dataset/` and `trainer/` folders are copied into the work folder and its script runs there,
+unchanged, as its README says (`cd trainer && python train_pretrain.py ...`): CPU, fp32 (MiniMind
+autocasts only on CUDA), batch 8, accumulation 1, clip 1.0, its own AdamW, lr schedule, seed, data order
+and one-document padded rows. With a seed other than 42 (MiniMind's, fixed in the script) the script
+runs through `runpy` with its `setup_seed` shifted by the difference; nothing else changes.
+
+minilm runs as a user runs it: `python -m ray_jobs.prepare` with MiniMind's tokenizer file, then
+`python -m minilm.train` with its defaults and the shared settings (model, lr, batch, steps, seed,
+fp32). A run named `minilm --flag value` adds flags to both commands (prepare's `--rows` goes to
+prepare, everything else to train).
+
+Both models are loaded into `minilm.model.MiniMindForCausalLM` (MiniMind's state-dict keys are
+minilm's) and scored by one scorer, `minilm.bpb.evaluate_documents`: every held-out document read from
+its start, `[BOS] + document`, in windows of seq_len + 1 with a stride of seq_len / 2; special-token
+targets are not scored. Cross-entropy is nats per scored token, bits per byte is comparable across
+tokenizers. MiniMind saves its weights in half precision; `fp16_effect` reports what rounding minilm's
+weights the same way does to its score.
+
+Each corpus is reported at equal optimizer steps (MiniMind's epoch count times its batches), at equal
+real (non-padding) training tokens (minilm's steps cut to MiniMind's real tokens, its rows have no
+padding), at equal training wall time (minilm's steps scaled by the measured wall times) and at half
+of MiniMind's wall time.
+
+Corpora: `demo` (the built-in corpus: stdlib docstrings, short documents), `kjv-passages` (the King
+James Bible, consecutive verses of a chapter up to ~900 characters: about one row each) and
+`kjv-chapters` (three consecutive chapters: many rows each). The KJV corpora need Debian's `bible-kjv`
+(`apt-get install bible-kjv`) or `--kjv FILE` with its `bible -f "Gen1:1-Rev22:21"` output.
+Writes minimind.json to bench/results/ (or $MINILM_BENCH_RESULTS).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from minilm.bpb import evaluate_documents, token_byte_lengths
+from minilm.config import ModelConfig
+from minilm.corpus import demo_corpus_documents
+from minilm.model import MiniMindForCausalLM
+from minilm.tokenizer import BOS_ID
+
+from .common import environment, load_average, write_json
+
+CORPORA = ("demo", "kjv-passages", "kjv-chapters")
+KJV_VERSE = re.compile(r"^(\d?[A-Za-z]+)(\d+):(\d+) (.*)$")
+PASSAGE_CHARS = 900
+CHAPTERS_PER_DOC = 3
+
+
+class BenchError(ValueError):
+    """A bad flag, a missing checkout or corpus, or a run that failed: one line, exit 2."""
+
+
+# ---- corpora ------------------------------------------------------------------------------------------
+
+def kjv_chapters(kjv_file: str | None) -> list[tuple[str, list[str]]]:
+    """[(book, [verse text, ...]) per chapter] of the KJV, in order."""
+    if kjv_file:
+        text = Path(kjv_file).read_text(encoding="utf-8")
+    elif shutil.which("bible"):
+        text = subprocess.run(["bible", "-f", "Gen1:1-Rev22:21"], capture_output=True, text=True,
+                              check=True).stdout
+    else:
+        raise BenchError("the kjv corpora need Debian's bible-kjv (apt-get install bible-kjv) or --kjv FILE")
+    chapters: list[tuple[str, list[str]]] = []
+    last = None
+    for line in text.splitlines():
+        m = KJV_VERSE.match(line.strip())
+        if not m:
+            continue
+        key = (m.group(1), m.group(2))
+        if key != last:
+            chapters.append((m.group(1), []))
+            last = key
+        chapters[-1][1].append(m.group(4).strip())
+    if len(chapters) < 100:
+        raise BenchError(f"--kjv: found {len(chapters)} chapters, expected the whole KJV (1,189)")
+    return chapters
+
+
+def corpus_documents(name: str, kjv_file: str | None) -> list[str]:
+    if name == "demo":
+        return list(demo_corpus_documents())
+    chapters = kjv_chapters(kjv_file)
+    if name == "kjv-passages":
+        docs = []
+        for _, verses in chapters:
+            passage: list[str] = []
+            for v in verses:
+                passage.append(v)
+                if sum(map(len, passage)) >= PASSAGE_CHARS:
+                    docs.append(" ".join(passage))
+                    passage = []
+            if passage:
+                docs.append(" ".join(passage))
+        return docs
+    if name == "kjv-chapters":
+        docs, book, group = [], None, []
+        for b, verses in chapters:
+            if b != book or len(group) == CHAPTERS_PER_DOC:
+                if group:
+                    docs.append("\n\n".join(group))
+                book, group = b, []
+            group.append(" ".join(verses))
+        docs.append("\n\n".join(group))
+        return docs
+    raise BenchError(f"--corpus: unknown corpus {name!r}; choose from {', '.join(CORPORA)}")
+
+
+@dataclass
+class Split:
+    train: list[str]
+    held_out: list[str]
+    epochs: int  # MiniMind's --epochs that make `steps` optimizer steps over `train`
+    steps: int
+
+
+def split_corpus(docs: list[str], steps: int, batch_size: int, held_out: int, seed: int) -> Split:
+    """A seeded held-out set, then the training documents for `steps` MiniMind steps (whole epochs of whole batches)."""
+    order = np.random.default_rng(seed).permutation(len(docs))
+    held_out = min(held_out, len(docs) // 5)
+    available = len(docs) - held_out
+    epochs = max(1, math.ceil(steps * batch_size / available))
+    per_epoch = max(1, (steps // epochs))
+    n_train = per_epoch * batch_size
+    if n_train > available:
+        raise BenchError(f"{len(docs)} documents are too few for {steps} steps of {batch_size}")
+    train = [docs[i] for i in sorted(order[held_out:held_out + n_train])]
+    held = [docs[i] for i in sorted(order[:held_out])]
+    return Split(train, held, epochs, epochs * per_epoch)
+
+
+# ---- the runs -----------------------------------------------------------------------------------------
+
+@dataclass
+class Result:
+    corpus: str
+    seed: int
+    run: str
+    steps: int
+    real_tokens: int  # training targets that are not padding (both loops score every one of them)
+    train_s: float
+    ce: float = float("nan")
+    bpb: float = float("nan")
+    budget: str = "steps"  # steps | tokens | wall | half-wall: what this run is matched to MiniMind's on
+    fp16_effect: float | None = None
+
+
+def run_logged(cmd: list[str], cwd: Path, log: Path, env: dict | None = None) -> float:
+    """Run `cmd`, its output to `log`; the wall time. A failure is one BenchError naming the log."""
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, cwd=cwd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    wall = time.perf_counter() - t0
+    if proc.returncode:
+        tail = log.read_text(errors="replace").strip().splitlines()[-1:] or [""]
+        raise BenchError(f"{shlex.join(cmd[:4])}... exited {proc.returncode} (log {log}): {tail[0][:300]}")
+    return wall
+
+
+def minimind_copy(checkout: Path, work: Path) -> Path:
+    """MiniMind's model/, dataset/ and trainer/ copied under `work` (its script writes ../out, ../checkpoints)."""
+    for part in ("model", "dataset", "trainer"):
+        if not (checkout / part).is_dir():
+            raise BenchError(f"--minimind {checkout}: no {part}/ folder: not a MiniMind checkout")
+    if not (checkout / "trainer" / "train_pretrain.py").is_file():
+        raise BenchError(f"--minimind {checkout}: no trainer/train_pretrain.py")
+    dest = work / "minimind"
+    if not dest.exists():
+        for part in ("model", "dataset", "trainer"):
+            shutil.copytree(checkout / part, dest / part)
+    return dest
+
+
+def run_minimind(mm: Path, train_jsonl: Path, split: Split, args, seed: int, log: Path,
+                 env: dict) -> tuple[dict, float]:
+    """MiniMind's train_pretrain.py on `train_jsonl`; (its final weights, fp32 tensors), wall seconds.
+
+    The result is kept beside the log, keyed by the script's arguments, so that later invocations with
+    other minilm runs reuse it (`--no-reuse` trains it again)."""
+    key = {"epochs": split.epochs, "batch_size": args.batch_size, "lr": args.lr, "hidden_size": args.hidden_size,
+           "num_hidden_layers": args.num_hidden_layers, "max_seq_len": args.seq_len + 1, "seed": seed,
+           "train_sha256": hashlib.sha256(train_jsonl.read_bytes()).hexdigest()}
+    cached = log.with_name(f"minimind-h{args.hidden_size}x{args.num_hidden_layers}.json")
+    if args.reuse and cached.is_file() and json.loads(cached.read_text())["key"] == key:
+        info = json.loads(cached.read_text())
+        print(f"  (MiniMind's run reused from {cached})", flush=True)
+        return load_file(str(cached.with_suffix(".safetensors"))), info["wall_s"]
+    out = mm / "out"
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(mm / "checkpoints", ignore_errors=True)
+    script_args = ["--epochs", str(split.epochs), "--batch_size", str(args.batch_size),
+                   "--learning_rate", str(args.lr), "--device", "cpu", "--dtype", "float32",
+                   "--num_workers", "0", "--accumulation_steps", "1", "--grad_clip", "1.0",
+                   "--log_interval", "20", "--save_interval", str(10 ** 9),
+                   "--hidden_size", str(args.hidden_size), "--num_hidden_layers", str(args.num_hidden_layers),
+                   "--max_seq_len", str(args.seq_len + 1), "--data_path", str(train_jsonl)]
+    if seed == 42:
+        cmd = [sys.executable, "train_pretrain.py", *script_args]
+    else:  # MiniMind fixes its seed at 42: shift its setup_seed, run the same script
+        code = ("import runpy, sys; sys.path.insert(0, '..'); import trainer.trainer_utils as u; f = u.setup_seed; "
+                f"u.setup_seed = lambda s: f(s + {seed - 42}); sys.argv = ['train_pretrain.py'] + sys.argv[1:]; "
+                "runpy.run_path('train_pretrain.py', run_name='__main__')")
+        cmd = [sys.executable, "-c", code, *script_args]
+    wall = run_logged(cmd, mm / "trainer", log, env={"TOKENIZERS_PARALLELISM": "false", **env})
+    weights = out / f"pretrain_{args.hidden_size}.pth"
+    if not weights.is_file():
+        raise BenchError(f"MiniMind wrote no {weights} (log {log})")
+    state = torch.load(weights, map_location="cpu", weights_only=True)
+    state = {k: v.float().contiguous() for k, v in state.items() if k != "lm_head.weight"}  # tied: one copy
+    save_file(state, str(cached.with_suffix(".safetensors")))
+    cached.write_text(json.dumps({"key": key, "wall_s": wall}))
+    return state, wall
+
+
+def split_flags(flags: list[str]) -> tuple[list[str], list[str]]:
+    """(prepare flags, train flags) of a `minilm --flag value ...` run name."""
+    prep, train, i = [], [], 0
+    while i < len(flags):
+        if flags[i] == "--rows":
+            prep += flags[i:i + 2]
+            i += 2
+        else:
+            train.append(flags[i])
+            i += 1
+    return prep, train
+
+
+def prepare(train_jsonl: Path, tokenizer: Path, flags: list[str], work: Path, args) -> Path:
+    out = work / ("tok" + "".join("-" + f.strip("-") for f in flags))
+    if not (out / "manifest.json").is_file():
+        run_logged([sys.executable, "-m", "ray_jobs.prepare", "--input", str(train_jsonl), "--output", str(out),
+                    "--tokenizer", str(tokenizer), "--seq-len", str(args.seq_len), "--overwrite", *flags],
+                   Path.cwd(), out.with_suffix(".log"))
+    return out
+
+
+def run_minilm(data: Path, flags: list[str], steps: int, seed: int, args, run_dir: Path,
+               env: dict) -> tuple[dict, float]:
+    """`python -m minilm.train` on `data`; (its final fp32 weights, wall seconds)."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    cmd = [sys.executable, "-m", "minilm.train", "--data", str(data), "--run-dir", str(run_dir),
+           "--hidden-size", str(args.hidden_size), "--num-hidden-layers", str(args.num_hidden_layers),
+           "--seq-len", str(args.seq_len), "--micro-batch-size", str(args.batch_size),
+           "--global-batch-size", str(args.batch_size), "--lr", str(args.lr), "--max-steps", str(steps),
+           "--epochs", "1000", "--dtype", "fp32", "--seed", str(seed), "--checkpoint-every", str(steps),
+           "--log-every", "20", *flags]
+    wall = run_logged(cmd, Path.cwd(), run_dir / "train.log", env)
+    checkpoints = sorted(run_dir.glob("checkpoint_*/model.safetensors"))
+    if not checkpoints:
+        raise BenchError(f"minilm wrote no checkpoint in {run_dir}")
+    return load_file(str(checkpoints[-1])), wall
+
+
+def score(state: dict, model_cfg: ModelConfig, held_docs: list[list[int]], byte_lengths: np.ndarray, args) -> dict:
+    model = MiniMindForCausalLM(model_cfg)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    # MiniMind's state dict also holds the RoPE tables as buffers and the tied head; nothing trainable may be missing.
+    trainable_missing = [k for k in missing if k != "lm_head.weight" or not model_cfg.tie_word_embeddings]
+    if trainable_missing:
+        raise BenchError(f"weights lack {trainable_missing[:3]}: not the same model config")
+    with torch.no_grad():
+        s = evaluate_documents(model, held_docs, byte_lengths, prefix=[BOS_ID], window=args.seq_len + 1,
+                               stride=args.seq_len // 2)
+    return {"ce": s["nats"] / s["tokens"], "bpb": s["bpb"]}
+
+
+def real_tokens_minimind(train_docs: list[list[int]], epochs: int, row_len: int) -> int:
+    """Targets MiniMind trains on: `[BOS] + doc[:row_len - 2] + [EOS]` has len - 1 targets, every epoch."""
+    return epochs * sum(min(len(d), row_len - 2) + 1 for d in train_docs)
+
+
+# ---- the benchmark ------------------------------------------------------------------------------------
+
+def parse_runs(spec: str) -> list[str]:
+    runs = [r.strip() for r in spec.split(",") if r.strip()]
+    for r in runs:
+        if r != "minimind" and r.split()[0] != "minilm":
+            raise BenchError(f"--runs: {r!r}: a run is minimind, minilm, or minilm followed by its flags")
+    return runs
+
+
+def bench_corpus(name: str, seed: int, runs: list[str], args, work: Path, checkout: Path) -> list[Result]:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tokenizers import Tokenizer
+
+    split = split_corpus(corpus_documents(name, args.kjv), args.steps, args.batch_size, args.held_out, seed)
+    cwork = work / f"{name}-seed{seed}-h{args.hidden_size}x{args.num_hidden_layers}"
+    cwork.mkdir(parents=True, exist_ok=True)
+    mm = minimind_copy(checkout, work)
+    tokenizer_file = mm / "model" / "tokenizer.json"
+    tok = Tokenizer.from_file(str(tokenizer_file))
+    byte_lengths = token_byte_lengths(tokenizer_file)
+    train_docs = [e.ids for e in tok.encode_batch(split.train, add_special_tokens=False)]
+    held_docs = [e.ids for e in tok.encode_batch(split.held_out, add_special_tokens=False)]
+    train_jsonl = cwork / "train.jsonl"
+    with open(train_jsonl, "w") as f:
+        for t in split.train:
+            f.write(json.dumps({"text": t}) + "\n")
+    lengths = [len(d) for d in train_docs]
+    print(f"\n== {name} (seed {seed}): {len(train_docs):,} training documents (median {int(np.median(lengths))} "
+          f"tokens, {sum(lengths):,} in all), {len(held_docs):,} held out ({sum(map(len, held_docs)):,} tokens); "
+          f"MiniMind: {split.epochs} epoch(s) = {split.steps} steps; load {load_average()}", flush=True)
+    model_cfg = ModelConfig(hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers)
+    mm_tokens = real_tokens_minimind(train_docs, split.epochs, args.seq_len + 1)
+    per_step = args.batch_size * args.seq_len
+    results: list[Result] = []
+    env = {"OMP_NUM_THREADS": str(args.threads)}
+
+    def job(run: str, steps: int, budget: str) -> tuple[Result, dict]:
+        if run == "minimind":
+            state, wall = run_minimind(mm, train_jsonl, split, args, seed, cwork / "minimind.log", env)
+            return Result(name, seed, run, split.steps, mm_tokens, wall), state
+        prep_flags, train_flags = split_flags(shlex.split(run)[1:])
+        data = prepared[tuple(prep_flags)]
+        tag = re.sub(r"[^A-Za-z0-9]+", "-", run).strip("-") + ("" if budget == "steps" else f"-{budget}")
+        state, wall = run_minilm(data, train_flags, steps, seed, args, cwork / f"run-{tag}", env)
+        return Result(name, seed, run, steps, steps * per_step, wall, budget=budget), state
+
+    def record(r: Result, state: dict) -> None:
+        r.__dict__.update(score(state, model_cfg, held_docs, byte_lengths, args))
+        if args.fp16_effect and r.run == "minilm" and r.budget == "steps":
+            r.fp16_effect = score({k: v.half().float() for k, v in state.items()}, model_cfg, held_docs,
+                                  byte_lengths, args)["ce"]
+        results.append(r)
+        ref = next((x for x in results if x.run == "minimind"), None)
+        ratio = f"  ce / MiniMind {r.ce / ref.ce:.4f}  bpb / MiniMind {r.bpb / ref.bpb:.4f}" if ref else ""
+        print(f"  {r.run:40s} [{r.budget:9s}] steps {r.steps:4d}  tokens {r.real_tokens:9,}  train {r.train_s:6.1f} s"
+              f"  ce {r.ce:.4f}  bpb {r.bpb:.4f}{ratio}  load {load_average()}", flush=True)
+
+    # Runs go `--parallel` at a time (each with `--threads`), MiniMind's first, beside minilm's defaults: the
+    # wall times of runs that ran side by side compare on a shared machine.
+    order = sorted(runs, key=lambda r: (r != "minimind", r != "minilm"))
+    prepared = {}  # one prepare at a time (each starts a local Ray)
+    for run in order:
+        if run != "minimind":
+            flags = tuple(split_flags(shlex.split(run)[1:])[0])
+            if flags not in prepared:
+                prepared[flags] = prepare(train_jsonl, tokenizer_file, list(flags), cwork, args)
+    with ThreadPoolExecutor(args.parallel) as pool:
+        # Scored once the round is over: a score computed beside a run would slow that run alone.
+        for r, state in list(pool.map(lambda run: job(run, split.steps, "steps"), order)):
+            record(r, state)
+        mm = next((x for x in results if x.run == "minimind"), None)
+        base = next((x for x in results if x.run == "minilm"), None)
+        extra = []
+        if args.budgets and base:
+            token_steps = max(1, round(mm_tokens / per_step))
+            if abs(token_steps - split.steps) > 0.02 * split.steps:
+                extra.append(("minilm", token_steps, "tokens"))
+            if mm:
+                wall_steps = max(1, math.floor(split.steps * mm.train_s / base.train_s))
+                if abs(wall_steps - split.steps) > 0.02 * split.steps:
+                    extra.append(("minilm", wall_steps, "wall"))
+                # The stretch goal: MiniMind's held-out loss in half its wall time.
+                extra.append(("minilm", max(1, math.floor(wall_steps / 2)), "half-wall"))
+        for r, state in list(pool.map(lambda a: job(*a), extra)):
+            record(r, state)
+    return results
+
+
+def print_table(results: list[Result]) -> None:
+    print(f"\n{'corpus':13s} {'seed':>4s} {'run':40s} {'budget':9s} {'steps':>5s} {'real tokens':>11s} "
+          f"{'train s':>7s} {'ce':>7s} {'bpb':>7s} {'ce/MM':>6s} {'bpb/MM':>6s}")
+    for r in results:
+        ref = next((x for x in results if x.run == "minimind" and x.corpus == r.corpus and x.seed == r.seed), None)
+        ce_ratio = f"{r.ce / ref.ce:.4f}" if ref else "-"
+        bpb_ratio = f"{r.bpb / ref.bpb:.4f}" if ref else "-"
+        print(f"{r.corpus:13s} {r.seed:4d} {r.run:40s} {r.budget:9s} {r.steps:5d} {r.real_tokens:11,} {r.train_s:7.1f} "
+              f"{r.ce:7.4f} {r.bpb:7.4f} {ce_ratio:>6s} {bpb_ratio:>6s}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.minimind", description=__doc__.split("\n")[0])
+    p.add_argument("--minimind", required=True, metavar="DIR", help="a checkout of github.com/jingyaogong/minimind")
+    p.add_argument("--corpus", default=",".join(CORPORA), help=f"comma-separated, from {', '.join(CORPORA)}")
+    p.add_argument("--kjv", metavar="FILE", help="the output of `bible -f \"Gen1:1-Rev22:21\"` (default: run it)")
+    p.add_argument("--runs", default="minimind,minilm",
+                   help="comma-separated: minimind, minilm, or 'minilm --flag value ...' (minilm with more flags)")
+    p.add_argument("--seeds", default="42", help="comma-separated seeds (split, init, order)")
+    p.add_argument("--budgets", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run the last minilm run at MiniMind's real tokens and wall time (default: on)")
+    p.add_argument("--reuse", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse MiniMind's run of the same corpus, seed and settings from the work folder")
+    p.add_argument("--fp16-effect", action="store_true", help="also score minilm's weights rounded to fp16")
+    p.add_argument("--parallel", type=int, default=1, help="runs at a time (default 1)")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads of every run")
+    p.add_argument("--hidden-size", type=int, default=512)
+    p.add_argument("--num-hidden-layers", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--steps", type=int, default=166, help="optimizer steps (MiniMind's whole epochs nearest it)")
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--held-out", type=int, default=200, help="held-out documents per corpus (at most a fifth)")
+    p.add_argument("--work", metavar="DIR", default=None, help="work folder (default: bench/results/minimind-work)")
+    args = p.parse_args(argv)
+    try:
+        checkout = Path(args.minimind).expanduser().resolve()
+        if not checkout.is_dir():
+            raise BenchError(f"--minimind {checkout}: no such folder")
+        runs = parse_runs(args.runs)
+        corpora = [c.strip() for c in args.corpus.split(",") if c.strip()]
+        for c in corpora:
+            if c not in CORPORA:
+                raise BenchError(f"--corpus: unknown corpus {c!r}; choose from {', '.join(CORPORA)}")
+        seeds = [int(s) for s in args.seeds.split(",")]
+        work = Path(args.work) if args.work else Path(__file__).resolve().parent / "results" / "minimind-work"
+        work.mkdir(parents=True, exist_ok=True)
+        commit = subprocess.run(["git", "-C", str(checkout), "rev-parse", "HEAD"], capture_output=True,
+                                text=True).stdout.strip() or "unknown (not a git work tree)"
+        print(f"MiniMind checkout {checkout} at {commit}; model hidden {args.hidden_size} x {args.num_hidden_layers} "
+              f"layers, seq {args.seq_len}, batch {args.batch_size}, lr {args.lr}, fp32, {torch.get_num_threads()} "
+              f"thread(s); load {load_average()}", flush=True)
+        results: list[Result] = []
+        for seed in seeds:
+            for c in corpora:
+                results += bench_corpus(c, seed, runs, args, work, checkout)
+    except (BenchError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print_table(results)
+    write_json("minimind.json", {"environment": environment(), "args": vars(args), "minimind_commit": commit,
+                                 "results": [r.__dict__ for r in results]})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
