@@ -247,10 +247,9 @@ def agreed_dtype(name: str, device: torch.device) -> str:
 
 def exit_process(code: int) -> None:
     """The end of `python -m minilm.train`. A torchrun rank of several leaves without interpreter finalization:
-    gloo's threads can outlive `destroy_process_group` (DDP keeps the group alive past it), and one that drops a
-    finished collective's tensors while the interpreter finalizes needs the GIL, cannot have it, and aborts
-    the process (SIGABRT, "terminate called without an active exception"; 2 of 20 torchrun exits here), which
-    torchrun reports as a failed run. Everything this process wrote is closed by then (trackers, checkpoints)."""
+    gloo's threads can outlive `destroy_process_group`, and one that drops a collective's tensors while the
+    interpreter finalizes cannot take the GIL and aborts the process (SIGABRT), which torchrun reports as a
+    failed run. Everything this process wrote is closed by then (trackers, checkpoints)."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         sys.exit(code)
     sys.stdout.flush()

@@ -67,8 +67,7 @@ def rank_dataset(order: D.RankOrder | dict, num_positions: int, data: str, micro
     # Ray labels every node with its id (ray.io/node-id); a label selector is a hard constraint. (The older
     # scheduling_strategy=NodeAffinitySchedulingStrategy goes through ray_remote_args, deprecated in Ray 2.60.)
     on_node = None if node_id is None else {NODE_ID_LABEL: node_id}
-    # One read task at a time: the positions are trivial to make, and each concurrent task of a new job starts a
-    # worker process (~1.4 s of CPU each; three per rank were seen for a 240-sample run).
+    # One read task at a time: the positions are trivial to make, and each concurrent task starts a worker process.
     return ray.data.range(num_positions, concurrency=1).map_batches(
         ReadSequences, fn_constructor_args=(data, order), batch_size=micro_batch_size, batch_format="numpy",
         compute=ray.data.ActorPoolStrategy(size=1), num_cpus=reader_cpus, label_selector=on_node)
@@ -99,7 +98,7 @@ class RankStream:
                                  start_step)
         self.val_samples = val_samples
         self.num_positions = max(0, total_steps - start_step) * (global_batch_size // world_size)
-        import torch  # here, not at the top: the reader actor imports this module and needs no torch (~1 s a start)
+        import torch  # here, not at the top: the reader actor imports this module and needs no torch
 
         self.data_dir, self.m, self.device = str(data_dir), micro_batch_size, torch.device(device)
         self.accumulation_steps = global_batch_size // (micro_batch_size * world_size)
