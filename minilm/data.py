@@ -42,8 +42,6 @@ import numpy as np
 MANIFEST = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"
 FORMAT = "minilm-packed-v2"
-# Formats earlier versions wrote: refused with the command that prepares the data again.
-LEGACY_FORMATS = {"minilm-packed-v1": "parquet shards"}
 TOKEN_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 VAL_SEED = 0x5EED  # the held-out slice is fixed, independent of the training seed
 MAX_OPEN_SHARDS = 256  # file descriptors a SequenceStore keeps open (least recently used are closed)
@@ -142,20 +140,10 @@ def _files(manifest: dict) -> list[tuple[str, int | None, str]]:
         (s["file"], int(s["bytes"]), s["sha256"]) for s in manifest["shards"]]
 
 
-def _legacy_message(manifest: dict, where: str) -> str:
-    command = str(manifest.get("command") or "python -m ray_jobs.prepare --input ... --output DIR")
-    if "--overwrite" not in command.split():
-        command += " --overwrite"
-    return (f"{where}: this dataset has format {manifest['format']} ({LEGACY_FORMATS[manifest['format']]}), "
-            f"which this minilm no longer reads; prepare it again: {command}")
-
-
 def check_manifest(manifest, where: str) -> None:
     """Refuse a manifest that is malformed, of another format, or inconsistent with itself."""
     if not isinstance(manifest, dict):
         raise DataError(f"{where}: format {type(manifest).__name__!r} is not {FORMAT!r}")
-    if manifest.get("format") in LEGACY_FORMATS:
-        raise DataError(_legacy_message(manifest, where))
     if manifest.get("format") != FORMAT:
         raise DataError(f"{where}: format {manifest.get('format')!r} is not {FORMAT!r}")
     missing = [k for k in ("seq_len", "num_sequences", "shards", "tokenizer", "fingerprint", "token_dtype")

@@ -33,7 +33,6 @@ from .cli import (
     add_config_flags,
     build_configs,
     fail,
-    fit_default_warmup,
     load_yaml,
 )
 from .config import ConfigError, ModelConfig, TrainConfig, check_fits
@@ -170,7 +169,6 @@ def run_cli(argv: list[str] | None) -> int:
         demo = not (args.data or file_values.get("data"))
         configs = build_configs(args, file_values, RUN_KEYS, demo=demo)
         model_cfg, train_cfg, opts = configs
-        notes = [fit_default_warmup(train_cfg, train_cfg.max_steps, configs.explicit) if train_cfg.max_steps else None]
         if not any(opts.get(k) for k in ("data", "tokens", "random_tokens")):
             raise UsageError("give the data to train on: --data DIR, --tokens FILE.npy or --random-tokens N")
         model_cfg.validate()
@@ -180,9 +178,6 @@ def run_cli(argv: list[str] | None) -> int:
         rank, world_size, device = init_from_torchrun()
         train_cfg.validate(world_size=world_size)
         data = load_data(opts, model_cfg, train_cfg)
-        per_epoch = D.steps_per_epoch(data.num_sequences - (opts.get("val_samples") or 0), train_cfg.global_batch_size)
-        notes.append(fit_default_warmup(train_cfg, train_cfg.max_steps or max(1, per_epoch) * train_cfg.epochs,
-                                        configs.explicit))
         run_dir = Path(opts["run_dir"]).resolve() if opts.get("run_dir") else None
         if run_dir is not None and rank == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -197,9 +192,6 @@ def run_cli(argv: list[str] | None) -> int:
                                  keep_checkpoints=opts.get("keep_checkpoints") or 3,
                                  say=lambda m: print(m, flush=True))
         signal.signal(signal.SIGTERM, lambda *_: setattr(launcher, "sigterm", True))
-        if rank == 0:
-            for note in filter(None, notes):
-                print(note, flush=True)
         trainer = Trainer(model_cfg, train_cfg, run, data, launcher, hooks=hooks)
     except (UsageError, ConfigError, D.DataError, C.CheckpointError, TrackerError, ValueError, FileNotFoundError) as e:
         return fail(str(e))

@@ -18,7 +18,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from minilm import checkpoint as C
@@ -31,7 +31,6 @@ from minilm.cli import (
     add_config_flags,
     build_configs,
     fail,
-    fit_default_warmup,
     load_yaml,
 )
 from minilm.config import ConfigError, ModelConfig, TrainConfig, check_fits, valid_world_sizes
@@ -121,7 +120,6 @@ class RunPlan:
     steps_per_epoch: int
     resume_path: Path | None = None
     hooks: testing.FaultHooks | None = None  # only when a test switched fault injection on
-    notes: list[str] = field(default_factory=list)  # shown with the start line (a default that was adjusted)
 
     def config(self, name: str | None = None, run_dir: Path | None | str = "same") -> dict:
         """The train_loop_config every worker gets."""
@@ -204,7 +202,6 @@ def plan_run(args: argparse.Namespace, extra_keys: frozenset[str] = frozenset(),
     model_cfg, train_cfg, rest = configs
     opts = {**RUN_DEFAULTS, **rest}
     hooks = testing.from_env(warn=lambda m: print(m, file=sys.stderr, flush=True))
-    notes = [fit_default_warmup(train_cfg, train_cfg.max_steps, configs.explicit) if train_cfg.max_steps else None]
     min_w, max_w = check_options(model_cfg, train_cfg, opts)
 
     name = opts.get("name") or time.strftime("minilm-%Y%m%d-%H%M%S")
@@ -253,7 +250,6 @@ def plan_run(args: argparse.Namespace, extra_keys: frozenset[str] = frozenset(),
     if per_epoch == 0:
         raise D.DataError(f"{data_dir}: {len(train_ids)} training sequences do not fill one global batch of "
                           f"{train_cfg.global_batch_size}")
-    notes.append(fit_default_warmup(train_cfg, train_cfg.max_steps or per_epoch * train_cfg.epochs, configs.explicit))
     train_cfg.validate(world_size=min_w, total_steps=train_cfg.max_steps or per_epoch * train_cfg.epochs)
     if resume_path is None:  # --resume auto: what the workers continue when Ray has no checkpoint of the run registered
         resume_path = latest_checkpoint(run_dir, opts["resume"])
@@ -263,7 +259,7 @@ def plan_run(args: argparse.Namespace, extra_keys: frozenset[str] = frozenset(),
         Path(hooks.record_sample_ids).mkdir(parents=True, exist_ok=True)
     return RunPlan(model_cfg=model_cfg, train_cfg=train_cfg, opts=opts, workers=(min_w, max_w), name=name,
                    storage=storage, run_dir=run_dir, data_dir=data_dir, prepared=prepared, steps_per_epoch=per_epoch,
-                   resume_path=resume_path, hooks=hooks, notes=[n for n in notes if n])
+                   resume_path=resume_path, hooks=hooks)
 
 
 def auto_cpus_per_worker(workers: int, local: bool, opts: dict, reserved_cpus: float = 0.0) -> float:
@@ -399,8 +395,6 @@ def run(args: argparse.Namespace) -> int:
           f"({plan.prepared.num_sequences} sequences, {plan.steps_per_epoch} steps per epoch), "
           f"workers {plan.opts['num_workers']} x {plan.opts['cpus_per_worker']:g} CPU(s)"
           + (f"; Ray's own messages: {console.log_path}" if console.installed else ""), flush=True)
-    for note in plan.notes:
-        print(note, flush=True)
     t0 = time.time()
     import ray.train
 

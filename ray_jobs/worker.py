@@ -69,7 +69,7 @@ class RayLauncher:
                           global_batch_size=order.global_batch_size, micro_batch_size=self.micro_batch_size,
                           world_size=order.world_size, rank=order.rank, start_step=order.start_step,
                           total_steps=total_steps, steps_per_epoch=order.steps_per_epoch, device=self.device,
-                          reader_cpus=self.run.get("reader_cpus", 0.0), val_samples=self.run.get("val_samples", 0))
+                          val_samples=self.run.get("val_samples", 0))
 
     def checkpoint_to_resume(self, log) -> Path | None:
         """The newest complete checkpoint beside Ray's latest registered one (passing over incomplete ones).

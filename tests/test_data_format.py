@@ -143,17 +143,14 @@ def test_inconsistent_manifest(tmp_path, change, needle):
     assert needle in one_line(e)
 
 
-def test_older_format_is_refused_with_the_command_to_prepare_it_again(tmp_path):
+def test_another_format_is_refused_naming_both_formats(tmp_path):
     old = tmp_path / "old"
     old.mkdir()
     (old / "manifest.json").write_text(json.dumps({
-        "format": "minilm-packed-v1", "seq_len": 512, "num_sequences": 3, "shards": [], "fingerprint": "f",
-        "command": "python -m ray_jobs.prepare --input corpus.jsonl --output data/tok --seq-len 512"}))
+        "format": "minilm-packed-v1", "seq_len": 512, "num_sequences": 3, "shards": [], "fingerprint": "f"}))
     with pytest.raises(D.DataError) as e:
         D.open_prepared(old)
-    assert one_line(e) == (f"{old / 'manifest.json'}: this dataset has format minilm-packed-v1 (parquet shards), "
-                           f"which this minilm no longer reads; prepare it again: python -m ray_jobs.prepare "
-                           f"--input corpus.jsonl --output data/tok --seq-len 512 --overwrite")
+    assert one_line(e) == f"{old / 'manifest.json'}: format 'minilm-packed-v1' is not 'minilm-packed-v2'"
 
 
 def test_pretrain_refuses_damaged_data_before_it_starts(tmp_path):
@@ -294,15 +291,14 @@ def test_the_ranks_of_a_node_make_one_copy_between_them(tmp_path):
 
 
 @pytest.mark.ray
-def test_cached_demo_data_of_the_older_format_is_prepared_again(ray_address, cache):
-    """The built-in corpus, cached by an older minilm as v1, is migrated by the next run (no error)."""
+def test_cached_demo_data_of_another_format_is_prepared_again(ray_address, cache):
+    """A cached copy of the built-in corpus that does not open (here: another format) is prepared again."""
     from ray_jobs.demo_data import demo_data_dir
 
     old = cache / "demo" / f"py{sys.version_info.major}{sys.version_info.minor}-seq64-vocab300"
     old.mkdir(parents=True)
     (old / "manifest.json").write_text(json.dumps({"format": "minilm-packed-v1", "seq_len": 64, "num_sequences": 1,
                                                    "shards": [], "fingerprint": "f", "command": "x"}))
-    (old / "shard-00000.parquet").write_bytes(b"parquet of the old format")
     assert demo_data_dir(64, 300) == old
     new = D.open_prepared(old)
     assert new.manifest["format"] == "minilm-packed-v2" and new.num_sequences > 100
