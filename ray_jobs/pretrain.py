@@ -40,6 +40,7 @@ from minilm.trackers import TrackerError, check_trackers
 
 from .cli import available_cores, ensure_ray, parse_num_workers
 from .elastic import SHARED_STORAGE_HINT, nodes_missing_path
+from .ray_compat import CONTROLLER_POLL_ENV
 
 RUN_KEYS = {"data", "num_workers", "use_gpu", "cpus_per_worker", "storage_path", "name", "resume", "max_failures",
             "keep_checkpoints", "exit_after_steps", "exit_after_minutes", "val_samples", "backend_timeout_s",
@@ -452,7 +453,7 @@ def make_trainer(config: dict, opts: dict, storage: str, name: str, workers: tup
                                                  timeout_s=opts["backend_timeout_s"]))
 
 
-CONTROLLER_POLL_ENV, CONTROLLER_POLL_S = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1"
+CONTROLLER_POLL_S = "0.1"
 WORKER_ENV = ("MINILM_CACHE", "MINILM_GIT_COMMIT")  # the only MINILM_* settings a worker reads
 
 
