@@ -15,6 +15,9 @@ import pytest
 from helpers import ROOT, make_prepared, run_module
 
 from minilm import data as D
+from minilm.data import remote as data_remote
+from minilm.data import store as data_store
+from minilm.data import verified as data_verified
 
 SEQ = 16
 
@@ -69,7 +72,7 @@ def test_rows_by_sample_id_in_any_order(tmp_path):
 
 def test_store_keeps_a_bounded_number_of_files_open(tmp_path, monkeypatch):
     path = dataset(tmp_path, num_sequences=60, rows_per_shard=5)  # 12 files
-    monkeypatch.setattr(D, "MAX_OPEN_SHARDS", 3)
+    monkeypatch.setattr(data_store, "MAX_OPEN_SHARDS", 3)
     store = D.SequenceStore(D.open_prepared(path))
     np.testing.assert_array_equal(store.take(np.arange(60)[::-1]), reference_rows(path)[::-1])
     assert len(store._fds) == 3
@@ -173,7 +176,7 @@ def test_files_are_hashed_once_per_machine(tmp_path, monkeypatch):
     path = dataset(tmp_path)
     hashed = []
     real = D.file_sha256
-    monkeypatch.setattr(D, "file_sha256", lambda p: hashed.append(Path(p).name) or real(p))
+    monkeypatch.setattr(data_verified, "file_sha256", lambda p: hashed.append(Path(p).name) or real(p))
     D.open_prepared(path)
     assert sorted(hashed) == ["shard-00000.bin", "shard-00001.bin", "shard-00002.bin", "tokenizer.json"]
     hashed.clear()
@@ -210,7 +213,7 @@ def test_remote_uri_is_read_remotely_and_copied_once(tmp_path, cache, monkeypatc
         _ = remote.tokenizer_path
     copies = []
     real = D._copy_verified
-    monkeypatch.setattr(D, "_copy_verified", lambda *a: copies.append(a[2].name) or real(*a))
+    monkeypatch.setattr(data_remote, "_copy_verified", lambda *a: copies.append(a[2].name) or real(*a))
     local = D.open_local(uri)
     assert local.path == cache / "data" / remote.fingerprint[:32] and local.fingerprint == remote.fingerprint
     assert sorted(copies) == ["shard-00000.bin", "shard-00001.bin", "shard-00002.bin", "tokenizer.json"]
@@ -268,12 +271,13 @@ def test_not_enough_space_for_the_copy(tmp_path, monkeypatch):
 COPY_AND_COUNT = """
 import os, sys
 from minilm import data as D
-real = D._copy_verified
+from minilm.data import remote
+real = remote._copy_verified
 def counted(*args):
     with open(sys.argv[2], "a") as f:
         f.write(f"{os.getpid()} {args[2].name}\\n")
     return real(*args)
-D._copy_verified = counted
+remote._copy_verified = counted
 print(D.open_local(sys.argv[1]).path)
 """
 
