@@ -51,6 +51,7 @@ Prints a table per part and writes overhead.json to bench/results/ (or $MINILM_B
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -379,8 +380,12 @@ def ddp_rounds(config: dict) -> None:
         return elapsed
 
     def step(model, optimizer, micro_batches, no_sync: bool = True) -> None:
-        m = optimizer_step(model, optimizer, scaler, micro_batches, lr=1e-4, grad_clip=1.0, dtype=dtype,
-                           no_sync=no_sync)
+        if not no_sync:  # DDP's no_sync() shadowed by a no-op: every micro-step's backward all-reduces
+            model.no_sync = contextlib.nullcontext
+        try:
+            m = optimizer_step(model, optimizer, scaler, micro_batches, lr=1e-4, grad_clip=1.0, dtype=dtype)
+        finally:
+            model.__dict__.pop("no_sync", None)
         float(m.loss)
 
     def alone(micro_batches) -> None:  # rank 0 does the whole batch; rank 1 only meets it at the barriers

@@ -121,16 +121,3 @@ def build_configs(args: argparse.Namespace, file_values: dict, other_keys: set[s
         train.betas = tuple(train.betas)
     rest = {k: values[k] for k in other_keys if k in values}
     return Configs(model, train, rest, frozenset(explicit))
-
-
-def fit_default_warmup(train_cfg: TrainConfig, total_steps: int, explicit: frozenset[str]) -> str | None:
-    """A warmup nobody asked for must not refuse a short run (`--max-steps 4`): a default warmup that does not fit
-    the run becomes a fifth of it; returns the note the start line shows. A warmup the user set keeps its clear
-    refusal (TrainConfig.validate)."""
-    if "warmup_steps" in explicit or train_cfg.warmup_steps < total_steps:
-        return None
-    fitted = total_steps // 5
-    note = (f"note: the default warmup of {train_cfg.warmup_steps} steps does not fit a run of {total_steps} "
-            f"optimizer steps: using {fitted} (set --warmup-steps to choose)")
-    train_cfg.warmup_steps = fitted
-    return note

@@ -32,7 +32,7 @@ SHARD_NAME = "shard-{:05d}.bin"
 # Shards of about 256 MiB: few enough files for a 10B-token corpus (~80 at uint16), small enough to
 # copy and hash one at a time.
 SHARD_BYTES = 256 << 20
-_SHARD_RE = re.compile(r"shard-\d{5}\.(bin|parquet)")  # .parquet: what minilm-packed-v1 wrote
+_SHARD_RE = re.compile(r"shard-\d{5}\.bin")
 
 
 class OutputError(ValueError):

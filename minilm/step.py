@@ -144,8 +144,8 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opti
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    # The fused kernel (CPU and CUDA) is ~3x faster than foreach here: AdamW is memory-bound, and with
-    # MoE it runs over every expert's parameters, not only the active ones.
+    # The fused kernel (CPU and CUDA) is faster than foreach: AdamW is memory-bound, and with MoE it runs
+    # over every expert's parameters, not only the active ones.
     fused = bool(params) and all(p.device.type in ("cpu", "cuda") for p in params)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), fused=fused)
 
@@ -174,13 +174,11 @@ class StepMetrics:
 
 def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
                    micro_batches: Sequence[torch.Tensor], *, lr: float, grad_clip: float,
-                   dtype: torch.dtype = torch.float32, no_sync: bool = True) -> StepMetrics:
+                   dtype: torch.dtype = torch.float32) -> StepMetrics:
     """Run len(micro_batches) micro-steps and one optimizer step.
 
     Each micro-batch is a (micro_batch_size, seq_len + 1) tensor of token ids already on the
-    model's device; it is both input and labels (the model shifts the labels). `no_sync=False`
-    all-reduces on every micro-step (same result, more communication): only for measuring what
-    no_sync saves (`python -m bench.overhead`).
+    model's device; it is both input and labels (the model shifts the labels).
     """
     accumulation_steps = len(micro_batches)
     device_type = micro_batches[0].device.type
@@ -190,7 +188,7 @@ def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sca
     for i, input_ids in enumerate(micro_batches):
         last = i == accumulation_steps - 1
         # DDP all-reduces gradients in backward; skip that on all micro-steps but the last.
-        sync = contextlib.nullcontext() if last or not no_sync or not hasattr(model, "no_sync") else model.no_sync()
+        sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
         with sync:
             with autocast(device_type, dtype):
                 out = model(input_ids, labels=input_ids)

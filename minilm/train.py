@@ -33,7 +33,6 @@ from .cli import (
     add_config_flags,
     build_configs,
     fail,
-    fit_default_warmup,
     load_yaml,
 )
 from .config import ConfigError, ModelConfig, TrainConfig, check_fits
@@ -171,7 +170,7 @@ def run_cli(argv: list[str] | None) -> int:
         demo = not (args.data or file_values.get("data"))
         configs = build_configs(args, file_values, RUN_KEYS, demo=demo)
         model_cfg, train_cfg, opts = configs
-        notes = [fit_default_warmup(train_cfg, train_cfg.max_steps, configs.explicit) if train_cfg.max_steps else None]
+        notes: list[str | None] = []  # shown under the start line (rank 0)
         if not any(opts.get(k) for k in ("data", "tokens", "random_tokens")):
             raise UsageError("give the data to train on: --data DIR, --tokens FILE.npy or --random-tokens N")
         model_cfg.validate()
@@ -181,9 +180,6 @@ def run_cli(argv: list[str] | None) -> int:
         rank, world_size, device = init_from_torchrun()
         train_cfg.validate(world_size=world_size)
         data = load_data(opts, model_cfg, train_cfg, notes)
-        per_epoch = D.steps_per_epoch(data.num_sequences - (opts.get("val_samples") or 0), train_cfg.global_batch_size)
-        notes.append(fit_default_warmup(train_cfg, train_cfg.max_steps or max(1, per_epoch) * train_cfg.epochs,
-                                        configs.explicit))
         run_dir = Path(opts["run_dir"]).resolve() if opts.get("run_dir") else None
         if run_dir is not None and rank == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -249,10 +245,9 @@ def agreed_dtype(name: str, device: torch.device) -> str:
 
 def exit_process(code: int) -> None:
     """The end of `python -m minilm.train`. A torchrun rank of several leaves without interpreter finalization:
-    gloo's threads can outlive `destroy_process_group` (DDP keeps the group alive past it), and one that drops a
-    finished collective's tensors while the interpreter finalizes needs the GIL, cannot have it, and aborts
-    the process (SIGABRT, "terminate called without an active exception"; 2 of 20 torchrun exits here), which
-    torchrun reports as a failed run. Everything this process wrote is closed by then (trackers, checkpoints)."""
+    gloo's threads can outlive `destroy_process_group`, and one that drops a collective's tensors while the
+    interpreter finalizes cannot take the GIL and aborts the process (SIGABRT), which torchrun reports as a
+    failed run. Everything this process wrote is closed by then (trackers, checkpoints)."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         sys.exit(code)
     sys.stdout.flush()

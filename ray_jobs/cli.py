@@ -5,7 +5,6 @@ Exit codes, the usage-error class, config flags and YAML files are `minilm.cli`'
 
 from __future__ import annotations
 
-import logging
 import os
 
 from minilm.cli import (  # noqa: F401  (re-exported: one definition, shared by every entrypoint)
@@ -20,6 +19,8 @@ from minilm.cli import (  # noqa: F401  (re-exported: one definition, shared by 
     flag,
     load_yaml,
 )
+
+from .ray_compat import quiet_token_auth_notice
 
 
 def parse_num_workers(spec: str) -> tuple[int, int]:
@@ -81,8 +82,7 @@ def ensure_ray(num_cpus: int | None = None, *, quiet: bool = True) -> bool:
             raise UsageError(connect_failure(address, e)) from None
         return False
     cores = os.cpu_count() or 2
-    # Ray 2.60 turns token auth on for a new local cluster and says so at WARNING: nothing for the user to do.
-    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+    quiet_token_auth_notice()  # Ray says it turned token auth on: nothing for the user to do
     # address="local": a new Ray even when another one runs on this machine (join a cluster via RAY_ADDRESS).
     ray.init(address="local", num_cpus=num_cpus or max(8, 2 * cores), log_to_driver=True, include_dashboard=None,
              logging_level="WARNING" if quiet else "INFO")

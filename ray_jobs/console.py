@@ -41,29 +41,17 @@ class ConsoleFilter:
 
     def install(self) -> bool:
         """Route worker output through `handle`; False (and Ray prints as usual) if Ray's internals moved."""
-        try:
-            from ray._private import worker as ray_worker
-            from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
-        except ImportError:
-            return False
-        names = [name for name, _ in getattr(dispatcher, "handlers", [])]
-        if "ray_print_logs" not in names or not getattr(ray_worker, "print_to_stdstream", None):
-            return False
+        from .ray_compat import route_worker_output
+
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        dispatcher.remove_handler("ray_print_logs")
-        dispatcher.add_handler("minilm_console", self.handle)
-        # The raylet's messages reach the driver through print_to_stdstream (looked up at call time): routine
-        # ones go to the file, the rest (a worker killed for memory, ...) still to the console.
-        ray_print = ray_worker.print_to_stdstream
+        self.installed = route_worker_output(self.handle, self.take_raylet)
+        return self.installed
 
-        def print_raylet_or_route(data: dict, ignore_prefix: bool) -> None:
-            if is_routine(data):
-                self.append([f"(raylet) {line}" for line in data.get("lines", [])])
-            else:
-                ray_print(data, ignore_prefix)
-
-        ray_worker.print_to_stdstream = print_raylet_or_route
-        self.installed = True
+    def take_raylet(self, data: dict) -> bool:
+        """Routine raylet messages go to the file; the rest (a worker killed for memory, ...) to the console."""
+        if not is_routine(data):
+            return False
+        self.append([f"(raylet) {line}" for line in data.get("lines", [])])
         return True
 
     def append(self, lines: list[str]) -> None:

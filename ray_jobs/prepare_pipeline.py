@@ -8,12 +8,8 @@ construction, and hands them to the writer (`minilm.packing.ShardWriter`), which
 rows and appends them to the token files. Memory is bounded whatever the corpus size: the driver
 holds the blocks in flight (a few MB), the writer less than one row.
 
-Plain tasks, not Ray Data: measured on this 2-core machine (bench/RESULTS.md, "Prepare at scale"),
-the same blocks through Ray Data's `map_batches` over `from_arrow_refs` reached 58-82% of the
-throughput of these tasks, and its streaming executor used 2-3x their driver CPU, taken from the
-encoders; an ordered map of independent blocks needs none of its planning. The pipeline before
-also went in waves of 256 MB (each wave waited for its slowest block, and held 256 MB of text in
-the driver and in the object store).
+Plain tasks, not Ray Data: an ordered map of independent blocks needs none of Ray Data's planning,
+and its streaming executor's driver CPU is taken from the encoders (bench/RESULTS.md, "bench.prepare").
 
 Module-level imports stay light (stdlib only): Ray workers import this module to run `_encode_block`.
 """

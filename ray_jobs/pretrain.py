@@ -31,7 +31,6 @@ from minilm.cli import (
     add_config_flags,
     build_configs,
     fail,
-    fit_default_warmup,
     load_yaml,
 )
 from minilm.config import ConfigError, ModelConfig, TrainConfig, check_fits, valid_world_sizes
@@ -42,6 +41,7 @@ from minilm.trackers import TrackerError, check_trackers
 
 from .cli import available_cores, ensure_ray, parse_num_workers
 from .elastic import SHARED_STORAGE_HINT, nodes_missing_path
+from .ray_compat import CONTROLLER_POLL_ENV
 
 RUN_KEYS = {"data", "num_workers", "use_gpu", "cpus_per_worker", "storage_path", "name", "resume", "max_failures",
             "keep_checkpoints", "exit_after_steps", "exit_after_minutes", "val_samples", "backend_timeout_s",
@@ -122,7 +122,7 @@ class RunPlan:
     steps_per_epoch: int
     resume_path: Path | None = None
     hooks: testing.FaultHooks | None = None  # only when a test switched fault injection on
-    notes: list[str] = field(default_factory=list)  # shown with the start line (a default that was adjusted)
+    notes: list[str] = field(default_factory=list)  # shown under the start line
 
     def config(self, name: str | None = None, run_dir: Path | None | str = "same") -> dict:
         """The train_loop_config every worker gets."""
@@ -205,7 +205,6 @@ def plan_run(args: argparse.Namespace, extra_keys: frozenset[str] = frozenset(),
     model_cfg, train_cfg, rest = configs
     opts = {**RUN_DEFAULTS, **rest}
     hooks = testing.from_env(warn=lambda m: print(m, file=sys.stderr, flush=True))
-    notes = [fit_default_warmup(train_cfg, train_cfg.max_steps, configs.explicit) if train_cfg.max_steps else None]
     min_w, max_w = check_options(model_cfg, train_cfg, opts)
 
     name = opts.get("name") or time.strftime("minilm-%Y%m%d-%H%M%S")
@@ -249,13 +248,12 @@ def plan_run(args: argparse.Namespace, extra_keys: frozenset[str] = frozenset(),
         data_dir = demo_data_dir(train_cfg.seq_len, model_cfg.vocab_size)
     prepared = D.open_prepared(data_dir)
     D.check_compatible(prepared, vocab_size=model_cfg.vocab_size, seq_len=train_cfg.seq_len)
-    notes.append(rows_note(prepared.manifest, prepared.location))
+    notes = [rows_note(prepared.manifest, prepared.location)]
     train_ids, _ = D.split_ids(prepared.num_sequences, opts["val_samples"])
     per_epoch = D.steps_per_epoch(len(train_ids), train_cfg.global_batch_size)
     if per_epoch == 0:
         raise D.DataError(f"{data_dir}: {len(train_ids)} training sequences do not fill one global batch of "
                           f"{train_cfg.global_batch_size}")
-    notes.append(fit_default_warmup(train_cfg, train_cfg.max_steps or per_epoch * train_cfg.epochs, configs.explicit))
     train_cfg.validate(world_size=min_w, total_steps=train_cfg.max_steps or per_epoch * train_cfg.epochs)
     if resume_path is None:  # --resume auto: what the workers continue when Ray has no checkpoint of the run registered
         resume_path = latest_checkpoint(run_dir, opts["resume"])
@@ -460,7 +458,7 @@ def make_trainer(config: dict, opts: dict, storage: str, name: str, workers: tup
                                                  timeout_s=opts["backend_timeout_s"]))
 
 
-CONTROLLER_POLL_ENV, CONTROLLER_POLL_S = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1"
+CONTROLLER_POLL_S = "0.1"
 WORKER_ENV = ("MINILM_CACHE", "MINILM_GIT_COMMIT")  # the only MINILM_* settings a worker reads
 
 

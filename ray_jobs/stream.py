@@ -57,7 +57,7 @@ def order_recipe(order: D.RankOrder, val_samples: int) -> dict:
             "start_step": order.start_step}
 
 
-def rank_dataset(order: D.RankOrder | dict, num_positions: int, data: str, micro_batch_size: int, reader_cpus: float,
+def rank_dataset(order: D.RankOrder | dict, num_positions: int, data: str, micro_batch_size: int,
                  node_id: str | None = None):
     """The rank's Ray Data pipeline; its reader actor runs on `node_id` (the rank's node) when given."""
     ctx = ray.data.DataContext.get_current()
@@ -67,11 +67,11 @@ def rank_dataset(order: D.RankOrder | dict, num_positions: int, data: str, micro
     # Ray labels every node with its id (ray.io/node-id); a label selector is a hard constraint. (The older
     # scheduling_strategy=NodeAffinitySchedulingStrategy goes through ray_remote_args, deprecated in Ray 2.60.)
     on_node = None if node_id is None else {NODE_ID_LABEL: node_id}
-    # One read task at a time: the positions are trivial to make, and each concurrent task of a new job starts a
-    # worker process (~1.4 s of CPU each; three per rank were seen for a 240-sample run).
+    # One read task at a time: the positions are trivial to make, and each concurrent task starts a worker process.
+    # The reader reserves no CPU, so it never waits for one the training workers hold.
     return ray.data.range(num_positions, concurrency=1).map_batches(
         ReadSequences, fn_constructor_args=(data, order), batch_size=micro_batch_size, batch_format="numpy",
-        compute=ray.data.ActorPoolStrategy(size=1), num_cpus=reader_cpus, label_selector=on_node)
+        compute=ray.data.ActorPoolStrategy(size=1), num_cpus=0, label_selector=on_node)
 
 
 def compact_ids(ids: np.ndarray) -> np.ndarray:
@@ -91,7 +91,7 @@ class RankStream:
 
     def __init__(self, *, data_dir: str, train_ids: np.ndarray, seed: int, global_batch_size: int,
                  micro_batch_size: int, world_size: int, rank: int, start_step: int, total_steps: int,
-                 steps_per_epoch: int, device: torch.device, prefetch_batches: int = 4, reader_cpus: float = 0.0,
+                 steps_per_epoch: int, device: torch.device, prefetch_batches: int = 4,
                  val_samples: int | None = None):
         """`val_samples`: the training ids are `split_ids(N, val_samples)[0]` (the trainer's): the reader rebuilds
         them instead of receiving the array."""
@@ -99,18 +99,18 @@ class RankStream:
                                  start_step)
         self.val_samples = val_samples
         self.num_positions = max(0, total_steps - start_step) * (global_batch_size // world_size)
-        import torch  # here, not at the top: the reader actor imports this module and needs no torch (~1 s a start)
+        import torch  # here, not at the top: the reader actor imports this module and needs no torch
 
         self.data_dir, self.m, self.device = str(data_dir), micro_batch_size, torch.device(device)
         self.accumulation_steps = global_batch_size // (micro_batch_size * world_size)
-        self.prefetch_batches, self.reader_cpus = prefetch_batches, reader_cpus
+        self.prefetch_batches = prefetch_batches
         self.step = start_step
         self._batches = None
         self.data_wait_s = 0.0
 
     def _start(self):
         order = self.order if self.val_samples is None else order_recipe(self.order, self.val_samples)
-        ds = rank_dataset(order, self.num_positions, self.data_dir, self.m, self.reader_cpus,
+        ds = rank_dataset(order, self.num_positions, self.data_dir, self.m,
                           node_id=ray.get_runtime_context().get_node_id())
         # Numpy batches: the sample ids stay on the host (they are only recorded, never computed on), and
         # the token rows are copied to the device here, from pinned memory on CUDA so the copy is async.

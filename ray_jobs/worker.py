@@ -11,7 +11,6 @@ from __future__ import annotations
 import shutil
 import signal
 import tempfile
-import time
 from pathlib import Path
 
 import ray.train
@@ -22,7 +21,7 @@ from minilm import data as D
 from minilm.config import ModelConfig, TrainConfig
 from minilm.trainer import Dataset, Preempted, RunOptions, Trainer
 
-from . import console, dashboard_metrics
+from . import console, dashboard_metrics, ray_compat
 from .cli import available_cores
 from .stream import RankStream
 
@@ -49,7 +48,7 @@ class RayLauncher:
     def __init__(self, run: dict, micro_batch_size: int):
         ctx = ray.train.get_context()
         self.rank, self.world_size = ctx.get_world_rank(), ctx.get_world_size()
-        quiet_ray_train_reports()
+        ray_compat.quiet_train_report_logs()
         self.device: torch.device = ray.train.torch.get_device()
         if self.device.type == "cpu":
             cap_threads(ctx.get_local_world_size())
@@ -58,7 +57,7 @@ class RayLauncher:
         try:
             signal.signal(signal.SIGTERM, self._on_sigterm)
         except ValueError:  # Ray runs train_func in a thread; Ray's own handler lives in the main thread
-            _defer_ray_sigterm_exit(self._on_sigterm)
+            ray_compat.defer_sigterm_exit(self._on_sigterm)
         self._calls = 0
 
     def _on_sigterm(self, *_):
@@ -69,7 +68,7 @@ class RayLauncher:
                           global_batch_size=order.global_batch_size, micro_batch_size=self.micro_batch_size,
                           world_size=order.world_size, rank=order.rank, start_step=order.start_step,
                           total_steps=total_steps, steps_per_epoch=order.steps_per_epoch, device=self.device,
-                          reader_cpus=self.run.get("reader_cpus", 0.0), val_samples=self.run.get("val_samples", 0))
+                          val_samples=self.run.get("val_samples", 0))
 
     def checkpoint_to_resume(self, log) -> Path | None:
         """The newest complete checkpoint beside Ray's latest registered one (passing over incomplete ones).
@@ -126,7 +125,7 @@ class RayLauncher:
 
     def stop_flags(self) -> tuple[bool, bool]:
         self._calls += 1
-        return self.sigterm, _drain_announced(self._calls)
+        return self.sigterm, ray_compat.drain_announced(self._calls)
 
     def say(self, message: str) -> None:
         console.say(message)
@@ -139,56 +138,6 @@ def cap_threads(local_workers: int) -> None:
     share = max(1, available_cores() // max(1, local_workers))
     if torch.get_num_threads() > share:
         torch.set_num_threads(share)
-
-
-def quiet_ray_train_reports() -> None:
-    """Ray Train logs every `ray.train.report` at INFO as a screen-wide `TrainingReport(...)` dump, on a logger named
-    after its file (so `LoggingConfig(log_level=...)` misses it); our own log line says what matters."""
-    import logging
-
-    try:
-        from ray.train.v2._internal.execution import context
-    except ImportError:
-        return
-    logging.getLogger(context.__file__).setLevel(logging.WARNING)
-
-
-def _drain_announced(call: int) -> bool:
-    """Has Ray announced a drain of a node hosting this worker group (`ray drain-node`, the autoscaler, a
-    spot reclaim)? Ray Train marks every worker of the group when it sees one; reading that mark is local.
-    `ray.train.get_preemption_info()` returns the same but is a barrier across workers, too slow for every
-    step: it is the fallback (every 50th step, the same steps on every rank) if Ray's internals move."""
-    try:
-        from ray.train.v2._internal.execution.context import get_train_context
-
-        return get_train_context().preemption_context.preemption_info is not None
-    except (ImportError, AttributeError):
-        return call % 50 == 0 and ray.train.get_preemption_info() is not None
-
-
-def _defer_ray_sigterm_exit(on_sigterm) -> None:
-    """Let the first SIGTERM reach the step boundary instead of exiting the worker at once.
-
-    Ray's worker SIGTERM handler (main thread) exits through
-    `ray._private.worker.raise_sys_exit_with_custom_error_message`, looked up at call time. The
-    first SIGTERM only sets our flag, so the loop checkpoints at a step boundary and then raises; a
-    second SIGTERM exits as Ray would. If Ray renames that function, SIGTERM exits as usual.
-    """
-    import ray._private.worker as ray_worker
-
-    original = getattr(ray_worker, "raise_sys_exit_with_custom_error_message", None)
-    if original is None:
-        return
-    seen = []
-
-    def deferred(message, exit_code=1, *args, **kwargs):
-        if "SIGTERM" in str(message) and not seen:
-            seen.append(time.time())
-            on_sigterm()
-            return
-        return original(message, exit_code, *args, **kwargs)
-
-    ray_worker.raise_sys_exit_with_custom_error_message = deferred
 
 
 __all__ = ["train_func", "RayLauncher", "Preempted"]

@@ -142,23 +142,6 @@ def test_a_cluster_that_cannot_be_joined_is_one_line(data, tmp_path, capsys, mon
         " to the cluster's token (or RAY_AUTH_TOKEN_PATH to its file)\n" if refusal == "token" else "\n"), err
 
 
-def test_a_default_warmup_is_fitted_to_a_short_run_and_said():
-    """A warmup nobody set (a preset's, a dataclass default's; both are 0 today, as bench.quality's ablation says)
-    never refuses a short run: it is fitted to the run and the start line says so; an explicit --warmup-steps keeps
-    the refusal (the CASES above)."""
-    from minilm.cli import build_configs, fit_default_warmup
-    from minilm.config import TrainConfig
-    from ray_jobs.pretrain import RUN_KEYS, build_parser
-
-    default = TrainConfig(warmup_steps=20, max_steps=4)
-    note = fit_default_warmup(default, 4, frozenset())
-    assert default.warmup_steps == 0 and note == ("note: the default warmup of 20 steps does not fit a run of 4 "
-                                                  "optimizer steps: using 0 (set --warmup-steps to choose)")
-    assert fit_default_warmup(TrainConfig(warmup_steps=20), 200, frozenset()) is None  # fits: untouched
-    explicit = build_configs(build_parser().parse_args(["--warmup-steps", "20"]), {}, RUN_KEYS, demo=True)
-    assert fit_default_warmup(explicit.train, 4, explicit.explicit) is None and explicit.train.warmup_steps == 20
-
-
 def test_the_demo_preset_stays_out_of_runs_on_real_data(data):
     from minilm.cli import DEMO_PRESET, build_configs
     from minilm.config import ModelConfig, TrainConfig

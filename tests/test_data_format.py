@@ -15,6 +15,9 @@ import pytest
 from helpers import ROOT, make_prepared, run_module
 
 from minilm import data as D
+from minilm.data import remote as data_remote
+from minilm.data import store as data_store
+from minilm.data import verified as data_verified
 
 SEQ = 16
 
@@ -69,7 +72,7 @@ def test_rows_by_sample_id_in_any_order(tmp_path):
 
 def test_store_keeps_a_bounded_number_of_files_open(tmp_path, monkeypatch):
     path = dataset(tmp_path, num_sequences=60, rows_per_shard=5)  # 12 files
-    monkeypatch.setattr(D, "MAX_OPEN_SHARDS", 3)
+    monkeypatch.setattr(data_store, "MAX_OPEN_SHARDS", 3)
     store = D.SequenceStore(D.open_prepared(path))
     np.testing.assert_array_equal(store.take(np.arange(60)[::-1]), reference_rows(path)[::-1])
     assert len(store._fds) == 3
@@ -143,17 +146,14 @@ def test_inconsistent_manifest(tmp_path, change, needle):
     assert needle in one_line(e)
 
 
-def test_older_format_is_refused_with_the_command_to_prepare_it_again(tmp_path):
+def test_another_format_is_refused_naming_both_formats(tmp_path):
     old = tmp_path / "old"
     old.mkdir()
     (old / "manifest.json").write_text(json.dumps({
-        "format": "minilm-packed-v1", "seq_len": 512, "num_sequences": 3, "shards": [], "fingerprint": "f",
-        "command": "python -m ray_jobs.prepare --input corpus.jsonl --output data/tok --seq-len 512"}))
+        "format": "minilm-packed-v1", "seq_len": 512, "num_sequences": 3, "shards": [], "fingerprint": "f"}))
     with pytest.raises(D.DataError) as e:
         D.open_prepared(old)
-    assert one_line(e) == (f"{old / 'manifest.json'}: this dataset has format minilm-packed-v1 (parquet shards), "
-                           f"which this minilm no longer reads; prepare it again: python -m ray_jobs.prepare "
-                           f"--input corpus.jsonl --output data/tok --seq-len 512 --overwrite")
+    assert one_line(e) == f"{old / 'manifest.json'}: format 'minilm-packed-v1' is not 'minilm-packed-v2'"
 
 
 def test_pretrain_refuses_damaged_data_before_it_starts(tmp_path):
@@ -176,7 +176,7 @@ def test_files_are_hashed_once_per_machine(tmp_path, monkeypatch):
     path = dataset(tmp_path)
     hashed = []
     real = D.file_sha256
-    monkeypatch.setattr(D, "file_sha256", lambda p: hashed.append(Path(p).name) or real(p))
+    monkeypatch.setattr(data_verified, "file_sha256", lambda p: hashed.append(Path(p).name) or real(p))
     D.open_prepared(path)
     assert sorted(hashed) == ["shard-00000.bin", "shard-00001.bin", "shard-00002.bin", "tokenizer.json"]
     hashed.clear()
@@ -213,7 +213,7 @@ def test_remote_uri_is_read_remotely_and_copied_once(tmp_path, cache, monkeypatc
         _ = remote.tokenizer_path
     copies = []
     real = D._copy_verified
-    monkeypatch.setattr(D, "_copy_verified", lambda *a: copies.append(a[2].name) or real(*a))
+    monkeypatch.setattr(data_remote, "_copy_verified", lambda *a: copies.append(a[2].name) or real(*a))
     local = D.open_local(uri)
     assert local.path == cache / "data" / remote.fingerprint[:32] and local.fingerprint == remote.fingerprint
     assert sorted(copies) == ["shard-00000.bin", "shard-00001.bin", "shard-00002.bin", "tokenizer.json"]
@@ -271,12 +271,13 @@ def test_not_enough_space_for_the_copy(tmp_path, monkeypatch):
 COPY_AND_COUNT = """
 import os, sys
 from minilm import data as D
-real = D._copy_verified
+from minilm.data import remote
+real = remote._copy_verified
 def counted(*args):
     with open(sys.argv[2], "a") as f:
         f.write(f"{os.getpid()} {args[2].name}\\n")
     return real(*args)
-D._copy_verified = counted
+remote._copy_verified = counted
 print(D.open_local(sys.argv[1]).path)
 """
 
@@ -294,15 +295,14 @@ def test_the_ranks_of_a_node_make_one_copy_between_them(tmp_path):
 
 
 @pytest.mark.ray
-def test_cached_demo_data_of_the_older_format_is_prepared_again(ray_address, cache):
-    """The built-in corpus, cached by an older minilm as v1, is migrated by the next run (no error)."""
+def test_cached_demo_data_of_another_format_is_prepared_again(ray_address, cache):
+    """A cached copy of the built-in corpus that does not open (here: another format) is prepared again."""
     from ray_jobs.demo_data import demo_data_dir
 
     old = cache / "demo" / f"py{sys.version_info.major}{sys.version_info.minor}-seq64-vocab300"
     old.mkdir(parents=True)
     (old / "manifest.json").write_text(json.dumps({"format": "minilm-packed-v1", "seq_len": 64, "num_sequences": 1,
                                                    "shards": [], "fingerprint": "f", "command": "x"}))
-    (old / "shard-00000.parquet").write_bytes(b"parquet of the old format")
     assert demo_data_dir(64, 300) == old
     new = D.open_prepared(old)
     assert new.manifest["format"] == "minilm-packed-v2" and new.num_sequences > 100

@@ -110,7 +110,7 @@ def test_world_size_that_breaks_the_global_batch_is_refused(ray_address, run_dat
 def test_the_zero_argument_preset_trains_in_process(ray_address, tmp_path, monkeypatch):
     """What `python -m ray_jobs.pretrain` with no argument trains (the nightly test below runs it whole): the demo
     preset on the built-in corpus, a few steps of it through the Trainer in this process."""
-    from minilm.cli import DEMO_PRESET, build_configs, fit_default_warmup
+    from minilm.cli import DEMO_PRESET, build_configs
     from minilm.data import open_prepared
     from minilm.train import LocalLauncher
     from minilm.trainer import Dataset, RunOptions, Trainer
@@ -122,7 +122,7 @@ def test_the_zero_argument_preset_trains_in_process(ray_address, tmp_path, monke
         assert getattr(cfgs.model if hasattr(cfgs.model, key) else cfgs.train, key) == value, key
     assert cfgs.explicit == frozenset() and cfgs.train.max_steps == 100
     cfgs.train.max_steps, cfgs.train.dtype = 2, "fp32"
-    assert fit_default_warmup(cfgs.train, 2, cfgs.explicit) is None  # the preset's warmup (0) fits any run
+    assert cfgs.train.warmup_steps == 0  # the preset's warmup fits any run, however short
     data = Dataset.prepared(open_prepared(demo_data_dir(cfgs.train.seq_len, cfgs.model.vocab_size)))
     lines = []
     trainer = Trainer(cfgs.model, cfgs.train, RunOptions(name="preset"), data,

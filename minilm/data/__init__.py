@@ -1,0 +1,38 @@
+"""Prepared data: the format on disk, its checks, the copies of remote data, the row store and the sample order.
+
+    format    the manifest, its checks, `open_prepared`, `check_compatible`   (docs/data.md)
+    verified  the hash of every file checked once per machine, under a file lock
+    remote    `open_local`: a remote URI copied once per node, verified on the way
+    store     `SequenceStore` (rows by sample id, zero-copy), `RowsInMemory`, `LocalRankStream`
+    order     the resume contract: `split_ids`, `epoch_order`, `DataPosition`, `RankOrder`
+
+Every name is importable from `minilm.data` itself.
+"""
+
+from .format import (
+    FORMAT,
+    MANIFEST,
+    TOKEN_DTYPES,
+    TOKENIZER_FILE,
+    DataError,
+    PreparedData,
+    cache_root,
+    check_compatible,
+    check_manifest,
+    file_sha256,
+    is_remote,
+    open_prepared,
+    token_dtype_for,
+)
+from .order import VAL_SEED, DataPosition, RankOrder, epoch_order, split_ids, steps_per_epoch
+from .remote import COPY_CHUNK, _copy_verified, _fsync_dir, materialise, open_local
+from .store import MAX_OPEN_SHARDS, LocalRankStream, RowsInMemory, SequenceStore
+from .verified import RACY_NS, record_verified, verify_hashes
+
+__all__ = [
+    "COPY_CHUNK", "FORMAT", "MANIFEST", "MAX_OPEN_SHARDS", "RACY_NS", "TOKENIZER_FILE", "TOKEN_DTYPES", "VAL_SEED",
+    "DataError", "DataPosition", "LocalRankStream", "PreparedData", "RankOrder", "RowsInMemory", "SequenceStore",
+    "_copy_verified", "_fsync_dir", "cache_root", "check_compatible", "check_manifest", "epoch_order",
+    "file_sha256", "is_remote", "materialise", "open_local", "open_prepared", "record_verified", "split_ids",
+    "steps_per_epoch", "token_dtype_for", "verify_hashes",
+]

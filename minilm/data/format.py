@@ -1,0 +1,221 @@
+"""The prepared-data format: the manifest, its checks, and opening a dataset.
+
+Storage (docs/data.md): a prepared dataset is a folder of raw token files, `shard-NNNNN.bin`, each
+an uncompressed little-endian array of rows of `seq_len + 1` token ids (uint16 when the vocabulary
+fits, uint32 otherwise), described by `manifest.json`. `SequenceStore` reads rows by sample id with
+positional reads (`os.preadv`) straight from those files: nothing is decoded and nothing is held,
+so the only copy of the tokens in memory is the kernel's page cache, which every process on a node
+shares. Memory per process stays flat whatever the size of the dataset. Remote data (`s3://`,
+`gs://`, any pyarrow filesystem URI) is copied once per node into a cache folder (`open_local`),
+verified against the manifest's hashes; every rank on the node and every restart reuse that copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+MANIFEST = "manifest.json"
+TOKENIZER_FILE = "tokenizer.json"
+FORMAT = "minilm-packed-v2"
+TOKEN_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+_URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
+
+
+class DataError(ValueError):
+    """Prepared data is missing, incomplete, or does not fit the run; the message says what and where."""
+
+
+def cache_root() -> Path:
+    """Where minilm keeps node-local state: $MINILM_CACHE, else ~/.cache/minilm."""
+    return Path(os.environ.get("MINILM_CACHE") or Path.home() / ".cache" / "minilm").expanduser()
+
+
+def is_remote(location: str | os.PathLike) -> bool:
+    """A URI with a scheme (s3://, gs://, file://, ...): read through pyarrow.fs and copied to each node."""
+    return isinstance(location, str) and bool(_URI.match(location))
+
+
+def token_dtype_for(vocab_size: int) -> str:
+    """The narrowest token type that holds every id of a vocabulary: uint16 up to 65,536 tokens."""
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class PreparedData:
+    """A checked manifest and where its files are: a local folder (`path`), or a remote URI (`uri`, path None)."""
+
+    path: Path | None
+    manifest: dict
+    uri: str | None = None
+
+    @property
+    def location(self) -> str:
+        return self.uri if self.uri is not None else str(self.path)
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.manifest["num_sequences"])
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.manifest["seq_len"])
+
+    @property
+    def fingerprint(self) -> str:
+        return str(self.manifest["fingerprint"])
+
+    @property
+    def tokenizer_sha256(self) -> str:
+        return str(self.manifest["tokenizer"]["sha256"])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.manifest["tokenizer"]["vocab_size"])
+
+    @property
+    def token_dtype(self) -> np.dtype:
+        return TOKEN_DTYPES[self.manifest["token_dtype"]]
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(int(s["bytes"]) for s in self.manifest["shards"])
+
+    @property
+    def tokenizer_path(self) -> Path:
+        return self._local() / TOKENIZER_FILE
+
+    @property
+    def shard_paths(self) -> list[Path]:
+        return [self._local() / s["file"] for s in self.manifest["shards"]]
+
+    def _local(self) -> Path:
+        if self.path is None:
+            raise DataError(f"{self.uri} is remote: read it through minilm.data.open_local, which copies it to "
+                            f"this node")
+        return self.path
+
+
+def _files(manifest: dict) -> list[tuple[str, int | None, str]]:
+    """(name, bytes or None, sha256) of every file the manifest lists: the tokenizer, then the shards."""
+    return [(TOKENIZER_FILE, None, manifest["tokenizer"]["sha256"])] + [
+        (s["file"], int(s["bytes"]), s["sha256"]) for s in manifest["shards"]]
+
+
+def check_manifest(manifest, where: str) -> None:
+    """Refuse a manifest that is malformed, of another format, or inconsistent with itself."""
+    if not isinstance(manifest, dict):
+        raise DataError(f"{where}: format {type(manifest).__name__!r} is not {FORMAT!r}")
+    if manifest.get("format") != FORMAT:
+        raise DataError(f"{where}: format {manifest.get('format')!r} is not {FORMAT!r}")
+    missing = [k for k in ("seq_len", "num_sequences", "shards", "tokenizer", "fingerprint", "token_dtype")
+               if k not in manifest]
+    if missing:
+        raise DataError(f"{where}: missing {', '.join(missing)}")
+    try:
+        _check_layout(manifest, where)
+    except DataError:
+        raise
+    except (KeyError, TypeError, ValueError) as e:  # a field of the wrong type, a shard without a key
+        raise DataError(f"{where}: malformed ({type(e).__name__}: {e})") from None
+
+
+def _check_layout(manifest: dict, where: str) -> None:
+    dtype_name = manifest["token_dtype"]
+    if dtype_name not in TOKEN_DTYPES:
+        raise DataError(f"{where}: token_dtype {dtype_name!r} is not one of {', '.join(TOKEN_DTYPES)}")
+    vocab = int(manifest["tokenizer"]["vocab_size"])
+    if TOKEN_DTYPES[token_dtype_for(vocab)].itemsize > TOKEN_DTYPES[dtype_name].itemsize:
+        raise DataError(f"{where}: token_dtype {dtype_name} cannot hold the ids of a {vocab}-token vocabulary")
+    row_bytes = (int(manifest["seq_len"]) + 1) * TOKEN_DTYPES[dtype_name].itemsize
+    expected_first = 0
+    for shard in manifest["shards"]:
+        name = str(shard["file"])
+        if "/" in name or "\\" in name or name.startswith("."):
+            raise DataError(f"{where}: shard file name {name!r} is not a plain file name")
+        if int(shard["first_sample_id"]) != expected_first:
+            raise DataError(f"{where}: shard {name} starts at sample {shard['first_sample_id']}, expected "
+                            f"{expected_first} (sample ids must be contiguous across shards)")
+        n = int(shard["num_sequences"])
+        if int(shard["bytes"]) != n * row_bytes:
+            raise DataError(f"{where}: shard {name} lists {int(shard['bytes']):,} bytes, but {n:,} rows of "
+                            f"seq_len + 1 = {int(manifest['seq_len']) + 1} {dtype_name} tokens take "
+                            f"{n * row_bytes:,}: the manifest disagrees with itself")
+        expected_first += n
+    if expected_first != int(manifest["num_sequences"]):
+        raise DataError(f"{where}: shard sizes do not add up to num_sequences {manifest['num_sequences']}")
+
+
+def open_prepared(path: str | os.PathLike, *, verify: bool = True) -> PreparedData:
+    """Open a dataset written by `ray_jobs.prepare`, checking that it is complete and intact.
+
+    A local folder: the manifest, every file's presence and size, and (with `verify`) every file's
+    sha256, hashed once per machine (`verify_hashes`). A remote URI: the manifest and every file's
+    size, read remotely; `open_local` makes the copy that the readers use.
+    """
+    from .remote import _open_remote  # here: remote and verified build on this module
+    from .verified import verify_hashes
+
+    if is_remote(path):
+        return _open_remote(str(path))
+    path = Path(path)
+    if not path.is_dir():
+        raise DataError(f"data directory {path} does not exist (make one with `python -m ray_jobs.prepare`)")
+    mpath = path / MANIFEST
+    if not mpath.is_file():
+        raise DataError(f"{path} has no {MANIFEST}: not a prepared dataset, or its prepare did not finish")
+    try:
+        manifest = json.loads(mpath.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"{mpath} is not valid JSON ({e})") from None
+    check_manifest(manifest, str(mpath))
+    data = PreparedData(path, manifest)
+    for name, size, _ in _files(manifest):
+        try:
+            actual = (path / name).stat().st_size
+        except FileNotFoundError:
+            what = "tokenizer.json" if name == TOKENIZER_FILE else f"token file {name} listed in {MANIFEST}"
+            raise DataError(f"{path}: {what} is missing") from None
+        if size is not None and actual != size:
+            raise DataError(_size_message(str(path / name), actual, size))
+    if verify:
+        verify_hashes(data)
+    return data
+
+
+def _size_message(where: str, actual: int, expected: int) -> str:
+    how = "truncated" if actual < expected else "longer than listed"
+    return (f"{where} holds {actual:,} bytes but {MANIFEST} lists {expected:,} ({how}, or not this dataset's "
+            f"file); prepare the dataset again")
+
+
+def _hash_mismatch(where: str, got: str, want: str) -> str:
+    return (f"{where}: sha256 {got[:16]}... does not match {MANIFEST}'s {want[:16]}... (the file changed or is "
+            f"corrupt); prepare the dataset again")
+
+
+def check_compatible(data: PreparedData, *, vocab_size: int, seq_len: int) -> None:
+    """Refuse data that does not fit the model before any worker starts."""
+    problems = []
+    if data.vocab_size > vocab_size:
+        problems.append(f"its tokenizer has {data.vocab_size} tokens but the model's vocab_size is {vocab_size} "
+                        f"(set --vocab-size {data.vocab_size})")
+    if data.seq_len != seq_len:
+        problems.append(f"it was packed with seq_len {data.seq_len} but the run asks for seq_len {seq_len} "
+                        f"(set --seq-len {data.seq_len} or prepare again)")
+    if problems:
+        raise DataError(f"data {data.location} does not fit this run: " + "; ".join(problems))

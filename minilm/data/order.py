@@ -1,0 +1,103 @@
+"""The sample order, and the resume contract it keeps: exact at any world size.
+
+The resumable iterator Ray Data lacks (ray-project/ray#37633, #48224) is built from pure functions
+instead of iterator state:
+
+* `split_ids(N, val_samples)`: a fixed held-out slice, the rest the training ids;
+* `epoch_order(train_ids, seed, epoch)`: a seeded permutation of the training sample ids;
+* optimizer step s of an epoch consumes positions [s*G, (s+1)*G) of that order (G = global batch),
+  whatever the world size;
+* worker r of W takes the r-th contiguous G/W slice of each global batch and reads it as
+  accumulation_steps micro-batches (`RankOrder`, the one place this arithmetic lives).
+
+So the only position to save is the optimizer step (samples_seen = step * G), and a resumed run at
+any world size consumes exactly the samples the uninterrupted run would have, step by step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .format import DataError
+
+VAL_SEED = 0x5EED  # the held-out slice is fixed, independent of the training seed
+
+
+def split_ids(num_sequences: int, val_samples: int) -> tuple[np.ndarray, np.ndarray]:
+    """(train_ids, val_ids): a fixed held-out slice, disjoint from training, same for every seed."""
+    if val_samples < 0 or val_samples >= num_sequences:
+        raise DataError(f"val_samples {val_samples} must be in [0, {num_sequences}) for a dataset of "
+                        f"{num_sequences} sequences")
+    rng = np.random.default_rng(VAL_SEED)
+    val = np.sort(rng.choice(num_sequences, size=val_samples, replace=False)) if val_samples else np.array([], np.int64)
+    mask = np.ones(num_sequences, dtype=bool)
+    mask[val] = False
+    return np.flatnonzero(mask).astype(np.int64), val.astype(np.int64)
+
+
+def epoch_order(train_ids: np.ndarray, seed: int, epoch: int) -> np.ndarray:
+    """The training ids in this epoch's order: a permutation seeded by (seed, epoch)."""
+    rng = np.random.default_rng([seed, epoch])
+    return train_ids[rng.permutation(len(train_ids))]
+
+
+def steps_per_epoch(num_train: int, global_batch_size: int) -> int:
+    """Whole global batches per epoch; the remainder (< one batch) waits for the next epoch's order."""
+    return num_train // global_batch_size
+
+
+@dataclass
+class DataPosition:
+    """Where the run is in its data, derived from the optimizer step alone."""
+
+    epoch: int
+    step_in_epoch: int
+    samples_seen: int
+
+    @classmethod
+    def at(cls, optimizer_step: int, steps_per_epoch: int, global_batch_size: int) -> DataPosition:
+        return cls(epoch=optimizer_step // steps_per_epoch, step_in_epoch=optimizer_step % steps_per_epoch,
+                   samples_seen=optimizer_step * global_batch_size)
+
+
+@dataclass
+class RankOrder:
+    """The sample id at each position of one rank's stream that starts at optimizer step `start_step`.
+
+    Position p belongs to optimizer step s = start_step + p // (G/W), as its k-th id, k = p % (G/W):
+    the id at index (s mod steps_per_epoch) * G + rank * G/W + k of epoch (s // steps_per_epoch)'s
+    order. The Ray stream (`ray_jobs.stream`) and the in-process stream (`LocalRankStream`) both
+    read through it, so the order is coded once.
+    """
+
+    train_ids: np.ndarray
+    seed: int
+    steps_per_epoch: int
+    global_batch_size: int
+    world_size: int
+    rank: int
+    start_step: int
+
+    def __post_init__(self):
+        self._orders: dict[int, np.ndarray] = {}
+
+    def sample_ids(self, positions: np.ndarray) -> np.ndarray:
+        per_rank = self.global_batch_size // self.world_size
+        absolute = self.start_step * per_rank + np.asarray(positions, dtype=np.int64)
+        step, k = absolute // per_rank, absolute % per_rank
+        epoch, step_in_epoch = step // self.steps_per_epoch, step % self.steps_per_epoch
+        index = step_in_epoch * self.global_batch_size + self.rank * per_rank + k  # into the epoch's order
+        out = np.empty(len(absolute), dtype=np.int64)
+        for e in np.unique(epoch):
+            selected = epoch == e
+            out[selected] = self._order(int(e))[index[selected]]
+        return out
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if epoch not in self._orders:
+            if len(self._orders) >= 2:  # a batch spans at most two epochs
+                self._orders.pop(min(self._orders))
+            self._orders[epoch] = epoch_order(self.train_ids, self.seed, epoch)
+        return self._orders[epoch]

@@ -1,0 +1,157 @@
+"""Remote data (`s3://`, `gs://`, any pyarrow filesystem URI): one verified copy per node."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+from .format import (
+    MANIFEST,
+    DataError,
+    PreparedData,
+    _files,
+    _hash_mismatch,
+    _size_message,
+    cache_root,
+    check_manifest,
+    is_remote,
+    open_prepared,
+)
+from .verified import _locked, record_verified
+
+COPY_CHUNK = 8 << 20
+
+
+def _remote_fs(uri: str):
+    import pyarrow.fs as pafs
+
+    try:
+        fs, root = pafs.FileSystem.from_uri(uri)
+    except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
+        raise DataError(f"cannot open {uri}: {e}") from None
+    return fs, root.rstrip("/")
+
+
+def _open_remote(uri: str) -> PreparedData:
+    import pyarrow.fs as pafs
+
+    uri = uri.rstrip("/")
+    fs, root = _remote_fs(uri)
+    try:
+        if fs.get_file_info(f"{root}/{MANIFEST}").type == pafs.FileType.NotFound:
+            raise DataError(f"{uri} has no {MANIFEST}: not a prepared dataset, or its prepare did not finish")
+        with fs.open_input_stream(f"{root}/{MANIFEST}") as f:
+            raw = f.read()
+        manifest = json.loads(raw.decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"{uri}/{MANIFEST} is not valid JSON ({e})") from None
+    except OSError as e:
+        raise DataError(f"cannot read {uri}/{MANIFEST}: {e}") from None
+    check_manifest(manifest, f"{uri}/{MANIFEST}")
+    files = _files(manifest)
+    try:
+        infos = fs.get_file_info([f"{root}/{name}" for name, _, _ in files])
+    except OSError as e:
+        raise DataError(f"cannot list {uri}: {e}") from None
+    for (name, size, _), info in zip(files, infos, strict=True):
+        if info.type == pafs.FileType.NotFound:
+            raise DataError(f"{uri}: {name} listed in {MANIFEST} is missing")
+        if size is not None and info.size != size:
+            raise DataError(_size_message(f"{uri}/{name}", info.size, size))
+    return PreparedData(None, manifest, uri=uri)
+
+
+def open_local(data: str | os.PathLike) -> PreparedData:
+    """`open_prepared` for a local folder; for a remote URI, the node-local copy (made once, then reused).
+
+    The copy goes to `cache_root()/data/<fingerprint>`: written into a temporary folder, every file
+    hashed as it arrives and checked against the manifest, the manifest last, then renamed into
+    place, under a lock, so the ranks of a node make one copy between them and a later run (a
+    restart, a resume, another job on the same data) finds it ready.
+    """
+    if not is_remote(data):
+        return open_prepared(data)
+    return materialise(_open_remote(str(data)))
+
+
+def materialise(remote: PreparedData, cache: Path | None = None) -> PreparedData:
+    """The verified local copy of `remote` (from `open_prepared(uri)`), copying it if this node lacks it."""
+    cache = (cache or cache_root()) / "data"
+    target = cache / remote.fingerprint[:32]
+    with _locked(cache / f"{target.name}.lock"):
+        if (target / MANIFEST).is_file():
+            try:
+                local = open_prepared(target)
+                if local.fingerprint == remote.fingerprint:
+                    return local
+            except DataError:
+                pass  # a damaged copy: make it again
+            shutil.rmtree(target)
+        for stale in cache.glob(f"{target.name}.tmp-*"):  # left by a killed copier (we hold the lock)
+            shutil.rmtree(stale, ignore_errors=True)
+        _check_space(cache, remote)
+        tmp = cache / f"{target.name}.tmp-{os.getpid()}"
+        tmp.mkdir(parents=True)
+        try:
+            fs, root = _remote_fs(remote.uri)
+            for name, size, sha in _files(remote.manifest):
+                _copy_verified(fs, f"{root}/{name}", tmp / name, size, sha, f"{remote.uri}/{name}")
+            _write_synced(tmp / MANIFEST, json.dumps(remote.manifest, indent=2).encode())
+            _fsync_dir(tmp)
+            os.rename(tmp, target)
+            _fsync_dir(cache)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        local = PreparedData(target, remote.manifest)
+        record_verified(local)
+    return open_prepared(target)
+
+
+def _check_space(cache: Path, remote: PreparedData) -> None:
+    cache.mkdir(parents=True, exist_ok=True)
+    need = remote.num_bytes + (1 << 20)
+    free = shutil.disk_usage(cache).free
+    if free < need:
+        raise DataError(f"copying {remote.uri} ({need / 1e9:.2f} GB) to this node needs that much free space in "
+                        f"{cache}, which has {free / 1e9:.2f} GB free (set MINILM_CACHE to a larger disk)")
+
+
+def _copy_verified(fs, src: str, dst: Path, size: int | None, sha: str, where: str) -> None:
+    h, copied = hashlib.sha256(), 0
+    try:
+        with fs.open_input_stream(src) as f, open(dst, "wb") as out:
+            while chunk := f.read(COPY_CHUNK):
+                h.update(chunk)
+                out.write(chunk)
+                copied += len(chunk)
+            out.flush()
+            os.fsync(out.fileno())
+    except OSError as e:
+        raise DataError(f"copying {where} to this node failed: {e}") from None
+    if size is not None and copied != size:
+        raise DataError(_size_message(where, copied, size))
+    if h.hexdigest() != sha:
+        raise DataError(_hash_mismatch(where, h.hexdigest(), sha))
+
+
+def _write_synced(path: Path, payload: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(payload)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,115 @@
+"""Hashes checked once per machine: a stamp per dataset under the cache, taken under a file lock."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from .format import DataError, PreparedData, _files, _hash_mismatch, cache_root, file_sha256
+
+RACY_NS = 2_000_000_000  # a file modified this recently when hashed is hashed again next time
+
+
+@contextmanager
+def _locked(lock_path: Path) -> Iterator[None]:
+    """An exclusive lock between the processes of this node (the ranks and reader actors of a run)."""
+    try:
+        lock_path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:  # no writable cache folder: go on unlocked (each process then does its own work)
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def _stamp_path(folder: Path) -> Path:
+    key = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:32]
+    return cache_root() / "verified" / f"{key}.json"
+
+
+def _file_key(path: Path) -> list[int]:
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns, st.st_ino]
+
+
+def _read_stamp(stamp: Path, data: PreparedData) -> dict:
+    try:
+        saved = json.loads(stamp.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(saved, dict) or saved.get("fingerprint") != data.fingerprint:
+        return {}
+    files = saved.get("files")
+    return files if isinstance(files, dict) else {}
+
+
+def _write_stamp(stamp: Path, data: PreparedData, files: dict) -> None:
+    try:
+        stamp.parent.mkdir(parents=True, exist_ok=True)
+        tmp = stamp.with_name(f"{stamp.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps({"path": str(data.path.resolve()), "fingerprint": data.fingerprint,
+                                   "files": files}))
+        os.replace(tmp, stamp)
+        _prune_stamps(stamp.parent)
+    except OSError:
+        pass  # no writable cache: the next open hashes again
+
+
+def _prune_stamps(folder: Path) -> None:
+    """Forget datasets that no longer exist, so the stamps stay as many as the datasets on this machine."""
+    for p in folder.glob("*.json"):
+        try:
+            if not Path(json.loads(p.read_text())["path"]).exists():
+                p.unlink()
+                p.with_suffix(".lock").unlink(missing_ok=True)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+
+
+def verify_hashes(data: PreparedData) -> None:
+    """Check every file's sha256 against the manifest, once per file on this machine.
+
+    A file whose (size, mtime, inode) were seen with the right hash before is not read again: the
+    stamp lives under `cache_root()/verified/`. So the first open of a dataset on a node reads it all
+    (about a second per GB), and later opens, by every rank and every restart, only stat the files.
+    The ranks of a node take a lock, so one of them hashes while the others wait for its stamp.
+    As in git's index, a file modified less than RACY_NS before it was hashed is not stamped (a
+    change within the same timestamp tick would keep its mtime). A change in place that keeps
+    size, mtime and inode is not seen: the check is against a wrong, partial or replaced file, not
+    against later bit rot.
+    """
+    folder = data._local()
+    stamp = _stamp_path(folder)
+    with _locked(stamp.with_suffix(".lock")):
+        known = _read_stamp(stamp, data)
+        fresh = {}
+        for name, _, sha in _files(data.manifest):
+            key = _file_key(folder / name)
+            if known.get(name) != [*key, sha]:
+                got = file_sha256(folder / name)
+                if got != sha:
+                    raise DataError(_hash_mismatch(str(folder / name), got, sha))
+                if key[1] > time.time_ns() - RACY_NS:
+                    continue  # hashed, but too fresh to vouch for later
+            fresh[name] = [*key, sha]
+        if fresh != known:
+            _write_stamp(stamp, data, fresh)
+
+
+def record_verified(data: PreparedData) -> None:
+    """Stamp every file of `data` as verified: for a writer that hashed the bytes as it wrote them
+    (`ray_jobs.prepare`, the copy of remote data), so that the first open does not read them again."""
+    folder = data._local()
+    stamp = _stamp_path(folder)
+    with _locked(stamp.with_suffix(".lock")):
+        _write_stamp(stamp, data, {name: [*_file_key(folder / name), sha] for name, _, sha in _files(data.manifest)})

@@ -1,0 +1,118 @@
+"""Every use of Ray's private internals, in one place, each with the public behaviour it falls back to.
+
+Checked against Ray 2.60.0 (`CHECKED_RAY_VERSION`). Each function reaches one internal module or name
+through `importlib` at call time and returns False, doing nothing, when that internal has moved; the run
+then behaves as plain Ray does:
+
+| function | internal it uses | when the internal is gone |
+|---|---|---|
+| `quiet_token_auth_notice` | the logger of `ray._private.authentication.authentication_token_setup` | Ray's notice that it turned token auth on shows |
+| `quiet_train_report_logs` | the logger of `ray.train.v2._internal.execution.context` (named after its file) | every `ray.train.report` is logged at INFO |
+| `route_worker_output` | `ray._private.ray_logging.global_worker_stdstream_dispatcher`, `ray._private.worker.print_to_stdstream` | Ray prints worker output to the console as usual |
+| `defer_sigterm_exit` | `ray._private.worker.raise_sys_exit_with_custom_error_message` | the first SIGTERM exits the worker at once |
+| `drain_announced` | `ray.train.v2._internal.execution.context.get_train_context` | `ray.train.get_preemption_info()` (a barrier) every 50th step |
+
+`tests/test_ray_compat.py` takes each internal away and checks its fallback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import time
+from collections.abc import Callable
+from types import ModuleType
+
+CHECKED_RAY_VERSION = "2.60.0"
+# Ray Train's controller polls its workers' reports every this many seconds (2 by default); read from the
+# environment of the process that calls fit(). Not a documented setting: see bench.overhead --mode report.
+CONTROLLER_POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+DRAIN_FALLBACK_EVERY = 50  # steps between the barrier calls of drain_announced's fallback (the same on every rank)
+
+_TOKEN_SETUP = "ray._private.authentication.authentication_token_setup"
+_TRAIN_CONTEXT = "ray.train.v2._internal.execution.context"
+_RAY_WORKER = "ray._private.worker"
+_RAY_LOGGING = "ray._private.ray_logging"
+
+
+def _internal(name: str) -> ModuleType | None:
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+def quiet_token_auth_notice() -> bool:
+    """Ray turns token auth on for a new local cluster and says so at WARNING: nothing for the user to do."""
+    module = _internal(_TOKEN_SETUP)
+    if module is None:
+        return False
+    logging.getLogger(module.__name__).setLevel(logging.ERROR)
+    return True
+
+
+def quiet_train_report_logs() -> bool:
+    """Ray Train logs every `ray.train.report` at INFO as a screen-wide `TrainingReport(...)` dump, on a logger named
+    after its file (so `LoggingConfig(log_level=...)` misses it); our own log line says what matters."""
+    module = _internal(_TRAIN_CONTEXT)
+    if module is None or not getattr(module, "__file__", None):
+        return False
+    logging.getLogger(module.__file__).setLevel(logging.WARNING)
+    return True
+
+
+def route_worker_output(handle: Callable[[dict], None], take_raylet: Callable[[dict], bool]) -> bool:
+    """In this driver, hand the worker output Ray would print (`ray_print_logs`) to `handle` instead, and offer each
+    raylet message to `take_raylet` first (it returns True when it took the message; Ray prints the others)."""
+    ray_worker, ray_logging = _internal(_RAY_WORKER), _internal(_RAY_LOGGING)
+    dispatcher = getattr(ray_logging, "global_worker_stdstream_dispatcher", None)
+    ray_print = getattr(ray_worker, "print_to_stdstream", None)
+    if dispatcher is None or ray_print is None or "ray_print_logs" not in [n for n, _ in getattr(dispatcher, "handlers", [])]:
+        return False
+    dispatcher.remove_handler("ray_print_logs")
+    dispatcher.add_handler("minilm_console", handle)
+
+    # The raylet's messages reach the driver through print_to_stdstream, looked up at call time.
+    def print_raylet(data: dict, ignore_prefix: bool) -> None:
+        if not take_raylet(data):
+            ray_print(data, ignore_prefix)
+
+    ray_worker.print_to_stdstream = print_raylet
+    return True
+
+
+def defer_sigterm_exit(on_sigterm: Callable[[], None]) -> bool:
+    """Let the first SIGTERM reach the step boundary instead of exiting the worker at once.
+
+    Ray's worker SIGTERM handler (main thread) exits through `raise_sys_exit_with_custom_error_message`, looked up
+    at call time. The first SIGTERM only calls `on_sigterm`, so the loop checkpoints at a step boundary and then
+    raises; a second SIGTERM exits as Ray would."""
+    ray_worker = _internal(_RAY_WORKER)
+    original = getattr(ray_worker, "raise_sys_exit_with_custom_error_message", None)
+    if original is None:
+        return False
+    seen = []
+
+    def deferred(message, exit_code=1, *args, **kwargs):
+        if "SIGTERM" in str(message) and not seen:
+            seen.append(time.time())
+            on_sigterm()
+            return
+        return original(message, exit_code, *args, **kwargs)
+
+    ray_worker.raise_sys_exit_with_custom_error_message = deferred
+    return True
+
+
+def drain_announced(call: int) -> bool:
+    """Has Ray announced a drain of a node hosting this worker group (`ray drain-node`, the autoscaler, a spot
+    reclaim)? Ray Train marks every worker of the group when it sees one; reading that mark is local.
+    `ray.train.get_preemption_info()` returns the same but is a barrier across workers, too slow for every step:
+    it is the fallback, on every DRAIN_FALLBACK_EVERY-th call (the same steps on every rank)."""
+    module = _internal(_TRAIN_CONTEXT)
+    try:
+        return module.get_train_context().preemption_context.preemption_info is not None
+    except AttributeError:
+        import ray.train
+
+        return call % DRAIN_FALLBACK_EVERY == 0 and ray.train.get_preemption_info() is not None
