@@ -189,17 +189,18 @@ def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
 
 def check_run(ref: Replay, weights: dict[str, torch.Tensor], metrics: list[dict], *, rtol_weights: float = 1e-5,
               rtol_loss: float = 1e-4, rtol_grad_norm: float = 1e-4) -> None:
-    """The run's final weights and every logged lr, loss and grad_norm against the replay."""
-    diff = max_rel_diff(weights, ref.weights)
-    assert diff <= rtol_weights, f"final weights differ from the reference replay by {diff:.3g} (relative)"
+    """Every logged lr, grad_norm and loss, step by step (the first step that differs names the mistake), then the
+    run's final weights, against the replay."""
     assert metrics, "no metrics were logged"
     for rec in metrics:
         step = rec["optimizer_step"]
         assert rec["lr"] == ref.lr[step], f"step {step}: lr {rec['lr']} logged, the schedule says {ref.lr[step]}"
-        assert abs(rec["loss"] - ref.loss[step]) <= rtol_loss * abs(ref.loss[step]), \
-            f"step {step}: loss {rec['loss']} logged, the replay computed {ref.loss[step]}"
         want = ref.grad_norm[step]
         assert (rec["grad_norm"] == want or  # inf or NaN: equal as non-finite
                 (not math.isfinite(want) and not math.isfinite(rec["grad_norm"])) or
                 abs(rec["grad_norm"] - want) <= rtol_grad_norm * abs(want)), \
             f"step {step}: grad_norm {rec['grad_norm']} logged, the replay computed {want}"
+        assert abs(rec["loss"] - ref.loss[step]) <= rtol_loss * abs(ref.loss[step]), \
+            f"step {step}: loss {rec['loss']} logged, the replay computed {ref.loss[step]}"
+    diff = max_rel_diff(weights, ref.weights)
+    assert diff <= rtol_weights, f"final weights differ from the reference replay by {diff:.3g} (relative)"
