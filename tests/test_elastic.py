@@ -160,7 +160,7 @@ def check_exact_resume(run_dir: Path, ids_dir: Path, data: Path) -> None:
     # in another order, which Adam carries through 32 steps (5e-5 seen). The mistakes this catches (an lr one step
     # off, another sample order, a micro-batch lost in a resize) move the weights by 1e-2 and more.
     check_run(replay(model_cfg, train_cfg, data, ids_dir, STEPS), weights(run_dir), read_metrics(run_dir),
-              rtol_weights=2e-4)
+              rtol_weights=2e-4, rtol_grad_norm=2e-4)
 
 
 def test_drained_then_lost_nodes_shrink_and_grow_without_changing_the_optimisation(cluster, data, storage, tmp_path):

@@ -2,9 +2,10 @@
 training device, the same collectives in the same order on every rank, no per-forward buffer broadcast.
 
 Each case runs the real `Trainer` on 2 processes (gloo, like `torchrun`) through logging, validation, a
-checkpoint, and a SIGTERM seen by one rank and agreed by both. The stand-in also refuses the code this project
-had before (the stop flags built as a CPU tensor and all-reduced after every step), which a GPU run would have
-crashed on at step 1.
+checkpoint, and a SIGTERM seen by one rank and agreed by both, with a training device for its collectives that is
+not the CPU (the stand-in's), so any host tensor reaching a collective is refused, however it was made. The
+stand-in also refuses the code this project had before (the stop flags built as a CPU tensor and all-reduced after
+every step), which a GPU run would have crashed on at step 1.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ def _rank(rank: int, world_size: int, port: int, data_dir: str, out: str, varian
     from safetensors.torch import save_file
 
     from minilm import data as D
-    from minilm.distributed import FlagAgreement
+    from minilm.distributed import Collectives, FlagAgreement
+    from minilm.step import NonFiniteGuard
     from minilm.train import LocalLauncher
     from minilm.trainer import Dataset, Preempted, RunOptions, Trainer
 
@@ -67,7 +69,11 @@ def _rank(rank: int, world_size: int, port: int, data_dir: str, out: str, varian
                                   run_dir=Path(out) / "run", say=lambda m: None)
         trainer = Trainer(model_cfg, train_cfg, RunOptions(name="nccl", run_dir=str(Path(out) / "run"),
                                                            val_samples=16, eval_every=4), data, launcher)
-        with NcclRules("cpu") as rules:
+        with NcclRules() as rules:
+            # The loop's collectives and the guard whose flags they agree on move to the stand-in's device, as they
+            # are on the GPU of a GPU run; the model and DDP stay on the CPU (gloo).
+            trainer.collectives = Collectives(rules.device)
+            trainer.guard = NonFiniteGuard(train_cfg.max_nonfinite_steps, rules.device)
             try:
                 trainer.fit()
                 result["outcome"] = "finished"
@@ -113,7 +119,7 @@ def test_the_stand_in_refuses_the_old_cpu_stop_flags(run_data, tmp_path):
     """What the loop did before: `torch.tensor([...])` (a CPU tensor on a GPU run) all-reduced after every step."""
     ranks = run_two_ranks(run_data, tmp_path / "old", "old-stop-flags")
     for r in ranks:
-        assert r["outcome"].startswith("violation: NCCL refuses this all_reduce: a tensor on meta"), r
+        assert r["outcome"].startswith("violation: NCCL refuses this all_reduce: a tensor on cpu"), r
         assert r["step"] == 1  # the first step's flags: where the first multi-GPU run would have crashed
 
 

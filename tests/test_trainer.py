@@ -35,8 +35,10 @@ def uninterrupted(run_data, tmp_path_factory):
     run_dir, ids = tmp_path_factory.mktemp("local") / "uninterrupted", tmp_path_factory.mktemp("ids")
     trainer, outcome, lines = run_local(run_data, run_dir, record=ids)
     model_cfg, train_cfg = configs()
-    ref = replay(model_cfg, train_cfg, run_data, ids, STEPS)
-    return {"run_dir": run_dir, "weights": checkpoint_weights(run_dir), "ref": ref, "outcome": outcome, "lines": lines}
+    ref = replay(model_cfg, train_cfg, run_data, ids, STEPS, fused=True)
+    minimind = replay(model_cfg, train_cfg, run_data, ids, STEPS)
+    return {"run_dir": run_dir, "weights": checkpoint_weights(run_dir), "ref": ref, "minimind": minimind,
+            "outcome": outcome, "lines": lines}
 
 
 def bitwise_equal(a: dict, b: dict) -> bool:
@@ -47,9 +49,12 @@ def test_an_uninterrupted_run_is_the_reference_replay(uninterrupted):
     assert uninterrupted["outcome"] == "finished"
     records = metrics(uninterrupted["run_dir"])
     assert [r["optimizer_step"] for r in records] == [4, 8, 12, 16, 20]
-    # one process, the same micro-batches in the same order: the replay's weights bit for bit
+    # one process, the same micro-batches in the same order, torch's fused AdamW kernel: the replay bit for bit
+    check_run(uninterrupted["ref"], uninterrupted["weights"], records, rtol_weights=0, rtol_loss=0, rtol_grad_norm=0)
     assert bitwise_equal(uninterrupted["weights"], uninterrupted["ref"].weights)
-    check_run(uninterrupted["ref"], uninterrupted["weights"], records, rtol_loss=0)
+    # MiniMind's for-loop AdamW rounds some elements of the same update differently: close to the run, not equal
+    check_run(uninterrupted["minimind"], uninterrupted["weights"], records, rtol_weights=1e-5, rtol_loss=1e-6,
+              rtol_grad_norm=1e-6)
     assert records[-1]["loss"] < records[0]["loss"]
     assert "starting run uninterrupted fresh: 20 optimizer steps" in uninterrupted["lines"][0]
 
@@ -62,7 +67,8 @@ def test_exit_after_steps_then_resume_is_bitwise_equal(run_data, tmp_path, unint
     assert outcome == "finished"
     assert any("resumed run split at optimizer step 8 (epoch 0, 128 samples)" in line for line in lines)
     assert bitwise_equal(checkpoint_weights(run_dir), uninterrupted["weights"])
-    check_run(replay(*configs(), run_data, ids, STEPS), checkpoint_weights(run_dir), metrics(run_dir), rtol_loss=0)
+    check_run(replay(*configs(), run_data, ids, STEPS, fused=True), checkpoint_weights(run_dir), metrics(run_dir),
+              rtol_weights=0, rtol_loss=0, rtol_grad_norm=0)
     steps = [r["optimizer_step"] for r in metrics(run_dir)]
     assert steps == sorted(set(steps)) and steps[-1] == STEPS
 
