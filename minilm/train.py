@@ -76,14 +76,13 @@ class LocalLauncher:
         return path
 
     def report(self, metrics: dict, checkpoint: Path | None, checkpointing: bool) -> None:
-        """Rank 0: the staged checkpoint becomes RUN_DIR/checkpoint_<step> in one rename; the oldest beyond
-        --keep-checkpoints go."""
+        """Rank 0: the staged checkpoint becomes RUN_DIR/checkpoint_<step> in one rename; complete ones beyond
+        the newest --keep-checkpoints go."""
         if checkpoint is None:
             return
         final = self.run_dir / C.checkpoint_dir_name(self.run_dir, metrics["optimizer_step"])
         os.replace(checkpoint, final)
-        for old in C.checkpoint_dirs(self.run_dir)[:-self.keep_checkpoints]:
-            shutil.rmtree(old, ignore_errors=True)
+        C.prune_checkpoints(self.run_dir, self.keep_checkpoints, self._say)
 
     def stop_flags(self) -> tuple[bool, bool]:
         return self.sigterm, False
@@ -171,6 +170,8 @@ def run_cli(argv: list[str] | None) -> int:
         configs = build_configs(args, file_values, RUN_KEYS, demo=demo)
         model_cfg, train_cfg, opts = configs
         notes = [fit_default_warmup(train_cfg, train_cfg.max_steps, configs.explicit) if train_cfg.max_steps else None]
+        if opts.get("keep_checkpoints") is not None and opts["keep_checkpoints"] < 1:
+            raise UsageError(f"--keep-checkpoints must be an integer >= 1, got {opts['keep_checkpoints']}")
         if not any(opts.get(k) for k in ("data", "tokens", "random_tokens")):
             raise UsageError("give the data to train on: --data DIR, --tokens FILE.npy or --random-tokens N")
         model_cfg.validate()

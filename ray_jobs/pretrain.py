@@ -334,9 +334,7 @@ def check_resumable(path: Path | None, model_cfg: ModelConfig, train_cfg: TrainC
     would silently change it; returns the checkpoint's state.json."""
     if path is None:
         return None
-    import json
-
-    state = json.loads((path / "state.json").read_text())
+    state = C.read_state(path)
     problems = C.resume_problems(state, model_cfg, train_cfg.global_batch_size, train_cfg.seed, prepared.fingerprint,
                                  dtype=train_cfg.dtype, optimizer=train_cfg.optimizer)
     if problems:
