@@ -53,6 +53,7 @@ CASES = [
     ("pretrain", ["--keep-checkpoints", "0"], "--keep-checkpoints must be an integer >= 1"),
     ("pretrain", ["--exit-after-minutes", "0"], "--exit-after-minutes must be > 0"),
     ("pretrain", ["--eval-every", "0"], "--eval-every must be >= 1"),
+    ("pretrain", ["--collective-timeout-s", "0.5"], "--collective-timeout-s must be >= 1, got 0.5"),
     ("pretrain", ["--resources-per-worker", "slot"], "expected NAME=N with N > 0"),
     ("pretrain", ["--cpus-per-worker", "many"], "--cpus-per-worker must be auto or a number > 0, got 'many'"),
     ("pretrain", ["--cpus-per-worker", "0"], "--cpus-per-worker must be auto or a number > 0"),
