@@ -34,6 +34,12 @@ from .data import file_sha256
 
 MARKER = "COMPLETE.json"
 RESUME_FILES = ("model.safetensors", "optimizer.pt", "scaler.pt", "state.json")
+# state.json's format: a change that an older reader would misread bumps it (and adds a fixture under
+# tests/fixtures/). A state.json without the key was written before it existed: format 1.
+STATE_FORMAT = 1
+# What a resume reads from state.json (train_config must hold the seed).
+STATE_KEYS = ("optimizer_step", "world_size", "accumulation_steps", "global_batch_size", "model_config",
+              "train_config", "data_fingerprint", "nonfinite_guard")
 
 
 class CheckpointError(RuntimeError):
@@ -58,6 +64,7 @@ def save_resume_state(path: str | os.PathLike, *, model: torch.nn.Module, optimi
     """
     path = Path(path)
     step = state.get("optimizer_step")
+    state = {"format_version": STATE_FORMAT, **state}
     writers = {
         "model.safetensors": lambda f: save_file(_tensors_for_safetensors(model.state_dict()), str(f)),
         "optimizer.pt": lambda f: _torch_save(optimizer.state_dict(), f),
@@ -170,8 +177,10 @@ class ResumeState:
     state: dict[str, Any]
 
 
-def load_resume_state(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> ResumeState:
-    """Verify, then load a resume checkpoint. Never unpickles arbitrary objects (weights_only=True)."""
+def load_resume_state(path: str | os.PathLike, map_location: str | torch.device = "cpu",
+                      keys: tuple[str, ...] = ()) -> ResumeState:
+    """Verify, then load a resume checkpoint. Never unpickles arbitrary objects (weights_only=True). `keys`: what
+    state.json must hold (a resume passes STATE_KEYS; an export needs only model_config)."""
     path = Path(path)
     verify(path)
     try:
@@ -179,10 +188,36 @@ def load_resume_state(path: str | os.PathLike, map_location: str | torch.device 
             model_state=load_file(str(path / "model.safetensors"), device=str(map_location)),
             optimizer_state=torch.load(path / "optimizer.pt", map_location=map_location, weights_only=True),
             scaler_state=torch.load(path / "scaler.pt", map_location="cpu", weights_only=True),
-            state=json.loads((path / "state.json").read_text()),
+            state=read_state(path, keys),
         )
+    except CheckpointError:
+        raise
     except Exception as e:  # hashes matched, so this is a format problem, not a torn write
         raise CheckpointError(f"checkpoint {path} could not be loaded: {type(e).__name__}: {e}") from None
+
+
+def read_state(path: str | os.PathLike, keys: tuple[str, ...] = STATE_KEYS) -> dict[str, Any]:
+    """A checkpoint's state.json, refused with one CheckpointError line when this version cannot use it:
+    unreadable, written in a newer format, or lacking one of `keys` (never a KeyError later)."""
+    f = Path(path) / "state.json"
+    try:
+        state = json.loads(f.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"checkpoint {path}: state.json is unreadable ({e})") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"checkpoint {path}: state.json holds a {type(state).__name__}, not a mapping")
+    version = state.get("format_version", 1)
+    if not isinstance(version, int) or version > STATE_FORMAT or version < 1:
+        raise CheckpointError(f"checkpoint {path} has state.json format {version!r}, and this version of minilm "
+                              f"reads formats 1 to {STATE_FORMAT}: resume it with the minilm that wrote it (or a "
+                              f"newer one)")
+    missing = [k for k in keys if k not in state]
+    if "train_config" in keys and "train_config" in state and "seed" not in (state["train_config"] or {}):
+        missing.append("train_config.seed")
+    if missing:
+        raise CheckpointError(f"checkpoint {path}: state.json lacks {', '.join(missing)} (format {version}): "
+                              f"it was not written by minilm, or was edited; resume another checkpoint")
+    return state
 
 
 def resume_problems(state: dict[str, Any], model_config: ModelConfig, global_batch_size: int, seed: int,
@@ -277,6 +312,25 @@ def checkpoint_dirs(run_dir: str | os.PathLike | None) -> list[Path]:
     if run_dir is None or not Path(run_dir).is_dir():
         return []
     return sorted(p for p in Path(run_dir).glob("checkpoint_*") if p.is_dir())
+
+
+def prune_checkpoints(run_dir: str | os.PathLike | None, keep: int, log=print) -> None:
+    """Keep the newest `keep` complete checkpoints (those with a marker) of a local run folder; delete the older
+    ones and the incomplete folders older than them. A folder that cannot be deleted is logged and stays: a
+    failed delete never stops a run."""
+    dirs = checkpoint_dirs(run_dir)
+    complete = [p for p in dirs if (p / MARKER).is_file()]
+    if len(complete) <= keep:
+        return
+    oldest_kept = complete[-keep]
+    for old in dirs:
+        if old.name >= oldest_kept.name:
+            continue
+        try:
+            shutil.rmtree(old)
+        except OSError as e:
+            log(f"warning: could not delete old checkpoint {old} (--keep-checkpoints {keep}): "
+                f"{e.strerror or e}; it stays on disk, and the run goes on")
 
 
 def latest_complete(checkpoint_dirs: list[Path], log=print) -> Path | None:

@@ -126,10 +126,46 @@ class FlagAgreement:
         return reasons
 
 
-def init_from_torchrun(backend: str | None = None) -> tuple[int, int, torch.device]:
+# How long a rank waits in one collective for the others before the run fails (--collective-timeout-s). It must
+# outlast the longest legitimate wait: rank 0 writing a checkpoint while the others wait in the next step's
+# all-reduce, a first step that compiles. GPU (NCCL): NCCL's own default; a step takes milliseconds. CPU (gloo):
+# torch's gloo default, since a CPU step of a MiniMind-size model and its checkpoint writes take seconds to minutes.
+COLLECTIVE_TIMEOUT_S = {"cuda": 600.0, "cpu": 1800.0}
+
+
+def collective_timeout_s(device_type: str, given: float | None = None) -> float:
+    """--collective-timeout-s, or the default for the training device."""
+    return float(given) if given is not None else COLLECTIVE_TIMEOUT_S.get(device_type, COLLECTIVE_TIMEOUT_S["cpu"])
+
+
+def collective_failure(e: BaseException, timeout_s: float, rank: int, world_size: int) -> str | None:
+    """One line for a collective that timed out or lost a peer (a rank hangs, straggles or died), None for any
+    other error. gloo's error names no rank; with two ranks the one that did not answer is the other."""
+    if not (type(e) is RuntimeError or isinstance(e, dist.DistError)):  # minilm's own errors are subclasses
+        return None
+    text = str(e)
+    low = text.lower()
+    other = f"rank {1 - rank}" if world_size == 2 else "another rank"
+    if "timed out" in low or "timeout" in low:
+        what = (f"a collective on rank {rank} timed out after {timeout_s:g} s (--collective-timeout-s): {other} did "
+                f"not answer (hung, straggling or gone)")
+    elif any(k in low for k in ("connection closed by peer", "connection reset", "pair closure", "broken pipe")):
+        what = f"rank {rank} lost its connection to {other} in a collective (that rank stopped answering or died)"
+    else:
+        return None
+    detail = text.strip().splitlines()[-1].split("] ", 1)[-1][:160] if text.strip() else type(e).__name__
+    return f"{what} [{detail}]; the checkpoints written so far are intact: continue with --resume auto"
+
+
+class CollectiveError(RuntimeError):
+    """A collective timed out or lost a peer; the message is `collective_failure`'s line."""
+
+
+def init_from_torchrun(backend: str | None = None, timeout_s: float | None = None) -> tuple[int, int, torch.device]:
     """`torchrun` sets RANK / WORLD_SIZE / LOCAL_RANK: join its process group; (rank, world size, device).
 
-    NCCL on CUDA (one GPU per local rank), gloo on CPU. Without torchrun: (0, 1, cuda:0 or cpu).
+    NCCL on CUDA (one GPU per local rank), gloo on CPU, with the collective timeout `timeout_s` (default:
+    COLLECTIVE_TIMEOUT_S for the device). Without torchrun: (0, 1, cuda:0 or cpu).
     """
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -141,7 +177,10 @@ def init_from_torchrun(backend: str | None = None) -> tuple[int, int, torch.devi
     else:
         device = torch.device("cpu")
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend or ("nccl" if device.type == "cuda" else "gloo"))
+        from datetime import timedelta
+
+        dist.init_process_group(backend or ("nccl" if device.type == "cuda" else "gloo"),
+                                timeout=timedelta(seconds=collective_timeout_s(device.type, timeout_s)))
     return rank, world_size, device
 
 

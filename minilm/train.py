@@ -36,7 +36,13 @@ from .cli import (
     load_yaml,
 )
 from .config import ConfigError, ModelConfig, TrainConfig, check_fits
-from .distributed import Collectives, init_from_torchrun, leave_process_group
+from .distributed import (
+    Collectives,
+    collective_failure,
+    collective_timeout_s,
+    init_from_torchrun,
+    leave_process_group,
+)
 from .model import MiniMindForCausalLM
 from .rows import rows_note
 from .step import NonFiniteLossError, resolve_dtype
@@ -76,14 +82,13 @@ class LocalLauncher:
         return path
 
     def report(self, metrics: dict, checkpoint: Path | None, checkpointing: bool) -> None:
-        """Rank 0: the staged checkpoint becomes RUN_DIR/checkpoint_<step> in one rename; the oldest beyond
-        --keep-checkpoints go."""
+        """Rank 0: the staged checkpoint becomes RUN_DIR/checkpoint_<step> in one rename; complete ones beyond
+        the newest --keep-checkpoints go."""
         if checkpoint is None:
             return
         final = self.run_dir / C.checkpoint_dir_name(self.run_dir, metrics["optimizer_step"])
         os.replace(checkpoint, final)
-        for old in C.checkpoint_dirs(self.run_dir)[:-self.keep_checkpoints]:
-            shutil.rmtree(old, ignore_errors=True)
+        C.prune_checkpoints(self.run_dir, self.keep_checkpoints, self._say)
 
     def stop_flags(self) -> tuple[bool, bool]:
         return self.sigterm, False
@@ -129,7 +134,8 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, sequences: torch.Tenso
 # ---- the command line ---------------------------------------------------------------------------------
 
 RUN_KEYS = frozenset({"data", "tokens", "random_tokens", "run_dir", "name", "resume", "keep_checkpoints",
-                      "exit_after_steps", "exit_after_minutes", "val_samples", "eval_every", "tracker"})
+                      "exit_after_steps", "exit_after_minutes", "val_samples", "eval_every", "tracker",
+                      "collective_timeout_s"})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -151,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--eval-every", type=int, help="optimizer steps between val_loss evaluations")
     r.add_argument("--tracker", action="append", metavar="none|tensorboard|mlflow|wandb",
                    help="experiment tracker(s), as for ray_jobs.pretrain (needs --run-dir)")
+    r.add_argument("--collective-timeout-s", type=float,
+                   help="under torchrun: seconds a rank waits in one collective for the others before the run fails "
+                        "(a rank hung or gone); default 600 on GPUs (NCCL), 1800 on CPUs (gloo)")
     add_config_flags(p)
     return p
 
@@ -171,13 +180,17 @@ def run_cli(argv: list[str] | None) -> int:
         configs = build_configs(args, file_values, RUN_KEYS, demo=demo)
         model_cfg, train_cfg, opts = configs
         notes: list[str | None] = []  # shown under the start line (rank 0)
+        if opts.get("keep_checkpoints") is not None and opts["keep_checkpoints"] < 1:
+            raise UsageError(f"--keep-checkpoints must be an integer >= 1, got {opts['keep_checkpoints']}")
         if not any(opts.get(k) for k in ("data", "tokens", "random_tokens")):
             raise UsageError("give the data to train on: --data DIR, --tokens FILE.npy or --random-tokens N")
         model_cfg.validate()
         train_cfg.validate()
         check_fits(model_cfg, train_cfg)
         hooks = hooks_from_env(warn=lambda m: print(m, file=sys.stderr))
-        rank, world_size, device = init_from_torchrun()
+        if opts.get("collective_timeout_s") is not None and not opts["collective_timeout_s"] > 0:
+            raise UsageError(f"--collective-timeout-s must be > 0, got {opts['collective_timeout_s']}")
+        rank, world_size, device = init_from_torchrun(timeout_s=opts.get("collective_timeout_s"))
         train_cfg.validate(world_size=world_size)
         data = load_data(opts, model_cfg, train_cfg, notes)
         run_dir = Path(opts["run_dir"]).resolve() if opts.get("run_dir") else None
@@ -208,6 +221,12 @@ def run_cli(argv: list[str] | None) -> int:
         return fail("interrupted; continue with --resume auto and the same --run-dir", EXIT_INTERRUPTED)
     except (Preempted, NonFiniteLossError, C.CheckpointError) as e:
         return fail(f"training stopped: {e}", EXIT_FAILED)
+    except RuntimeError as e:  # torch.distributed's errors (DistBackendError among them) are RuntimeErrors
+        line = collective_failure(e, collective_timeout_s(device.type, opts.get("collective_timeout_s")), rank,
+                                  world_size) if world_size > 1 else None
+        if line is None:
+            raise
+        return fail(f"training failed: {line}", EXIT_FAILED)
     finally:
         trainer.close(outcome)
     if rank == 0:

@@ -216,7 +216,7 @@ class Trainer:
         path = self.launcher.checkpoint_to_resume(self.log_line)
         if path is None:
             return None
-        resume = C.load_resume_state(path)
+        resume = C.load_resume_state(path, keys=C.STATE_KEYS)
         s = resume.state
         problems = C.resume_problems(s, self.model_cfg, self.train_cfg.global_batch_size, self.train_cfg.seed,
                                      self.data.fingerprint, dtype=self.train_cfg.dtype,

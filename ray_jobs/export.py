@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        resume = C.load_resume_state(args.checkpoint)
+        resume = C.load_resume_state(args.checkpoint, keys=("model_config",))
         config = ModelConfig.from_dict(resume.state["model_config"])
         model = MiniMindForCausalLM(config)
         model.load_state_dict(resume.model_state, strict=True)

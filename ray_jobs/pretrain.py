@@ -34,6 +34,7 @@ from minilm.cli import (
     load_yaml,
 )
 from minilm.config import ConfigError, ModelConfig, TrainConfig, check_fits, valid_world_sizes
+from minilm.distributed import collective_timeout_s
 from minilm.progress import MetricsLog, format_duration
 from minilm.rows import rows_note
 from minilm.timeline import TIMELINE, WorldSizeTimeline, format_timeline
@@ -44,7 +45,7 @@ from .elastic import SHARED_STORAGE_HINT, nodes_missing_path
 from .ray_compat import CONTROLLER_POLL_ENV
 
 RUN_KEYS = {"data", "num_workers", "use_gpu", "cpus_per_worker", "storage_path", "name", "resume", "max_failures",
-            "keep_checkpoints", "exit_after_steps", "exit_after_minutes", "val_samples", "backend_timeout_s",
+            "keep_checkpoints", "exit_after_steps", "exit_after_minutes", "val_samples", "collective_timeout_s",
             "num_cpus", "elastic_check_seconds", "eval_every", "resources_per_worker", "tracker", "mlflow_uri",
             "wandb_project", "allow_config_change"}
 
@@ -77,7 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--eval-every", type=int, help="optimizer steps between val_loss evaluations "
                                                    "(default: --checkpoint-every)")
     r.add_argument("--elastic-check-seconds", type=float, help="how often Ray checks to resize an elastic run")
-    r.add_argument("--backend-timeout-s", type=int, help="collective timeout (gloo/nccl), default 600")
+    r.add_argument("--collective-timeout-s", "--backend-timeout-s", type=float, dest="collective_timeout_s",
+                   help="seconds a rank waits in one collective for the others before its worker fails (a rank hung "
+                        "or gone; with --max-failures the group restarts from the last checkpoint); default 600 on "
+                        "GPUs (NCCL), 1800 on CPUs (gloo)")
     r.add_argument("--num-cpus", type=int, help="logical CPUs of a local Ray (default max(8, 2 x cores))")
     r.add_argument("--tracker", action="append", metavar="none|tensorboard|mlflow|wandb",
                    help="experiment tracker(s) rank 0 logs every reported metric to (repeat, or comma-separate); "
@@ -93,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 RUN_DEFAULTS = {"num_workers": "2", "use_gpu": "auto", "cpus_per_worker": "auto", "storage_path": "./runs",
                 "resume": "auto", "max_failures": 0, "keep_checkpoints": 3, "val_samples": 0,
-                "backend_timeout_s": 600, "elastic_check_seconds": 60.0}
+                "elastic_check_seconds": 60.0}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,6 +136,8 @@ class RunPlan:
             "model": self.model_cfg.to_dict(), "train": self.train_cfg.to_dict(),
             "run": {"name": name, "run_id": f"{name}-{int(time.time())}", "data_dir": str(self.data_dir),
                     "run_dir": str(run_dir) if run_dir else None, "val_samples": self.opts["val_samples"],
+                    "storage_dir": f"{self.storage.split('?', 1)[0].rstrip('/')}/{name}",
+                    "collective_timeout_s": self.opts.get("collective_timeout_s"),
                     "eval_every": self.opts.get("eval_every") or self.train_cfg.checkpoint_every,
                     "resume_path": str(self.resume_path) if self.resume_path else None,
                     "exit_after_steps": self.opts.get("exit_after_steps"),
@@ -163,6 +169,8 @@ def check_options(model_cfg: ModelConfig, train_cfg: TrainConfig, opts: dict) ->
             raise UsageError(f"--{key.replace('_', '-')} must be >= 1")
     if opts.get("exit_after_minutes") is not None and not opts["exit_after_minutes"] > 0:
         raise UsageError("--exit-after-minutes must be > 0")
+    if opts.get("collective_timeout_s") is not None and not opts["collective_timeout_s"] >= 1:
+        raise UsageError(f"--collective-timeout-s must be >= 1, got {opts['collective_timeout_s']}")
     if str(opts["cpus_per_worker"]) != "auto":
         given = opts["cpus_per_worker"]
         try:
@@ -334,9 +342,7 @@ def check_resumable(path: Path | None, model_cfg: ModelConfig, train_cfg: TrainC
     would silently change it; returns the checkpoint's state.json."""
     if path is None:
         return None
-    import json
-
-    state = json.loads((path / "state.json").read_text())
+    state = C.read_state(path)
     problems = C.resume_problems(state, model_cfg, train_cfg.global_batch_size, train_cfg.seed, prepared.fingerprint,
                                  dtype=train_cfg.dtype, optimizer=train_cfg.optimizer)
     if problems:
@@ -454,8 +460,8 @@ def make_trainer(config: dict, opts: dict, storage: str, name: str, workers: tup
                            callbacks=callbacks,
                            worker_runtime_env={"env_vars": worker_env(opts)})
     return TorchTrainer(train_func, train_loop_config=config, scaling_config=scaling, run_config=run_config,
-                        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo",
-                                                 timeout_s=opts["backend_timeout_s"]))
+                        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo", timeout_s=round(
+                            collective_timeout_s("cuda" if use_gpu else "cpu", opts.get("collective_timeout_s")))))
 
 
 CONTROLLER_POLL_S = "0.1"

@@ -19,6 +19,7 @@ import torch
 from minilm import checkpoint as C
 from minilm import data as D
 from minilm.config import ModelConfig, TrainConfig
+from minilm.distributed import CollectiveError, collective_failure, collective_timeout_s
 from minilm.trainer import Dataset, Preempted, RunOptions, Trainer
 
 from . import console, dashboard_metrics, ray_compat
@@ -38,6 +39,13 @@ def train_func(config: dict) -> None:
     except Preempted:
         outcome = "killed"
         raise
+    except RuntimeError as e:  # a rank that hangs or died: one line, and the worker group fails (restarts)
+        line = collective_failure(e, collective_timeout_s(launcher.device.type, run.get("collective_timeout_s")),
+                                  launcher.rank, launcher.world_size) if launcher.world_size > 1 else None
+        if line is None:
+            raise
+        console.say(f"warning: {line}")
+        raise CollectiveError(line) from None
     finally:
         trainer.close(outcome)
 
@@ -114,11 +122,11 @@ class RayLauncher:
             ckpt = ray.train.Checkpoint.from_directory(checkpoint) if checkpoint is not None else None
             try:
                 ray.train.report(public, checkpoint=ckpt, checkpoint_dir_name=dir_name)
-            except Exception as e:  # Ray's upload to the storage path: a full disk there is one clear line too
-                if ckpt is None or not C.is_disk_full(e):
+            except Exception as e:  # Ray's upload to the storage path (pyarrow raises OSError): one clear line
+                if ckpt is None or not (isinstance(e, OSError) or C.is_disk_full(e)):
                     raise
-                raise C.CheckpointError(C.write_error(f"{self.run.get('run_dir') or 'the storage path'}/{dir_name}",
-                                                      step, "upload", e)) from None
+                where = self.run.get("run_dir") or self.run.get("storage_dir") or "the storage path"
+                raise C.CheckpointError(C.write_error(f"{where}/{dir_name}", step, "upload", e)) from None
         finally:
             if checkpoint is not None:
                 shutil.rmtree(checkpoint, ignore_errors=True)

@@ -36,12 +36,13 @@ def configs(**train) -> tuple[ModelConfig, TrainConfig]:
 
 def run_local(data_dir: Path, run_dir: Path, *, record: Path | None = None, resume: str = "auto",
               exit_after_steps: int | None = None, hooks: dict | None = None, val_samples: int = 0,
-              **train) -> tuple[Trainer, str, list[str]]:
+              keep_checkpoints: int = 3, **train) -> tuple[Trainer, str, list[str]]:
     """One Trainer in this process on the prepared data; returns (trainer, outcome, log lines)."""
     model_cfg, train_cfg = configs(**train)
     data = Dataset.prepared(D.open_prepared(data_dir))
     lines: list[str] = []
-    launcher = LocalLauncher(data, train_cfg.micro_batch_size, run_dir=run_dir, resume=resume, say=lines.append)
+    launcher = LocalLauncher(data, train_cfg.micro_batch_size, run_dir=run_dir, resume=resume,
+                             keep_checkpoints=keep_checkpoints, say=lines.append)
     fault_hooks = FaultHooks(record_sample_ids=str(record) if record else None, **(hooks or {}))
     run = RunOptions(name=Path(run_dir).name, run_dir=str(run_dir), exit_after_steps=exit_after_steps,
                      val_samples=val_samples)

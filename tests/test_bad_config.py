@@ -53,6 +53,7 @@ CASES = [
     ("pretrain", ["--keep-checkpoints", "0"], "--keep-checkpoints must be an integer >= 1"),
     ("pretrain", ["--exit-after-minutes", "0"], "--exit-after-minutes must be > 0"),
     ("pretrain", ["--eval-every", "0"], "--eval-every must be >= 1"),
+    ("pretrain", ["--collective-timeout-s", "0.5"], "--collective-timeout-s must be >= 1, got 0.5"),
     ("pretrain", ["--resources-per-worker", "slot"], "expected NAME=N with N > 0"),
     ("pretrain", ["--cpus-per-worker", "many"], "--cpus-per-worker must be auto or a number > 0, got 'many'"),
     ("pretrain", ["--cpus-per-worker", "0"], "--cpus-per-worker must be auto or a number > 0"),
@@ -84,6 +85,9 @@ CASES = [
     ("tune", ["--search", "lr=loguniform"], "cannot parse"),
     ("tune", [], "nothing to search"),
 ]
+# What state.json holds beside the fields these tests vary (a resume refuses a state.json without them).
+RESUME_POSITION = {"world_size": 1, "accumulation_steps": 4,
+                   "nonfinite_guard": {"skipped_total": 0, "in_a_row": 0, "first_step_in_a_row": 0}}
 MODULES = {"pretrain": pretrain, "prepare": prepare, "tune": tune, "export": export}
 
 
@@ -178,7 +182,7 @@ def test_resuming_with_other_data_or_model_is_refused_before_start(ray_address, 
     model = MiniMindForCausalLM(cfg)
     tcfg = TrainConfig(seq_len=32, micro_batch_size=4, global_batch_size=16, max_steps=4, warmup_steps=1)
     state = {"optimizer_step": 2, "global_batch_size": 16, "model_config": cfg.to_dict(),
-             "train_config": tcfg.to_dict(), "data_fingerprint": "0" * 64}
+             "train_config": tcfg.to_dict(), "data_fingerprint": "0" * 64, **RESUME_POSITION}
     ckpt = tmp_path / "runs" / "old" / "checkpoint_00000002"
     C.save_resume_state(ckpt, model=model, optimizer=make_optimizer(model, tcfg),
                         scaler=make_grad_scaler(torch.float32, "cpu"), state=state)
@@ -216,7 +220,7 @@ def test_resuming_with_another_schedule_or_optimizer_needs_allow_config_change(r
     tcfg = TrainConfig(seq_len=32, micro_batch_size=4, global_batch_size=16, max_steps=4, warmup_steps=1, dtype="fp32")
     model = MiniMindForCausalLM(cfg)
     state = {"optimizer_step": 2, "global_batch_size": 16, "model_config": cfg.to_dict(), "dtype": "float32",
-             "train_config": tcfg.to_dict(), "data_fingerprint": prepared_fp, "val_samples": 0}
+             "train_config": tcfg.to_dict(), "data_fingerprint": prepared_fp, "val_samples": 0, **RESUME_POSITION}
     C.save_resume_state(tmp_path / "runs" / "r" / "checkpoint_00000002", model=model,
                         optimizer=make_optimizer(model, tcfg), scaler=make_grad_scaler(torch.float32, "cpu"),
                         state=state)

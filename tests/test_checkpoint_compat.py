@@ -1,0 +1,136 @@
+"""Checkpoints across versions and over a run's life: a checkpoint written by an earlier minilm resumes (the
+fixtures in tests/fixtures/, one per state.json format), a state.json this version cannot use is one line and
+exit 2, and --keep-checkpoints keeps the newest complete checkpoints (a failed delete is logged, not fatal)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from fixtures.make_checkpoint_fixture import CHECKPOINT_STEP, RESUMED_TO, fixture_tokens, train_args
+from inprocess import metrics, run_local
+from reference import expected_global_batch
+from safetensors.torch import load_file
+
+from minilm import checkpoint as C
+from minilm.config import ModelConfig
+from minilm.model import MiniMindForCausalLM
+from minilm.train import main as train_main
+from minilm.train import sequences_from_tokens
+
+FIXTURES = Path(__file__).parent / "fixtures"
+FORMATS = sorted(p.name for p in FIXTURES.glob("checkpoint_format*") if p.is_dir())
+CHECKPOINT = f"checkpoint_{CHECKPOINT_STEP:08d}"
+
+
+def test_every_state_format_up_to_todays_has_a_fixture():
+    assert FORMATS == [f"checkpoint_format{v}" for v in range(1, C.STATE_FORMAT + 1)]
+
+
+def resumable_copy(fixture: str, tmp_path: Path) -> tuple[Path, Path]:
+    """The fixture's checkpoint in a fresh run folder, and its token ids in a .npy: (run_dir, tokens_file)."""
+    run_dir, tokens = tmp_path / "run", tmp_path / "tokens.npy"
+    shutil.copytree(FIXTURES / fixture / CHECKPOINT, run_dir / CHECKPOINT)
+    np.save(tokens, fixture_tokens())
+    return run_dir, tokens
+
+
+@pytest.mark.parametrize("fixture", FORMATS)
+def test_a_checkpoint_of_an_earlier_format_resumes_and_logs_the_losses_of_its_day(fixture, tmp_path, capsys):
+    """Resumed with today's code, the fixture logs at every step the lr and the loss that the code which wrote it
+    logged after it (logged.json): the lr exactly (a function of the step), the loss within 1e-4 relative (another
+    torch or CPU may round the same math differently). The loss of the first resumed step is also computed here
+    from the checkpoint's weights alone (a forward pass on that step's rows, by the order contract)."""
+    run_dir, tokens = resumable_copy(fixture, tmp_path)
+    assert train_main(train_args(tokens, run_dir)) == 0
+    out = capsys.readouterr().out
+    assert f"resumed run run at optimizer step {CHECKPOINT_STEP} " in out, out
+    logged = {int(k): v for k, v in json.loads((FIXTURES / fixture / "logged.json").read_text()).items()}
+    records = {r["optimizer_step"]: r for r in metrics(run_dir)}
+    assert sorted(records) == sorted(logged) == list(range(CHECKPOINT_STEP + 1, RESUMED_TO + 1))
+    for step, then in logged.items():
+        assert records[step]["lr"] == pytest.approx(then["lr"], rel=1e-12), step
+        assert records[step]["loss"] == pytest.approx(then["loss"], rel=1e-4), step
+
+    state = json.loads((FIXTURES / fixture / CHECKPOINT / "state.json").read_text())
+    model = MiniMindForCausalLM(ModelConfig.from_dict(state["model_config"]))
+    model.load_state_dict(load_file(str(FIXTURES / fixture / CHECKPOINT / "model.safetensors")), strict=True)
+    rows = sequences_from_tokens(fixture_tokens(), state["train_config"]["seq_len"])
+    ids = expected_global_batch(len(rows), 0, state["train_config"]["seed"], state["global_batch_size"],
+                                CHECKPOINT_STEP)
+    with torch.no_grad():
+        first = np.mean([model(mb, labels=mb).loss.item()
+                         for mb in rows[ids].split(state["train_config"]["micro_batch_size"])])
+    assert records[CHECKPOINT_STEP + 1]["loss"] == pytest.approx(first, rel=1e-5)
+
+
+def edit_state(checkpoint: Path, edit) -> None:
+    """Change state.json and re-hash it: the checkpoint stays complete, only its content is off."""
+    state = json.loads((checkpoint / "state.json").read_text())
+    edit(state)
+    (checkpoint / "state.json").write_text(json.dumps(state))
+    C.write_marker(checkpoint, C.RESUME_FILES)
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda s: s.pop("nonfinite_guard"), "state.json lacks nonfinite_guard (format 1)"),
+    (lambda s: s["train_config"].pop("seed"), "state.json lacks train_config.seed"),
+    (lambda s: s.update(format_version=C.STATE_FORMAT + 1),
+     f"has state.json format {C.STATE_FORMAT + 1}, and this version of minilm reads formats 1 to {C.STATE_FORMAT}"),
+], ids=["lacks-a-key", "lacks-the-seed", "future-format"])
+@pytest.mark.parametrize("resume", ["auto", "path"])
+def test_a_state_json_this_version_cannot_use_is_one_line_and_exit_2(edit, message, resume, tmp_path, capsys):
+    run_dir, tokens = resumable_copy(FORMATS[-1], tmp_path)
+    edit_state(run_dir / CHECKPOINT, edit)
+    extra = ["--resume", str(run_dir / CHECKPOINT)] if resume == "path" else []
+    assert train_main([*train_args(tokens, tmp_path / "other" if extra else run_dir), *extra]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1 and captured.err.startswith("error: checkpoint "), captured.err
+    assert message in captured.err and "Traceback" not in captured.err
+    assert not (tmp_path / "other" / "metrics.jsonl").exists() and not (run_dir / "metrics.jsonl").exists()
+
+
+def test_the_ray_driver_refuses_such_a_state_json_before_any_worker(tmp_path):
+    """ray_jobs.pretrain reads the checkpoint it will resume with the same check (its main turns the
+    CheckpointError into the one line and exit 2, before Ray starts any worker)."""
+    from ray_jobs.pretrain import check_resumable
+
+    run_dir, _ = resumable_copy(FORMATS[-1], tmp_path)
+    edit_state(run_dir / CHECKPOINT, lambda s: s.pop("global_batch_size"))
+    with pytest.raises(C.CheckpointError, match="state.json lacks global_batch_size"):
+        check_resumable(run_dir / CHECKPOINT, None, None, None, {})
+
+
+def test_keep_checkpoints_keeps_the_newest_complete_ones_and_a_failed_delete_only_logs(run_data, tmp_path,
+                                                                                       monkeypatch):
+    """--keep-checkpoints 2 over 16 steps (a checkpoint every 4): checkpoints 12 and 16 are left, and a torn folder
+    older than them goes too. Deleting checkpoint 4 fails once (EACCES): the run logs it, goes on, and deletes it
+    at the next checkpoint."""
+    run_dir = tmp_path / "keep2"
+    torn = run_dir / "checkpoint_00000001"  # a leftover without its marker, older than every checkpoint
+    torn.mkdir(parents=True)
+    (torn / "model.safetensors").write_bytes(b"partial")
+    real_rmtree, failed = shutil.rmtree, []
+
+    def rmtree(path, *args, **kwargs):
+        if Path(path).name == "checkpoint_00000004" and not failed:
+            failed.append(path)
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(C.shutil, "rmtree", rmtree)
+    _, outcome, lines = run_local(run_data, run_dir, keep_checkpoints=2, max_steps=16)
+    assert outcome == "finished" and failed
+    assert [p.name for p in C.checkpoint_dirs(run_dir)] == ["checkpoint_00000012", "checkpoint_00000016"]
+    warnings = [line for line in lines if line.startswith("warning: could not delete old checkpoint")]
+    assert len(warnings) == 1 and "checkpoint_00000004 (--keep-checkpoints 2): Permission denied" in warnings[0]
+    assert "the run goes on" in warnings[0]
+
+
+def test_keep_checkpoints_below_one_is_refused(capsys):
+    assert train_main(["--random-tokens", "2000", "--keep-checkpoints", "0"]) == 2
+    assert capsys.readouterr().err == "error: --keep-checkpoints must be an integer >= 1, got 0\n"
