@@ -9,7 +9,7 @@ seconds (a part that would start past it is reported as skipped). In this order 
 Ray last, so that a time-out loses the least):
 
   preflight            versions (torch, CUDA, driver, Triton, Ray), `import ray.train.torch, ray.data`, a tiny
-                       compiled forward+backward on the device, SDPA's flash kernel at the check's shape (CUDA),
+                       compiled forward+backward and SDPA's flash kernel at the check's shape (both CUDA only),
                        the TF32 state as both the legacy and the new getters see it; if it fails, the check stops
                        with its one line
   step-26m-eager, step-104m-eager
@@ -17,22 +17,29 @@ Ray last, so that a time-out loses the least):
                        process, MiniMind-26M (hidden 512, 8 layers, micro-batch 32: MiniMind's batch) and
                        MiniMind-104M (hidden 768, 16 layers, micro-batch 128: nanochat's 64k tokens per step),
                        seq 512: tokens/s, MFU, peak memory
-  trainer              `python -m minilm.train` on random tokens at the 26M shape: the Trainer alone, no Ray
+  trainer              `python -m minilm.train` on random tokens at the 26M shape: the Trainer alone, no Ray,
+                       with --val-samples (validation on the device)
   fp16                 `bench.fp16_check`: 50 steps of fp16 with the GradScaler, an overflow injected
   step-26m-compiled, step-104m-compiled
                        the same rows with `--compile` (one process each: an Inductor failure or time-out loses
                        that row only), plus compile seconds, graph breaks and recompiles
+                       (the compiled 26M row adds one step under torch.profiler: its top kernels, flash or not)
   moe-26m-eager, moe-26m-compiled
                        the 26M shape with 4 experts, top-1 (the same active width)
+  docmask-26m-compiled, muon-26m-compiled, ac-104m-compiled
+                       --document-mask, Muon, activation checkpointing at 104M: the paths a run switches on
+  checkpoint-104m      `bench.checkpoint` at 104M: save and restore, their share of wall time at the default
+                       checkpoint_every against the compiled 104M step
   prepare              the demo corpus through `python -m ray_jobs.prepare` at seq 512
   ray-job              `python -m ray_jobs.pretrain --use-gpu true --num-workers 1` at the 26M shape, stopped
                        halfway by --exit-after-steps and run again to continue (--resume auto); the first half
                        with RAY_TRAIN_HEALTH_CHECK_INTERVAL_S=2 (Ray's default), the second with the job's 0.1 s
   export, sample       `python -m ray_jobs.export` of the last checkpoint, `python -m minilm.sample` from it
-  stream               the Ray Data stream's delivery rate on this machine's CPUs at seq 512, micro-batch 32:
-                       one rank's `ray_jobs.stream.RankStream` (the job's pipeline) driven here alone
+  stream               the Ray Data stream's delivery rate to the device at seq 512, micro-batch 32: one
+                       rank's `ray_jobs.stream.RankStream` (the job's pipeline, pinned async copies) driven alone
 
-The Ray parts share one local Ray that this check starts (or the cluster in RAY_ADDRESS) and stops at exit. The
+The rows from moe-26m-eager on start only while 150 s of the budget stay for the Ray parts (on the GPU; their
+compilations are what the budget cannot always hold). The Ray parts share one local Ray that this check starts (or the cluster in RAY_ADDRESS) and stops at exit. The
 Trainer and the Ray job are compared with the eager 26M row (the same shape, dtype and batch, no compile):
 tokens/s from wall time per step between their metrics records, log steps included.
 Goals (H100/H200-class GPU): 104M compiled >= 45% MFU, 26M compiled >= 30% (MFU against the data-sheet
@@ -75,14 +82,28 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from minilm.config import TrainConfig
+
 from .common import add_model_args, environment, results_dir
 
 MFU_GOALS = {"26m": 0.30, "104m": 0.45}  # compiled bf16, H100/H200 class (nanochat: ~46% at its d18)
 RAY_GOAL = 0.97  # the Ray job's tokens/s over the eager step's, same config
 RAY_MODULES = ("ray", "pyarrow", "tokenizers", "yaml")
 FILES = ("gpu_check.json", "gpu_check-summary.txt", "gpu_check-logs.tar.gz")
-ROW_PARTS = ("step-26m-eager", "step-104m-eager", "step-26m-compiled", "step-104m-compiled", "moe-26m-eager",
-             "moe-26m-compiled")
+# Each row: (shape, extra flags of `python -m bench.gpu_check row`, the table's check)
+ROWS = {
+    "step-26m-eager": ("small", [], "step 26M bf16 eager"),
+    "step-104m-eager": ("large", [], "step 104M bf16 eager"),
+    "step-26m-compiled": ("small", ["--compile", "--profile"], "step 26M bf16 compiled"),
+    "step-104m-compiled": ("large", ["--compile"], "step 104M bf16 compiled"),
+    "moe-26m-eager": ("small", ["--moe"], "step 26M MoE 4x top-1 bf16 eager"),
+    "moe-26m-compiled": ("small", ["--moe", "--compile"], "step 26M MoE 4x top-1 bf16 compiled"),
+    "docmask-26m-compiled": ("small", ["--document-mask", "--compile"], "step 26M --document-mask compiled"),
+    "muon-26m-compiled": ("small", ["--optimizer", "muon", "--compile"], "step 26M Muon compiled"),
+    "ac-104m-compiled": ("large", ["--activation-checkpointing", "--compile"],
+                         "step 104M activation checkpointing compiled"),
+}
+ROW_PARTS = tuple(ROWS)
 
 
 @dataclass
@@ -98,6 +119,7 @@ class Shapes:
     corpus_bytes: int | None  # the demo corpus, cut to this size (None: whole)
     stream_steps: int
     limits: dict = field(default_factory=dict)  # seconds per part
+    ray_reserve_s: float = 0.0  # the budget the extra rows leave to the Ray parts
 
 
 GPU = Shapes(
@@ -106,8 +128,10 @@ GPU = Shapes(
     job_steps=300, trainer_steps=200, row_args=["--steps", "20", "--warmup", "5"], fp16_args=[],
     corpus_bytes=None, stream_steps=400,
     limits={"preflight": 30, "step-26m-eager": 40, "step-104m-eager": 50, "step-26m-compiled": 80,
-            "step-104m-compiled": 90, "moe-26m-eager": 40, "moe-26m-compiled": 80, "fp16": 60, "trainer": 60,
-            "prepare": 60, "ray-job": 80, "ray-job-resume": 80, "export": 30, "sample": 30, "stream": 60})
+            "step-104m-compiled": 90, "moe-26m-eager": 40, "moe-26m-compiled": 80, "row": 70, "fp16": 60,
+            "trainer": 60,
+            "prepare": 60, "ray-job": 80, "ray-job-resume": 80, "export": 30, "sample": 30, "stream": 60},
+    ray_reserve_s=150)
 CPU = Shapes(
     small={"hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 512, "seq_len": 64, "micro_batch_size": 4},
     large={"hidden_size": 64, "num_hidden_layers": 3, "vocab_size": 512, "seq_len": 64, "micro_batch_size": 4},
@@ -116,7 +140,7 @@ CPU = Shapes(
                "--vocab-size", "1024"],
     corpus_bytes=200_000, stream_steps=20,
     limits={"preflight": 180, "step-26m-eager": 120, "step-104m-eager": 120, "step-26m-compiled": 300,
-            "step-104m-compiled": 300, "moe-26m-eager": 120, "moe-26m-compiled": 300, "fp16": 180,
+            "step-104m-compiled": 300, "moe-26m-eager": 120, "moe-26m-compiled": 300, "row": 300, "fp16": 180,
             "trainer": 120, "prepare": 120, "ray-job": 180, "ray-job-resume": 180, "export": 60, "sample": 60,
             "stream": 120})
 
@@ -149,6 +173,7 @@ class Runner:
         self.logs, self.results = work / "logs", work / "results"
         self.parts: dict[str, Part] = {}
         self.groups: list[int] = []  # every part's process group, killed again at exit
+        self.reserve_s = 0.0  # seconds of the budget a part may not use (kept for the parts after it)
         self.after_part = after_part or (lambda: None)
         self.logs.mkdir(parents=True, exist_ok=True)
         self.results.mkdir(parents=True, exist_ok=True)
@@ -159,9 +184,10 @@ class Runner:
         return part
 
     def run(self, name: str, args: list[str], limit: float, env: dict | None = None) -> Part:
-        left = self.deadline - time.monotonic()
+        left = self.deadline - time.monotonic() - self.reserve_s
         if left < 5:
-            return self.skip(name, "out of time (--budget)")
+            kept = f"; {self.reserve_s:.0f} s kept for the Ray parts" if self.reserve_s else ""
+            return self.skip(name, f"out of time (--budget{kept})")
         timeout = min(limit, left)
         print(f"[{name}] {' '.join(args)}  (limit {timeout:.0f} s)", flush=True)
         t0 = time.monotonic()
@@ -242,14 +268,12 @@ SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "vocab_size", "seq_len", "micr
 
 def row_part(r: Runner, name: str, s: Shapes, device: str, rows: dict) -> dict | None:
     """One row (`python -m bench.gpu_check row`) in its own process; printed and kept the moment it ends."""
-    size = name.split("-")[1]
-    shape = s.large if size == "104m" else s.small
+    which, extra, _ = ROWS[name]
+    shape = s.large if which == "large" else s.small
     path = r.results / f"{name}.json"
     args = ["-m", "bench.gpu_check", "row", "--name", name, "--json", str(path), "--device", device,
-            "--dtype", "bf16", *s.row_args, *flags(shape, *SHAPE_KEYS)]
-    args += ["--compile"] if name.endswith("-compiled") else []
-    args += ["--moe"] if name.startswith("moe-") else []
-    part = r.run(name, args, s.limits[name])
+            "--dtype", "bf16", *s.row_args, *flags(shape, *SHAPE_KEYS), *extra]
+    part = r.run(name, args, s.limits.get(name, s.limits["row"]))
     if part.status != "ok" or not path.is_file():
         return None
     row = rows[name] = json.loads(path.read_text())
@@ -269,6 +293,8 @@ def describe_row(row: dict) -> str:
     if row["compile"]:
         text += (f", compile {row['compile_s']:.1f} s, {row['graph_breaks']} graph break(s), "
                  f"{row['recompiles']} recompile(s)")
+    if row.get("profile"):
+        text += f"; profiled step: flash attention {'used' if row['profile']['flash'] else 'NOT used'}"
     return text
 
 
@@ -304,14 +330,34 @@ def trainer_part(r: Runner, s: Shapes, device_flags: dict, work: Path) -> dict |
             *flags(shape, *SHAPE_KEYS),
             "--global-batch-size", str(shape["micro_batch_size"]), "--dtype", device_flags["dtype"],
             "--max-steps", str(steps), "--warmup-steps", "1", "--log-every", str(max(1, steps // 20)),
-            "--checkpoint-every", str(steps)]
+            "--checkpoint-every", str(steps), "--val-samples", str(shape["micro_batch_size"])]
     part = r.run("trainer", args, s.limits["trainer"])
     if part.status != "ok":
         return None
-    step_s, counted = steady_step_s(read_metrics(run_dir / "metrics.jsonl"), steps)
+    records = read_metrics(run_dir / "metrics.jsonl")
+    step_s, counted = steady_step_s(records, steps)
     shutil.rmtree(run_dir, ignore_errors=True)
-    return {"step_s": step_s, "steps_counted": counted,
+    val = [rec["val_loss"] for rec in records if "val_loss" in rec]
+    if not val:
+        part.status, part.note = "failed", "no val_loss (--val-samples) in its metrics"
+    return {"step_s": step_s, "steps_counted": counted, "val_loss": val[-1] if val else None,
             "tokens_per_s": shape["micro_batch_size"] * shape["seq_len"] / step_s}
+
+
+def checkpoint_part(r: Runner, s: Shapes, work: Path) -> dict | None:
+    """`bench.checkpoint` at the 104M size (save = resume state + export, restore with its hash check) on this
+    machine's disk; the table puts the save against the compiled 104M row's step at the default cadence."""
+    shape = s.large
+    part = r.run("checkpoint-104m", ["-m", "bench.checkpoint", "--sizes",
+                                     f"{shape['hidden_size']}x{shape['num_hidden_layers']}", "--vocab-size",
+                                     str(shape["vocab_size"]), "--repeats", "1", "--dir", str(work)],
+                 s.limits.get("checkpoint-104m", s.limits["row"]),
+                 env={"MINILM_BENCH_RESULTS": str(r.results / "checkpoint-104m")})
+    path = r.results / "checkpoint-104m" / "checkpoint.json"
+    if part.status != "ok" or not path.is_file():
+        return None
+    found = json.loads(path.read_text())["rows"][0]
+    return {k: found[k] for k in ("params", "save_s", "restore_s", "resume_bytes", "export_bytes")}
 
 
 def prepare_part(r: Runner, s: Shapes, work: Path) -> Path | None:
@@ -389,18 +435,19 @@ def export_and_sample(r: Runner, s: Shapes, checkpoint: str, work: Path) -> str 
     return text
 
 
-def stream_part(r: Runner, s: Shapes, data: Path) -> dict | None:
+def stream_part(r: Runner, s: Shapes, data: Path, device: str) -> dict | None:
     """One rank's `RankStream` (the job's own pipeline) driven alone on the prepared data: `stream_rate`.
     (`bench.data --mode stream` measures the same on a synthetic dataset of its own, too big for this budget.)"""
     shape = s.small
     part = r.run("stream", ["-m", "bench.gpu_check", "stream-rate", "--data", str(data), "--seq-len",
                             str(shape["seq_len"]), "--vocab-size", str(shape["vocab_size"]), "--micro-batch-size",
                             str(shape["micro_batch_size"]), "--steps", str(s.stream_steps), "--global-batch-size",
-                            str(shape["micro_batch_size"])], s.limits["stream"])
+                            str(shape["micro_batch_size"]), "--device", device], s.limits["stream"])
     if part.status != "ok":
         return None
     found = re.search(r"stream delivery rate: ([\d,]+) tokens/s", part.output)
-    return {"tokens_per_s": float(found.group(1).replace(",", "")), "by": "ray_jobs.stream.RankStream"} if found else None
+    return {"tokens_per_s": float(found.group(1).replace(",", "")), "by": "ray_jobs.stream.RankStream",
+            "to": device} if found else None
 
 
 class LocalRay:
@@ -441,6 +488,7 @@ def stream_rate(argv: list[str]) -> int:
     p.add_argument("--micro-batch-size", type=int, default=32)
     p.add_argument("--global-batch-size", type=int, default=32)
     p.add_argument("--steps", type=int, default=400, help="optimizer steps timed after the first (pipeline start)")
+    p.add_argument("--device", default="cpu", help="where the micro-batches go (cuda: pinned, async copies)")
     args = p.parse_args(argv)
     import numpy as np
     import torch
@@ -457,7 +505,7 @@ def stream_rate(argv: list[str]) -> int:
     per_epoch = D.steps_per_epoch(len(train_ids), args.global_batch_size)
     stream = RankStream(data_dir=args.data, train_ids=train_ids, seed=0, global_batch_size=args.global_batch_size,
                         micro_batch_size=args.micro_batch_size, world_size=1, rank=0, start_step=0,
-                        total_steps=args.steps + 1, steps_per_epoch=per_epoch, device=torch.device("cpu"))
+                        total_steps=args.steps + 1, steps_per_epoch=per_epoch, device=torch.device(args.device))
     t0 = time.perf_counter()
     stream.next_step()
     start_s = time.perf_counter() - t0
@@ -466,6 +514,8 @@ def stream_rate(argv: list[str]) -> int:
     for _ in range(args.steps):
         micro_batches, _ = stream.next_step()
         tokens += sum(b.shape[0] * (b.shape[1] - 1) for b in micro_batches)
+    if stream.device.type == "cuda":
+        torch.cuda.synchronize(stream.device)  # the last copies have landed
     elapsed = time.perf_counter() - t0
     print(f"pipeline start {start_s:.2f} s; {args.steps} steps of {args.global_batch_size} x {args.seq_len} tokens in "
           f"{elapsed:.2f} s ({per_epoch} steps per epoch)")
@@ -510,6 +560,10 @@ def row(argv: list[str]) -> int:
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--moe", action="store_true", help="4 experts, top-1 (the dense model's active width)")
+    p.add_argument("--document-mask", action="store_true", help="attention within each document (ModelConfig)")
+    p.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw")
+    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--profile", action="store_true", help="one more step under torch.profiler: its top kernels")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (with --compile: the compilation)")
     p.add_argument("--peak-size", type=int, default=None, help="n of the n^3 matmul peak (default 8192 GPU, 2048 CPU)")
@@ -539,10 +593,12 @@ def row(argv: list[str]) -> int:
     cfg = ModelConfig(hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers,
                       num_attention_heads=args.num_attention_heads, num_key_value_heads=args.num_key_value_heads,
                       vocab_size=args.vocab_size, max_position_embeddings=args.seq_len + 1, use_moe=args.moe,
-                      num_experts=4, num_experts_per_tok=1)
+                      num_experts=4, num_experts_per_tok=1, document_mask=args.document_mask)
     model = MiniMindForCausalLM(cfg).to(device).train()
-    model = prepare_model(model, TrainConfig(compile=args.compile), device)
-    optimizer = make_optimizer(model, TrainConfig(lr=1e-4))
+    train_cfg = TrainConfig(lr=1e-4, compile=args.compile, activation_checkpointing=args.activation_checkpointing,
+                            optimizer=args.optimizer)
+    model = prepare_model(model, train_cfg, device)
+    optimizer = make_optimizer(model, train_cfg)
     scaler = make_grad_scaler(dtype, device.type)
     gen = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_len + 1), generator=gen).to(device)
@@ -555,6 +611,7 @@ def row(argv: list[str]) -> int:
         m = optimizer_step(model, optimizer, scaler, [batch], lr=1e-4, grad_clip=1.0, dtype=dtype)
         float(m.loss)  # the step is done when its loss is on the host
         times.append(time.perf_counter() - t0)
+    profile = profiled_step(model, optimizer, scaler, batches[-1], dtype, device) if args.profile else None
     warm, timed = times[:args.warmup], times[args.warmup:]
     step_s = statistics.median(timed)
     tokens = args.micro_batch_size * args.seq_len
@@ -575,11 +632,35 @@ def row(argv: list[str]) -> int:
               "peak_memory_bytes": peak_memory, "peak_memory_of": peak_of,
               # the warm-up steps' time beyond as many steady steps: compilation and autotuning
               "compile_s": max(0.0, sum(warm) - len(warm) * step_s) if args.compile else None,
+              "document_mask": args.document_mask, "optimizer": args.optimizer,
+              "activation_checkpointing": args.activation_checkpointing, "profile": profile,
               **(counts.read() if counts else {"graph_breaks": None, "graphs": None, "recompiles": None})}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     print(f"row {args.name}: {describe_row(result)}")
     return 0
+
+
+def profiled_step(model, optimizer, scaler, batch, dtype, device) -> dict:
+    """One more optimizer step under torch.profiler: the 10 kernels (CUDA) or ops (CPU) that took the most time,
+    and whether a flash-attention kernel ran."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from minilm.step import optimizer_step
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        float(optimizer_step(model, optimizer, scaler, [batch], lr=1e-4, grad_clip=1.0, dtype=dtype).loss)
+    events = prof.key_averages()
+    if device.type == "cuda":
+        timed = [(e.key, getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0)) for e in events]
+        timed = [(k, t) for k, t in timed if t > 0 and not k.startswith(("aten::", "cuda", "Memcpy", "Memset"))]
+    else:
+        timed = [(e.key, e.self_cpu_time_total) for e in events]
+    top = sorted(timed, key=lambda kt: -kt[1])[:10]
+    names = [e.key.lower() for e in events]
+    return {"top": [{"name": k[:120], "us": round(t, 1)} for k, t in top], "of": device.type,
+            "flash": any("flash" in n for n in names)}
 
 
 def tf32_state() -> dict:
@@ -637,7 +718,7 @@ def preflight(argv: list[str]) -> int:
         configure_backends(device)
         found["tf32"] = tf32_state()
         failures += [f"{k} {v}" for k, v in found["tf32"].items() if str(v).startswith("raises")]
-    if not failures:
+    if not failures and device.type == "cuda":  # on CPU the compiled rows are the first compilations anyway
         try:
             found["compile_s"] = tiny_compiled_step(device)
         except Exception as e:  # noqa: BLE001
@@ -708,10 +789,7 @@ def flash_at_check_shape(device) -> None:
 
 # ---- the table ----------------------------------------------------------------------------------------------
 
-ROW_CHECKS = {"step-26m-eager": "step 26M bf16 eager", "step-104m-eager": "step 104M bf16 eager",
-              "step-26m-compiled": "step 26M bf16 compiled", "step-104m-compiled": "step 104M bf16 compiled",
-              "moe-26m-eager": "step 26M MoE 4x top-1 bf16 eager",
-              "moe-26m-compiled": "step 26M MoE 4x top-1 bf16 compiled"}
+ROW_CHECKS = {name: check for name, (_, _, check) in ROWS.items()}
 
 
 def table_rows(parts: dict[str, Part], fig: dict, gpu: bool) -> list[dict]:
@@ -751,6 +829,14 @@ def table_rows(parts: dict[str, Part], fig: dict, gpu: bool) -> list[dict]:
     else:
         add("fp16 + GradScaler", "fp16", "")
 
+    ckpt, step = fig.get("checkpoint"), measured.get("step-104m-compiled") or measured.get("step-104m-eager")
+    every = TrainConfig().checkpoint_every
+    share = ckpt["save_s"] / (ckpt["save_s"] + every * step["step_s_median"]) if ckpt and step else None
+    add("checkpoint save + restore, 104M", "checkpoint-104m",
+        "" if not ckpt else f"save {ckpt['save_s']:.2f} s, restore {ckpt['restore_s']:.2f} s"
+        + (f"; {share:.2%} of wall time at checkpoint_every {every} (the 104M step)" if share is not None else ""),
+        "< 2% of wall time", None if share is None else share < 0.02)
+
     eager = measured.get("step-26m-eager")
     job = fig.get("ray_job") or {"halves": {}}
     for run, check, part in ((fig.get("trainer"), "Trainer in-process (minilm.train), 26M", "trainer"),
@@ -764,8 +850,9 @@ def table_rows(parts: dict[str, Part], fig: dict, gpu: bool) -> list[dict]:
         add(check, part, result, f">= {RAY_GOAL:.2f}x the eager step", None if ratio is None else ratio >= RAY_GOAL)
     add("prepare the demo corpus", "prepare", parts["prepare"].note if "prepare" in parts else "", "completes")
     add("export + sample", "sample", repr((fig.get("sample") or "")[:80]), "text comes out")
-    stream, need = fig.get("stream"), eager["tokens_per_s"] if eager else None
-    add("Ray Data stream delivery, CPU", "stream", f"{stream['tokens_per_s']:,.0f} tok/s ({stream['by']})"
+    fastest = measured.get("step-26m-compiled") or eager
+    stream, need = fig.get("stream"), fastest["tokens_per_s"] if fastest else None
+    add("Ray Data stream delivery", "stream", f"{stream['tokens_per_s']:,.0f} tok/s to {stream['to']} ({stream['by']})"
         if stream else "no rate found", f">= {need:,.0f} tok/s (the 26M step)" if need else "-",
         None if not stream or not need else stream["tokens_per_s"] >= need)
     return rows
@@ -836,9 +923,16 @@ def run_parts(runner: Runner, s: Shapes, device: str, fig: dict, work: Path, onl
         fig["trainer"] = trainer_part(runner, s, {"dtype": "bf16"}, work)
     if wanted("fp16"):
         fig["fp16"] = fp16_part(runner, s, device)
-    for name in ("step-26m-compiled", "step-104m-compiled", "moe-26m-eager", "moe-26m-compiled"):
+    for name in ROW_PARTS[2:4]:
         if wanted(name):
             row_part(runner, name, s, device, fig["rows"])
+    runner.reserve_s = s.ray_reserve_s  # the paths never run before come next, as far as the Ray parts allow
+    for name in ROW_PARTS[4:]:
+        if wanted(name):
+            row_part(runner, name, s, device, fig["rows"])
+    if wanted("checkpoint-104m"):
+        fig["checkpoint"] = checkpoint_part(runner, s, work)
+    runner.reserve_s = 0.0
     ray_parts = ("prepare", "ray-job", "ray-job-resume", "export", "sample", "stream")
     if only is not None and not only & set(ray_parts):
         return
@@ -850,7 +944,15 @@ def run_parts(runner: Runner, s: Shapes, device: str, fig: dict, work: Path, onl
         for name in ray_parts:
             runner.skip(name, why)
         return
-    runner.env["RAY_ADDRESS"] = ray.address(gpu)
+    try:
+        runner.env["RAY_ADDRESS"] = ray.address(gpu)
+    except Exception as e:  # noqa: BLE001  (whatever ray.init raises, the Ray parts cannot run)
+        why = f"could not start a local Ray: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
+        print(f"[prepare] failed: {why}", flush=True)
+        runner.parts["prepare"] = Part("prepare", "failed", note=why)
+        for name in ray_parts[1:]:
+            runner.skip(name, why)
+        return
     # ray.init turns token auth on for the Ray it starts and says so in this process's environment only
     runner.env.update({k: v for k, v in os.environ.items() if k.startswith("RAY_AUTH")})
     data = prepare_part(runner, s, work)
@@ -858,7 +960,7 @@ def run_parts(runner: Runner, s: Shapes, device: str, fig: dict, work: Path, onl
         fig["ray_job"] = ray_job_part(runner, s, data, "true" if gpu else "false", work)
         if fig["ray_job"] and fig["ray_job"]["checkpoint"]:
             fig["sample"] = export_and_sample(runner, s, fig["ray_job"]["checkpoint"], work)
-        fig["stream"] = stream_part(runner, s, data)
+        fig["stream"] = stream_part(runner, s, data, device)
 
 
 def check(argv: list[str]) -> int:
@@ -876,7 +978,7 @@ def check(argv: list[str]) -> int:
               file=sys.stderr)
         return 2
     only = set(args.only.split(",")) if args.only else None
-    known = {"preflight", "trainer", "fp16", *ROW_PARTS, "prepare", "ray-job", "ray-job-resume", "export", "sample",
+    known = {"preflight", "trainer", "fp16", *ROW_PARTS, "checkpoint-104m", "prepare", "ray-job", "ray-job-resume", "export", "sample",
              "stream"}
     if only and only - known:
         print(f"error: --only: unknown part(s) {', '.join(sorted(only - known))}; parts: {', '.join(sorted(known))}",

@@ -21,11 +21,11 @@ import torch
 from helpers import ROOT
 
 from bench.gpu_bundle import canonical, image_packages
-from bench.gpu_check import FILES, Part, table_rows
+from bench.gpu_check import FILES, Part, Runner, table_rows
 
 PARTS = ["preflight", "step-26m-eager", "step-104m-eager", "trainer", "fp16", "step-26m-compiled",
-         "step-104m-compiled", "moe-26m-eager", "moe-26m-compiled", "prepare", "ray-job", "ray-job-resume", "export",
-         "sample", "stream"]
+         "step-104m-compiled", "moe-26m-eager", "moe-26m-compiled", "docmask-26m-compiled", "muon-26m-compiled",
+         "ac-104m-compiled", "checkpoint-104m", "prepare", "ray-job", "ray-job-resume", "export", "sample", "stream"]
 
 
 def image_venv(dest: Path) -> Path:
@@ -90,33 +90,41 @@ def test_rehearsal_on_the_image_packages_and_the_bundle(gpu_bundle, tmp_path):
     assert table["preflight"]["result"].startswith(f"torch {torch.__version__}") and "ray 2.60.0" in table["preflight"]["result"]
     figures = result["figures"]
     rows = figures["rows"]
-    assert set(rows) == {p for p in PARTS if p.startswith(("step-", "moe-"))}
+    assert set(rows) == {p for p in PARTS if p.endswith(("-eager", "-compiled"))}
     for name, row in rows.items():
         assert row["tokens_per_s"] > 0 and row["peak_memory_bytes"] > 0, name
         assert (row["compile_s"] is not None) == name.endswith("-compiled"), name
         assert f"[{name}] row: {row['tokens_per_s']:,.0f} tok/s" in proc.stdout  # printed as it was measured
     assert rows["step-26m-compiled"]["graph_breaks"] == 0 and rows["step-26m-compiled"]["recompiles"] == 0
+    profile = rows["step-26m-compiled"]["profile"]  # one profiled step: its top ops (CPU here)
+    assert profile["of"] == "cpu" and len(profile["top"]) == 10 and all(t["us"] > 0 for t in profile["top"])
+    assert (rows["docmask-26m-compiled"]["document_mask"], rows["muon-26m-compiled"]["optimizer"],
+            rows["ac-104m-compiled"]["activation_checkpointing"]) == (True, "muon", True)
+    assert figures["trainer"]["val_loss"] > 0  # --val-samples: validation ran
+    assert figures["checkpoint"]["save_s"] > 0 and figures["checkpoint"]["restore_s"] > 0
+    assert "of wall time at checkpoint_every 100" in table["checkpoint save + restore, 104M"]["result"]
     assert figures["ray_job"]["resumed"] and figures["ray_job"]["last_step"] == 8
     assert [h["steps_counted"] for h in figures["ray_job"]["halves"].values()] == [3, 3]  # records 1..4 and 5..8
     assert figures["fp16"]["passed"] and figures["fp16"]["scale_changes"][0] == {"step": 20, "from": 65536.0,
                                                                                  "to": 32768.0}
-    assert figures["stream"]["tokens_per_s"] > 0 and figures["sample"]
+    assert figures["stream"]["tokens_per_s"] > 0 and figures["stream"]["to"] == "cpu" and figures["sample"]
     with tarfile.open(out / "gpu_check-logs.tar.gz") as tar:
         names = set(tar.getnames())
     assert {f"logs/{p}.log" for p in PARTS} <= names and {f"results/{r}.json" for r in rows} <= names
-    assert "check " in proc.stdout and "Ray Data stream delivery, CPU" in proc.stdout  # the table, printed
+    assert "check " in proc.stdout and "Ray Data stream delivery" in proc.stdout  # the table, printed
 
 
 def test_stopped_check_keeps_its_results_and_kills_the_part(tmp_path):
-    # SIGTERM (the shell script's `timeout`) in the middle of a part: the part's process group is stopped, and the
-    # three result files are there, saying which part was stopped.
+    # SIGTERM (the shell script's `timeout`) in the middle of a part (a compilation, Inductor's caches off: seconds
+    # long here): the part's process group is stopped, and the three result files are there, saying which part.
     out = tmp_path / "out"
-    env = {**os.environ, "OUT": str(out), "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "bench.gpu_check", "--device", "cpu", "--only", "preflight"],
+    env = {**os.environ, "OUT": str(out), "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT),
+           "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "bench.gpu_check", "--device", "cpu", "--only", "step-26m-compiled"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
     first = proc.stdout.readline()
     assert first.startswith("# GPU check on"), first
-    assert proc.stdout.readline().startswith("[preflight] -m bench.gpu_check preflight")
+    assert proc.stdout.readline().startswith("[step-26m-compiled] -m bench.gpu_check row")
     deadline = time.monotonic() + 30
     while not psutil.Process(proc.pid).children() and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -126,15 +134,24 @@ def test_stopped_check_keeps_its_results_and_kills_the_part(tmp_path):
     proc.send_signal(signal.SIGTERM)
     rest, _ = proc.communicate(timeout=60)
     assert proc.returncode == 1, rest
-    assert "stopped by SIGTERM during preflight" in rest
+    assert "stopped by SIGTERM during step-26m-compiled" in rest
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in part)
     assert sorted(p.name for p in out.iterdir()) == sorted(FILES)
     result = json.loads((out / "gpu_check.json").read_text())
-    assert result["parts"]["preflight"]["status"] == "stopped"
-    assert result["finished"] == "stopped by SIGTERM during preflight"
-    assert "stopped by SIGTERM during preflight" in (out / "gpu_check-summary.txt").read_text()
+    assert result["parts"]["step-26m-compiled"]["status"] == "stopped"
+    assert result["finished"] == "stopped by SIGTERM during step-26m-compiled"
+    assert "stopped by SIGTERM during step-26m-compiled" in (out / "gpu_check-summary.txt").read_text()
     with tarfile.open(out / "gpu_check-logs.tar.gz") as tar:
-        assert "logs/preflight.log" in tar.getnames()
+        assert "logs/step-26m-compiled.log" in tar.getnames()
+
+
+def test_a_part_never_eats_the_time_kept_for_later_parts(tmp_path):
+    runner = Runner(sys.executable, budget_s=60, work=tmp_path, env=dict(os.environ))
+    runner.reserve_s = 58  # 2 s of the budget left to this part: it does not start
+    part = runner.run("moe-26m-compiled", ["-c", "raise SystemExit(3)"], limit=30)
+    assert (part.status, part.note) == ("skipped", "out of time (--budget; 58 s kept for the Ray parts)")
+    runner.reserve_s = 0
+    assert runner.run("prepare", ["-c", "raise SystemExit(3)"], limit=30).status == "failed"  # it does start
 
 
 def test_unknown_part_is_one_error_line():
@@ -167,7 +184,7 @@ def test_table_without_ray():
         "(torch.cuda.max_memory_allocated), compile 31.0 s, 0 graph break(s), 1 recompile(s)")
     assert table["Trainer in-process (minilm.train), 26M"]["status"] == "BELOW GOAL"  # 0.96x < 0.97x
     for check in ("Ray job 1 worker, 26M, Train polling every 2 s", "  resumed with the job's 0.1 s polling",
-                  "export + sample", "Ray Data stream delivery, CPU"):
+                  "export + sample", "Ray Data stream delivery"):
         assert table[check]["status"] == "SKIPPED" and table[check]["result"] == why
     assert table["fp16 + GradScaler"]["status"] == "TIMEOUT"
     assert table["step 26M MoE 4x top-1 bf16 compiled"]["status"] == "STOPPED"
