@@ -22,7 +22,7 @@ while [ $# -gt 0 ]; do
         --device=*) device="${1#--device=}"; shift ;;
         --bundle) bundle="${2:?--bundle needs the bundle folder}"; shift 2 ;;
         --bundle=*) bundle="${1#--bundle=}"; shift ;;
-        -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
         *) echo "error: bench/gpu_check.sh: unknown argument $1 (only --device cpu|cuda, --bundle DIR)" >&2; exit 2 ;;
     esac
 done
@@ -33,7 +33,8 @@ case "$device" in
 esac
 
 if [ -n "$bundle" ]; then
-    bundle="$(cd "$bundle" 2>/dev/null && pwd)" || { echo "error: bench/gpu_check.sh: --bundle: no folder $bundle" >&2; exit 2; }
+    [ -d "$bundle" ] || { echo "error: bench/gpu_check.sh: --bundle: no folder $bundle" >&2; exit 2; }
+    bundle="$(cd "$bundle" && pwd)"
     [ -f "$bundle/install.sh" ] || { echo "error: bench/gpu_check.sh: --bundle: $bundle has no install.sh (build it with bench/gpu_bundle.sh)" >&2; exit 2; }
 fi
 cd "$(dirname "$0")/.."

@@ -154,6 +154,17 @@ def test_a_part_never_eats_the_time_kept_for_later_parts(tmp_path):
     assert runner.run("prepare", ["-c", "raise SystemExit(3)"], limit=30).status == "failed"  # it does start
 
 
+@pytest.mark.parametrize("where, says", [("missing", "no folder"), ("empty", "has no install.sh")])
+def test_a_bad_bundle_is_one_error_line(tmp_path, where, says):
+    folder = tmp_path / where
+    if where == "empty":
+        folder.mkdir()
+    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--bundle", str(folder)],
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: bench/gpu_check.sh: --bundle: ")
+    assert says in proc.stderr and len(proc.stderr.splitlines()) == 1
+
+
 def test_unknown_part_is_one_error_line():
     proc = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--device", "cpu", "--only", "nope"],
                           capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
