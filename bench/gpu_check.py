@@ -1,43 +1,74 @@
-"""The GPU check (issue #14 item 7): what minilm does on one GPU, in one run of under 8 minutes, as one table.
+"""The GPU check: what minilm does on one GPU, in one run of under 8 minutes, as one table.
 
-    bash bench/gpu_check.sh                      # on a machine with one CUDA GPU (the shell picks the python)
+    bash bench/gpu_check.sh --bundle gpu-bundle  # on the lent GPU machine (bench/gpu_bundle.sh built the bundle)
     bash bench/gpu_check.sh --device cpu         # the dry run: CI-sized configs through the same commands
     python -m bench.gpu_check --device cuda      # what the shell script runs
 
-Each part is a subprocess with a hard time limit, and the whole stays within --budget seconds (a part that
-would start past it is reported as skipped):
+Each part is a subprocess in its own process group with a hard time limit, and the whole stays within --budget
+seconds (a part that would start past it is reported as skipped). In this order (cheap and independent first,
+Ray last, so that a time-out loses the least):
 
-  step-26m, step-104m  `bench.step` bf16, dense, eager and --compile: MiniMind-26M (hidden 512, 8 layers, micro-batch
-                       32: MiniMind's batch) and MiniMind-104M (hidden 768, 16 layers, micro-batch 128: nanochat's 64k
-                       tokens per step), seq 512: tokens/s and MFU
+  preflight            versions (torch, CUDA, driver, Triton, Ray), `import ray.train.torch, ray.data`, a tiny
+                       compiled forward+backward and SDPA's flash kernel at the check's shape (both CUDA only),
+                       the TF32 state as both the legacy and the new getters see it; if it fails, the check stops
+                       with its one line
+  step-26m-eager, step-104m-eager
+                       one optimizer step (`minilm.step.optimizer_step`, bf16, dense) timed alone in its own
+                       process, MiniMind-26M (hidden 512, 8 layers, micro-batch 32: MiniMind's batch) and
+                       MiniMind-104M (hidden 768, 16 layers, micro-batch 128: nanochat's 64k tokens per step),
+                       seq 512: tokens/s, MFU, peak memory
+  trainer              `python -m minilm.train` on random tokens at the 26M shape: the Trainer alone, no Ray,
+                       with --val-samples (validation on the device)
   fp16                 `bench.fp16_check`: 50 steps of fp16 with the GradScaler, an overflow injected
-  trainer              `python -m minilm.train` on random tokens at the 26M shape: the Trainer alone, no Ray
+  step-26m-compiled, step-104m-compiled
+                       the same rows with `--compile` (one process each: an Inductor failure or time-out loses
+                       that row only), plus compile seconds, graph breaks and recompiles
+                       (the compiled 26M row adds one step under torch.profiler: its top kernels, flash or not)
+  moe-26m-eager, moe-26m-compiled
+                       the 26M shape with 4 experts, top-1 (the same active width)
+  docmask-26m-compiled, muon-26m-compiled, ac-104m-compiled
+                       --document-mask, Muon, activation checkpointing at 104M: the paths a run switches on
+  checkpoint-104m      `bench.checkpoint` at 104M: save and restore, their share of wall time at the default
+                       checkpoint_every against the compiled 104M step
   prepare              the demo corpus through `python -m ray_jobs.prepare` at seq 512
   ray-job              `python -m ray_jobs.pretrain --use-gpu true --num-workers 1` at the 26M shape, stopped
                        halfway by --exit-after-steps and run again to continue (--resume auto); the first half
-                       with RAY_TRAIN_HEALTH_CHECK_INTERVAL_S=2 (Ray's default: its Train controller polls every 2 s,
-                       and a report made sooner waits, `bench.overhead --mode report`), the second with the job's
-                       own setting (0.1 s)
+                       with RAY_TRAIN_HEALTH_CHECK_INTERVAL_S=2 (Ray's default), the second with the job's 0.1 s
   export, sample       `python -m ray_jobs.export` of the last checkpoint, `python -m minilm.sample` from it
-  stream               the Ray Data stream's delivery rate on this machine's CPUs at seq 512, micro-batch 32:
-                       one rank's `ray_jobs.stream.RankStream` (the job's pipeline) driven here alone
+  stream               the Ray Data stream's delivery rate to the device at seq 512, micro-batch 32: one
+                       rank's `ray_jobs.stream.RankStream` (the job's pipeline, pinned async copies) driven alone
 
-The Trainer and the Ray job are compared with `bench.step`'s eager 26M row (the same shape, dtype and batch,
-no compile): tokens/s from wall time per step between their metrics records, log steps included.
-Goals (H100/H200-class GPU): 104M compiled >= 40% MFU, 26M compiled >= 25% (MFU against the data-sheet
+The rows from moe-26m-eager on start only while 150 s of the budget stay for the Ray parts (on the GPU; their
+compilations are what the budget cannot always hold). The Ray parts share one local Ray that this check starts (or the cluster in RAY_ADDRESS) and stops at exit. The
+Trainer and the Ray job are compared with the eager 26M row (the same shape, dtype and batch, no compile):
+tokens/s from wall time per step between their metrics records, log steps included.
+Goals (H100/H200-class GPU): 104M compiled >= 45% MFU, 26M compiled >= 30% (MFU against the data-sheet
 peak where minilm.progress lists the GPU, as the training loop's MFU; the measured matmul peak
-otherwise), the Ray job within 5% of `bench.step`; the stream must feed at least the 26M step's tokens/s.
+otherwise), the Ray job within 3% of the eager step; the stream must feed at least the 26M step's tokens/s.
 Without ray (or pyarrow, tokenizers, yaml) the Ray parts are skipped with one line saying what to install.
 
-Writes gpu_check.json (the table and every part's figures) and logs/<part>.log to bench/results/gpu/ (or
-$MINILM_BENCH_RESULTS); the sub-benchmarks' JSON go to subfolders there. Exit status 1 if a part failed or
-timed out or a correctness check (fp16, resume, export, sample) failed; a goal missed is marked in the table.
+Results: into $OUT when it is set (the lent machine's output folder), else $MINILM_BENCH_RESULTS, else
+bench/results/gpu: exactly three files, each rewritten after every part (so a kill loses only the part in
+flight): gpu_check.json (the table, every part's status and figures, every row), gpu_check-summary.txt (the
+table as printed) and gpu_check-logs.tar.gz (logs/<part>.log and results/<part>.json of every part). Each row
+is printed the moment its part ends. SIGTERM, SIGINT or SIGHUP (`timeout` in the shell script) stops the part
+in flight, writes the three files and stops the Ray this check started; at exit every part's process group is
+killed. Exit status 1 if a part failed or timed out or a correctness check (fp16, resume, export, sample)
+failed; a goal missed is marked in the table.
+
+Code paths that differ on the lent image's torch 2.11 (this machine runs 2.13), each covered by a test:
+  - minilm.trainer.wrap_ddp: DDP's `broadcast_buffers=False` (torch < 2.13) instead of `forward_sync_buffers`
+    (tests/test_gpu_check.py, test_wrap_ddp_buffer_flag_by_torch_version: both signatures)
+  - minilm.step.configure_backends: TF32 through the legacy setters, which torch 2.11 and 2.13 both map onto
+    their `fp32_precision` getters (tests/test_step.py, the TF32 getters test on a stand-in capability-9.0 GPU);
+    the preflight prints what both getters read on the GPU itself
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import io
 import json
 import os
 import re
@@ -45,70 +76,107 @@ import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .common import environment, results_dir, write_json
+from minilm.config import TrainConfig
 
-MFU_GOALS = {"step-26m": 0.25, "step-104m": 0.40}  # compiled bf16, H100/H200 class (nanochat: ~41% at ~110M)
-RAY_GOAL = 0.95  # the Ray job's tokens/s over bench.step's, same config
+from .common import add_model_args, environment, results_dir
+
+MFU_GOALS = {"26m": 0.30, "104m": 0.45}  # compiled bf16, H100/H200 class (nanochat: ~46% at its d18)
+RAY_GOAL = 0.97  # the Ray job's tokens/s over the eager step's, same config
 RAY_MODULES = ("ray", "pyarrow", "tokenizers", "yaml")
+FILES = ("gpu_check.json", "gpu_check-summary.txt", "gpu_check-logs.tar.gz")
+# Each row: (shape, extra flags of `python -m bench.gpu_check row`, the table's check)
+ROWS = {
+    "step-26m-eager": ("small", [], "step 26M bf16 eager"),
+    "step-104m-eager": ("large", [], "step 104M bf16 eager"),
+    "step-26m-compiled": ("small", ["--compile", "--profile"], "step 26M bf16 compiled"),
+    "step-104m-compiled": ("large", ["--compile"], "step 104M bf16 compiled"),
+    "moe-26m-eager": ("small", ["--moe"], "step 26M MoE 4x top-1 bf16 eager"),
+    "moe-26m-compiled": ("small", ["--moe", "--compile"], "step 26M MoE 4x top-1 bf16 compiled"),
+    "docmask-26m-compiled": ("small", ["--document-mask", "--compile"], "step 26M --document-mask compiled"),
+    "muon-26m-compiled": ("small", ["--optimizer", "muon", "--compile"], "step 26M Muon compiled"),
+    "ac-104m-compiled": ("large", ["--activation-checkpointing", "--compile"],
+                         "step 104M activation checkpointing compiled"),
+}
+ROW_PARTS = tuple(ROWS)
 
 
 @dataclass
 class Shapes:
     """The configs of one check: the real ones on a GPU, tiny ones for the CPU dry run."""
 
-    small: dict  # MiniMind-26M: bench.step, fp16, the Trainer, the Ray job
-    large: dict  # MiniMind-104M: bench.step only
+    small: dict  # MiniMind-26M: the rows, fp16, the Trainer, the Ray job
+    large: dict  # MiniMind-104M: the rows only
     job_steps: int  # the Ray job's optimizer steps (it exits halfway and resumes)
     trainer_steps: int
-    step_args: list[str]  # bench.step's timing flags
+    row_args: list[str]  # the rows' timing flags
     fp16_args: list[str]
     corpus_bytes: int | None  # the demo corpus, cut to this size (None: whole)
     stream_steps: int
     limits: dict = field(default_factory=dict)  # seconds per part
+    ray_reserve_s: float = 0.0  # the budget the extra rows leave to the Ray parts
 
 
 GPU = Shapes(
     small={"hidden_size": 512, "num_hidden_layers": 8, "vocab_size": 6400, "seq_len": 512, "micro_batch_size": 32},
-    # 104M at nanochat's 64k tokens per step (its ~41% MFU at ~110M); 26M at MiniMind's 32 x 512 (the 20 ms step)
     large={"hidden_size": 768, "num_hidden_layers": 16, "vocab_size": 6400, "seq_len": 512, "micro_batch_size": 128},
-    job_steps=300, trainer_steps=200, step_args=["--steps", "20", "--warmup", "5"], fp16_args=[],
+    job_steps=300, trainer_steps=200, row_args=["--steps", "20", "--warmup", "5"], fp16_args=[],
     corpus_bytes=None, stream_steps=400,
-    limits={"step-26m": 110, "step-104m": 130, "fp16": 60, "trainer": 60, "prepare": 60, "ray-job": 80,
-            "ray-job-resume": 80, "export": 30, "sample": 30, "stream": 60})
+    limits={"preflight": 30, "step-26m-eager": 40, "step-104m-eager": 50, "step-26m-compiled": 80,
+            "step-104m-compiled": 90, "moe-26m-eager": 40, "moe-26m-compiled": 80, "row": 70, "fp16": 60,
+            "trainer": 60,
+            "prepare": 60, "ray-job": 80, "ray-job-resume": 80, "export": 30, "sample": 30, "stream": 60},
+    ray_reserve_s=150)
 CPU = Shapes(
     small={"hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 512, "seq_len": 64, "micro_batch_size": 4},
     large={"hidden_size": 64, "num_hidden_layers": 3, "vocab_size": 512, "seq_len": 64, "micro_batch_size": 4},
-    job_steps=8, trainer_steps=12, step_args=["--steps", "2", "--warmup", "1", "--peak-size", "256"],
+    job_steps=8, trainer_steps=12, row_args=["--steps", "2", "--warmup", "1", "--peak-size", "256"],
     fp16_args=["--micro-batch-size", "2", "--seq-len", "32", "--hidden-size", "64", "--num-hidden-layers", "2",
                "--vocab-size", "1024"],
     corpus_bytes=200_000, stream_steps=20,
-    limits={"step-26m": 300, "step-104m": 300, "fp16": 180, "trainer": 120, "prepare": 120, "ray-job": 180,
-            "ray-job-resume": 180, "export": 60, "sample": 60, "stream": 120})
+    limits={"preflight": 180, "step-26m-eager": 120, "step-104m-eager": 120, "step-26m-compiled": 300,
+            "step-104m-compiled": 300, "moe-26m-eager": 120, "moe-26m-compiled": 300, "row": 300, "fp16": 180,
+            "trainer": 120, "prepare": 120, "ray-job": 180, "ray-job-resume": 180, "export": 60, "sample": 60,
+            "stream": 120})
 
 
 # ---- running a part ---------------------------------------------------------------------------------------
 
+class Stopped(BaseException):
+    """A signal (SIGTERM from `timeout`, SIGINT, SIGHUP) asked the check to stop."""
+
+
+def on_signal(signum, _frame):
+    raise Stopped(signal.Signals(signum).name)
+
+
 @dataclass
 class Part:
     name: str
-    status: str = "skipped"  # ok | failed | timeout | skipped
+    status: str = "skipped"  # ok | failed | timeout | stopped | skipped
     wall_s: float = 0.0
     note: str = ""
     output: str = ""
 
 
 class Runner:
-    """Runs each part as a subprocess with a hard limit inside the overall budget; logs go to logs/<part>.log."""
+    """Runs each part as a subprocess in its own process group with a hard limit inside the overall budget; its
+    output goes to work/logs/<part>.log, and `after_part` runs after every part (the results are rewritten)."""
 
-    def __init__(self, python: str, budget_s: float, logs: Path, env: dict):
-        self.python, self.deadline, self.logs, self.env = python, time.monotonic() + budget_s, logs, env
+    def __init__(self, python: str, budget_s: float, work: Path, env: dict, after_part=None):
+        self.python, self.deadline, self.work, self.env = python, time.monotonic() + budget_s, work, env
+        self.logs, self.results = work / "logs", work / "results"
         self.parts: dict[str, Part] = {}
-        logs.mkdir(parents=True, exist_ok=True)
+        self.groups: list[int] = []  # every part's process group, killed again at exit
+        self.reserve_s = 0.0  # seconds of the budget a part may not use (kept for the parts after it)
+        self.after_part = after_part or (lambda: None)
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.results.mkdir(parents=True, exist_ok=True)
 
     def skip(self, name: str, why: str) -> Part:
         part = self.parts[name] = Part(name, "skipped", note=why)
@@ -116,35 +184,58 @@ class Runner:
         return part
 
     def run(self, name: str, args: list[str], limit: float, env: dict | None = None) -> Part:
-        left = self.deadline - time.monotonic()
+        left = self.deadline - time.monotonic() - self.reserve_s
         if left < 5:
-            return self.skip(name, "out of time (--budget)")
+            kept = f"; {self.reserve_s:.0f} s kept for the Ray parts" if self.reserve_s else ""
+            return self.skip(name, f"out of time (--budget{kept})")
         timeout = min(limit, left)
         print(f"[{name}] {' '.join(args)}  (limit {timeout:.0f} s)", flush=True)
         t0 = time.monotonic()
         proc = subprocess.Popen([self.python, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env={**self.env, **(env or {})}, start_new_session=True)
+        self.groups.append(proc.pid)
         try:
             out, _ = proc.communicate(timeout=timeout)
             status = "ok" if proc.returncode == 0 else "failed"
         except subprocess.TimeoutExpired:
             out = stop_group(proc)
             status = "timeout"
+        except BaseException:  # Stopped: the part in flight goes first, then the check writes its results
+            out = stop_group(proc, grace_s=5)
+            self.record(Part(name, "stopped", time.monotonic() - t0, note="stopped by a signal", output=out))
+            raise
+        finally:
+            kill_group(proc.pid)  # what the part left behind in its group (a local Ray's processes, say)
         part = Part(name, status, time.monotonic() - t0, output=out or "")
         if status == "failed":
             part.note = f"exit {proc.returncode}: {last_line(part.output)}"
         elif status == "timeout":
             part.note = f"stopped at its {timeout:.0f} s limit"
-        (self.logs / f"{name}.log").write_text(part.output)
+        self.record(part)
         print(f"[{name}] {status} in {part.wall_s:.0f} s{': ' + part.note if part.note else ''}", flush=True)
-        self.parts[name] = part
+        self.after_part()
         return part
 
+    def record(self, part: Part) -> None:
+        (self.logs / f"{part.name}.log").write_text(part.output)
+        self.parts[part.name] = part
 
-def stop_group(proc: subprocess.Popen) -> str:
-    """SIGTERM to the part's process group (a Ray driver then shuts down the local Ray it started), SIGKILL after
-    15 s; returns what it printed."""
-    for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+    def kill_all(self) -> None:
+        for pgid in self.groups:
+            kill_group(pgid)
+
+
+def kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = 15) -> str:
+    """SIGTERM to the part's process group (a Ray driver then shuts down what it started), SIGKILL after
+    `grace_s`; returns what it printed."""
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
@@ -172,21 +263,57 @@ def missing_modules(names) -> list[str]:
 
 # ---- the parts ------------------------------------------------------------------------------------------------
 
-def step_part(r: Runner, name: str, shape: dict, s: Shapes, device: str, out: Path) -> dict | None:
-    args = ["-m", "bench.step", "--device", device, "--dtype", "bf16", "--compile", "--no-moe", *s.step_args,
-            *flags(shape, "hidden_size", "num_hidden_layers", "vocab_size", "seq_len", "micro_batch_size")]
-    part = r.run(name, args, s.limits[name], env={"MINILM_BENCH_RESULTS": str(out / name)})
-    if part.status != "ok":
+SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "vocab_size", "seq_len", "micro_batch_size")
+
+
+def row_part(r: Runner, name: str, s: Shapes, device: str, rows: dict) -> dict | None:
+    """One row (`python -m bench.gpu_check row`) in its own process; printed and kept the moment it ends."""
+    which, extra, _ = ROWS[name]
+    shape = s.large if which == "large" else s.small
+    path = r.results / f"{name}.json"
+    args = ["-m", "bench.gpu_check", "row", "--name", name, "--json", str(path), "--device", device,
+            "--dtype", "bf16", *s.row_args, *flags(shape, *SHAPE_KEYS), *extra]
+    part = r.run(name, args, s.limits.get(name, s.limits["row"]))
+    if part.status != "ok" or not path.is_file():
         return None
-    result = json.loads((out / name / "step.json").read_text())["results"][0]
-    return {r_["config"]: r_ for r_ in result["rows"]} | {"peak_flops": result["peak_flops"],
-                                                           "peak_flops_datasheet": result["peak_flops_datasheet"]}
+    row = rows[name] = json.loads(path.read_text())
+    part.note = describe_row(row)
+    print(f"[{name}] row: {part.note}", flush=True)
+    r.after_part()
+    return row
 
 
-def fp16_part(r: Runner, s: Shapes, device: str, out: Path) -> dict | None:
+def describe_row(row: dict) -> str:
+    sheet = row["mfu_datasheet"] is not None
+    mfu = row["mfu_datasheet"] if sheet else row["mfu"]
+    text = (f"{row['tokens_per_s']:,.0f} tok/s, MFU {mfu:.1%}"
+            + (f" (of the measured matmul peak: {row['mfu']:.1%})" if sheet else " (of the measured peak)"))
+    if row.get("peak_memory_bytes") is not None:
+        text += f", peak memory {row['peak_memory_bytes'] / 2**30:.2f} GiB ({row['peak_memory_of']})"
+    if row["compile"]:
+        text += (f", compile {row['compile_s']:.1f} s, {row['graph_breaks']} graph break(s), "
+                 f"{row['recompiles']} recompile(s)")
+    if row.get("profile"):
+        text += f"; profiled step: flash attention {'used' if row['profile']['flash'] else 'NOT used'}"
+    return text
+
+
+def preflight_part(r: Runner, s: Shapes, device: str) -> dict | None:
+    path = r.results / "preflight.json"
+    part = r.run("preflight", ["-m", "bench.gpu_check", "preflight", "--device", device, "--json", str(path)],
+                 s.limits["preflight"])
+    if part.status != "ok" or not path.is_file():
+        return None
+    found = json.loads(path.read_text())
+    part.note = found["line"]
+    r.after_part()
+    return found
+
+
+def fp16_part(r: Runner, s: Shapes, device: str) -> dict | None:
     part = r.run("fp16", ["-m", "bench.fp16_check", "--device", device, *s.fp16_args], s.limits["fp16"],
-                 env={"MINILM_BENCH_RESULTS": str(out / "fp16")})
-    path = out / "fp16" / "fp16_check.json"
+                 env={"MINILM_BENCH_RESULTS": str(r.results / "fp16")})
+    path = r.results / "fp16" / "fp16_check.json"
     if part.status not in ("ok", "failed") or not path.is_file():
         return None
     return json.loads(path.read_text())
@@ -200,17 +327,37 @@ def trainer_part(r: Runner, s: Shapes, device_flags: dict, work: Path) -> dict |
     run_dir = work / "trainer"
     sequences = 4 * shape["micro_batch_size"]
     args = ["-m", "minilm.train", "--random-tokens", str(sequences * (shape["seq_len"] + 1)), "--run-dir", str(run_dir),
-            *flags(shape, "hidden_size", "num_hidden_layers", "vocab_size", "seq_len", "micro_batch_size"),
+            *flags(shape, *SHAPE_KEYS),
             "--global-batch-size", str(shape["micro_batch_size"]), "--dtype", device_flags["dtype"],
             "--max-steps", str(steps), "--warmup-steps", "1", "--log-every", str(max(1, steps // 20)),
-            "--checkpoint-every", str(steps)]
+            "--checkpoint-every", str(steps), "--val-samples", str(shape["micro_batch_size"])]
     part = r.run("trainer", args, s.limits["trainer"])
     if part.status != "ok":
         return None
-    step_s, counted = steady_step_s(read_metrics(run_dir / "metrics.jsonl"), steps)
+    records = read_metrics(run_dir / "metrics.jsonl")
+    step_s, counted = steady_step_s(records, steps)
     shutil.rmtree(run_dir, ignore_errors=True)
-    return {"step_s": step_s, "steps_counted": counted,
+    val = [rec["val_loss"] for rec in records if "val_loss" in rec]
+    if not val:
+        part.status, part.note = "failed", "no val_loss (--val-samples) in its metrics"
+    return {"step_s": step_s, "steps_counted": counted, "val_loss": val[-1] if val else None,
             "tokens_per_s": shape["micro_batch_size"] * shape["seq_len"] / step_s}
+
+
+def checkpoint_part(r: Runner, s: Shapes, work: Path) -> dict | None:
+    """`bench.checkpoint` at the 104M size (save = resume state + export, restore with its hash check) on this
+    machine's disk; the table puts the save against the compiled 104M row's step at the default cadence."""
+    shape = s.large
+    part = r.run("checkpoint-104m", ["-m", "bench.checkpoint", "--sizes",
+                                     f"{shape['hidden_size']}x{shape['num_hidden_layers']}", "--vocab-size",
+                                     str(shape["vocab_size"]), "--repeats", "1", "--dir", str(work)],
+                 s.limits.get("checkpoint-104m", s.limits["row"]),
+                 env={"MINILM_BENCH_RESULTS": str(r.results / "checkpoint-104m")})
+    path = r.results / "checkpoint-104m" / "checkpoint.json"
+    if part.status != "ok" or not path.is_file():
+        return None
+    found = json.loads(path.read_text())["rows"][0]
+    return {k: found[k] for k in ("params", "save_s", "restore_s", "resume_bytes", "export_bytes")}
 
 
 def prepare_part(r: Runner, s: Shapes, work: Path) -> Path | None:
@@ -245,8 +392,7 @@ def ray_job_part(r: Runner, s: Shapes, data: Path, use_gpu: str, work: Path) -> 
     shape, steps = s.small, s.job_steps
     storage, name, half = work / "runs", "gpu-check", s.job_steps // 2
     args = ["-m", "ray_jobs.pretrain", "--data", str(data), "--use-gpu", use_gpu, "--num-workers", "1",
-            "--storage-path", str(storage), "--name", name,
-            *flags(shape, "hidden_size", "num_hidden_layers", "vocab_size", "seq_len", "micro_batch_size"),
+            "--storage-path", str(storage), "--name", name, *flags(shape, *SHAPE_KEYS),
             "--global-batch-size", str(shape["micro_batch_size"]), "--dtype", "bf16", "--max-steps", str(steps),
             "--warmup-steps", "1", "--log-every", str(max(1, steps // 30)), "--checkpoint-every", str(steps)]
     first = r.run("ray-job", [*args, "--exit-after-steps", str(half)], s.limits["ray-job"], env=RAY_DEFAULT_POLL)
@@ -289,21 +435,49 @@ def export_and_sample(r: Runner, s: Shapes, checkpoint: str, work: Path) -> str 
     return text
 
 
-def stream_part(r: Runner, s: Shapes, data: Path) -> dict | None:
+def stream_part(r: Runner, s: Shapes, data: Path, device: str) -> dict | None:
     """One rank's `RankStream` (the job's own pipeline) driven alone on the prepared data: `stream_rate`.
     (`bench.data --mode stream` measures the same on a synthetic dataset of its own, too big for this budget.)"""
     shape = s.small
     part = r.run("stream", ["-m", "bench.gpu_check", "stream-rate", "--data", str(data), "--seq-len",
                             str(shape["seq_len"]), "--vocab-size", str(shape["vocab_size"]), "--micro-batch-size",
                             str(shape["micro_batch_size"]), "--steps", str(s.stream_steps), "--global-batch-size",
-                            str(shape["micro_batch_size"])], s.limits["stream"])
+                            str(shape["micro_batch_size"]), "--device", device], s.limits["stream"])
     if part.status != "ok":
         return None
     found = re.search(r"stream delivery rate: ([\d,]+) tokens/s", part.output)
-    return {"tokens_per_s": float(found.group(1).replace(",", "")), "by": "ray_jobs.stream.RankStream"} if found else None
+    return {"tokens_per_s": float(found.group(1).replace(",", "")), "by": "ray_jobs.stream.RankStream",
+            "to": device} if found else None
 
 
-# ---- the stream's delivery rate (no model in the loop) ------------------------------------------------------
+class LocalRay:
+    """One local Ray for every Ray part (each part's driver joins it through RAY_ADDRESS), stopped at exit; none
+    when RAY_ADDRESS names a cluster already."""
+
+    def __init__(self):
+        self.started = False
+
+    def address(self, gpu: bool) -> str:
+        if os.environ.get("RAY_ADDRESS"):
+            return os.environ["RAY_ADDRESS"]
+        import ray
+
+        cores = os.cpu_count() or 2
+        # More logical CPUs than cores, as ray_jobs.cli.ensure_ray: workers must not starve Ray Data's tasks.
+        ray.init(address="local", num_cpus=max(8, 2 * cores), num_gpus=1 if gpu else 0, include_dashboard=False,
+                 log_to_driver=False, logging_level="ERROR")
+        self.started = True
+        return ray.get_runtime_context().gcs_address
+
+    def stop(self) -> None:
+        if self.started:
+            import ray
+
+            ray.shutdown()
+            self.started = False
+
+
+# ---- the subcommands a part runs ---------------------------------------------------------------------------
 
 def stream_rate(argv: list[str]) -> int:
     """Drive one rank's `RankStream` (world size 1, micro-batches to host memory) with nothing else in the loop."""
@@ -314,6 +488,7 @@ def stream_rate(argv: list[str]) -> int:
     p.add_argument("--micro-batch-size", type=int, default=32)
     p.add_argument("--global-batch-size", type=int, default=32)
     p.add_argument("--steps", type=int, default=400, help="optimizer steps timed after the first (pipeline start)")
+    p.add_argument("--device", default="cpu", help="where the micro-batches go (cuda: pinned, async copies)")
     args = p.parse_args(argv)
     import numpy as np
     import torch
@@ -330,7 +505,7 @@ def stream_rate(argv: list[str]) -> int:
     per_epoch = D.steps_per_epoch(len(train_ids), args.global_batch_size)
     stream = RankStream(data_dir=args.data, train_ids=train_ids, seed=0, global_batch_size=args.global_batch_size,
                         micro_batch_size=args.micro_batch_size, world_size=1, rank=0, start_step=0,
-                        total_steps=args.steps + 1, steps_per_epoch=per_epoch, device=torch.device("cpu"))
+                        total_steps=args.steps + 1, steps_per_epoch=per_epoch, device=torch.device(args.device))
     t0 = time.perf_counter()
     stream.next_step()
     start_s = time.perf_counter() - t0
@@ -339,6 +514,8 @@ def stream_rate(argv: list[str]) -> int:
     for _ in range(args.steps):
         micro_batches, _ = stream.next_step()
         tokens += sum(b.shape[0] * (b.shape[1] - 1) for b in micro_batches)
+    if stream.device.type == "cuda":
+        torch.cuda.synchronize(stream.device)  # the last copies have landed
     elapsed = time.perf_counter() - t0
     print(f"pipeline start {start_s:.2f} s; {args.steps} steps of {args.global_batch_size} x {args.seq_len} tokens in "
           f"{elapsed:.2f} s ({per_epoch} steps per epoch)")
@@ -346,11 +523,278 @@ def stream_rate(argv: list[str]) -> int:
     return 0
 
 
+class DynamoCounts:
+    """Graph breaks, compiled graphs and recompiles of this process's torch.compile (dynamo's counters and its
+    `recompiles` log)."""
+
+    def __init__(self):
+        import logging
+
+        import torch._dynamo.guards  # noqa: F401  (creates the recompiles logger)
+        import torch._logging
+
+        self.recompiles = 0
+        torch._logging.set_logs(recompiles=True)
+        counts = self
+
+        class Count(logging.Handler):
+            def emit(self, record):
+                counts.recompiles += record.getMessage().startswith("Recompiling")
+
+        logging.getLogger("torch._dynamo.guards.__recompiles").addHandler(Count())
+
+    def read(self) -> dict:
+        from torch._dynamo.utils import counters
+
+        return {"graph_breaks": sum(counters["graph_break"].values()),
+                "graphs": counters["stats"].get("unique_graphs", 0), "recompiles": self.recompiles}
+
+
+def row(argv: list[str]) -> int:
+    """One row of the table: optimizer steps of one config, timed alone in this process; writes --json."""
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_check row")
+    add_model_args(p)
+    p.add_argument("--name", required=True)
+    p.add_argument("--json", required=True)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--moe", action="store_true", help="4 experts, top-1 (the dense model's active width)")
+    p.add_argument("--document-mask", action="store_true", help="attention within each document (ModelConfig)")
+    p.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw")
+    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--profile", action="store_true", help="one more step under torch.profiler: its top kernels")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps first (with --compile: the compilation)")
+    p.add_argument("--peak-size", type=int, default=None, help="n of the n^3 matmul peak (default 8192 GPU, 2048 CPU)")
+    args = p.parse_args(argv)
+    import statistics
+
+    import torch
+
+    from minilm.config import ModelConfig, TrainConfig
+    from minilm.model import MiniMindForCausalLM
+    from minilm.progress import datasheet_peak, measured_matmul_peak
+    from minilm.step import (
+        configure_backends,
+        make_grad_scaler,
+        make_optimizer,
+        optimizer_step,
+        prepare_model,
+    )
+
+    device = torch.device(args.device)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    configure_backends(device)
+    counts = DynamoCounts() if args.compile else None
+    peak = measured_matmul_peak(dtype, n=args.peak_size or (8192 if device.type == "cuda" else 2048), repeats=10,
+                                device=device)
+    torch.manual_seed(0)
+    cfg = ModelConfig(hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers,
+                      num_attention_heads=args.num_attention_heads, num_key_value_heads=args.num_key_value_heads,
+                      vocab_size=args.vocab_size, max_position_embeddings=args.seq_len + 1, use_moe=args.moe,
+                      num_experts=4, num_experts_per_tok=1, document_mask=args.document_mask)
+    model = MiniMindForCausalLM(cfg).to(device).train()
+    train_cfg = TrainConfig(lr=1e-4, compile=args.compile, activation_checkpointing=args.activation_checkpointing,
+                            optimizer=args.optimizer)
+    model = prepare_model(model, train_cfg, device)
+    optimizer = make_optimizer(model, train_cfg)
+    scaler = make_grad_scaler(dtype, device.type)
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_len + 1), generator=gen).to(device)
+               for _ in range(args.warmup + args.steps)]
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for batch in batches:
+        t0 = time.perf_counter()
+        m = optimizer_step(model, optimizer, scaler, [batch], lr=1e-4, grad_clip=1.0, dtype=dtype)
+        float(m.loss)  # the step is done when its loss is on the host
+        times.append(time.perf_counter() - t0)
+    profile = profiled_step(model, optimizer, scaler, batches[-1], dtype, device) if args.profile else None
+    warm, timed = times[:args.warmup], times[args.warmup:]
+    step_s = statistics.median(timed)
+    tokens = args.micro_batch_size * args.seq_len
+    sheet = datasheet_peak(torch.cuda.get_device_name(device), dtype) if device.type == "cuda" else None
+    if device.type == "cuda":
+        peak_memory, peak_of = torch.cuda.max_memory_allocated(device), "torch.cuda.max_memory_allocated"
+    else:
+        import resource
+
+        peak_memory, peak_of = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "the process's max RSS"
+    result = {"name": args.name, "config": ("moe" if args.moe else "dense") + ("+compile" if args.compile else ""),
+              "dtype": args.dtype, "compile": args.compile, "params": model.num_params(),
+              "active_params": model.num_params(active=True), "flops_per_token": model.flops_per_token(args.seq_len),
+              "tokens_per_step": tokens, "step_s_median": step_s, "step_s_min": min(timed), "step_s_all": timed,
+              "warmup_s": sum(warm), "tokens_per_s": tokens / step_s, "peak_flops": peak,
+              "peak_flops_datasheet": sheet, "mfu": model.estimate_mfu(tokens / step_s, args.seq_len, peak),
+              "mfu_datasheet": model.estimate_mfu(tokens / step_s, args.seq_len, sheet) if sheet else None,
+              "peak_memory_bytes": peak_memory, "peak_memory_of": peak_of,
+              # the warm-up steps' time beyond as many steady steps: compilation and autotuning
+              "compile_s": max(0.0, sum(warm) - len(warm) * step_s) if args.compile else None,
+              "document_mask": args.document_mask, "optimizer": args.optimizer,
+              "activation_checkpointing": args.activation_checkpointing, "profile": profile,
+              **(counts.read() if counts else {"graph_breaks": None, "graphs": None, "recompiles": None})}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"row {args.name}: {describe_row(result)}")
+    return 0
+
+
+def profiled_step(model, optimizer, scaler, batch, dtype, device) -> dict:
+    """One more optimizer step under torch.profiler: the 10 kernels (CUDA) or ops (CPU) that took the most time,
+    and whether a flash-attention kernel ran."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from minilm.step import optimizer_step
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        float(optimizer_step(model, optimizer, scaler, [batch], lr=1e-4, grad_clip=1.0, dtype=dtype).loss)
+    events = prof.key_averages()
+    if device.type == "cuda":
+        timed = [(e.key, getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0)) for e in events]
+        timed = [(k, t) for k, t in timed if t > 0 and not k.startswith(("aten::", "cuda", "Memcpy", "Memset"))]
+    else:
+        timed = [(e.key, e.self_cpu_time_total) for e in events]
+    top = sorted(timed, key=lambda kt: -kt[1])[:10]
+    names = [e.key.lower() for e in events]
+    return {"top": [{"name": k[:120], "us": round(t, 1)} for k, t in top], "of": device.type,
+            "flash": any("flash" in n for n in names)}
+
+
+def tf32_state() -> dict:
+    """TF32 as both the legacy getters and the torch >= 2.9 ones report it; a getter that raises is a failure (a
+    mix of the two setter APIs makes torch refuse the legacy reads, which Inductor's autotuning makes)."""
+    import torch
+
+    getters = {
+        "torch.get_float32_matmul_precision()": torch.get_float32_matmul_precision,
+        "torch.backends.cuda.matmul.allow_tf32": lambda: torch.backends.cuda.matmul.allow_tf32,
+        "torch.backends.cudnn.allow_tf32": lambda: torch.backends.cudnn.allow_tf32,
+    }
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        getters["torch.backends.cuda.matmul.fp32_precision"] = lambda: torch.backends.cuda.matmul.fp32_precision
+        getters["torch.backends.cudnn.conv.fp32_precision"] = lambda: torch.backends.cudnn.conv.fp32_precision
+    state = {}
+    for name, get in getters.items():
+        try:
+            state[name] = get()
+        except Exception as e:  # noqa: BLE001  (what torch raises here is a RuntimeError today)
+            state[name] = f"raises {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+    return state
+
+
+def preflight(argv: list[str]) -> int:
+    """The check's first part (under 20 s on the GPU): what the rest needs, or one `error: preflight: ...` line."""
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_check preflight")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--json", required=True)
+    args = p.parse_args(argv)
+    import torch
+
+    from minilm.step import configure_backends
+
+    device = torch.device(args.device)
+    found: dict = {"torch": torch.__version__, "python": sys.version.split()[0], "cuda": torch.version.cuda}
+    failures = []
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            failures.append("torch sees no CUDA device")
+        else:
+            found["gpu"] = torch.cuda.get_device_name(device)
+            found["capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
+            found["driver"] = nvidia_driver()
+    for name in ("triton", "ray"):
+        spec = importlib.util.find_spec(name)
+        found[name] = __import__(name).__version__ if spec else None
+    if found["ray"]:
+        try:
+            import ray.data  # noqa: F401
+            import ray.train.torch  # noqa: F401
+        except Exception as e:  # noqa: BLE001  (a broken bundle shows up as any import error)
+            failures.append(f"import ray.train.torch, ray.data: {type(e).__name__}: {e}")
+    if not failures:
+        configure_backends(device)
+        found["tf32"] = tf32_state()
+        failures += [f"{k} {v}" for k, v in found["tf32"].items() if str(v).startswith("raises")]
+    if not failures and device.type == "cuda":  # on CPU the compiled rows are the first compilations anyway
+        try:
+            found["compile_s"] = tiny_compiled_step(device)
+        except Exception as e:  # noqa: BLE001
+            failures.append(f"compiled forward+backward on {device.type}: {type(e).__name__}: {str(e)[:200]}")
+    if not failures and device.type == "cuda":
+        try:
+            flash_at_check_shape(device)
+            found["sdpa_flash"] = "runs at (32, 8, 512, 64) bf16 causal"
+        except Exception as e:  # noqa: BLE001
+            failures.append(f"SDPA's flash kernel at the check's shape: {type(e).__name__}: {str(e)[:200]}")
+    found["failures"] = failures
+    parts = [f"torch {found['torch']}", f"python {found['python']}"]
+    parts += [f"{k} {found[k]}" for k in ("gpu", "capability", "cuda", "driver", "triton", "ray") if found.get(k)]
+    parts += [f"compile {found['compile_s']:.1f} s"] if "compile_s" in found else []
+    found["line"] = ", ".join(parts)
+    Path(args.json).write_text(json.dumps(found, indent=2) + "\n")
+    print(f"preflight: {found['line']}")
+    for name, value in (found.get("tf32") or {}).items():
+        print(f"  {name}: {value}")
+    if failures:
+        print(f"error: preflight: {'; '.join(failures)}")
+        return 1
+    return 0
+
+
+def nvidia_driver() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.splitlines()[0] if out else None
+
+
+def tiny_compiled_step(device) -> float:
+    """A 2-layer MiniMind block stack compiled the way the training loop compiles it, one forward+backward."""
+    import torch
+
+    from minilm.config import ModelConfig, TrainConfig
+    from minilm.model import MiniMindForCausalLM
+    from minilm.step import prepare_model
+
+    t0 = time.perf_counter()
+    cfg = ModelConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      vocab_size=256, max_position_embeddings=65)
+    model = prepare_model(MiniMindForCausalLM(cfg).to(device).train(), TrainConfig(compile=True), device)
+    ids = torch.randint(0, 256, (2, 65), device=device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda"):
+        out = model(ids, labels=ids)
+    out.loss.backward()
+    if not torch.isfinite(out.loss):
+        raise RuntimeError(f"non-finite loss {float(out.loss)}")
+    return time.perf_counter() - t0
+
+
+def flash_at_check_shape(device) -> None:
+    """SDPA restricted to the flash kernel at the 26M rows' attention shape: raises if that kernel cannot run."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = (torch.randn(32, 8, 512, 64, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+    torch.cuda.synchronize(device)
+
+
 # ---- the table ----------------------------------------------------------------------------------------------
+
+ROW_CHECKS = {name: check for name, (_, _, check) in ROWS.items()}
+
 
 def table_rows(parts: dict[str, Part], fig: dict, gpu: bool) -> list[dict]:
     """One row per check: what was measured, the goal, and PASS / BELOW GOAL (a GPU run), `dry run` (CPU), or the
-    part's failure (FAILED, TIMEOUT, SKIPPED with its reason)."""
+    part's failure (FAILED, TIMEOUT, STOPPED, SKIPPED with its reason)."""
     rows = []
 
     def add(check: str, part: str, result: str, goal: str = "-", ok: bool | None = None) -> None:
@@ -363,19 +807,16 @@ def table_rows(parts: dict[str, Part], fig: dict, gpu: bool) -> list[dict]:
             status = ("PASS" if ok else "BELOW GOAL") if gpu else "dry run"
         rows.append({"check": check, "status": status, "goal": goal, "result": result})
 
-    for name, size in (("step-26m", "26M"), ("step-104m", "104M")):
-        for config, kind in (("dense", "eager"), ("dense+compile", "compiled")):
-            row = (fig.get(name) or {}).get(config)
-            goal = MFU_GOALS[name] if kind == "compiled" else None
-            if row is None:
-                add(f"bench.step {size} bf16 {kind}", name, "")
-                continue
-            sheet = row["mfu_datasheet"] is not None
-            mfu = row["mfu_datasheet"] if sheet else row["mfu"]
-            result = (f"{row['tokens_per_s']:,.0f} tok/s, MFU {mfu:.1%}"
-                      + (f" (of the measured matmul peak: {row['mfu']:.1%})" if sheet else " (of the measured peak)"))
-            add(f"bench.step {size} bf16 {kind}", name, result, f">= {goal:.0%} MFU" if goal else "-",
-                None if goal is None else mfu >= goal)
+    add("preflight", "preflight", (fig.get("preflight") or {}).get("line", ""))
+    measured = fig.get("rows") or {}
+    for name, check in ROW_CHECKS.items():
+        found = measured.get(name)
+        goal = MFU_GOALS.get(name.split("-")[1]) if name.startswith("step-") and name.endswith("-compiled") else None
+        if found is None:
+            add(check, name, "", f">= {goal:.0%} MFU" if goal else "-")
+            continue
+        mfu = found["mfu_datasheet"] if found["mfu_datasheet"] is not None else found["mfu"]
+        add(check, name, describe_row(found), f">= {goal:.0%} MFU" if goal else "-", None if goal is None else mfu >= goal)
 
     fp16 = fig.get("fp16")
     if fp16:
@@ -388,41 +829,146 @@ def table_rows(parts: dict[str, Part], fig: dict, gpu: bool) -> list[dict]:
     else:
         add("fp16 + GradScaler", "fp16", "")
 
-    eager = (fig.get("step-26m") or {}).get("dense")
+    ckpt, step = fig.get("checkpoint"), measured.get("step-104m-compiled") or measured.get("step-104m-eager")
+    every = TrainConfig().checkpoint_every
+    share = ckpt["save_s"] / (ckpt["save_s"] + every * step["step_s_median"]) if ckpt and step else None
+    add("checkpoint save + restore, 104M", "checkpoint-104m",
+        "" if not ckpt else f"save {ckpt['save_s']:.2f} s, restore {ckpt['restore_s']:.2f} s"
+        + (f"; {share:.2%} of wall time at checkpoint_every {every} (the 104M step)" if share is not None else ""),
+        "< 2% of wall time", None if share is None else share < 0.02)
+
+    eager = measured.get("step-26m-eager")
     job = fig.get("ray_job") or {"halves": {}}
     for run, check, part in ((fig.get("trainer"), "Trainer in-process (minilm.train), 26M", "trainer"),
                              (job["halves"].get("poll_2s"), "Ray job 1 worker, 26M, Train polling every 2 s", "ray-job"),
                              (job["halves"].get("poll_0.1s"), "  resumed with the job's 0.1 s polling", "ray-job-resume")):
         ratio = run["tokens_per_s"] / eager["tokens_per_s"] if run and eager else None
         result = "" if not run else f"{run['tokens_per_s']:,.0f} tok/s" + (
-            f" = {ratio:.3f}x bench.step eager" if ratio else "")
+            f" = {ratio:.3f}x the eager step" if ratio else "")
         if part == "ray-job-resume" and "ray-job-resume" in parts:
             result += f"; {parts['ray-job-resume'].note}"
-        add(check, part, result, f">= {RAY_GOAL:.2f}x bench.step", None if ratio is None else ratio >= RAY_GOAL)
+        add(check, part, result, f">= {RAY_GOAL:.2f}x the eager step", None if ratio is None else ratio >= RAY_GOAL)
     add("prepare the demo corpus", "prepare", parts["prepare"].note if "prepare" in parts else "", "completes")
     add("export + sample", "sample", repr((fig.get("sample") or "")[:80]), "text comes out")
-    stream, need = fig.get("stream"), eager["tokens_per_s"] if eager else None
-    add("Ray Data stream delivery, CPU", "stream", f"{stream['tokens_per_s']:,.0f} tok/s ({stream['by']})"
+    fastest = measured.get("step-26m-compiled") or eager
+    stream, need = fig.get("stream"), fastest["tokens_per_s"] if fastest else None
+    add("Ray Data stream delivery", "stream", f"{stream['tokens_per_s']:,.0f} tok/s to {stream['to']} ({stream['by']})"
         if stream else "no rate found", f">= {need:,.0f} tok/s (the 26M step)" if need else "-",
         None if not stream or not need else stream["tokens_per_s"] >= need)
     return rows
 
 
-def print_table(rows: list[dict]) -> None:
+def format_table(rows: list[dict]) -> str:
     widths = {k: max(len(k), *(len(str(r[k])) for r in rows)) for k in ("check", "status", "goal")}
-    print(f"{'check':<{widths['check']}}  {'status':<{widths['status']}}  {'goal':<{widths['goal']}}  result")
+    lines = [f"{'check':<{widths['check']}}  {'status':<{widths['status']}}  {'goal':<{widths['goal']}}  result"]
     for r in rows:
-        print(f"{r['check']:<{widths['check']}}  {r['status']:<{widths['status']}}  {r['goal']:<{widths['goal']}}  "
-              f"{r['result']}")
+        lines.append(f"{r['check']:<{widths['check']}}  {r['status']:<{widths['status']}}  "
+                     f"{r['goal']:<{widths['goal']}}  {r['result']}")
+    return "\n".join(lines)
+
+
+# ---- the results ------------------------------------------------------------------------------------------
+
+def write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def save_results(dest: Path, runner: Runner, fig: dict, head: dict, gpu: bool, final: str = "") -> list[dict]:
+    """Rewrite the three result files from what is known now (after every part, and at the end)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    rows = table_rows(runner.parts, fig, gpu)
+    parts = {k: {"status": v.status, "wall_s": v.wall_s, "note": v.note} for k, v in runner.parts.items()}
+    payload = {**head, "table": rows, "figures": fig, "parts": parts, "finished": final}
+    write_atomic(dest / FILES[0], (json.dumps(payload, indent=2, default=str) + "\n").encode())
+    failed = failed_parts(runner, fig)
+    summary = [head["title"], "", format_table(rows), ""]
+    summary += [f"failed: {', '.join(failed)}"] if failed else []
+    summary += [final or f"in progress: {len(runner.parts)} part(s) done"]
+    write_atomic(dest / FILES[1], ("\n".join(summary) + "\n").encode())
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for folder in (runner.logs, runner.results):
+            tar.add(folder, arcname=folder.name)
+    write_atomic(dest / FILES[2], buf.getvalue())
+    return rows
+
+
+def failed_parts(runner: Runner, fig: dict) -> list[str]:
+    failed = [p.name for p in runner.parts.values() if p.status in ("failed", "timeout", "stopped")]
+    failed += [] if not fig.get("fp16") or fig["fp16"]["passed"] else ["fp16"]
+    return list(dict.fromkeys(failed))
 
 
 # ---- main ---------------------------------------------------------------------------------------------------
+
+def run_parts(runner: Runner, s: Shapes, device: str, fig: dict, work: Path, only: set[str] | None,
+              ray: LocalRay) -> None:
+    gpu = device == "cuda"
+
+    def wanted(name: str) -> bool:
+        return only is None or name in only
+
+    if wanted("preflight"):
+        fig["preflight"] = preflight_part(runner, s, device)
+        if runner.parts["preflight"].status != "ok":
+            print(f"error: the preflight failed, the check stops: {runner.parts['preflight'].note}", flush=True)
+            return
+    fig["rows"] = {}
+    for name in ("step-26m-eager", "step-104m-eager"):
+        if wanted(name):
+            row_part(runner, name, s, device, fig["rows"])
+    if wanted("trainer"):
+        fig["trainer"] = trainer_part(runner, s, {"dtype": "bf16"}, work)
+    if wanted("fp16"):
+        fig["fp16"] = fp16_part(runner, s, device)
+    for name in ROW_PARTS[2:4]:
+        if wanted(name):
+            row_part(runner, name, s, device, fig["rows"])
+    runner.reserve_s = s.ray_reserve_s  # the paths never run before come next, as far as the Ray parts allow
+    for name in ROW_PARTS[4:]:
+        if wanted(name):
+            row_part(runner, name, s, device, fig["rows"])
+    if wanted("checkpoint-104m"):
+        fig["checkpoint"] = checkpoint_part(runner, s, work)
+    runner.reserve_s = 0.0
+    ray_parts = ("prepare", "ray-job", "ray-job-resume", "export", "sample", "stream")
+    if only is not None and not only & set(ray_parts):
+        return
+    missing = missing_modules(RAY_MODULES)
+    if missing:
+        why = (f"needs {', '.join(missing)} in this python: build the bundle (bash bench/gpu_bundle.sh) and run "
+               f"bash bench/gpu_check.sh --bundle gpu-bundle, or pip install 'ray[train,data]>=2.60' pyarrow "
+               f"tokenizers pyyaml")
+        for name in ray_parts:
+            runner.skip(name, why)
+        return
+    try:
+        runner.env["RAY_ADDRESS"] = ray.address(gpu)
+    except Exception as e:  # noqa: BLE001  (whatever ray.init raises, the Ray parts cannot run)
+        why = f"could not start a local Ray: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
+        print(f"[prepare] failed: {why}", flush=True)
+        runner.parts["prepare"] = Part("prepare", "failed", note=why)
+        for name in ray_parts[1:]:
+            runner.skip(name, why)
+        return
+    # ray.init turns token auth on for the Ray it starts and says so in this process's environment only
+    runner.env.update({k: v for k, v in os.environ.items() if k.startswith("RAY_AUTH")})
+    data = prepare_part(runner, s, work)
+    if data is not None:
+        fig["ray_job"] = ray_job_part(runner, s, data, "true" if gpu else "false", work)
+        if fig["ray_job"] and fig["ray_job"]["checkpoint"]:
+            fig["sample"] = export_and_sample(runner, s, fig["ray_job"]["checkpoint"], work)
+        fig["stream"] = stream_part(runner, s, data, device)
+
 
 def check(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: the dry run (tiny configs)")
     p.add_argument("--budget", type=float, default=450, help="seconds for every part together (default 450)")
-    p.add_argument("--keep-work", action="store_true", help="keep the data, runs and export (a temporary folder)")
+    p.add_argument("--only", default=None, help="comma-separated part names: run these alone (a rerun)")
+    p.add_argument("--keep-work", action="store_true", help="keep the data, runs, logs and export (a temporary folder)")
     args = p.parse_args(argv)
     import torch
 
@@ -431,57 +977,57 @@ def check(argv: list[str]) -> int:
         print("error: torch sees no CUDA device (a CPU-only torch build, or no GPU); --device cpu is the dry run",
               file=sys.stderr)
         return 2
+    only = set(args.only.split(",")) if args.only else None
+    known = {"preflight", "trainer", "fp16", *ROW_PARTS, "checkpoint-104m", "prepare", "ray-job", "ray-job-resume", "export", "sample",
+             "stream"}
+    if only and only - known:
+        print(f"error: --only: unknown part(s) {', '.join(sorted(only - known))}; parts: {', '.join(sorted(known))}",
+              file=sys.stderr)
+        return 2
     s = GPU if gpu else CPU
-    out = results_dir()
+    dest = Path(os.environ["OUT"]) if os.environ.get("OUT") else results_dir()
     env = environment()
-    print(f"# GPU check on {env.get('gpu', 'no GPU') if gpu else env['cpu'] + ' (CPU dry run)'}, {env['cpus']} CPUs, "
-          f"torch {env['torch']}, {env['time']}", flush=True)
-    child_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    runner = Runner(sys.executable, args.budget, out / "logs", child_env)
+    title = (f"# GPU check on {env.get('gpu', 'no GPU') if gpu else env['cpu'] + ' (CPU dry run)'}, {env['cpus']} "
+             f"CPUs, torch {env['torch']}, python {env['python']}, {env['time']}")
+    print(title, flush=True)
+    head = {"title": title, "environment": env, "device": args.device}
     work = Path(tempfile.mkdtemp(prefix="minilm-gpu-check-"))
     fig: dict = {}
+    ray = LocalRay()
+    runner = Runner(sys.executable, args.budget, work, {**os.environ, "PYTHONUNBUFFERED": "1"})
+    runner.after_part = lambda: save_results(dest, runner, fig, head, gpu)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, on_signal)
+    final = "finished"
     try:
-        fig["step-26m"] = step_part(runner, "step-26m", s.small, s, args.device, out)
-        fig["step-104m"] = step_part(runner, "step-104m", s.large, s, args.device, out)
-        fig["fp16"] = fp16_part(runner, s, args.device, out)
-        fig["trainer"] = trainer_part(runner, s, {"dtype": "bf16"}, work)
-        missing = missing_modules(RAY_MODULES)
-        if missing:
-            why = (f"needs {', '.join(missing)} in this python: pip install 'ray[train,data]>=2.60' pyarrow tokenizers "
-                   f"pyyaml (offline: carry wheels and pip install --no-index .whl/*.whl)")
-            for name in ("prepare", "ray-job", "ray-job-resume", "export", "sample", "stream"):
-                runner.skip(name, why)
-        else:
-            data = prepare_part(runner, s, work)
-            if data is not None:
-                fig["ray_job"] = ray_job_part(runner, s, data, "true" if gpu else "false", work)
-                if fig["ray_job"] and fig["ray_job"]["checkpoint"]:
-                    fig["sample"] = export_and_sample(runner, s, fig["ray_job"]["checkpoint"], work)
-                fig["stream"] = stream_part(runner, s, data)
+        run_parts(runner, s, args.device, fig, work, only, ray)
+    except Stopped as e:
+        final = f"stopped by {e} during {next(reversed(runner.parts), 'the start')}"
+        print(f"\n{final}", flush=True)
     finally:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)  # the results are written once, whatever comes next
+        runner.kill_all()
+        ray.stop()
+        rows = save_results(dest, runner, fig, head, gpu, final)
         if args.keep_work:
             print(f"work folder kept: {work}")
         else:
             shutil.rmtree(work, ignore_errors=True)
-
-    rows = table_rows(runner.parts, fig, gpu)
     print()
-    print_table(rows)
-    failed = [p.name for p in runner.parts.values() if p.status in ("failed", "timeout")]
-    failed += [] if not fig.get("fp16") or fig["fp16"]["passed"] else ["fp16"]
-    path = write_json("gpu_check.json", {"environment": env, "device": args.device, "table": rows, "figures": fig,
-                                         "parts": {k: {"status": v.status, "wall_s": v.wall_s, "note": v.note}
-                                                   for k, v in runner.parts.items()}})
-    print(f"wrote {path}; logs in {out / 'logs'}")
+    print(format_table(rows))
+    failed = failed_parts(runner, fig)
+    print(f"wrote {', '.join(str(dest / f) for f in FILES)}")
     if failed:
-        print(f"failed: {', '.join(dict.fromkeys(failed))}")
-    return 1 if failed else 0
+        print(f"failed: {', '.join(failed)}")
+    return 1 if failed or final != "finished" else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["stream-rate"]:
-        return stream_rate(argv[1:])
+    commands = {"stream-rate": stream_rate, "row": row, "preflight": preflight}
+    if argv[:1] and argv[0] in commands:
+        return commands[argv[0]](argv[1:])
     return check(argv)
 
 

@@ -37,7 +37,8 @@ def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
     device_type = torch.device(device).type
     if name == "auto":
         if device_type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+            # native bf16 only: V100 and T4 emulate it, slower than fp16 with the GradScaler
+            return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
         return torch.bfloat16 if cpu_bf16_is_faster() else torch.float32
     if name == "fp16" and device_type != "cuda":
         raise ValueError("dtype fp16 needs a CUDA device (CPU autocast supports bf16 or fp32); use --dtype bf16 or fp32")
@@ -88,12 +89,10 @@ def configure_backends(device: torch.device | str) -> None:
         return
     if torch.cuda.get_device_capability(device) < (8, 0):
         return
-    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # torch >= 2.9; mixing with allow_tf32 is refused
-        torch.backends.cuda.matmul.fp32_precision = "tf32"
-        torch.backends.cudnn.conv.fp32_precision = "tf32"
-    else:
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    # The legacy setters, on every torch: after them both the legacy getters and torch >= 2.9's fp32_precision read
+    # TF32, whereas setting fp32_precision makes the legacy getters raise (Inductor's autotuning calls them).
+    torch.set_float32_matmul_precision("high")
+    torch.backends.cudnn.allow_tf32 = True
 
 
 def prepare_model(model: torch.nn.Module, cfg: TrainConfig, device: torch.device | str) -> torch.nn.Module:

@@ -466,10 +466,17 @@ def make_trainer(config: dict, opts: dict, storage: str, name: str, workers: tup
 
 CONTROLLER_POLL_S = "0.1"
 WORKER_ENV = ("MINILM_CACHE", "MINILM_GIT_COMMIT")  # the only MINILM_* settings a worker reads
+# The CUDA, NCCL and torch debugging and tuning settings a user sets in the driver's shell, for every worker.
+WORKER_ENV_GPU = ("TORCH_LOGS", "PYTORCH_CUDA_ALLOC_CONF", "CUDA_LAUNCH_BLOCKING", "TORCHINDUCTOR_COMPILE_THREADS")
+WORKER_ENV_GPU_PREFIXES = ("NCCL_", "TORCH_NCCL_")
 
 
 def worker_env(opts: dict) -> dict[str, str]:
-    env = {"OMP_NUM_THREADS": str(max(1, int(opts["cpus_per_worker"])))}
+    threads = str(max(1, int(opts["cpus_per_worker"])))
+    # Inductor compiles with up to 32 threads per process by default: a node's ranks compiling at once each take its
+    # share of the CPUs, as their torch threads do.
+    env = {"OMP_NUM_THREADS": threads, "TORCHINDUCTOR_COMPILE_THREADS": threads}
+    env.update({k: v for k, v in os.environ.items() if k in WORKER_ENV_GPU or k.startswith(WORKER_ENV_GPU_PREFIXES)})
     # The cache dir and the trackers' own settings (WANDB_MODE=offline, MLFLOW_*) reach the workers even on an
     # already-running cluster, whose processes do not inherit this shell. Test hooks travel in the run's config,
     # never here. Secrets stay out: runtime env variables are shown in the dashboard (use netrc / a secret store).

@@ -58,6 +58,8 @@ class RayLauncher:
         self.rank, self.world_size = ctx.get_world_rank(), ctx.get_world_size()
         ray_compat.quiet_train_report_logs()
         self.device: torch.device = ray.train.torch.get_device()
+        if self.device.type == "cuda":  # this thread's current device: kernels, NCCL and the allocator use it
+            torch.cuda.set_device(self.device)
         if self.device.type == "cpu":
             cap_threads(ctx.get_local_world_size())
         self.run, self.micro_batch_size = run, micro_batch_size

@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from conftest import run_env
-from helpers import ROOT, run_module
+from helpers import run_module
 
 TINY_MODEL = ["--hidden-size", "64", "--num-hidden-layers", "2", "--vocab-size", "256"]
 
@@ -69,56 +67,6 @@ def test_checkpoint(tmp_path):
     rows = written(tmp_path / "results", "checkpoint.json")["rows"]
     assert rows[0]["params"] < rows[1]["params"] and all(r["save_s"] > 0 and r["restore_s"] > 0 for r in rows)
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("bench-checkpoint-")] == []  # cleaned up
-
-
-@pytest.mark.slow
-@pytest.mark.ray
-def test_gpu_check_dry_run(ray_address, tmp_path):
-    # The only run of bench/gpu_check.sh off a GPU: its CPU dry run, every part through the same commands at tiny
-    # sizes. Slow (minutes: ten subprocesses, a compile, two Ray jobs), and the Ray parts join the session's Ray.
-    env = {**run_env(ray_address), "MINILM_BENCH_RESULTS": str(tmp_path), "PYTHON": sys.executable}
-    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--device", "cpu"], env=env,
-                          capture_output=True, text=True, timeout=1600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    result = written(tmp_path, "gpu_check.json")
-    assert {name: part["status"] for name, part in result["parts"].items()} == dict.fromkeys(
-        ["step-26m", "step-104m", "fp16", "trainer", "prepare", "ray-job", "ray-job-resume", "export", "sample",
-         "stream"], "ok")
-    table = {row["check"]: row for row in result["table"]}
-    assert len(table) == 11 and "check" in proc.stdout and "Ray Data stream delivery, CPU" in proc.stdout
-    assert table["bench.step 104M bf16 compiled"]["goal"] == ">= 40% MFU"
-    assert {row["status"] for name, row in table.items() if not name.startswith("fp16")} == {"dry run"}
-    figures = result["figures"]
-    assert figures["ray_job"]["resumed"] and figures["ray_job"]["last_step"] == 8
-    assert [h["steps_counted"] for h in figures["ray_job"]["halves"].values()] == [3, 3]  # records 1..4 and 5..8
-    assert figures["fp16"]["passed"] and figures["fp16"]["scale_changes"][0] == {"step": 20, "from": 65536.0,
-                                                                                 "to": 32768.0}
-    assert figures["stream"]["tokens_per_s"] > 0 and figures["sample"]
-    for part in result["parts"]:
-        assert (tmp_path / "logs" / f"{part}.log").is_file()
-
-
-def test_gpu_check_table_without_ray():
-    # A machine without ray: the Ray parts are SKIPPED rows that say what to install; the rest still report.
-    from bench.gpu_check import Part, table_rows
-
-    why = "needs ray in this python: pip install ..."
-    parts = {name: Part(name, "ok") for name in ("step-26m", "step-104m", "trainer")}
-    parts["fp16"] = Part("fp16", "timeout", note="stopped at its 60 s limit")
-    parts.update({name: Part(name, "skipped", note=why) for name in ("prepare", "ray-job", "ray-job-resume",
-                                                                     "export", "sample", "stream")})
-    row = {"tokens_per_s": 1000.0, "mfu": 0.5, "mfu_datasheet": 0.42}
-    figures = {"step-26m": {"dense": row, "dense+compile": row}, "step-104m": {"dense": row, "dense+compile": row},
-               "trainer": {"tokens_per_s": 940.0}}
-    table = {r["check"]: r for r in table_rows(parts, figures, gpu=True)}
-    assert table["bench.step 104M bf16 compiled"]["status"] == "PASS"  # 42% of the data sheet >= 40%
-    assert "MFU 42.0%" in table["bench.step 104M bf16 compiled"]["result"]
-    assert table["Trainer in-process (minilm.train), 26M"]["status"] == "BELOW GOAL"  # 0.94x < 0.95x
-    for check in ("Ray job 1 worker, 26M, Train polling every 2 s", "  resumed with the job's 0.1 s polling", "export + sample",
-                  "Ray Data stream delivery, CPU"):
-        assert table[check]["status"] == "SKIPPED" and table[check]["result"] == why
-    assert table["fp16 + GradScaler"]["status"] == "TIMEOUT"
-    assert table["fp16 + GradScaler"]["result"] == "stopped at its 60 s limit"
 
 
 @pytest.mark.ray

@@ -44,7 +44,8 @@ def test_no_test_variable_reaches_a_worker(monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_API_KEY", "secret")
     env = worker_env({"cpus_per_worker": 2.0})
-    assert env == {"OMP_NUM_THREADS": "2", "MINILM_CACHE": "/tmp/cache", "WANDB_MODE": "offline"}
+    assert env == {"OMP_NUM_THREADS": "2", "TORCHINDUCTOR_COMPILE_THREADS": "2", "MINILM_CACHE": "/tmp/cache",
+                   "WANDB_MODE": "offline"}
 
 
 def test_the_default_hooks_do_nothing(tmp_path):

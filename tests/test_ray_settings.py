@@ -87,3 +87,25 @@ def test_auto_cpus_leave_room_for_tune_trial_actors(monkeypatch):
 def test_auto_cpus_on_gpu_nodes_are_the_cpus_per_gpu(monkeypatch):
     assert auto(monkeypatch, [{"CPU": 96, "GPU": 8}], 16, gpu=True) == 11.0
     assert auto(monkeypatch, [{"CPU": 4, "GPU": 8}], 8, gpu=True) == 1.0
+
+
+def test_cuda_nccl_and_torch_settings_reach_the_workers(monkeypatch):
+    # On a running cluster the workers do not inherit the driver's shell: NCCL_*, TORCH_NCCL_*, TORCH_LOGS,
+    # PYTORCH_CUDA_ALLOC_CONF and CUDA_LAUNCH_BLOCKING travel in the runtime env; Inductor's compile threads are
+    # the worker's CPUs unless the user set them.
+    from ray_jobs.pretrain import worker_env
+
+    for k in list(__import__("os").environ):
+        if k.startswith(("NCCL_", "TORCH_", "PYTORCH_", "CUDA_")):
+            monkeypatch.delenv(k)
+    settings = {"NCCL_DEBUG": "INFO", "NCCL_SOCKET_IFNAME": "eth0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+                "TORCH_LOGS": "recompiles", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+                "CUDA_LAUNCH_BLOCKING": "1"}
+    for k, v in settings.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # Ray's to set per worker, never the driver's
+    env = worker_env({"cpus_per_worker": 4.0})
+    assert {k: env[k] for k in settings} == settings and "CUDA_VISIBLE_DEVICES" not in env
+    assert env["TORCHINDUCTOR_COMPILE_THREADS"] == "4" == env["OMP_NUM_THREADS"]
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "2")
+    assert worker_env({"cpus_per_worker": 4.0})["TORCHINDUCTOR_COMPILE_THREADS"] == "2"

@@ -457,3 +457,32 @@ def test_importing_the_model_leaves_torch_dynamo_unloaded_and_compiling_keeps_th
     model = make_model()
     prepare_model(model, TrainConfig(compile=True), "cpu")  # block.compile() is lazy: nothing compiles until a forward
     assert getattr(MoEFeedForward._dispatch, "_torchdynamo_disable", False)
+
+
+@pytest.fixture
+def a_hopper_gpu(monkeypatch):
+    """configure_backends' view of a CUDA GPU of compute capability 9.0, on this CPU machine; the process-wide
+    precision settings it changes are restored afterwards."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    yield
+    torch.set_float32_matmul_precision(before[0])
+    torch.backends.cudnn.allow_tf32 = before[1]
+
+
+def test_configure_backends_tf32_reads_the_same_through_the_legacy_and_the_new_getters(a_hopper_gpu):
+    # Inductor's autotuning reads the legacy getters; after torch >= 2.9's fp32_precision setters they raise.
+    configure_backends("cuda")
+    assert torch.get_float32_matmul_precision() == "high"
+    assert torch.backends.cuda.matmul.allow_tf32 is True and torch.backends.cudnn.allow_tf32 is True
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+        assert torch.backends.cudnn.conv.fp32_precision == "tf32"
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_dtype_never_picks_emulated_bf16(monkeypatch, native):
+    # V100 / T4: torch.cuda.is_bf16_supported() is True by emulation (slow); auto picks fp16 there.
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: native or including_emulation)
+    assert resolve_dtype("auto", "cuda") == (torch.bfloat16 if native else torch.float16)
