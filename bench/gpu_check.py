@@ -19,6 +19,9 @@ Ray last, so that a time-out loses the least):
                        seq 512: tokens/s, MFU, peak memory
   trainer              `python -m minilm.train` on random tokens at the 26M shape: the Trainer alone, no Ray,
                        with --val-samples (validation on the device)
+  ddp1-26m             `python -m bench.gpu_check ddp1`: the 26M model under DDP in a 1-rank NCCL process group
+                       (compiled blocks, no_sync accumulation, an all-reduce on the device) against the same
+                       model without DDP, step by step: the losses must agree (gloo and eager on CPU)
   fp16                 `bench.fp16_check`: 50 steps of fp16 with the GradScaler, an overflow injected
   step-26m-compiled, step-104m-compiled
                        the same rows with `--compile` (one process each: an Inductor failure or time-out loses
@@ -120,6 +123,7 @@ class Shapes:
     stream_steps: int
     limits: dict = field(default_factory=dict)  # seconds per part
     ray_reserve_s: float = 0.0  # the budget the extra rows leave to the Ray parts
+    ddp_args: list[str] = field(default_factory=list)
 
 
 GPU = Shapes(
@@ -131,7 +135,7 @@ GPU = Shapes(
             "step-104m-compiled": 90, "moe-26m-eager": 40, "moe-26m-compiled": 80, "row": 70, "fp16": 60,
             "trainer": 60,
             "prepare": 60, "ray-job": 80, "ray-job-resume": 80, "export": 30, "sample": 30, "stream": 60},
-    ray_reserve_s=150)
+    ray_reserve_s=150, ddp_args=["--compile", "--steps", "10"])
 CPU = Shapes(
     small={"hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 512, "seq_len": 64, "micro_batch_size": 4},
     large={"hidden_size": 64, "num_hidden_layers": 3, "vocab_size": 512, "seq_len": 64, "micro_batch_size": 4},
@@ -142,7 +146,8 @@ CPU = Shapes(
     limits={"preflight": 180, "step-26m-eager": 120, "step-104m-eager": 120, "step-26m-compiled": 300,
             "step-104m-compiled": 300, "moe-26m-eager": 120, "moe-26m-compiled": 300, "row": 300, "fp16": 180,
             "trainer": 120, "prepare": 120, "ray-job": 180, "ray-job-resume": 180, "export": 60, "sample": 60,
-            "stream": 120})
+            "stream": 120},
+    ddp_args=["--steps", "4"])
 
 
 # ---- running a part ---------------------------------------------------------------------------------------
@@ -308,6 +313,16 @@ def preflight_part(r: Runner, s: Shapes, device: str) -> dict | None:
     part.note = found["line"]
     r.after_part()
     return found
+
+
+def ddp1_part(r: Runner, s: Shapes, device: str) -> dict | None:
+    path = r.results / "ddp1-26m.json"
+    part = r.run("ddp1-26m", ["-m", "bench.gpu_check", "ddp1", "--device", device, "--json", str(path),
+                              *flags(s.small, *SHAPE_KEYS), *s.ddp_args], s.limits.get("ddp1-26m", s.limits["row"]))
+    if part.status != "ok" or not path.is_file():
+        return None
+    r.after_part()
+    return json.loads(path.read_text())
 
 
 def fp16_part(r: Runner, s: Shapes, device: str) -> dict | None:
@@ -641,6 +656,78 @@ def row(argv: list[str]) -> int:
     return 0
 
 
+def ddp1(argv: list[str]) -> int:
+    """DDP in a 1-rank process group (NCCL on CUDA, gloo on CPU) against the same model without DDP, step by step:
+    the group's start, DDP's gradient reducer (over compiled blocks with --compile) with no_sync accumulation, and
+    an all-reduce on the training device run for real, and the losses must agree."""
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_check ddp1")
+    add_model_args(p)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--json", required=True)
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--steps", type=int, default=10)
+    args = p.parse_args(argv)
+    import torch
+    import torch.distributed as dist
+
+    from minilm.config import ModelConfig, TrainConfig
+    from minilm.model import MiniMindForCausalLM
+    from minilm.step import (
+        configure_backends,
+        make_grad_scaler,
+        make_optimizer,
+        optimizer_step,
+        prepare_model,
+    )
+    from minilm.trainer import wrap_ddp
+
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    configure_backends(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group(backend, init_method=f"file://{tmp}/rendezvous", rank=0, world_size=1)
+        try:
+            cfg = ModelConfig(hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers,
+                              num_attention_heads=args.num_attention_heads,
+                              num_key_value_heads=args.num_key_value_heads, vocab_size=args.vocab_size,
+                              max_position_embeddings=args.seq_len + 1)
+            train_cfg = TrainConfig(lr=1e-4, compile=args.compile)
+            runs = {}
+            for name in ("plain", "ddp"):
+                torch.manual_seed(0)
+                model = prepare_model(MiniMindForCausalLM(cfg).to(device).train(), train_cfg, device)
+                wrapped = wrap_ddp(model, device) if name == "ddp" else model
+                runs[name] = (wrapped, make_optimizer(model, train_cfg), make_grad_scaler(torch.bfloat16, device.type))
+            gen = torch.Generator().manual_seed(1)
+            losses: dict[str, list[float]] = {"plain": [], "ddp": []}
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                micro = [torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_len + 1), generator=gen)
+                         .to(device) for _ in range(2)]  # accumulation 2: no_sync, then the reducer's all-reduce
+                for name, (model, optimizer, scaler) in runs.items():
+                    m = optimizer_step(model, optimizer, scaler, micro, lr=1e-4, grad_clip=1.0, dtype=torch.bfloat16)
+                    loss = m.loss.detach().reshape(1).clone()
+                    if name == "ddp":
+                        dist.all_reduce(loss)  # the loop's metric all-reduce, on the training device
+                    losses[name].append(float(loss))
+            wall_s = time.perf_counter() - t0
+        finally:
+            dist.destroy_process_group()
+    worst = max(abs(a - b) / max(abs(b), 1e-6) for a, b in zip(losses["ddp"], losses["plain"], strict=True))
+    result = {"backend": backend, "compile": args.compile, "steps": args.steps, "losses": losses,
+              "max_relative_difference": worst, "wall_s": wall_s}
+    Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"ddp1: {backend}, {args.steps} steps of accumulation 2{' compiled' if args.compile else ''}: loss "
+          f"{losses['ddp'][0]:.4f} -> {losses['ddp'][-1]:.4f}, largest relative difference from the plain model "
+          f"{worst:.2e}")
+    if worst > 1e-3:
+        print(f"error: ddp1: DDP's losses differ from the plain model's by up to {worst:.2e} (relative)")
+        return 1
+    return 0
+
+
 def profiled_step(model, optimizer, scaler, batch, dtype, device) -> dict:
     """One more optimizer step under torch.profiler: the 10 kernels (CUDA) or ops (CPU) that took the most time,
     and whether a flash-attention kernel ran."""
@@ -829,6 +916,11 @@ def table_rows(parts: dict[str, Part], fig: dict, gpu: bool) -> list[dict]:
     else:
         add("fp16 + GradScaler", "fp16", "")
 
+    ddp = fig.get("ddp1")
+    add("DDP in a 1-rank group (NCCL; gloo on CPU), 26M, accumulation 2", "ddp1-26m",
+        "" if not ddp else f"{ddp['backend']}{', compiled' if ddp['compile'] else ''}: {ddp['steps']} steps, losses "
+                           f"within {ddp['max_relative_difference']:.1e} of the plain model's",
+        "the plain model's losses (1e-3)", None if not ddp else ddp["max_relative_difference"] <= 1e-3)
     ckpt, step = fig.get("checkpoint"), measured.get("step-104m-compiled") or measured.get("step-104m-eager")
     every = TrainConfig().checkpoint_every
     share = ckpt["save_s"] / (ckpt["save_s"] + every * step["step_s_median"]) if ckpt and step else None
@@ -921,6 +1013,8 @@ def run_parts(runner: Runner, s: Shapes, device: str, fig: dict, work: Path, onl
             row_part(runner, name, s, device, fig["rows"])
     if wanted("trainer"):
         fig["trainer"] = trainer_part(runner, s, {"dtype": "bf16"}, work)
+    if wanted("ddp1-26m"):
+        fig["ddp1"] = ddp1_part(runner, s, device)
     if wanted("fp16"):
         fig["fp16"] = fp16_part(runner, s, device)
     for name in ROW_PARTS[2:4]:
@@ -978,7 +1072,7 @@ def check(argv: list[str]) -> int:
               file=sys.stderr)
         return 2
     only = set(args.only.split(",")) if args.only else None
-    known = {"preflight", "trainer", "fp16", *ROW_PARTS, "checkpoint-104m", "prepare", "ray-job", "ray-job-resume", "export", "sample",
+    known = {"preflight", "trainer", "ddp1-26m", "fp16", *ROW_PARTS, "checkpoint-104m", "prepare", "ray-job", "ray-job-resume", "export", "sample",
              "stream"}
     if only and only - known:
         print(f"error: --only: unknown part(s) {', '.join(sorted(only - known))}; parts: {', '.join(sorted(known))}",
@@ -1025,7 +1119,7 @@ def check(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"stream-rate": stream_rate, "row": row, "preflight": preflight}
+    commands = {"stream-rate": stream_rate, "row": row, "preflight": preflight, "ddp1": ddp1}
     if argv[:1] and argv[0] in commands:
         return commands[argv[0]](argv[1:])
     return check(argv)

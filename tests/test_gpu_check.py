@@ -23,7 +23,7 @@ from helpers import ROOT
 from bench.gpu_bundle import canonical, image_packages
 from bench.gpu_check import FILES, Part, Runner, table_rows
 
-PARTS = ["preflight", "step-26m-eager", "step-104m-eager", "trainer", "fp16", "step-26m-compiled",
+PARTS = ["preflight", "step-26m-eager", "step-104m-eager", "trainer", "ddp1-26m", "fp16", "step-26m-compiled",
          "step-104m-compiled", "moe-26m-eager", "moe-26m-compiled", "docmask-26m-compiled", "muon-26m-compiled",
          "ac-104m-compiled", "checkpoint-104m", "prepare", "ray-job", "ray-job-resume", "export", "sample", "stream"]
 
@@ -101,6 +101,7 @@ def test_rehearsal_on_the_image_packages_and_the_bundle(gpu_bundle, tmp_path):
     assert (rows["docmask-26m-compiled"]["document_mask"], rows["muon-26m-compiled"]["optimizer"],
             rows["ac-104m-compiled"]["activation_checkpointing"]) == (True, "muon", True)
     assert figures["trainer"]["val_loss"] > 0  # --val-samples: validation ran
+    assert figures["ddp1"]["backend"] == "gloo" and figures["ddp1"]["max_relative_difference"] <= 1e-3
     assert figures["checkpoint"]["save_s"] > 0 and figures["checkpoint"]["restore_s"] > 0
     assert "of wall time at checkpoint_every 100" in table["checkpoint save + restore, 104M"]["result"]
     assert figures["ray_job"]["resumed"] and figures["ray_job"]["last_step"] == 8
