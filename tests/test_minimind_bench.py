@@ -18,7 +18,7 @@ from minilm.tokenizer import save_tokenizer, train_tokenizer
 # The stand-in: MiniMind's command line, its output file (../out/pretrain_<hidden>.pth, fp16 state dict with
 # MiniMind's keys), and a record of the flags it was given. It trains nothing.
 STAND_IN = textwrap.dedent('''
-    import argparse, json, sys, torch
+    import argparse, json, os, sys, torch
     sys.path.insert(0, "{root}")
     from minilm.config import ModelConfig
     from minilm.model import MiniMindForCausalLM
@@ -31,6 +31,7 @@ STAND_IN = textwrap.dedent('''
     for flag in ("--device", "--dtype", "--data_path"):
         p.add_argument(flag)
     a = p.parse_args()
+    os.makedirs("../out", exist_ok=True)  # as MiniMind's script does (its --save_dir)
     torch.manual_seed(42)
     model = MiniMindForCausalLM(ModelConfig(hidden_size=a.hidden_size, num_hidden_layers=a.num_hidden_layers))
     torch.save({{k: v.half() for k, v in model.state_dict().items()}}, f"../out/pretrain_{{a.hidden_size}}.pth")
