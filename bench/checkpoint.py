@@ -50,7 +50,7 @@ from minilm.model import MiniMindForCausalLM
 from minilm.step import make_grad_scaler, make_optimizer, optimizer_step
 from ray_jobs.cli import DEMO_PRESET
 
-from .common import environment, write_json
+from .common import environment, synchronize, write_json
 
 TARGET = 0.02
 
@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mode", choices=["save", "stall"], default="save",
                    help="save: save/restore time and share (default); stall: sync vs async stall per checkpoint")
     p.add_argument("--gpu-step-s", type=float, default=0.2, help="--mode stall: the GPU step time of the share")
+    p.add_argument("--device", default="cpu", help="--mode stall: where the model trains (cuda: pinned snapshots)")
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
@@ -177,12 +178,13 @@ def bench_stall(hidden: int, layers: int, args, root: Path) -> dict:
     """Sync vs async stall of the training thread per checkpoint at one size, and tokens/s with a save in flight."""
     cfg = ModelConfig(hidden_size=hidden, num_hidden_layers=layers, vocab_size=args.vocab_size,
                       max_position_embeddings=args.seq_len + 1)
+    device = torch.device(args.device)
     torch.manual_seed(0)
-    model = MiniMindForCausalLM(cfg).train()
+    model = MiniMindForCausalLM(cfg).to(device).train()
     optimizer = make_optimizer(model, TrainConfig(lr=1e-4))
-    scaler = make_grad_scaler(torch.float32, "cpu")
+    scaler = make_grad_scaler(torch.float32, device.type)
     gen = torch.Generator().manual_seed(0)
-    batch = torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_len + 1), generator=gen)
+    batch = torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_len + 1), generator=gen).to(device)
 
     def step() -> float:
         t0 = time.perf_counter()
@@ -192,7 +194,7 @@ def bench_stall(hidden: int, layers: int, args, root: Path) -> dict:
     step()  # AdamW's state exists from here on
     state = {"optimizer_step": 1, "model_config": cfg.to_dict(), "note": "bench.checkpoint --mode stall"}
     export = WeightsExport(cfg)
-    writers = {"sync": CheckpointWriter("cpu", "sync"), "async": CheckpointWriter("cpu", "async")}
+    writers = {"sync": CheckpointWriter(device, "sync"), "async": CheckpointWriter(device, "async")}
     stalls: dict[str, list[float]] = {"sync": [], "async": []}
     writes, first_async, k = [], None, 0
 
@@ -205,6 +207,7 @@ def bench_stall(hidden: int, layers: int, args, root: Path) -> dict:
         writer.start(path, 1, model=model, optimizer=optimizer, scaler=scaler, state=state, export=export)
         if mode == "sync":
             writer.wait()
+        synchronize(device)  # on a GPU the snapshot's copies hold the stream: they count as the stall
         stall = time.perf_counter() - t0
         writer.wait()
         done = time.perf_counter() - t0
@@ -268,7 +271,7 @@ def stall_main(args) -> int:
               f"{r['tokens_per_s_in_flight']:>12.0f} {r['tokens_per_s_without']:>10.0f} {r['sync_share']:>10.2%} "
               f"{r['async_share']:>11.2%}")
     print(f"share = stall / (stall + {args.checkpoint_every} x {args.gpu_step_s} s): a GPU step of {args.gpu_step_s} s "
-          f"(stated, not measured), one checkpoint every {args.checkpoint_every} steps; tok/s on this CPU, "
+          f"(stated, not measured), one checkpoint every {args.checkpoint_every} steps; tok/s on {args.device}, "
           f"micro-batch {args.micro_batch_size} x {args.seq_len}")
     for r in rows:
         size = f"{r['hidden_size']}x{r['num_hidden_layers']}"
