@@ -16,6 +16,19 @@ checkpoint's share of training time at `--checkpoint-every` (50 in the demo pres
 save / (save + every x step). Ray Train's copy of the folder into the run's storage is not included
 (bench.overhead measures a whole Ray checkpoint). Target < 2%.
 Writes checkpoint.json to bench/results/ (or $MINILM_BENCH_RESULTS).
+
+    python -m bench.checkpoint --mode stall            # sync vs async, side by side: 512x8 (26M), 768x16 (123M)
+
+`--mode stall` measures what the training thread loses per checkpoint, the way `Trainer.save` takes one
+(minilm.async_checkpoint.CheckpointWriter, resume files + weights export), the two modes alternated
+`--repeats` times at each size: sync (the thread waits for the whole write) vs async (the snapshot into
+reused buffers and the writer's start; the first async save, which allocates the buffers, is reported
+apart). Then optimizer steps run while an async save is written and right after it, alternately: the
+tokens/s with a save in flight vs without (on a CPU the writer competes with training for the cores).
+The wall-time share at `--checkpoint-every` (default 100) is computed for a stated GPU step time
+(`--gpu-step-s`, default 0.2 s): stall / (stall + every x step), the async stall including any wait for a
+write longer than `every x step`. Goals: async stall < 10% of the sync save at 123M; share < 1%.
+Writes checkpoint_stall.json.
 """
 
 from __future__ import annotations
@@ -31,12 +44,13 @@ from pathlib import Path
 import torch
 
 from minilm import checkpoint as C
+from minilm.async_checkpoint import CheckpointWriter, WeightsExport
 from minilm.config import ModelConfig, TrainConfig
 from minilm.model import MiniMindForCausalLM
 from minilm.step import make_grad_scaler, make_optimizer, optimizer_step
 from ray_jobs.cli import DEMO_PRESET
 
-from .common import environment, write_json
+from .common import environment, synchronize, write_json
 
 TARGET = 0.02
 
@@ -109,9 +123,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint-every", type=int, default=DEMO_PRESET["checkpoint_every"])
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--dir", help="where to write the checkpoints (default: a temporary folder)")
+    p.add_argument("--mode", choices=["save", "stall"], default="save",
+                   help="save: save/restore time and share (default); stall: sync vs async stall per checkpoint")
+    p.add_argument("--gpu-step-s", type=float, default=0.2, help="--mode stall: the GPU step time of the share")
+    p.add_argument("--device", default="cpu", help="--mode stall: where the model trains (cuda: pinned snapshots)")
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
+    if args.mode == "stall":
+        given = argv if argv is not None else sys.argv[1:]
+        if "--sizes" not in given:
+            args.sizes = [(512, 8), (768, 16)]
+        if "--checkpoint-every" not in given:
+            args.checkpoint_every = 100
+        if "--micro-batch-size" not in given:
+            args.micro_batch_size = 2  # CPU steps short enough for several of them to run during a write
+        return stall_main(args)
 
     env = environment()
     rows = []
@@ -140,6 +167,120 @@ def main(argv: list[str] | None = None) -> int:
               f"(target < {100 * TARGET:.0f}%){verdict}")
     path = write_json("checkpoint.json", {"args": {**vars(args), "sizes": [list(s) for s in args.sizes]},
                                           "environment": env, "rows": rows})
+    print(f"wrote {path}")
+    return 0
+
+
+STALL_GOAL, SHARE_GOAL = 0.10, 0.01
+
+
+def bench_stall(hidden: int, layers: int, args, root: Path) -> dict:
+    """Sync vs async stall of the training thread per checkpoint at one size, and tokens/s with a save in flight."""
+    cfg = ModelConfig(hidden_size=hidden, num_hidden_layers=layers, vocab_size=args.vocab_size,
+                      max_position_embeddings=args.seq_len + 1)
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    model = MiniMindForCausalLM(cfg).to(device).train()
+    optimizer = make_optimizer(model, TrainConfig(lr=1e-4))
+    scaler = make_grad_scaler(torch.float32, device.type)
+    gen = torch.Generator().manual_seed(0)
+    batch = torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_len + 1), generator=gen).to(device)
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        float(optimizer_step(model, optimizer, scaler, [batch], lr=1e-4, grad_clip=1.0).loss)
+        return time.perf_counter() - t0
+
+    step()  # AdamW's state exists from here on
+    state = {"optimizer_step": 1, "model_config": cfg.to_dict(), "note": "bench.checkpoint --mode stall"}
+    export = WeightsExport(cfg)
+    writers = {"sync": CheckpointWriter(device, "sync"), "async": CheckpointWriter(device, "async")}
+    stalls: dict[str, list[float]] = {"sync": [], "async": []}
+    writes, first_async, k = [], None, 0
+
+    def save(mode: str) -> tuple[float, float]:
+        nonlocal k
+        k += 1
+        path = root / f"h{hidden}-l{layers}-{mode}-{k}"
+        writer = writers[mode]
+        t0 = time.perf_counter()
+        writer.start(path, 1, model=model, optimizer=optimizer, scaler=scaler, state=state, export=export)
+        if mode == "sync":
+            writer.wait()
+        synchronize(device)  # on a GPU the snapshot's copies hold the stream: they count as the stall
+        stall = time.perf_counter() - t0
+        writer.wait()
+        done = time.perf_counter() - t0
+        shutil.rmtree(path, ignore_errors=True)
+        return stall, done
+
+    first_async = save("async")[0]  # allocates the reused buffers
+    for _ in range(args.repeats):
+        for mode in ("sync", "async"):
+            stall, done = save(mode)
+            stalls[mode].append(stall)
+            if mode == "async":
+                writes.append(done)
+
+    # tokens/s of steps run while an async save is written vs steps right after it, alternately
+    tokens = args.micro_batch_size * args.seq_len
+    during, after = [], []
+    for r in range(args.repeats):
+        path = root / f"h{hidden}-l{layers}-inflight-{r}"
+        writer = writers["async"]
+        writer.start(path, 1, model=model, optimizer=optimizer, scaler=scaler, state=state, export=export)
+        times = []
+        while not writer.pending.done() or not times:
+            times.append(step())
+        writer.wait()
+        during += times
+        after += [step() for _ in range(len(times))]
+        shutil.rmtree(path, ignore_errors=True)
+    sync_s, async_s = statistics.median(stalls["sync"]), statistics.median(stalls["async"])
+    write_s = statistics.median(writes)
+    window = args.checkpoint_every * args.gpu_step_s
+    async_cost = async_s + max(0.0, write_s - window)  # a write longer than the interval makes the next save wait
+    return {"hidden_size": hidden, "num_hidden_layers": layers, "params": model.num_params(),
+            "sync_stall_s": sync_s, "async_stall_s": async_s, "async_first_stall_s": first_async,
+            "async_write_s": write_s, "stall_ratio": async_s / sync_s,
+            "sync_stall_s_all": stalls["sync"], "async_stall_s_all": stalls["async"],
+            "tokens_per_s_in_flight": tokens * len(during) / sum(during),
+            "tokens_per_s_without": tokens * len(after) / sum(after), "steps_in_flight": len(during),
+            "cpu_step_s": statistics.median(after),
+            "sync_share": sync_s / (sync_s + window), "async_share": async_cost / (async_cost + window)}
+
+
+def stall_main(args) -> int:
+    env = environment()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-checkpoint-", dir=args.dir) as tmp:
+        for hidden, layers in args.sizes:
+            rows.append(bench_stall(hidden, layers, args, Path(tmp)))
+    print(f"# {env['cpu']}, {env['torch_threads']} torch threads, torch {env['torch']}, "
+          f"load average {env['load_average']}; checkpoints in {args.dir or tempfile.gettempdir()}")
+    print(f"# stall = the training thread's time per checkpoint (resume files + weights export), median of "
+          f"{args.repeats}, sync and async alternated; write = the async writer's time to COMPLETE.json and weights/")
+    header = (f"{'size':<8} {'params':>8} {'sync s':>8} {'async s':>8} {'ratio':>7} {'1st async':>9} "
+              f"{'write s':>8} {'tok/s saving':>12} {'tok/s not':>10} {'sync share':>10} {'async share':>11}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        size = f"{r['hidden_size']}x{r['num_hidden_layers']}"
+        print(f"{size:<8} {r['params'] / 1e6:>7.1f}M {r['sync_stall_s']:>8.3f} {r['async_stall_s']:>8.3f} "
+              f"{r['stall_ratio']:>7.1%} {r['async_first_stall_s']:>9.3f} {r['async_write_s']:>8.3f} "
+              f"{r['tokens_per_s_in_flight']:>12.0f} {r['tokens_per_s_without']:>10.0f} {r['sync_share']:>10.2%} "
+              f"{r['async_share']:>11.2%}")
+    print(f"share = stall / (stall + {args.checkpoint_every} x {args.gpu_step_s} s): a GPU step of {args.gpu_step_s} s "
+          f"(stated, not measured), one checkpoint every {args.checkpoint_every} steps; tok/s on {args.device}, "
+          f"micro-batch {args.micro_batch_size} x {args.seq_len}")
+    for r in rows:
+        size = f"{r['hidden_size']}x{r['num_hidden_layers']}"
+        print(f"async stall ({size}): {r['stall_ratio']:.1%} of the sync save (goal < {STALL_GOAL:.0%})"
+              f"{'' if r['stall_ratio'] < STALL_GOAL else '  ABOVE GOAL'}; share {r['async_share']:.2%} at a "
+              f"{args.gpu_step_s} s step (goal < {SHARE_GOAL:.0%}){'' if r['async_share'] < SHARE_GOAL else '  ABOVE GOAL'}; "
+              f"tokens/s with a save in flight {r['tokens_per_s_in_flight'] / r['tokens_per_s_without']:.0%} of without")
+    path = write_json("checkpoint_stall.json", {"args": {**vars(args), "sizes": [list(s) for s in args.sizes]},
+                                                "environment": env, "rows": rows})
     print(f"wrote {path}")
     return 0
 

@@ -17,20 +17,22 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import io
 import json
 import os
 import shutil
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from .config import ModelConfig
-from .data import file_sha256
+from .data import cache_root, file_sha256
 
 MARKER = "COMPLETE.json"
 RESUME_FILES = ("model.safetensors", "optimizer.pt", "scaler.pt", "state.json")
@@ -55,7 +57,22 @@ def _tensors_for_safetensors(state_dict: dict[str, torch.Tensor], dtype: torch.d
 
 def save_resume_state(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                       scaler: torch.amp.GradScaler, state: dict[str, Any], hooks=None) -> Path:
-    """Write a complete resume checkpoint into the (new, empty or missing) folder `path`.
+    """Write a complete resume checkpoint of the live model, optimizer and scaler into the (new, empty or
+    missing) folder `path` (the training loop writes a snapshot of them instead: `write_resume_state`)."""
+    return write_resume_state(path, model_state=model_tensors(model.state_dict()),
+                              optimizer_state=optimizer.state_dict(), scaler_state=scaler.state_dict(), state=state,
+                              hooks=hooks)
+
+
+def model_tensors(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model's state dict as safetensors takes it: on the CPU, each key its own copy."""
+    return _tensors_for_safetensors(state_dict)
+
+
+def write_resume_state(path: str | os.PathLike, *, model_state: dict[str, torch.Tensor], optimizer_state: dict,
+                       scaler_state: dict, state: dict[str, Any], hooks=None) -> Path:
+    """Write a complete resume checkpoint into the (new, empty or missing) folder `path`: each file hashed as it
+    is written (no second read), COMPLETE.json last.
 
     A write that fails (a full disk, a quota, a lost mount) raises CheckpointError naming the
     optimizer step, the folder and the file; the marker is never written, so `verify` refuses what
@@ -66,22 +83,23 @@ def save_resume_state(path: str | os.PathLike, *, model: torch.nn.Module, optimi
     step = state.get("optimizer_step")
     state = {"format_version": STATE_FORMAT, **state}
     writers = {
-        "model.safetensors": lambda f: save_file(_tensors_for_safetensors(model.state_dict()), str(f)),
-        "optimizer.pt": lambda f: _torch_save(optimizer.state_dict(), f),
-        "scaler.pt": lambda f: _torch_save(scaler.state_dict(), f),
-        "state.json": lambda f: f.write_text(json.dumps(state, indent=2, sort_keys=True)),
+        "model.safetensors": lambda f: write_safetensors(f, model_state),
+        "optimizer.pt": lambda f: _torch_save(optimizer_state, f),
+        "scaler.pt": lambda f: _torch_save(scaler_state, f),
+        "state.json": lambda f: _write_bytes(f, json.dumps(state, indent=2, sort_keys=True).encode()),
     }
+    digests = {}
     with _write_errors(path, step) as current:
         path.mkdir(parents=True, exist_ok=True)
         for name, write in writers.items():
             current[0] = name
             if hooks:
                 hooks.before_checkpoint_file(step, name)
-            write(path / name)
+            digests[name] = write(path / name)
         current[0] = MARKER
         if hooks:
             hooks.before_marker(path, step)
-        write_marker(path, RESUME_FILES)
+        write_marker(path, RESUME_FILES, digests)
     return path
 
 
@@ -95,12 +113,13 @@ def _write_errors(path: Path, step: int | None):
         raise CheckpointError(write_error(path, step, current[0], e)) from None
 
 
-class _KeepOSError(io.RawIOBase):
-    """The file torch.save writes through: torch's C++ writer turns a failed write (ENOSPC) into an opaque
-    RuntimeError ("unexpected pos ..."); this keeps the OSError so the caller can raise that instead."""
+class _HashingFile(io.RawIOBase):
+    """The file a checkpoint is written through: SHA-256 of the bytes as they go by (COMPLETE.json needs no second
+    read), and the OSError of a failed write kept (torch's C++ writer turns ENOSPC into an opaque RuntimeError,
+    "unexpected pos ..."), so the caller can raise that instead."""
 
     def __init__(self, raw):
-        self.raw, self.error = raw, None
+        self.raw, self.error, self.sha256 = raw, None, hashlib.sha256()
 
     def writable(self) -> bool:
         return True
@@ -114,18 +133,59 @@ class _KeepOSError(io.RawIOBase):
         except OSError as e:
             self.error = e
             raise
+        self.sha256.update(view)
         return done
 
 
-def _torch_save(obj, f: Path) -> None:
+def _torch_save(obj, f: Path) -> str:
+    """torch.save into `f`; its SHA-256."""
     with open(f, "wb", buffering=0) as raw:
-        out = _KeepOSError(raw)
+        out = _HashingFile(raw)
         try:
             torch.save(obj, out)
         except RuntimeError:
             if out.error is not None:
                 raise out.error from None
             raise
+        return out.sha256.hexdigest()
+
+
+def _write_bytes(f: Path, payload: bytes) -> str:
+    with open(f, "wb", buffering=0) as raw:
+        out = _HashingFile(raw)
+        out.write(payload)
+        return out.sha256.hexdigest()
+
+
+# safetensors lays the tensors out by dtype (this order, widest first), then by name.
+_SAFETENSORS_DTYPES = {torch.int64: "I64", torch.float64: "F64", torch.float32: "F32", torch.int32: "I32",
+                       torch.bfloat16: "BF16", torch.float16: "F16", torch.int16: "I16", torch.int8: "I8",
+                       torch.uint8: "U8", torch.bool: "BOOL"}
+_DTYPE_RANK = {name: rank for rank, name in enumerate(_SAFETENSORS_DTYPES.values())}
+
+
+def write_safetensors(f: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> str:
+    """A safetensors file laid out as `safetensors.torch.save_file` lays it out (without metadata: byte for byte),
+    streamed from the tensors' own memory (no serialized copy) and hashed as written; its SHA-256. The tensors
+    are CPU tensors; the metadata keys go in sorted order (safetensors' own order is a hash map's)."""
+    order = sorted(tensors, key=lambda k: (_DTYPE_RANK[_SAFETENSORS_DTYPES[tensors[k].dtype]], k))
+    header: dict[str, Any] = {"__metadata__": dict(sorted(metadata.items()))} if metadata else {}
+    offset = 0
+    for k in order:
+        t = tensors[k]
+        end = offset + t.numel() * t.element_size()
+        header[k] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, end]}
+        offset = end
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(f, "wb", buffering=0) as raw:
+        out = _HashingFile(raw)
+        out.write(struct.pack("<Q", len(text)) + text)
+        for k in order:
+            t = tensors[k]
+            if t.numel():
+                out.write(t.detach().contiguous().view(-1).view(torch.uint8).numpy())
+        return out.sha256.hexdigest()
 
 
 def is_disk_full(e: BaseException) -> bool:
@@ -142,31 +202,88 @@ def write_error(path: Path | str, step: int | None, name: str, e: BaseException)
             f"checkpoints are intact: free space (or fix the storage), then continue with --resume auto")
 
 
-def write_marker(path: Path, files: tuple[str, ...] | list[str]) -> None:
-    marker = {"files": {name: file_sha256(path / name) for name in files}}
+def write_marker(path: Path, files: tuple[str, ...] | list[str], digests: dict[str, str] | None = None) -> None:
+    """COMPLETE.json naming `files` with their SHA-256 (`digests`, taken as they were written; else read here)."""
+    marker = {"files": {name: (digests or {}).get(name) or file_sha256(path / name) for name in files}}
     tmp = path / (MARKER + ".tmp")
     tmp.write_text(json.dumps(marker, indent=2, sort_keys=True))
     os.replace(tmp, path / MARKER)  # atomic: the marker appears whole or not at all
 
 
-def verify(path: str | os.PathLike) -> None:
-    """Raise CheckpointError unless `path` holds a complete checkpoint whose files match their hashes."""
+def verify(path: str | os.PathLike, once_per_node: bool = False) -> None:
+    """Raise CheckpointError unless `path` holds a complete checkpoint whose files match their hashes.
+
+    `once_per_node` (a resume): the files are hashed once per node. The first process to verify the folder
+    holds a lock in the node's cache (`minilm.data.cache_root()/verified-checkpoints`) while it hashes and
+    then leaves a stamp there (the marker's SHA-256, each file's size, mtime and inode); a process that finds
+    a matching stamp (another rank of the node, or the same one loading what it has just picked) trusts it,
+    and any change to a file or to the marker makes it hash again."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist")
     marker = path / MARKER
     if not marker.is_file():
         raise CheckpointError(f"checkpoint {path} is incomplete: {MARKER} is missing (the write did not finish)")
+    raw = marker.read_bytes()
     try:
-        files = json.loads(marker.read_text())["files"]
+        files = json.loads(raw)["files"]
     except (json.JSONDecodeError, KeyError, UnicodeDecodeError) as e:
         raise CheckpointError(f"checkpoint {path}: {MARKER} is unreadable ({e})") from None
-    for name, digest in files.items():
-        f = path / name
-        if not f.is_file():
+    for name in files:
+        if not (path / name).is_file():
             raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing")
-        if file_sha256(f) != digest:
+    if not once_per_node:
+        _check_hashes(path, files)
+        return
+    key = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:32]
+    stamps = cache_root() / "verified-checkpoints"
+    with _node_lock(stamps / f"{key}.lock"):
+        stamp = {"marker_sha256": hashlib.sha256(raw).hexdigest(), "files": _file_keys(path, files)}
+        try:
+            if json.loads((stamps / f"{key}.json").read_text()) == stamp:
+                return
+        except (OSError, ValueError):
+            pass
+        _check_hashes(path, files)
+        try:
+            tmp = stamps / f"{key}.json.tmp-{os.getpid()}"
+            tmp.write_text(json.dumps(stamp))
+            os.replace(tmp, stamps / f"{key}.json")
+        except OSError:
+            pass  # no writable cache: the next process hashes again
+
+
+def _check_hashes(path: Path, files: dict[str, str]) -> None:
+    for name, digest in files.items():
+        if file_sha256(path / name) != digest:
             raise CheckpointError(f"checkpoint {path} is corrupt: {name} does not match its SHA-256 in {MARKER}")
+
+
+def _file_keys(path: Path, files) -> dict[str, list[int]]:
+    keys = {}
+    for name in files:
+        st = (path / name).stat()
+        keys[name] = [st.st_size, st.st_mtime_ns, st.st_ino]
+    return keys
+
+
+@contextlib.contextmanager
+def _node_lock(lock_path: Path):
+    """An exclusive lock between the processes of a node (none where the cache cannot be written)."""
+    import fcntl
+
+    try:
+        lock_path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(lock_path, "a")
+    except OSError:
+        yield
+        return
+    with f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 @dataclass
@@ -178,11 +295,11 @@ class ResumeState:
 
 
 def load_resume_state(path: str | os.PathLike, map_location: str | torch.device = "cpu",
-                      keys: tuple[str, ...] = ()) -> ResumeState:
-    """Verify, then load a resume checkpoint. Never unpickles arbitrary objects (weights_only=True). `keys`: what
-    state.json must hold (a resume passes STATE_KEYS; an export needs only model_config)."""
+                      keys: tuple[str, ...] = (), once_per_node: bool = False) -> ResumeState:
+    """Verify (`verify`), then load a resume checkpoint. Never unpickles arbitrary objects (weights_only=True).
+    `keys`: what state.json must hold (a resume passes STATE_KEYS; an export needs only model_config)."""
     path = Path(path)
-    verify(path)
+    verify(path, once_per_node)
     try:
         return ResumeState(
             model_state=load_file(str(path / "model.safetensors"), device=str(map_location)),
@@ -257,8 +374,9 @@ def checkpoint_dtype(state: dict[str, Any]) -> str | None:
 # Train-config fields a resume may change without changing the optimisation (logging, checkpoint cadence, speed
 # switches that give the same math, how the global batch is split). Every other field, and any field added
 # later, changes the schedule or the optimizer: a resume refuses it unless --allow-config-change.
-SAFE_TO_CHANGE = frozenset({"log_every", "checkpoint_every", "compile", "activation_checkpointing",
-                            "micro_batch_size", "max_nonfinite_steps"})
+SAFE_TO_CHANGE = frozenset({"log_every", "checkpoint_every", "checkpoint_every_minutes", "checkpoint_mode",
+                            "export_every", "compile", "activation_checkpointing", "micro_batch_size",
+                            "max_nonfinite_steps"})
 
 
 @dataclass(frozen=True)
@@ -314,30 +432,35 @@ def checkpoint_dirs(run_dir: str | os.PathLike | None) -> list[Path]:
     return sorted(p for p in Path(run_dir).glob("checkpoint_*") if p.is_dir())
 
 
-def prune_checkpoints(run_dir: str | os.PathLike | None, keep: int, log=print) -> None:
-    """Keep the newest `keep` complete checkpoints (those with a marker) of a local run folder; delete the older
-    ones and the incomplete folders older than them. A folder that cannot be deleted is logged and stays: a
-    failed delete never stops a run."""
+def prune_checkpoints(run_dir: str | os.PathLike | None, keep: int, newest: Path | None = None,
+                      log=print) -> list[Path]:
+    """Keep the newest `keep` complete checkpoints (those with a marker, and `newest`, the one just completed) of
+    a local run folder; delete the older ones and the incomplete folders older than them. A checkpoint still
+    being written is in its staging folder, never a checkpoint folder. A folder that cannot be deleted is logged
+    and stays: a failed delete never stops a run. Returns what was removed."""
     dirs = checkpoint_dirs(run_dir)
-    complete = [p for p in dirs if (p / MARKER).is_file()]
+    complete = [p for p in dirs if (p / MARKER).is_file() or (newest is not None and p == Path(newest))]
     if len(complete) <= keep:
-        return
+        return []
     oldest_kept = complete[-keep]
+    removed = []
     for old in dirs:
         if old.name >= oldest_kept.name:
             continue
         try:
             shutil.rmtree(old)
+            removed.append(old)
         except OSError as e:
             log(f"warning: could not delete old checkpoint {old} (--keep-checkpoints {keep}): "
                 f"{e.strerror or e}; it stays on disk, and the run goes on")
+    return removed
 
 
-def latest_complete(checkpoint_dirs: list[Path], log=print) -> Path | None:
+def latest_complete(checkpoint_dirs: list[Path], log=print, once_per_node: bool = False) -> Path | None:
     """The newest complete checkpoint among `checkpoint_dirs` (sorted oldest first); says what it skips."""
     for p in reversed(checkpoint_dirs):
         try:
-            verify(p)
+            verify(p, once_per_node)
             return p
         except CheckpointError as e:
             log(f"skipping checkpoint: {e}")
@@ -357,38 +480,47 @@ def export_weights(path: str | os.PathLike, model: torch.nn.Module, config: Mode
     MiniMind's loop does (dropout and the MoE aux-loss bookkeeping are train-only; a state dict read in eval
     mode is what inference will see).
     """
+    was_training = model.training
+    model.eval()
+    try:
+        state = _tensors_for_safetensors(model.state_dict(), dtype)
+    finally:
+        model.train(was_training)
+    return write_weights_export(path, state, config, tokenizer_path, dtype, step)
+
+
+def write_weights_export(path: str | os.PathLike, model_state: dict[str, torch.Tensor], config: ModelConfig,
+                         tokenizer_path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float16,
+                         step: int | None = None) -> Path:
+    """`export_weights` of a model state (CPU tensors, any float dtype: cast to `dtype` here)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        _write_export(path, tmp, model, config, tokenizer_path, dtype, step)
+        _write_export(path, tmp, model_state, config, tokenizer_path, dtype, step)
     except CheckpointError:
         shutil.rmtree(tmp, ignore_errors=True)  # a full disk gets its space back
         raise
     return path
 
 
-def _write_export(path: Path, tmp: Path, model: torch.nn.Module, config: ModelConfig,
+def _write_export(path: Path, tmp: Path, model_state: dict[str, torch.Tensor], config: ModelConfig,
                   tokenizer_path: str | os.PathLike | None, dtype: torch.dtype, step: int | None) -> None:
     with _write_errors(tmp, step) as current:
         tmp.mkdir(parents=True)
-        was_training = model.training
-        model.eval()
-        try:
-            current[0] = "model.safetensors"
-            save_file(_tensors_for_safetensors(model.state_dict(), dtype), str(tmp / "model.safetensors"),
-                      metadata={"format": "pt", "dtype": str(dtype).removeprefix("torch.")})
-        finally:
-            model.train(was_training)
+        digests = {}
+        current[0] = "model.safetensors"
+        digests[current[0]] = write_safetensors(tmp / "model.safetensors",
+                                                {k: v.to(dtype) for k, v in model_state.items()},
+                                                metadata={"format": "pt", "dtype": str(dtype).removeprefix("torch.")})
         current[0] = "config.json"
-        (tmp / "config.json").write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True))
-        files = ["model.safetensors", "config.json"]
+        digests[current[0]] = _write_bytes(tmp / "config.json",
+                                           json.dumps(config.to_dict(), indent=2, sort_keys=True).encode())
         if tokenizer_path is not None:
             current[0] = "tokenizer.json"
-            shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
-            files.append("tokenizer.json")
+            digests[current[0]] = _write_bytes(tmp / "tokenizer.json", Path(tokenizer_path).read_bytes())
         current[0] = MARKER
-        write_marker(tmp, files)
+        write_marker(tmp, list(digests), digests)
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
 

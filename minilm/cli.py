@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from .config import ModelConfig, TrainConfig
+from .config import CHECKPOINT_MODES, ModelConfig, TrainConfig
 
 EXIT_USAGE = 2  # bad flag, bad config, bad data: nothing was started
 EXIT_FAILED = 1  # training (or a Ray task) started and failed
@@ -66,6 +66,8 @@ def add_config_flags(parser: argparse.ArgumentParser, preset: dict | None = None
                 kwargs.update(nargs=2, type=float, metavar=("BETA1", "BETA2"))
             elif f.name == "dtype":
                 kwargs.update(choices=["auto", "bf16", "fp16", "fp32"])
+            elif f.name == "checkpoint_mode":
+                kwargs.update(choices=list(CHECKPOINT_MODES))
             else:
                 base = [t for t in typing.get_args(hint) if t is not type(None)] or [hint]
                 kwargs["type"] = base[0]

@@ -16,6 +16,7 @@ from .schedule import SCHEDULES
 
 DTYPES = ("auto", "bf16", "fp16", "fp32")
 OPTIMIZERS = ("adamw", "muon")
+CHECKPOINT_MODES = ("async", "sync")  # how rank 0 writes a checkpoint: minilm.async_checkpoint
 
 
 class ConfigError(ValueError):
@@ -127,6 +128,9 @@ class TrainConfig:
     seq_len: int = 512
     log_every: int = 10
     checkpoint_every: int = 100
+    checkpoint_every_minutes: float | None = None  # also checkpoint when this much time passed since the last
+    checkpoint_mode: str = "async"  # async: a snapshot, written in the background; sync: training waits for the write
+    export_every: int = 1  # the half-precision weights/ export with every N-th checkpoint (and always the last)
     seed: int = 42
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
@@ -154,7 +158,7 @@ class TrainConfig:
         if self.max_steps is not None and (not _is_int(self.max_steps) or self.max_steps < 1):
             p.append(f"max_steps must be an integer >= 1, got {self.max_steps!r}")
         for name in ("micro_batch_size", "global_batch_size", "seq_len", "log_every", "checkpoint_every",
-                     "max_nonfinite_steps"):
+                     "max_nonfinite_steps", "export_every"):
             v = getattr(self, name)
             if not _is_int(v) or v < 1:
                 p.append(f"{name} must be an integer >= 1, got {v!r}")
@@ -177,6 +181,12 @@ class TrainConfig:
         betas = tuple(self.betas) if isinstance(self.betas, (list, tuple)) else ()
         if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas):
             p.append(f"betas must be two numbers in [0, 1), got {self.betas!r}")
+        minutes = self.checkpoint_every_minutes
+        if minutes is not None and not (isinstance(minutes, (int, float)) and not isinstance(minutes, bool)
+                                        and math.isfinite(minutes) and minutes > 0):
+            p.append(f"checkpoint_every_minutes must be a positive number, got {minutes!r}")
+        if self.checkpoint_mode not in CHECKPOINT_MODES:
+            p.append(f"checkpoint_mode must be one of {', '.join(CHECKPOINT_MODES)}, got {self.checkpoint_mode!r}")
         if self.optimizer not in OPTIMIZERS:
             p.append(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         if not (isinstance(self.muon_lr, (int, float)) and math.isfinite(self.muon_lr) and self.muon_lr > 0):
@@ -249,4 +259,4 @@ def _from_dict(cls, d: dict[str, Any], what: str):
 
 
 __all__ = ["ConfigError", "ModelConfig", "TrainConfig", "accumulation_steps", "check_fits", "valid_world_sizes", "DTYPES",
-           "OPTIMIZERS"]
+           "OPTIMIZERS", "CHECKPOINT_MODES"]

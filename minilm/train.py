@@ -26,6 +26,7 @@ import torch
 
 from . import checkpoint as C
 from . import data as D
+from .async_checkpoint import PendingSave
 from .cli import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -72,7 +73,7 @@ class LocalLauncher:
             return None
         if self.resume != "auto":
             return Path(self.resume)
-        return C.latest_complete(C.checkpoint_dirs(self.run_dir), log)
+        return C.latest_complete(C.checkpoint_dirs(self.run_dir), log, once_per_node=True)
 
     def staging_dir(self, step: int) -> Path | None:
         if self.run_dir is None:
@@ -81,14 +82,17 @@ class LocalLauncher:
         shutil.rmtree(path, ignore_errors=True)
         return path
 
-    def report(self, metrics: dict, checkpoint: Path | None, checkpointing: bool) -> None:
-        """Rank 0: the staged checkpoint becomes RUN_DIR/checkpoint_<step> in one rename; complete ones beyond
-        the newest --keep-checkpoints go."""
-        if checkpoint is None:
-            return
-        final = self.run_dir / C.checkpoint_dir_name(self.run_dir, metrics["optimizer_step"])
-        os.replace(checkpoint, final)
-        C.prune_checkpoints(self.run_dir, self.keep_checkpoints, self._say)
+    def report(self, metrics: dict, checkpoint: PendingSave | None, checkpointing: bool) -> None:
+        """Rank 0: once complete, the staged checkpoint becomes RUN_DIR/checkpoint_<step> in one rename (on the
+        writer's thread when it is still being written); the oldest beyond --keep-checkpoints go."""
+        if checkpoint is not None:
+            checkpoint.then(lambda path: self.publish(path, checkpoint.step))
+
+    def publish(self, staged: Path, step: int) -> Path:
+        final = self.run_dir / C.checkpoint_dir_name(self.run_dir, step)
+        os.replace(staged, final)
+        C.prune_checkpoints(self.run_dir, self.keep_checkpoints, newest=final, log=self._say)
+        return final
 
     def stop_flags(self) -> tuple[bool, bool]:
         return self.sigterm, False

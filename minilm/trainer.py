@@ -8,7 +8,7 @@ torchrun) and each Ray Train worker (`ray_jobs/worker.py`) build a `Trainer` and
         lr <- get_lr(step)                            (minilm/schedule.py)
         optimizer_step(...)                           (minilm/step.py: autocast, accumulation, clip, step)
         log(...)  at log steps                        (Trainer.log: the log line, metrics.jsonl, trackers)
-        save(...) at checkpoint steps                 (Trainer.save: the resume checkpoint + weights)
+        save(...) at checkpoint steps                 (Trainer.save: a snapshot, written in the background)
 
 The state of a run is a few components, each with `state_dict()`/`load_state_dict()` (as in
 torchtitan): the model (fp32 master weights), the optimizer, the GradScaler, the non-finite guard
@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from . import checkpoint as C
 from . import data as D
+from .async_checkpoint import CheckpointWriter, PendingSave, WeightsExport
 from .bpb import bits_per_byte, token_byte_lengths
 from .config import ModelConfig, TrainConfig, accumulation_steps
 from .distributed import Collectives, FlagAgreement
@@ -55,7 +56,9 @@ from .timeline import WorldSizeTimeline
 from .trackers import Trackers, open_trackers, run_hparams
 
 SIGTERM, DRAIN, TIME_UP, NONFINITE = "SIGTERM", "node drain", "time limit", "non-finite steps"
-PREEMPTIONS = (SIGTERM, DRAIN)  # a checkpoint at the step boundary, then an exit for a restart
+CHECKPOINT_FAILED, CHECKPOINT_DUE = "checkpoint write failed", "checkpoint due"
+STOPS = (SIGTERM, DRAIN, TIME_UP)  # a checkpoint at the step every rank agrees on, then an exit
+PREEMPTIONS = (SIGTERM, DRAIN)  # ... for a restart
 
 
 class Preempted(RuntimeError):
@@ -116,15 +119,17 @@ class Launcher(Protocol):
         host array of sample ids)`, and `data_wait_s`."""
 
     def checkpoint_to_resume(self, log) -> Path | None:
-        """The complete checkpoint folder this run continues from, or None for a fresh start."""
+        """The complete checkpoint folder this run continues from, or None for a fresh start. A launcher may also
+        have `resume_loaded()`, called once it is loaded (to remove a downloaded copy)."""
 
     def staging_dir(self, step: int) -> Path | None:
         """Rank 0: an empty folder to write the checkpoint of `step` into, before `report` hands it over
         (None: this launcher keeps no checkpoints, e.g. an in-process run without a run folder)."""
 
-    def report(self, metrics: dict, checkpoint: Path | None, checkpointing: bool) -> None:
+    def report(self, metrics: dict, checkpoint: PendingSave | None, checkpointing: bool) -> None:
         """Every rank, at the same steps: hand the metrics over; at a checkpoint step (`checkpointing`),
-        rank 0 passes the staged checkpoint folder, to be moved or uploaded (and the staging removed)."""
+        rank 0 passes the checkpoint its writer is writing into the staging folder (already complete when
+        `checkpoint.blocking`), to be moved or uploaded once complete (and the staging removed)."""
 
     def stop_flags(self) -> tuple[bool, bool]:
         """(SIGTERM seen, node drain announced) on this rank; called every step, so it must be cheap."""
@@ -165,7 +170,10 @@ class Trainer:
         self.trackers = Trackers([])
         self.metrics_log = MetricsLog(Path(run.run_dir) / "metrics.jsonl") if run.run_dir and self.rank == 0 else None
         self.timeline = WorldSizeTimeline(run.run_dir) if run.run_dir and self.rank == 0 else None
-        self.redone_steps, self.last_checkpoint_s, self.history = 0, 0.0, []
+        self.redone_steps, self.last_checkpoint_s, self.last_checkpoint_wait_s, self.history = 0, 0.0, 0.0, []
+        # rank 0 writes the checkpoints: a snapshot on this thread, the files on the writer's
+        self.writer = CheckpointWriter(self.device, train_cfg.checkpoint_mode, self.hooks) if self.rank == 0 else None
+        self.checkpoint_index = 0  # checkpoints written by the run so far (the export cadence counts them)
         self.token_bytes = None  # val_bpb's byte table, made at the first evaluation
         self.start()
 
@@ -216,7 +224,10 @@ class Trainer:
         path = self.launcher.checkpoint_to_resume(self.log_line)
         if path is None:
             return None
-        resume = C.load_resume_state(path, keys=C.STATE_KEYS)
+        try:
+            resume = C.load_resume_state(path, keys=C.STATE_KEYS, once_per_node=True)  # hashes read once per node
+        finally:
+            getattr(self.launcher, "resume_loaded", lambda: None)()  # e.g. a downloaded copy goes
         s = resume.state
         problems = C.resume_problems(s, self.model_cfg, self.train_cfg.global_batch_size, self.train_cfg.seed,
                                      self.data.fingerprint, dtype=self.train_cfg.dtype,
@@ -233,17 +244,20 @@ class Trainer:
         self.scaler.load_state_dict(resume.scaler_state)
         self.guard.load_state_dict(s["nonfinite_guard"])
         self.step, self.run_id = int(s["optimizer_step"]), s.get("run_id", self.run_id)
+        self.checkpoint_index = int(s.get("checkpoint_index", 0))
         return s
 
     # ---- the loop -----------------------------------------------------------------------------
 
     def fit(self) -> str:
         """Train to the last step; "finished", or "exited" (--exit-after-*). Raises Preempted after a
-        SIGTERM or drain checkpoint, NonFiniteLossError after too many non-finite steps in a row."""
+        SIGTERM or drain checkpoint, NonFiniteLossError after too many non-finite steps in a row,
+        CheckpointError when rank 0's checkpoint writer failed (on every rank, at the same step)."""
         cfg, hooks = self.train_cfg, self.hooks
-        stop = FlagAgreement(self.collectives, (SIGTERM, DRAIN, TIME_UP, NONFINITE))
+        stop = FlagAgreement(self.collectives, (*STOPS, CHECKPOINT_FAILED, CHECKPOINT_DUE, NONFINITE))
         deadline = time.monotonic() + 60 * self.run.exit_after_minutes if self.run.exit_after_minutes else None
         self.meter = Meter(self, peak_flops(self.device, self.dtype))
+        self.last_saved_step, self.checkpoint_clock, self.due_raised = self.step, time.monotonic(), False
         try:
             while self.step < self.total_steps:
                 micro_batches, sample_ids = self.batches.next_step()
@@ -259,22 +273,30 @@ class Trainer:
                 hooks.after_step(self.step, self.rank, self.world_size, sample_ids)
 
                 time_up = deadline is not None and time.monotonic() > deadline
-                reasons = stop.push(self.step, [*self.launcher.stop_flags(), time_up], [self.guard.tripped()])
+                failed = self.writer is not None and self.writer.failed()
+                reasons = stop.push(self.step, [*self.launcher.stop_flags(), time_up, failed, self.checkpoint_due()],
+                                    [self.guard.tripped()])
                 if NONFINITE in reasons:
                     self.guard.check()  # raises, on every rank at this same step
-                exiting = bool(reasons) or self.step == self.run.exit_after_steps
-                checkpointing = exiting or self.step == self.total_steps or self.step % cfg.checkpoint_every == 0
+                if CHECKPOINT_FAILED in reasons:
+                    self.raise_checkpoint_failure()  # on every rank at this same step
+                stops = [r for r in STOPS if r in reasons]
+                exiting = bool(stops) or self.step == self.run.exit_after_steps
+                final = exiting or self.step == self.total_steps
+                # a time-based checkpoint raised `delay` steps ago, unless a checkpoint was written since
+                due = CHECKPOINT_DUE in reasons and self.last_saved_step < self.step - stop.delay
+                checkpointing = final or due or self.step % cfg.checkpoint_every == 0
                 evaluating = self.val_ids is not None and (self.step % self.eval_every == 0
                                                            or self.step == self.total_steps)
                 if checkpointing or evaluating or self.step % cfg.log_every == 0:
                     metrics = self.log(m, lr, evaluating)
                     if checkpointing:
-                        self.save(metrics)
+                        self.save(metrics, final)
                     else:
                         self.launcher.report(metrics, None, False)
                     self.meter.restart()  # evaluation and checkpoint time stay out of the next interval's tokens/s
-                if reasons:
-                    reason = next(r for r in (SIGTERM, DRAIN, TIME_UP) if r in reasons)
+                if stops:
+                    reason = stops[0]
                     if reason in PREEMPTIONS:
                         self.record("preempt")
                         message = f"{reason} at optimizer step {self.step}: checkpoint written, exiting for a restart"
@@ -289,6 +311,24 @@ class Trainer:
             return "finished"
         finally:
             stop.drain()  # no collective of ours is left in flight when the process group goes away
+            if self.writer is not None:
+                self.writer.close()  # a save in flight is finished (or fails) before the process goes
+
+    def checkpoint_due(self) -> bool:
+        """Rank 0's clock says --checkpoint-every-minutes have passed since the last checkpoint (raised once:
+        the flag reaches every rank with the stop flags, and they all checkpoint at the step it is agreed)."""
+        minutes = self.train_cfg.checkpoint_every_minutes
+        if self.rank != 0 or not minutes or self.due_raised:
+            return False
+        self.due_raised = time.monotonic() - self.checkpoint_clock >= 60 * minutes
+        return self.due_raised
+
+    def raise_checkpoint_failure(self) -> None:
+        if self.writer is not None:
+            self.writer.wait()  # raises the writer's CheckpointError (the one line naming step, folder and file)
+        raise C.CheckpointError(f"rank 0 could not write a checkpoint (its error names the step, folder and file); "
+                                f"stopped at optimizer step {self.step}; earlier checkpoints are intact: fix the "
+                                f"storage, then continue with --resume auto")
 
     # ---- log and save -------------------------------------------------------------------------
 
@@ -308,18 +348,29 @@ class Trainer:
                 self.timeline.step_done(self.step)
         return metrics
 
-    def save(self, metrics: dict) -> None:
-        """Every rank: rank 0 writes the resume checkpoint (fp32 state of every component + state.json) and
-        the half-precision weights export into a staging folder; the launcher hands it over with the metrics."""
+    def save(self, metrics: dict, final: bool = False) -> None:
+        """Every rank: rank 0 waits for the save in flight (`checkpoint_wait_s`), snapshots the state and has its
+        writer write the resume checkpoint (fp32 state of every component + state.json) and, every
+        --export-every checkpoints and at the run's last one, the half-precision weights export, into a staging
+        folder; the launcher hands it over with the metrics once complete. The last save of a run (`final`) and
+        every save in sync mode are complete before this returns."""
         t0 = time.perf_counter()
+        wait_s = self.writer.wait() if self.writer is not None else 0.0  # raises the previous save's error
+        self.checkpoint_index += 1
         staged = self.launcher.staging_dir(self.step) if self.rank == 0 else None
+        pending = None
         if staged is not None:
-            C.save_resume_state(staged, model=self.raw_model, optimizer=self.optimizer, scaler=self.scaler,
-                                state=self.checkpoint_state(metrics), hooks=self.hooks)
-            C.export_weights(staged / "weights", self.raw_model, self.model_cfg, self.data.tokenizer_path,
-                             step=self.step)
-        self.launcher.report(metrics, staged, True)
-        self.last_checkpoint_s = time.perf_counter() - t0
+            exporting = final or self.checkpoint_index % self.train_cfg.export_every == 0
+            export = WeightsExport(self.model_cfg, self.data.tokenizer_path) if exporting else None
+            pending = self.writer.start(staged, self.step, model=self.raw_model, optimizer=self.optimizer,
+                                        scaler=self.scaler, state=self.checkpoint_state(metrics), export=export,
+                                        blocking=final)
+            if pending.blocking:
+                pending.wait()
+        self.launcher.report(metrics, pending, True)
+        self.last_checkpoint_wait_s = wait_s
+        self.last_checkpoint_s = time.perf_counter() - t0 - wait_s
+        self.last_saved_step, self.checkpoint_clock, self.due_raised = self.step, time.monotonic(), False
 
     def checkpoint_state(self, metrics: dict) -> dict:
         """state.json: the position (optimizer step) and what a resume must match."""
@@ -335,6 +386,7 @@ class Trainer:
             "data_fingerprint": self.data.fingerprint, "tokenizer_sha256": self.data.tokenizer_sha256,
             "run_id": self.run_id, "run_name": self.run.name, "nonfinite_guard": self.guard.state_dict(),
             "trackers": self.trackers.state_dict(), "loss": metrics["loss"],
+            "checkpoint_index": self.checkpoint_index,
         }
 
     @torch.no_grad()
@@ -434,7 +486,8 @@ class Meter:
             "epochs": -(-t.total_steps // t.steps_per_epoch), "world_size": t.world_size,
             "accumulation_steps": t.accumulation, "skipped_steps": int(t.guard.skipped_total),
             "data_wait_frac": (t.batches.data_wait_s - self.wait_mark) / elapsed,
-            "checkpoint_s": t.last_checkpoint_s, "redone_steps": t.redone_steps,
+            "checkpoint_s": t.last_checkpoint_s, "checkpoint_wait_s": t.last_checkpoint_wait_s,
+            "redone_steps": t.redone_steps,
             "eta_s": (now - self.t_start) / max(1, t.step - self.step_at_start) * (t.total_steps - t.step),
         }
         if t.raw_model.config.use_moe:

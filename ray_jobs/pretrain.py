@@ -225,7 +225,7 @@ def plan_run(args: argparse.Namespace, extra_keys: frozenset[str] = frozenset(),
     resume_path = None
     if opts["resume"] not in ("auto", "never"):
         resume_path = Path(opts["resume"]).expanduser().resolve()
-        C.verify(resume_path)  # missing, partial or corrupt: refused here, before any worker starts
+        C.verify(resume_path, once_per_node=True)  # missing, partial or corrupt: refused here, before any worker starts
         if C.checkpoint_dirs(run_dir):
             raise UsageError(f"run {name} already has checkpoints in {run_dir}: --resume {resume_path} would mix two "
                              f"runs; use another --name (or --resume auto to continue {name})")
@@ -333,7 +333,7 @@ def latest_checkpoint(run_dir: Path | None, resume: str) -> Path | None:
     """
     if run_dir is None or resume != "auto":
         return None
-    return C.latest_complete(C.checkpoint_dirs(run_dir))
+    return C.latest_complete(C.checkpoint_dirs(run_dir), once_per_node=True)  # a worker on this node: no rehash
 
 
 def check_resumable(path: Path | None, model_cfg: ModelConfig, train_cfg: TrainConfig, prepared,

@@ -8,6 +8,7 @@ complete one in the run folder), and SIGTERM / node drains in as stop flags.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import signal
 import tempfile
@@ -18,6 +19,7 @@ import torch
 
 from minilm import checkpoint as C
 from minilm import data as D
+from minilm.async_checkpoint import PendingSave
 from minilm.config import ModelConfig, TrainConfig
 from minilm.distributed import CollectiveError, collective_failure, collective_timeout_s
 from minilm.trainer import Dataset, Preempted, RunOptions, Trainer
@@ -69,6 +71,8 @@ class RayLauncher:
         except ValueError:  # Ray runs train_func in a thread; Ray's own handler lives in the main thread
             ray_compat.defer_sigterm_exit(self._on_sigterm)
         self._calls = 0
+        self._async_reports = False  # rank 0: a checkpoint may still be uploading
+        self._download: contextlib.ExitStack | None = None  # a remote checkpoint's download, until loaded
 
     def _on_sigterm(self, *_):
         self.sigterm = True
@@ -88,7 +92,7 @@ class RayLauncher:
         --resume auto what the run folder held when the driver started)."""
         latest = ray.train.get_checkpoint()
         if latest is None:
-            in_run = C.latest_complete(C.checkpoint_dirs(self.run.get("run_dir")), log)
+            in_run = C.latest_complete(C.checkpoint_dirs(self.run.get("run_dir")), log, once_per_node=True)
             if in_run is not None:
                 return in_run
             return Path(self.run["resume_path"]) if self.run.get("resume_path") else None
@@ -96,42 +100,63 @@ class RayLauncher:
         if local.is_dir():
             # Newer complete folders count too: a checkpoint uploaded just before its node died may not be
             # registered yet (the controller registers reports when it next polls the workers).
-            found = C.latest_complete(C.checkpoint_dirs(local.parent), log)
+            found = C.latest_complete(C.checkpoint_dirs(local.parent), log, once_per_node=True)
             if found is None:
                 raise C.CheckpointError(f"run {self.run['name']} has checkpoints under {local.parent} but none "
                                         f"is complete")
             return found
-        with latest.as_directory() as d:  # remote storage: download the latest and verify it
-            dst = Path(tempfile.mkdtemp(prefix="minilm-resume-"))
-            shutil.copytree(d, dst, dirs_exist_ok=True)
-            return dst
+        # Remote storage: Ray downloads it once per node into a node-local folder that every rank of the node
+        # reads, and removes it once the last of them has left the context (`resume_loaded`).
+        self._download = contextlib.ExitStack()
+        return Path(self._download.enter_context(latest.as_directory()))
+
+    def resume_loaded(self) -> None:
+        if self._download is not None:
+            self._download.close()
+            self._download = None
 
     def staging_dir(self, step: int) -> Path:
         return Path(tempfile.mkdtemp(prefix=f"minilm-ckpt-{step}-"))
 
-    def report(self, metrics: dict, checkpoint: Path | None, checkpointing: bool) -> None:
+    def report(self, metrics: dict, checkpoint: PendingSave | None, checkpointing: bool) -> None:
         """ray.train.report on every rank (a barrier); rank 0 publishes the dashboard gauges and attaches the
-        checkpoint, whose staging folder is removed once Ray has uploaded it."""
+        checkpoint, whose staging folder is removed once Ray has uploaded it.
+
+        A checkpoint still being written (async mode) is reported at once with Ray's ASYNC upload, through an
+        upload function that first waits for the writer: every rank reports at the same steps, the training
+        thread goes on, and Ray registers the checkpoint once its upload is done, in report order. From then
+        on rank 0's reports are ASYNC too (a SYNC one would wait for the upload); a blocking checkpoint (sync
+        mode, the run's last) is complete already and reported SYNC, which waits for every upload before it."""
         if self.rank == 0:
             dashboard_metrics.publish(metrics, self.run["name"])
         public = {k: v for k, v in metrics.items() if k != "expert_load"}
         step = metrics["optimizer_step"]
+        blocking = checkpoint is not None and checkpoint.blocking
+        uploading_later = checkpoint is not None and not blocking
+        asynchronous = (self._async_reports or uploading_later) and not blocking
+        mode = {"checkpoint_upload_mode": ray.train.CheckpointUploadMode.ASYNC} if asynchronous else {}
+        if not checkpointing:
+            ray.train.report(public, **mode)
+            return
+        dir_name = C.checkpoint_dir_name(self.run.get("run_dir"), step)
+        ckpt = ray.train.Checkpoint.from_directory(checkpoint.path) if checkpoint is not None else None
+        target = f"{self.run.get('run_dir') or 'the storage path'}/{dir_name}"
+        if uploading_later:
+            self._async_reports = True
+            ray.train.report(public, checkpoint=ckpt, checkpoint_dir_name=dir_name,
+                             checkpoint_upload_fn=upload_when_written(checkpoint, target), **mode)
+            return
         try:
-            if not checkpointing:
-                ray.train.report(public)
-                return
-            dir_name = C.checkpoint_dir_name(self.run.get("run_dir"), step)
-            ckpt = ray.train.Checkpoint.from_directory(checkpoint) if checkpoint is not None else None
             try:
-                ray.train.report(public, checkpoint=ckpt, checkpoint_dir_name=dir_name)
+                ray.train.report(public, checkpoint=ckpt, checkpoint_dir_name=dir_name, **mode)
             except Exception as e:  # Ray's upload to the storage path (pyarrow raises OSError): one clear line
                 if ckpt is None or not (isinstance(e, OSError) or C.is_disk_full(e)):
                     raise
-                where = self.run.get("run_dir") or self.run.get("storage_dir") or "the storage path"
-                raise C.CheckpointError(C.write_error(f"{where}/{dir_name}", step, "upload", e)) from None
+                raise C.CheckpointError(C.write_error(target, step, "upload", e)) from None
         finally:
             if checkpoint is not None:
-                shutil.rmtree(checkpoint, ignore_errors=True)
+                shutil.rmtree(checkpoint.path, ignore_errors=True)
+                self._async_reports = False  # a SYNC report returns after every upload before it
 
     def stop_flags(self) -> tuple[bool, bool]:
         self._calls += 1
@@ -139,6 +164,27 @@ class RayLauncher:
 
     def say(self, message: str) -> None:
         console.say(message)
+
+
+def upload_when_written(checkpoint: PendingSave, target: str):
+    """Ray's upload function for a checkpoint still being written: wait for the writer (its CheckpointError
+    fails the run, through Ray's eager raising of a failed async upload), copy the folder into the run's
+    storage, remove the staging folder."""
+    storage = ray.train.get_context().get_storage()
+
+    def upload(ckpt: ray.train.Checkpoint, dir_name: str) -> ray.train.Checkpoint:
+        try:
+            checkpoint.wait()
+            try:
+                return storage.persist_current_checkpoint(ckpt, dir_name)
+            except Exception as e:
+                if not C.is_disk_full(e):
+                    raise
+                raise C.CheckpointError(C.write_error(target, checkpoint.step, "upload", e)) from None
+        finally:
+            shutil.rmtree(checkpoint.path, ignore_errors=True)
+
+    return upload
 
 
 def cap_threads(local_workers: int) -> None:

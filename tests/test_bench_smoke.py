@@ -69,6 +69,17 @@ def test_checkpoint(tmp_path):
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("bench-checkpoint-")] == []  # cleaned up
 
 
+def test_checkpoint_stall(tmp_path):
+    out = run_bench("bench.checkpoint", ["--mode", "stall", "--sizes", "64x2", "--vocab-size", "256", "--seq-len", "32",
+                                         "--repeats", "1", "--dir", str(tmp_path)], tmp_path / "results")
+    assert "async stall (64x2): " in out and "of the sync save" in out and "at a 0.2 s step" in out
+    row = written(tmp_path / "results", "checkpoint_stall.json")["rows"][0]
+    assert row["sync_stall_s"] > 0 and row["async_stall_s"] > 0 and row["async_write_s"] >= row["async_stall_s"]
+    assert row["steps_in_flight"] >= 1 and row["tokens_per_s_in_flight"] > 0 and row["tokens_per_s_without"] > 0
+    assert row["sync_share"] == pytest.approx(row["sync_stall_s"] / (row["sync_stall_s"] + 100 * 0.2))
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("bench-checkpoint-")] == []  # cleaned up
+
+
 @pytest.mark.ray
 def test_data(ray_address, tiny_data, tmp_path):
     out = run_bench("bench.data", ["--data", str(tiny_data), *TINY_MODEL, "--seq-len", "32",

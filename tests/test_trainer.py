@@ -238,15 +238,24 @@ def test_sigterm_checkpoints_at_the_agreed_step_and_resume_is_bitwise_equal(run_
     assert bitwise_equal(checkpoint_weights(run_dir), uninterrupted["weights"])
 
 
-def test_killed_during_a_checkpoint_write_resumes_from_the_previous_one(run_data, tmp_path, uninterrupted):
-    """SIGKILL while checkpoint 8 is written (every file there but COMPLETE.json): the resumed run passes over the
-    partial folder, continues checkpoint 4 and ends bitwise equal."""
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_killed_during_a_checkpoint_write_resumes_from_the_previous_one(run_data, tmp_path, uninterrupted, mode):
+    """SIGKILL while checkpoint 8 is written (every file there but COMPLETE.json; in async mode by the background
+    writer while training goes on to checkpoint 12, which waits for it): the resumed run passes over the partial
+    folder, continues checkpoint 4 and ends bitwise equal."""
     run_dir, paused = tmp_path / "killwrite", tmp_path / "paused"
-    proc = start_train(train_flags(run_data, run_dir), MINILM_TEST_CHECKPOINT_DELAY_S="600",
-                       MINILM_TEST_CHECKPOINT_DELAY_STEP="8", MINILM_TEST_CHECKPOINT_PAUSED=str(paused))
+    (tmp_path / "ids").mkdir()
+    proc = start_train(train_flags(run_data, run_dir) + ["--checkpoint-mode", mode],
+                       MINILM_TEST_CHECKPOINT_DELAY_S="600", MINILM_TEST_CHECKPOINT_DELAY_STEP="8",
+                       MINILM_TEST_CHECKPOINT_PAUSED=str(paused), MINILM_TEST_RECORD_SAMPLE_IDS=str(tmp_path / "ids"))
     wait_for(paused.is_file, proc, "the writer of checkpoint 8 paused before its marker")
     partial = run_dir / paused.read_text().split("/")[-1]
     assert all((partial / f).is_file() for f in ("model.safetensors", "optimizer.pt", "scaler.pt", "state.json"))
+    if mode == "async":  # the training thread went on to checkpoint 12, and waits there for checkpoint 8
+        wait_for(lambda: (tmp_path / "ids" / "rank0.jsonl").is_file() and
+                 len((tmp_path / "ids" / "rank0.jsonl").read_text().splitlines()) >= 12, proc, "step 12")
+        time.sleep(1.0)
+        assert len((tmp_path / "ids" / "rank0.jsonl").read_text().splitlines()) == 12  # held at checkpoint 12
     proc.send_signal(signal.SIGKILL)
     proc.wait(30)
     torn = run_dir / "checkpoint_00000008"  # a torn copy too: the marker without the files it names
@@ -270,7 +279,7 @@ def test_checkpoint_and_evaluation_time_stay_out_of_the_next_intervals_tokens_pe
     monkeypatch.setattr(T.time, "perf_counter", lambda: clock[0])
     model_cfg, train_cfg = configs()
     trainer = SimpleNamespace(step=0, batches=SimpleNamespace(data_wait_s=0.0), train_cfg=train_cfg, world_size=1,
-                              total_steps=20, steps_per_epoch=15, accumulation=4, last_checkpoint_s=0.0,
+                              total_steps=20, steps_per_epoch=15, accumulation=4, last_checkpoint_s=0.0, last_checkpoint_wait_s=0.0,
                               redone_steps=0, collectives=Collectives("cpu"),
                               guard=SimpleNamespace(skipped_total=torch.tensor(0)),
                               raw_model=SimpleNamespace(config=model_cfg, estimate_mfu=lambda tps, seq, peak: tps / peak))

@@ -124,13 +124,37 @@ def test_a_full_disk_while_exporting_weights_is_one_clear_error(tmp_path):
     with tiny_tmpfs(tmp_path / "disk", max(1, pages - 1) * 4096) as mounted, pytest.MonkeyPatch.context() as mp:
         disk = mounted or tmp_path / "disk"
         if mounted is None:  # without root: the weights file's bytes are written to a full device
-            from safetensors.torch import save as to_bytes
-
             device = full_device(tmp_path)
-            mp.setattr(C, "save_file", lambda tensors, filename, metadata=None:
-                       device.write_bytes(to_bytes(tensors, metadata)))
+            write = C.write_safetensors
+            mp.setattr(C, "write_safetensors", lambda f, tensors, metadata=None: write(device, tensors, metadata))
         with pytest.raises(C.CheckpointError) as e:  # the weights do not fit
             C.export_weights(disk / "weights", model, model.config, step=8)
         assert str(e.value).startswith(f"could not write the checkpoint of optimizer step 8 to {disk / 'weights.tmp'} "
                                        f"(model.safetensors): no space left on device;")
         assert not (disk / "weights").exists() and not (disk / "weights.tmp").exists()  # its space given back
+
+
+def test_a_full_disk_during_the_background_write_is_one_clear_error(tmp_path):
+    """The async writer (minilm.async_checkpoint) into a tmpfs with room for one checkpoint and a half: the
+    training thread's start returns, and waiting for the save raises the same one line; the previous checkpoint
+    stays intact. (The run this stops, in-process: tests/test_trainer.py.)"""
+    from minilm.async_checkpoint import CheckpointWriter
+
+    model, optimizer, scaler = trained_state()
+    probe = save(tmp_path / "probe", 4, model, optimizer, scaler)
+    pages = sum(math.ceil(f.stat().st_size / 4096) for f in probe.iterdir())
+    writer = CheckpointWriter("cpu", "async")
+    with tiny_tmpfs(tmp_path / "disk", int(pages * 1.5) * 4096) as mounted:
+        disk = mounted or tmp_path / "disk"
+        if mounted is None:
+            full_from(disk / "checkpoint_00000008", "optimizer.pt", full_device(tmp_path))
+        for step in (4, 8):
+            pending = writer.start(disk / f"checkpoint_{step:08d}", step, model=model, optimizer=optimizer,
+                                   scaler=scaler, state={"optimizer_step": step, "note": "unit test"})
+            if step == 4:
+                writer.wait()
+        with pytest.raises(C.CheckpointError) as e:
+            writer.wait()
+        assert pending.failed() and writer.failed()
+        assert_full_disk_leaves_a_clean_state(e.value, disk / "checkpoint_00000004", disk / "checkpoint_00000008",
+                                              model)
