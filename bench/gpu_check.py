@@ -33,6 +33,8 @@ Ray last, so that a time-out loses the least):
                        --document-mask, Muon, activation checkpointing at 104M: the paths a run switches on
   checkpoint-104m      `bench.checkpoint` at 104M: save and restore, their share of wall time at the default
                        checkpoint_every against the compiled 104M step
+  checkpoint-stall-104m `bench.checkpoint --mode stall` at 104M on the device: the training thread's stall
+                       per checkpoint, sync vs async (pinned snapshot buffers on CUDA)
   prepare              the demo corpus through `python -m ray_jobs.prepare` at seq 512
   ray-job              `python -m ray_jobs.pretrain --use-gpu true --num-workers 1` at the 26M shape, stopped
                        halfway by --exit-after-steps and run again to continue (--resume auto); the first half
@@ -373,6 +375,23 @@ def checkpoint_part(r: Runner, s: Shapes, work: Path) -> dict | None:
         return None
     found = json.loads(path.read_text())["rows"][0]
     return {k: found[k] for k in ("params", "save_s", "restore_s", "resume_bytes", "export_bytes")}
+
+
+def checkpoint_stall_part(r: Runner, s: Shapes, work: Path, device: str) -> dict | None:
+    """`bench.checkpoint --mode stall` at the 104M size on this device: what the training thread loses per
+    checkpoint, sync against async (on CUDA the snapshot goes to pinned buffers reused between saves)."""
+    shape = s.large
+    part = r.run("checkpoint-stall-104m", ["-m", "bench.checkpoint", "--mode", "stall", "--device", device,
+                                           "--sizes", f"{shape['hidden_size']}x{shape['num_hidden_layers']}",
+                                           "--vocab-size", str(shape["vocab_size"]), "--seq-len", str(shape["seq_len"]),
+                                           "--repeats", "1", "--dir", str(work)],
+                 s.limits.get("checkpoint-stall-104m", s.limits["row"]),
+                 env={"MINILM_BENCH_RESULTS": str(r.results / "checkpoint-stall-104m")})
+    path = r.results / "checkpoint-stall-104m" / "checkpoint_stall.json"
+    if part.status != "ok" or not path.is_file():
+        return None
+    found = json.loads(path.read_text())["rows"][0]
+    return {k: found[k] for k in ("sync_stall_s", "async_stall_s", "async_write_s")}
 
 
 def prepare_part(r: Runner, s: Shapes, work: Path) -> Path | None:
@@ -929,6 +948,13 @@ def table_rows(parts: dict[str, Part], fig: dict, gpu: bool) -> list[dict]:
         + (f"; {share:.2%} of wall time at checkpoint_every {every} (the 104M step)" if share is not None else ""),
         "< 2% of wall time", None if share is None else share < 0.02)
 
+    stall = fig.get("checkpoint_stall")
+    add("checkpoint stall per save, sync vs async, 104M", "checkpoint-stall-104m",
+        "" if not stall else f"sync {stall['sync_stall_s']:.3f} s, async {stall['async_stall_s']:.3f} s "
+                             f"({stall['async_stall_s'] / stall['sync_stall_s']:.1%}), written in the background in "
+                             f"{stall['async_write_s']:.2f} s",
+        "async < 10% of sync", None if not stall else stall["async_stall_s"] < 0.1 * stall["sync_stall_s"])
+
     eager = measured.get("step-26m-eager")
     job = fig.get("ray_job") or {"halves": {}}
     for run, check, part in ((fig.get("trainer"), "Trainer in-process (minilm.train), 26M", "trainer"),
@@ -1026,6 +1052,8 @@ def run_parts(runner: Runner, s: Shapes, device: str, fig: dict, work: Path, onl
             row_part(runner, name, s, device, fig["rows"])
     if wanted("checkpoint-104m"):
         fig["checkpoint"] = checkpoint_part(runner, s, work)
+    if wanted("checkpoint-stall-104m"):
+        fig["checkpoint_stall"] = checkpoint_stall_part(runner, s, work, device)
     runner.reserve_s = 0.0
     ray_parts = ("prepare", "ray-job", "ray-job-resume", "export", "sample", "stream")
     if only is not None and not only & set(ray_parts):
@@ -1072,7 +1100,7 @@ def check(argv: list[str]) -> int:
               file=sys.stderr)
         return 2
     only = set(args.only.split(",")) if args.only else None
-    known = {"preflight", "trainer", "ddp1-26m", "fp16", *ROW_PARTS, "checkpoint-104m", "prepare", "ray-job", "ray-job-resume", "export", "sample",
+    known = {"preflight", "trainer", "ddp1-26m", "fp16", *ROW_PARTS, "checkpoint-104m", "checkpoint-stall-104m", "prepare", "ray-job", "ray-job-resume", "export", "sample",
              "stream"}
     if only and only - known:
         print(f"error: --only: unknown part(s) {', '.join(sorted(only - known))}; parts: {', '.join(sorted(known))}",

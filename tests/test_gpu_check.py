@@ -25,7 +25,7 @@ from bench.gpu_check import FILES, Part, Runner, table_rows
 
 PARTS = ["preflight", "step-26m-eager", "step-104m-eager", "trainer", "ddp1-26m", "fp16", "step-26m-compiled",
          "step-104m-compiled", "moe-26m-eager", "moe-26m-compiled", "docmask-26m-compiled", "muon-26m-compiled",
-         "ac-104m-compiled", "checkpoint-104m", "prepare", "ray-job", "ray-job-resume", "export", "sample", "stream"]
+         "ac-104m-compiled", "checkpoint-104m", "checkpoint-stall-104m", "prepare", "ray-job", "ray-job-resume", "export", "sample", "stream"]
 
 
 def image_venv(dest: Path) -> Path:
@@ -104,6 +104,7 @@ def test_rehearsal_on_the_image_packages_and_the_bundle(gpu_bundle, tmp_path):
     assert figures["ddp1"]["backend"] == "gloo" and figures["ddp1"]["max_relative_difference"] <= 1e-3
     assert figures["checkpoint"]["save_s"] > 0 and figures["checkpoint"]["restore_s"] > 0
     assert "of wall time at checkpoint_every 100" in table["checkpoint save + restore, 104M"]["result"]
+    assert "written in the background" in table["checkpoint stall per save, sync vs async, 104M"]["result"]
     assert figures["ray_job"]["resumed"] and figures["ray_job"]["last_step"] == 8
     assert [h["steps_counted"] for h in figures["ray_job"]["halves"].values()] == [3, 3]  # records 1..4 and 5..8
     assert figures["fp16"]["passed"] and figures["fp16"]["scale_changes"][0] == {"step": 20, "from": 65536.0,
