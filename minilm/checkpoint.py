@@ -374,6 +374,10 @@ def checkpoint_dtype(state: dict[str, Any]) -> str | None:
 # Train-config fields a resume may change without changing the optimisation (logging, checkpoint cadence, speed
 # switches that give the same math, how the global batch is split). Every other field, and any field added
 # later, changes the schedule or the optimizer: a resume refuses it unless --allow-config-change.
+# Train-config fields added after checkpoints were first written, and the value every checkpoint that lacks
+# one ran with: a resume continues that value (Trainer.restore), whatever today's default is.
+PREDATED_VALUES = {"schedule": "cosine"}
+
 SAFE_TO_CHANGE = frozenset({"log_every", "checkpoint_every", "checkpoint_every_minutes", "checkpoint_mode",
                             "export_every", "compile", "activation_checkpointing", "micro_batch_size",
                             "max_nonfinite_steps"})

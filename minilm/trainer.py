@@ -234,6 +234,11 @@ class Trainer:
                                      optimizer=self.train_cfg.optimizer)
         if problems:
             raise C.CheckpointError(f"cannot resume from {path}: " + "; ".join(problems))
+        for name, then in C.PREDATED_VALUES.items():
+            if name not in s["train_config"] and getattr(self.train_cfg, name) != then:
+                self.log_line(f"note: {Path(path).name} predates --{name.replace('_', '-')}: the run goes on with its "
+                              f"{name} {then}")
+                setattr(self.train_cfg, name, then)
         self.raw_model.load_state_dict(resume.model_state, strict=True)
         # The loaded param groups carry the saved betas / weight decay; this run's config wins (the driver has
         # refused a change unless --allow-config-change said it is meant).
