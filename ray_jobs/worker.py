@@ -140,7 +140,7 @@ class RayLauncher:
             return
         dir_name = C.checkpoint_dir_name(self.run.get("run_dir"), step)
         ckpt = ray.train.Checkpoint.from_directory(checkpoint.path) if checkpoint is not None else None
-        target = f"{self.run.get('run_dir') or 'the storage path'}/{dir_name}"
+        target = f"{self.run.get('run_dir') or self.run.get('storage_dir') or 'the storage path'}/{dir_name}"
         if uploading_later:
             self._async_reports = True
             ray.train.report(public, checkpoint=ckpt, checkpoint_dir_name=dir_name,
@@ -177,8 +177,8 @@ def upload_when_written(checkpoint: PendingSave, target: str):
             checkpoint.wait()
             try:
                 return storage.persist_current_checkpoint(ckpt, dir_name)
-            except Exception as e:
-                if not C.is_disk_full(e):
+            except Exception as e:  # the storage refused the upload (pyarrow raises OSError): one clear line
+                if not (isinstance(e, OSError) or C.is_disk_full(e)):
                     raise
                 raise C.CheckpointError(C.write_error(target, checkpoint.step, "upload", e)) from None
         finally:

@@ -299,11 +299,12 @@ def test_cached_demo_data_of_another_format_is_prepared_again(ray_address, cache
     """A cached copy of the built-in corpus that does not open (here: another format) is prepared again."""
     from ray_jobs.demo_data import demo_data_dir
 
-    old = cache / "demo" / f"py{sys.version_info.major}{sys.version_info.minor}-seq64-vocab300"
+    old = cache / "demo" / f"py{sys.version_info.major}{sys.version_info.minor}-seq64-vocab300-best-fit"
     old.mkdir(parents=True)
     (old / "manifest.json").write_text(json.dumps({"format": "minilm-packed-v1", "seq_len": 64, "num_sequences": 1,
                                                    "shards": [], "fingerprint": "f", "command": "x"}))
     assert demo_data_dir(64, 300) == old
     new = D.open_prepared(old)
     assert new.manifest["format"] == "minilm-packed-v2" and new.num_sequences > 100
+    assert new.manifest["rows"] == "best-fit"  # the default format, which the cache's name carries
     assert sorted(p.name for p in old.iterdir()) == ["manifest.json", "shard-00000.bin", "tokenizer.json"]

@@ -47,7 +47,8 @@ def last_state(run_dir, step: int) -> C.ResumeState:
 
 def same_records(records: list[dict]) -> list[dict]:
     """metrics.jsonl without what differs between two runs of one optimisation (clocks, the run's id)."""
-    varying = ("tokens_per_s", "mfu", "data_wait_frac", "checkpoint_s", "eta_s", "time", "run_id")
+    varying = ("tokens_per_s", "mfu", "data_wait_frac", "checkpoint_s", "checkpoint_wait_s", "eta_s", "time",
+               "run_id")
     return [{k: v for k, v in r.items() if k not in varying} for r in records]
 
 
