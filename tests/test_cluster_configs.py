@@ -259,6 +259,13 @@ def test_readme_covers_launch_submit_watch_resume_teardown_storage_and_elastic()
 def test_runtime_env_leaves_git_and_local_data_out():
     env = load("runtime-env.yaml")
     assert ".git" in env["excludes"] and ".venv" in env["excludes"]
+    # Matched the way Ray's upload matches them: a top-level data/ goes, the minilm.data package stays.
+    from pathlib import Path
+
+    from ray._private.runtime_env.packaging import _get_excludes
+
+    excluded = _get_excludes(Path("."), env["excludes"])
+    assert excluded(Path("data/tok/shard-00000.bin")) and not excluded(Path("minilm/data/__init__.py"))
     assert env["env_vars"]["RAY_TRAIN_ENABLE_STATE_TRACKING"] == "1"
 
 
