@@ -4,6 +4,8 @@ without a graph break; and "auto" picks it only where the op has its sync-free k
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -181,3 +183,18 @@ def test_a_torch_without_grouped_mm_takes_the_split_dispatch(monkeypatch):
     monkeypatch.delattr(torch, "_grouped_mm")
     assert not grouped_mm_kernel_on(torch.device("cuda", 0))
     assert model_module.grouped_mm_kernel_on is grouped_mm_kernel_on
+
+
+def test_bench_moe_times_both_dispatches_side_by_side(tmp_path, monkeypatch, capsys):
+    from bench import moe as bench_moe
+
+    monkeypatch.setenv("MINILM_BENCH_RESULTS", str(tmp_path))
+    assert bench_moe.main(["--hidden-size", "64", "--num-hidden-layers", "1", "--vocab-size", "256", "--seq-len", "16",
+                           "--micro-batch-size", "2", "--steps", "1", "--warmup", "0", "--dtype", "fp32",
+                           "--experts", "4", "--top-k", "2", "--dispatch", "split", "grouped"]) == 0
+    out = capsys.readouterr().out
+    assert "grouped / split dispatch step time (fp32, 4 experts, top-2): " in out
+    rows = json.loads((tmp_path / "moe.json").read_text())["results"][0]["rows"]
+    assert [(r["config"], r["dispatch"]) for r in rows] == [
+        ("dense", None), ("moe 4x top-2 split", "split"), ("moe 4x top-2 grouped", "grouped")]
+    assert MoEFeedForward.dispatch == "auto"  # the benchmark leaves the process's default as it found it
