@@ -56,7 +56,8 @@ Trainer and the Ray job are compared with the eager 26M row (the same shape, dty
 tokens/s from wall time per step between their metrics records, log steps included.
 Goals (H100/H200-class GPU): 104M compiled >= 45% MFU, 26M compiled >= 30% (MFU against the data-sheet
 peak where minilm.progress lists the GPU, as the training loop's MFU; the measured matmul peak
-otherwise), the Ray job within 3% of the eager step; the stream must feed at least the 26M step's tokens/s.
+otherwise), the Ray job within 3% of the eager step, the Trainer under DDP in a 1-rank group within 3% of
+the plain Trainer; the stream must feed at least the 26M step's tokens/s.
 Without ray (or pyarrow, tokenizers, yaml) the Ray parts are skipped with one line saying what to install.
 
 Results: into $OUT when it is set (the lent machine's output folder), else $MINILM_BENCH_RESULTS, else
