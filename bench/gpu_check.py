@@ -22,13 +22,20 @@ Ray last, so that a time-out loses the least):
   ddp1-26m             `python -m bench.gpu_check ddp1`: the 26M model under DDP in a 1-rank NCCL process group
                        (compiled blocks, no_sync accumulation, an all-reduce on the device) against the same
                        model without DDP, step by step: the losses must agree (gloo and eager on CPU)
+  trainer-ddp1-26m     `python -m bench.gpu_check trainer-ddp1`: minilm's Trainer at the 26M shape (compiled on
+                       the GPU), plain, then in a 1-rank NCCL process group with the model DDP-wrapped and the
+                       loop's collectives (metric means, the per-step flag agreement) through the group: its
+                       tokens/s against the plain Trainer's, and the losses must agree (gloo and eager on CPU)
   fp16                 `bench.fp16_check`: 50 steps of fp16 with the GradScaler, an overflow injected
   step-26m-compiled, step-104m-compiled
                        the same rows with `--compile` (one process each: an Inductor failure or time-out loses
                        that row only), plus compile seconds, graph breaks and recompiles
                        (the compiled 26M row adds one step under torch.profiler: its top kernels, flash or not)
   moe-26m-eager, moe-26m-compiled
-                       the 26M shape with 4 experts, top-1 (the same active width)
+                       the 26M shape with 4 experts, top-1 (the same active width); the row names the MoE
+                       dispatch that ran (on an sm90/sm100 GPU in bf16 "auto" is the grouped one: no host sync,
+                       so the compiled row's graph breaks and recompiles are the dispatch's); the CPU dry run
+                       compiles the grouped dispatch (--moe-dispatch grouped), CPU's "auto" being the split one
   docmask-26m-compiled, muon-26m-compiled, ac-104m-compiled
                        --document-mask, Muon, activation checkpointing at 104M: the paths a run switches on
   checkpoint-104m      `bench.checkpoint` at 104M: save and restore, their share of wall time at the default
@@ -49,7 +56,8 @@ Trainer and the Ray job are compared with the eager 26M row (the same shape, dty
 tokens/s from wall time per step between their metrics records, log steps included.
 Goals (H100/H200-class GPU): 104M compiled >= 45% MFU, 26M compiled >= 30% (MFU against the data-sheet
 peak where minilm.progress lists the GPU, as the training loop's MFU; the measured matmul peak
-otherwise), the Ray job within 3% of the eager step; the stream must feed at least the 26M step's tokens/s.
+otherwise), the Ray job within 3% of the eager step, the Trainer under DDP in a 1-rank group within 3% of
+the plain Trainer; the stream must feed at least the 26M step's tokens/s.
 Without ray (or pyarrow, tokenizers, yaml) the Ray parts are skipped with one line saying what to install.
 
 Results: into $OUT when it is set (the lent machine's output folder), else $MINILM_BENCH_RESULTS, else
@@ -67,6 +75,11 @@ Code paths that differ on the lent image's torch 2.11 (this machine runs 2.13), 
   - minilm.step.configure_backends: TF32 through the legacy setters, which torch 2.11 and 2.13 both map onto
     their `fp32_precision` getters (tests/test_step.py, the TF32 getters test on a stand-in capability-9.0 GPU);
     the preflight prints what both getters read on the GPU itself
+  - minilm.model.grouped_mm_kernel_on: the MoE layer's grouped dispatch calls the private `torch._grouped_mm`
+    (present in 2.11 and 2.13, the same sync-free kernel rules: bf16, sm90/sm100); a torch without it gets the
+    split dispatch (tests/test_moe_dispatch.py, test_a_torch_without_grouped_mm_takes_the_split_dispatch). Its
+    backward is minilm's own (minilm.model.GroupedMM): the op's derivative (which fails on CPU in 2.13 for a
+    zero-stride gradient) is never used
 """
 
 from __future__ import annotations
@@ -93,6 +106,7 @@ from .common import add_model_args, environment, results_dir
 
 MFU_GOALS = {"26m": 0.30, "104m": 0.45}  # compiled bf16, H100/H200 class (nanochat: ~46% at its d18)
 RAY_GOAL = 0.97  # the Ray job's tokens/s over the eager step's, same config
+DDP1_GOAL = 0.97  # the Trainer's tokens/s under DDP in a 1-rank group over the plain Trainer's
 RAY_MODULES = ("ray", "pyarrow", "tokenizers", "yaml")
 FILES = ("gpu_check.json", "gpu_check-summary.txt", "gpu_check-logs.tar.gz")
 # Each row: (shape, extra flags of `python -m bench.gpu_check row`, the table's check)
@@ -126,6 +140,8 @@ class Shapes:
     limits: dict = field(default_factory=dict)  # seconds per part
     ray_reserve_s: float = 0.0  # the budget the extra rows leave to the Ray parts
     ddp_args: list[str] = field(default_factory=list)
+    trainer_ddp_args: list[str] = field(default_factory=list)
+    row_extra: dict = field(default_factory=dict)  # more flags for one row on this device
 
 
 GPU = Shapes(
@@ -135,9 +151,9 @@ GPU = Shapes(
     corpus_bytes=None, stream_steps=400,
     limits={"preflight": 30, "step-26m-eager": 40, "step-104m-eager": 50, "step-26m-compiled": 80,
             "step-104m-compiled": 90, "moe-26m-eager": 40, "moe-26m-compiled": 80, "row": 70, "fp16": 60,
-            "trainer": 60,
+            "trainer": 60, "trainer-ddp1-26m": 90,
             "prepare": 60, "ray-job": 80, "ray-job-resume": 80, "export": 30, "sample": 30, "stream": 60},
-    ray_reserve_s=150, ddp_args=["--compile", "--steps", "10"])
+    ray_reserve_s=150, ddp_args=["--compile", "--steps", "10"], trainer_ddp_args=["--compile", "--steps", "40"])
 CPU = Shapes(
     small={"hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 512, "seq_len": 64, "micro_batch_size": 4},
     large={"hidden_size": 64, "num_hidden_layers": 3, "vocab_size": 512, "seq_len": 64, "micro_batch_size": 4},
@@ -149,7 +165,9 @@ CPU = Shapes(
             "step-104m-compiled": 300, "moe-26m-eager": 120, "moe-26m-compiled": 300, "row": 300, "fp16": 180,
             "trainer": 120, "prepare": 120, "ray-job": 180, "ray-job-resume": 180, "export": 60, "sample": 60,
             "stream": 120},
-    ddp_args=["--steps", "4"])
+    ddp_args=["--steps", "4"], trainer_ddp_args=["--steps", "6"],
+    # CPU has no sync-free grouped_mm, so "auto" splits there: the rehearsal compiles the grouped dispatch itself
+    row_extra={"moe-26m-compiled": ["--moe-dispatch", "grouped"]})
 
 
 # ---- running a part ---------------------------------------------------------------------------------------
@@ -279,7 +297,7 @@ def row_part(r: Runner, name: str, s: Shapes, device: str, rows: dict) -> dict |
     shape = s.large if which == "large" else s.small
     path = r.results / f"{name}.json"
     args = ["-m", "bench.gpu_check", "row", "--name", name, "--json", str(path), "--device", device,
-            "--dtype", "bf16", *s.row_args, *flags(shape, *SHAPE_KEYS), *extra]
+            "--dtype", "bf16", *s.row_args, *flags(shape, *SHAPE_KEYS), *extra, *s.row_extra.get(name, [])]
     part = r.run(name, args, s.limits.get(name, s.limits["row"]))
     if part.status != "ok" or not path.is_file():
         return None
@@ -300,6 +318,8 @@ def describe_row(row: dict) -> str:
     if row["compile"]:
         text += (f", compile {row['compile_s']:.1f} s, {row['graph_breaks']} graph break(s), "
                  f"{row['recompiles']} recompile(s)")
+    if row.get("moe_dispatch"):
+        text += f", MoE dispatch {row['moe_dispatch']}"
     if row.get("profile"):
         text += f"; profiled step: flash attention {'used' if row['profile']['flash'] else 'NOT used'}"
     return text
@@ -321,6 +341,17 @@ def ddp1_part(r: Runner, s: Shapes, device: str) -> dict | None:
     path = r.results / "ddp1-26m.json"
     part = r.run("ddp1-26m", ["-m", "bench.gpu_check", "ddp1", "--device", device, "--json", str(path),
                               *flags(s.small, *SHAPE_KEYS), *s.ddp_args], s.limits.get("ddp1-26m", s.limits["row"]))
+    if part.status != "ok" or not path.is_file():
+        return None
+    r.after_part()
+    return json.loads(path.read_text())
+
+
+def trainer_ddp1_part(r: Runner, s: Shapes, device: str) -> dict | None:
+    path = r.results / "trainer-ddp1-26m.json"
+    part = r.run("trainer-ddp1-26m", ["-m", "bench.gpu_check", "trainer-ddp1", "--device", device, "--json", str(path),
+                                      *flags(s.small, *SHAPE_KEYS), *s.trainer_ddp_args],
+                 s.limits.get("trainer-ddp1-26m", s.limits["row"]))
     if part.status != "ok" or not path.is_file():
         return None
     r.after_part()
@@ -594,6 +625,8 @@ def row(argv: list[str]) -> int:
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--moe", action="store_true", help="4 experts, top-1 (the dense model's active width)")
+    p.add_argument("--moe-dispatch", choices=["auto", "grouped", "split"], default="auto",
+                   help="minilm.model.MoEFeedForward.dispatch")
     p.add_argument("--document-mask", action="store_true", help="attention within each document (ModelConfig)")
     p.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw")
     p.add_argument("--activation-checkpointing", action="store_true")
@@ -607,7 +640,7 @@ def row(argv: list[str]) -> int:
     import torch
 
     from minilm.config import ModelConfig, TrainConfig
-    from minilm.model import MiniMindForCausalLM
+    from minilm.model import MiniMindForCausalLM, MoEFeedForward
     from minilm.progress import datasheet_peak, measured_matmul_peak
     from minilm.step import (
         configure_backends,
@@ -628,7 +661,12 @@ def row(argv: list[str]) -> int:
                       num_attention_heads=args.num_attention_heads, num_key_value_heads=args.num_key_value_heads,
                       vocab_size=args.vocab_size, max_position_embeddings=args.seq_len + 1, use_moe=args.moe,
                       num_experts=4, num_experts_per_tok=1, document_mask=args.document_mask)
+    MoEFeedForward.dispatch = args.moe_dispatch
     model = MiniMindForCausalLM(cfg).to(device).train()
+    moe_dispatch = None
+    if args.moe:  # what "auto" resolves to here: grouped where grouped_mm has its sync-free kernel
+        grouped = model.moe_layers()[0].grouped_kernel and dtype == torch.bfloat16
+        moe_dispatch = args.moe_dispatch if args.moe_dispatch != "auto" else ("grouped" if grouped else "split")
     train_cfg = TrainConfig(lr=1e-4, compile=args.compile, activation_checkpointing=args.activation_checkpointing,
                             optimizer=args.optimizer)
     model = prepare_model(model, train_cfg, device)
@@ -668,6 +706,7 @@ def row(argv: list[str]) -> int:
               "compile_s": max(0.0, sum(warm) - len(warm) * step_s) if args.compile else None,
               "document_mask": args.document_mask, "optimizer": args.optimizer,
               "activation_checkpointing": args.activation_checkpointing, "profile": profile,
+              "moe_dispatch": moe_dispatch,
               **(counts.read() if counts else {"graph_breaks": None, "graphs": None, "recompiles": None})}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
@@ -743,6 +782,104 @@ def ddp1(argv: list[str]) -> int:
           f"{worst:.2e}")
     if worst > 1e-3:
         print(f"error: ddp1: DDP's losses differ from the plain model's by up to {worst:.2e} (relative)")
+        return 1
+    return 0
+
+
+def trainer_ddp1(argv: list[str]) -> int:
+    """minilm's Trainer (its loop, metrics, flag agreement and final save) for --steps, first as a plain world-size-1
+    run, then in a 1-rank process group (NCCL on CUDA, gloo on CPU) with the model DDP-wrapped over its compiled
+    blocks (--compile) and the loop's collectives (the metric means, the per-step flag agreement) sent through the
+    group; writes both runs' tokens/s (the median of their log intervals after the first) and losses to --json."""
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_check trainer-ddp1")
+    add_model_args(p)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--json", required=True)
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--steps", type=int, default=40)
+    args = p.parse_args(argv)
+    import statistics
+
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from minilm.config import ModelConfig
+    from minilm.distributed import Collectives
+    from minilm.train import LocalLauncher
+    from minilm.trainer import Dataset, RunOptions, Trainer, wrap_ddp
+
+    class GroupCollectives(Collectives):
+        """The loop's collectives through the process group even at world size 1 (Collectives skips them there)."""
+
+        calls = 0
+
+        def all_reduce(self, tensor, op=None, async_op=False):
+            GroupCollectives.calls += 1
+            tensor = self.to_device(tensor)
+            return tensor, dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM, async_op=async_op)
+
+        def broadcast_from_rank0(self, tensor):
+            GroupCollectives.calls += 1
+            tensor = self.to_device(tensor.clone())
+            dist.broadcast(tensor, src=0)
+            return tensor
+
+    class GroupTrainer(Trainer):
+        """The Trainer as a rank of a multi-rank run sets itself up (DDP, collectives in the group), at world size 1."""
+
+        def start(self) -> None:
+            self.collectives = GroupCollectives(self.device)
+            super().start()
+            self.model = wrap_ddp(self.raw_model, self.device)
+
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    cfg = ModelConfig(hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers,
+                      num_attention_heads=args.num_attention_heads, num_key_value_heads=args.num_key_value_heads,
+                      vocab_size=args.vocab_size, max_position_embeddings=args.seq_len + 1)
+    log_every = max(1, args.steps // 5)
+    # accumulation 2 (DDP's no_sync, then the reducer's all-reduce); the final save keeps no files (no run folder)
+    train_cfg = TrainConfig(lr=1e-4, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
+                            global_batch_size=2 * args.micro_batch_size, max_steps=args.steps, warmup_steps=1,
+                            log_every=log_every, checkpoint_every=args.steps, compile=args.compile, dtype="bf16")
+    rows = np.random.default_rng(1).integers(0, args.vocab_size, (4 * args.micro_batch_size, args.seq_len + 1))
+    data = Dataset.in_memory(rows)
+    runs = {}
+    for name, trainer_class in (("plain", Trainer), ("ddp", GroupTrainer)):
+        with tempfile.TemporaryDirectory() as tmp:
+            if name == "ddp":
+                dist.init_process_group(backend, init_method=f"file://{tmp}/rendezvous", rank=0, world_size=1)
+            try:
+                launcher = LocalLauncher(data, args.micro_batch_size, device=device, resume="never",
+                                         say=lambda line, name=name: print(f"{name}: {line}", flush=True))
+                trainer = trainer_class(cfg, train_cfg, RunOptions(name=f"trainer-ddp1-{name}"), data, launcher)
+                t0 = time.perf_counter()
+                outcome = trainer.fit()
+                wall_s = time.perf_counter() - t0
+                ddp = isinstance(trainer.model, torch.nn.parallel.DistributedDataParallel)
+            finally:
+                if name == "ddp":
+                    dist.destroy_process_group()
+        rates = [m["tokens_per_s"] for m in trainer.history]
+        runs[name] = {"outcome": outcome, "ddp": ddp, "wall_s": wall_s, "losses": [m["loss"] for m in trainer.history],
+                      "tokens_per_s_intervals": rates,
+                      "tokens_per_s": statistics.median(rates[1:] if len(rates) > 1 else rates)}
+    worst = max(abs(a - b) / max(abs(b), 1e-6)
+                for a, b in zip(runs["ddp"]["losses"], runs["plain"]["losses"], strict=True))
+    ratio = runs["ddp"]["tokens_per_s"] / runs["plain"]["tokens_per_s"]
+    result = {"backend": backend, "compile": args.compile, "steps": args.steps, "accumulation": 2, "runs": runs,
+              "ddp_over_plain": ratio, "max_relative_difference": worst, "group_collectives": GroupCollectives.calls}
+    Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"trainer-ddp1: {backend}{', compiled' if args.compile else ''}, {args.steps} steps: DDP in the group "
+          f"{runs['ddp']['tokens_per_s']:,.0f} tok/s = {ratio:.3f}x the plain Trainer's "
+          f"{runs['plain']['tokens_per_s']:,.0f}; losses within {worst:.2e}; {GroupCollectives.calls} of the loop's "
+          f"collectives through the group")
+    if not runs["ddp"]["ddp"] or worst > 1e-3:
+        print(f"error: trainer-ddp1: DDP's losses differ from the plain Trainer's by up to {worst:.2e} (relative)"
+              if runs["ddp"]["ddp"] else "error: trainer-ddp1: the Trainer in the group ran without DDP")
         return 1
     return 0
 
@@ -940,6 +1077,12 @@ def table_rows(parts: dict[str, Part], fig: dict, gpu: bool) -> list[dict]:
         "" if not ddp else f"{ddp['backend']}{', compiled' if ddp['compile'] else ''}: {ddp['steps']} steps, losses "
                            f"within {ddp['max_relative_difference']:.1e} of the plain model's",
         "the plain model's losses (1e-3)", None if not ddp else ddp["max_relative_difference"] <= 1e-3)
+    tddp = fig.get("trainer_ddp1")
+    add("Trainer in a 1-rank group, DDP (NCCL; gloo on CPU), 26M", "trainer-ddp1-26m",
+        "" if not tddp else f"{tddp['backend']}{', compiled' if tddp['compile'] else ''}: "
+                            f"{tddp['runs']['ddp']['tokens_per_s']:,.0f} tok/s = {tddp['ddp_over_plain']:.3f}x the "
+                            f"plain Trainer's, losses within {tddp['max_relative_difference']:.1e}",
+        f">= {DDP1_GOAL:.2f}x the plain Trainer", None if not tddp else tddp["ddp_over_plain"] >= DDP1_GOAL)
     ckpt, step = fig.get("checkpoint"), measured.get("step-104m-compiled") or measured.get("step-104m-eager")
     every = TrainConfig().checkpoint_every
     share = ckpt["save_s"] / (ckpt["save_s"] + every * step["step_s_median"]) if ckpt and step else None
@@ -1041,6 +1184,8 @@ def run_parts(runner: Runner, s: Shapes, device: str, fig: dict, work: Path, onl
         fig["trainer"] = trainer_part(runner, s, {"dtype": "bf16"}, work)
     if wanted("ddp1-26m"):
         fig["ddp1"] = ddp1_part(runner, s, device)
+    if wanted("trainer-ddp1-26m"):
+        fig["trainer_ddp1"] = trainer_ddp1_part(runner, s, device)
     if wanted("fp16"):
         fig["fp16"] = fp16_part(runner, s, device)
     for name in ROW_PARTS[2:4]:
@@ -1100,7 +1245,7 @@ def check(argv: list[str]) -> int:
               file=sys.stderr)
         return 2
     only = set(args.only.split(",")) if args.only else None
-    known = {"preflight", "trainer", "ddp1-26m", "fp16", *ROW_PARTS, "checkpoint-104m", "checkpoint-stall-104m", "prepare", "ray-job", "ray-job-resume", "export", "sample",
+    known = {"preflight", "trainer", "ddp1-26m", "trainer-ddp1-26m", "fp16", *ROW_PARTS, "checkpoint-104m", "checkpoint-stall-104m", "prepare", "ray-job", "ray-job-resume", "export", "sample",
              "stream"}
     if only and only - known:
         print(f"error: --only: unknown part(s) {', '.join(sorted(only - known))}; parts: {', '.join(sorted(known))}",
@@ -1147,7 +1292,8 @@ def check(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"stream-rate": stream_rate, "row": row, "preflight": preflight, "ddp1": ddp1}
+    commands = {"stream-rate": stream_rate, "row": row, "preflight": preflight, "ddp1": ddp1,
+                "trainer-ddp1": trainer_ddp1}
     if argv[:1] and argv[0] in commands:
         return commands[argv[0]](argv[1:])
     return check(argv)

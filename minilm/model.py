@@ -114,7 +114,16 @@ class MoEFeedForward(nn.Module):
     Tokens are sorted by expert and each expert runs once on its contiguous slice (a loop over
     experts, never over tokens). An expert that receives no token still runs on an empty slice,
     so its parameters get a (zero) gradient every step and DDP needs no find_unused_parameters.
+
+    Two dispatches of the sorted slices, the same sums: "split" cuts them by the per-expert counts
+    read on the host (`counts.tolist()`: a device sync, and a graph break under torch.compile);
+    "grouped" runs each projection of all experts as one `torch._grouped_mm` over group offsets that
+    stay on the device, with fixed shapes. `dispatch = "auto"` (the default) takes "grouped" where
+    that op has its sync-free kernel (CUDA, bf16, compute capability 9.x or 10.x; elsewhere it reads
+    the offsets on the host itself) and "split" everywhere else; tests and bench/moe.py set it.
     """
+
+    dispatch = "auto"  # "auto" | "grouped" | "split", for every MoE layer of the process
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -125,6 +134,19 @@ class MoEFeedForward(nn.Module):
         self.aux_loss = torch.zeros(())
         # Share of routed (token, slot) pairs per expert in the last forward: watch for collapse.
         self.register_buffer("expert_load", torch.zeros(cfg.num_experts), persistent=False)
+        self.grouped_kernel = False  # whether the weights' device has grouped_mm's sync-free kernel (_apply)
+
+    def _apply(self, fn, recurse=True):
+        # Read the device's capability when the module moves, not in forward (a compiled forward would trace it).
+        out = super()._apply(fn, recurse)
+        self.grouped_kernel = grouped_mm_kernel_on(self.gate.weight.device)
+        return out
+
+    def uses_grouped_dispatch(self, x: torch.Tensor) -> bool:
+        if self.dispatch != "auto":
+            return self.dispatch == "grouped"
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        return self.grouped_kernel and dtype == torch.bfloat16
 
     def forward(self, x):
         b, t, h = x.shape
@@ -138,7 +160,8 @@ class MoEFeedForward(nn.Module):
         if self.norm_topk_prob and not unit_weights:
             topk_prob = topk_prob / (topk_prob.sum(dim=-1, keepdim=True) + 1e-20)
 
-        y, counts = self._dispatch(x_flat, topk_idx, topk_prob, unit_weights)
+        dispatch = self._dispatch_grouped if self.uses_grouped_dispatch(x_flat) else self._dispatch
+        y, counts = dispatch(x_flat, topk_idx, topk_prob, unit_weights)
 
         load = counts.float() / x_flat.shape[0]  # tokens routed to each expert, over all slots
         with torch.no_grad():
@@ -154,7 +177,8 @@ class MoEFeedForward(nn.Module):
         return y.view(b, t, h)
 
     def _dispatch(self, x_flat, topk_idx, topk_prob, unit_weights: bool):
-        """Run every (token, slot) pair through its expert; returns (combined output, tokens per expert)."""
+        """The split dispatch: every (token, slot) pair through its expert, one expert call per slice of the
+        sorted pairs; returns (combined output, tokens per expert)."""
         flat_expert = topk_idx.reshape(-1)  # (tokens * top_k,)
         order = torch.argsort(flat_expert, stable=True)
         counts = torch.bincount(flat_expert, minlength=self.num_experts)
@@ -164,19 +188,92 @@ class MoEFeedForward(nn.Module):
         expert_in = x_flat.index_select(0, token_of)
         outputs = torch.cat([expert(chunk) for expert, chunk in
                              zip(self.experts, expert_in.split(counts.tolist()), strict=True)])
+        return self._combine(x_flat, outputs, order, token_of, topk_prob, unit_weights), counts
+
+    def _dispatch_grouped(self, x_flat, topk_idx, topk_prob, unit_weights: bool):
+        """The grouped dispatch: the same pairs, sums and returns as `_dispatch`, with no host read.
+
+        The sorted pairs go into a zero-padded buffer of a fixed row count, each expert's group starting at a
+        multiple of GROUP_ROWS (grouped_mm's 16-byte alignment of the group offsets in bf16, which its weight
+        gradient contracts over); the last group takes the spare rows, so every row belongs to a group.
+        """
+        e, a = self.num_experts, GROUP_ROWS
+        pairs = topk_idx.numel()
+        flat_expert = topk_idx.reshape(-1)
+        sorted_expert, order = torch.sort(flat_expert, stable=True)
+        # bincount's length is data-dependent (a graph break); a scatter into e counters is not
+        counts = flat_expert.new_zeros(e).scatter_add_(0, flat_expert, torch.ones_like(flat_expert))
+        token_of = order // self.top_k
+        rows = -(-pairs // a) * a + e * a  # >= the padded groups' total, whatever the routing
+        padded = (counts + a - 1) // a * a
+        padded[-1:] += rows - padded.sum()
+        ends = padded.cumsum(0)
+        shift = (ends - padded) - (counts.cumsum(0) - counts)  # each group's padded start minus its start
+        slot_of = torch.arange(pairs, device=x_flat.device) + shift[sorted_expert]  # row of each sorted pair
+        dtype = torch.get_autocast_dtype(x_flat.device.type) if torch.is_autocast_enabled(x_flat.device.type) \
+            else x_flat.dtype
+        xs = x_flat.new_zeros(rows, x_flat.shape[1], dtype=dtype).index_copy(
+            0, slot_of, x_flat.index_select(0, token_of).to(dtype))
+        offs = ends.to(torch.int32)
+
+        def stacked(name):  # (experts, in, out): each nn.Linear's weight, transposed
+            return torch.stack([getattr(ex, name).weight for ex in self.experts]).to(dtype).transpose(-2, -1)
+
+        gate = GroupedMM.apply(xs, stacked("gate_proj"), offs)
+        up = GroupedMM.apply(xs, stacked("up_proj"), offs)
+        out = GroupedMM.apply(F.silu(gate) * up, stacked("down_proj"), offs)
+        outputs = out.index_select(0, slot_of)
+        return self._combine(x_flat, outputs, order, token_of, topk_prob, unit_weights), counts
+
+    @staticmethod
+    def _combine(x_flat, outputs, order, token_of, topk_prob, unit_weights: bool):
+        """The expert outputs of the sorted pairs, weighted and summed back in token order."""
         if unit_weights:
             # Top-1 with normalised weights: every weight is exactly 1, so skip the multiply (and, in
             # backward, the per-token dot product that gives its zero gradient). Each token has one
             # slot, so putting the outputs back in token order is a permutation, not a sum.
-            return outputs.index_select(0, torch.argsort(order)), counts
+            return outputs.index_select(0, torch.argsort(order))
         weighted = outputs * topk_prob.reshape(-1)[order, None].to(x_flat.dtype)
-        return torch.zeros_like(x_flat).index_add_(0, token_of, weighted), counts
+        return torch.zeros_like(x_flat).index_add_(0, token_of, weighted)
+
+
+GROUP_ROWS = 8  # rows per group alignment of the grouped dispatch: 16 bytes of bf16
+
+
+def grouped_mm_kernel_on(device: torch.device) -> bool:
+    """Whether torch._grouped_mm has its sync-free bf16 kernel on `device` (CUDA, compute capability 9.x or 10.x:
+    the sm90/sm100 test of ATen's _grouped_mm_cuda); anywhere else the op reads its group offsets on the host."""
+    if device.type != "cuda" or not hasattr(torch, "_grouped_mm"):
+        return False
+    return torch.cuda.get_device_capability(device)[0] in (9, 10)
+
+
+class GroupedMM(torch.autograd.Function):
+    """x (rows, in) @ w[g] (in, out) for the rows of each group g (offs: the groups' ends), backward included.
+
+    Its own backward (two more grouped matmuls), not the op's derivative, which fails on CPU for a gradient
+    with zero strides; both match a per-group loop of matmuls.
+    """
+
+    @staticmethod
+    def forward(ctx, x, w, offs):
+        ctx.save_for_backward(x, w, offs)
+        return torch._grouped_mm(x, w, offs=offs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w, offs = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x = torch._grouped_mm(grad, w.transpose(-2, -1), offs=offs)
+        grad_w = torch._grouped_mm(x.transpose(0, 1), grad, offs=offs)  # (groups, in, out): each group's x^T grad
+        return grad_x, grad_w, None
 
 
 def keep_experts_eager() -> None:
-    """Run the MoE experts eagerly inside a torch.compile'd block (minilm.step.prepare_model calls it first).
+    """Run the split dispatch's experts eagerly inside a torch.compile'd block (minilm.step.prepare_model calls it
+    first); the grouped dispatch has fixed shapes and compiles with the block.
 
-    The expert slices have data-dependent sizes, which would recompile the graph whenever the routing changes;
+    The split expert slices have data-dependent sizes, which would recompile the graph whenever the routing changes;
     the experts are matmuls, which compile does not speed up; the block's norms, attention and router around
     them still compile. Applied when compiling, not as a decorator at import: `torch.compiler.disable` imports
     torch._dynamo, about 1 s of CPU in every process that imports the model (each Ray worker, each rank).

@@ -23,7 +23,7 @@ from helpers import ROOT
 from bench.gpu_bundle import canonical, image_packages
 from bench.gpu_check import FILES, Part, Runner, table_rows
 
-PARTS = ["preflight", "step-26m-eager", "step-104m-eager", "trainer", "ddp1-26m", "fp16", "step-26m-compiled",
+PARTS = ["preflight", "step-26m-eager", "step-104m-eager", "trainer", "ddp1-26m", "trainer-ddp1-26m", "fp16", "step-26m-compiled",
          "step-104m-compiled", "moe-26m-eager", "moe-26m-compiled", "docmask-26m-compiled", "muon-26m-compiled",
          "ac-104m-compiled", "checkpoint-104m", "checkpoint-stall-104m", "prepare", "ray-job", "ray-job-resume", "export", "sample", "stream"]
 
@@ -102,6 +102,14 @@ def test_rehearsal_on_the_image_packages_and_the_bundle(gpu_bundle, tmp_path):
             rows["ac-104m-compiled"]["activation_checkpointing"]) == (True, "muon", True)
     assert figures["trainer"]["val_loss"] > 0  # --val-samples: validation ran
     assert figures["ddp1"]["backend"] == "gloo" and figures["ddp1"]["max_relative_difference"] <= 1e-3
+    trainer_ddp = figures["trainer_ddp1"]  # the real Trainer, DDP-wrapped in a 1-rank gloo group, against itself plain
+    assert trainer_ddp["backend"] == "gloo" and trainer_ddp["max_relative_difference"] <= 1e-3
+    assert (trainer_ddp["runs"]["ddp"]["ddp"], trainer_ddp["runs"]["plain"]["ddp"]) == (True, False)
+    assert trainer_ddp["group_collectives"] > 0 and trainer_ddp["runs"]["ddp"]["tokens_per_s"] > 0
+    assert "x the plain Trainer's" in table["Trainer in a 1-rank group, DDP (NCCL; gloo on CPU), 26M"]["result"]
+    # the MoE rows: CPU's "auto" is the split dispatch; the compiled row compiles the grouped one, without a break
+    assert (rows["moe-26m-eager"]["moe_dispatch"], rows["moe-26m-compiled"]["moe_dispatch"]) == ("split", "grouped")
+    assert rows["moe-26m-compiled"]["graph_breaks"] == 0 and rows["moe-26m-compiled"]["recompiles"] == 0
     assert figures["checkpoint"]["save_s"] > 0 and figures["checkpoint"]["restore_s"] > 0
     assert "of wall time at checkpoint_every 100" in table["checkpoint save + restore, 104M"]["result"]
     assert "written in the background" in table["checkpoint stall per save, sync vs async, 104M"]["result"]
