@@ -78,11 +78,7 @@ class RayLauncher:
         self.sigterm = True
 
     def batches(self, order: D.RankOrder, total_steps: int) -> RankStream:
-        return RankStream(data_dir=self.run["data_dir"], train_ids=order.train_ids, seed=order.seed,
-                          global_batch_size=order.global_batch_size, micro_batch_size=self.micro_batch_size,
-                          world_size=order.world_size, rank=order.rank, start_step=order.start_step,
-                          total_steps=total_steps, steps_per_epoch=order.steps_per_epoch, device=self.device,
-                          val_samples=self.run.get("val_samples", 0))
+        return RankStream(self.run["data_dir"], order, total_steps, self.micro_batch_size, self.device)
 
     def checkpoint_to_resume(self, log) -> Path | None:
         """The newest complete checkpoint beside Ray's latest registered one (passing over incomplete ones).
