@@ -149,3 +149,27 @@ class MetricsLog:
         if not self.path.is_file():
             return []
         return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+
+class Meter:
+    """Throughput, data wait and ETA over each log interval; the loop restarts the interval after a log step's
+    evaluation and checkpoint, so their time never counts as training time. `mfu(tokens_per_s)` is the model's."""
+
+    def __init__(self, start_step: int, total_steps: int, data_wait_s: float, mfu):
+        self.start_step, self.total_steps, self.mfu = start_step, total_steps, mfu
+        self.t_start = time.perf_counter()
+        self.restart(data_wait_s)
+
+    def restart(self, data_wait_s: float) -> None:
+        self.t_mark, self.tokens, self.wait_mark = time.perf_counter(), 0, data_wait_s
+
+    def add(self, tokens: int) -> None:
+        self.tokens += tokens
+
+    def rates(self, step: int, data_wait_s: float) -> dict:
+        now = time.perf_counter()
+        elapsed = max(now - self.t_mark, 1e-9)
+        tokens_per_s = self.tokens / elapsed
+        return {"tokens_per_s": tokens_per_s, "mfu": self.mfu(tokens_per_s),
+                "data_wait_frac": (data_wait_s - self.wait_mark) / elapsed,
+                "eta_s": (now - self.t_start) / max(1, step - self.start_step) * (self.total_steps - step)}

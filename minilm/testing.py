@@ -51,7 +51,22 @@ class FaultHooks:
             return None
         return cls(**{k: tuple(v) if k == "nan_at_steps" else v for k, v in d.items()})
 
-    # ---- the hooks, called by the loop and the checkpoint writer ----------------------------------
+    # ---- the hooks ---------------------------------------------------------------------------------
+
+    def install(self, trainer) -> None:
+        """Wrap the trainer's stream and optimizer step with the step hooks that are on (none: nothing changes)."""
+        if not (self.record_sample_ids or self.step_delay_s or self.hold_file or self.nan_at_steps):
+            return
+        stream, step_fn = _RememberIds(trainer.batches), trainer.optimizer_step
+
+        def hooked_step(*args, **kwargs):
+            step = trainer.step + 1
+            with self.nonfinite_gradients(step, trainer.raw_model):
+                m = step_fn(*args, **kwargs)
+            self.after_step(step, trainer.rank, trainer.world_size, stream.ids)
+            return m
+
+        trainer.batches, trainer.optimizer_step = stream, hooked_step
 
     def after_step(self, step: int, rank: int, world_size: int, sample_ids) -> None:
         if self.record_sample_ids:
@@ -89,6 +104,22 @@ class FaultHooks:
             tmp.write_text(str(path))
             os.replace(tmp, self.checkpoint_paused_file)
         time.sleep(self.checkpoint_delay_s)
+
+
+class _RememberIds:
+    """A stream that keeps the sample ids of the step it last yielded (for `record_sample_ids`)."""
+
+    def __init__(self, stream):
+        self.stream, self.ids = stream, None
+
+    @property
+    def data_wait_s(self) -> float:
+        return self.stream.data_wait_s
+
+    def __iter__(self):
+        for micro_batches, ids in self.stream:
+            self.ids = ids
+            yield micro_batches, ids
 
 
 _ENV = {  # MINILM_TEST_<NAME> -> (field, parse)
