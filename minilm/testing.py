@@ -1,14 +1,9 @@
 """Fault injection for the test suite, off unless a test switches it on.
 
-A user's run never reads a test hook: the training loop and the checkpoint writer take a
-`FaultHooks` object, and the only way one reaches them is
-
-* in-process: a test builds `FaultHooks(...)` and passes it (`minilm.trainer.Trainer(hooks=...)`,
-  `minilm.checkpoint.save_resume_state(hooks=...)`);
-* end to end (a `python -m ray_jobs.pretrain` / `minilm.train` subprocess): the driver reads the
-  `MINILM_TEST_*` variables only when `MINILM_TESTING=1` is set too, prints a warning line naming each
-  hook it turned on, and hands them to the workers inside the run's config (no environment variable
-  is forwarded to the workers for this). `MINILM_TEST_*` without the switch are ignored, with a note.
+A `FaultHooks` reaches a run only from a test: passed in process (`Trainer(hooks=...)`), or read by a
+driver from `MINILM_TEST_*` under `MINILM_TESTING=1` (announced in a warning line, handed to the workers in
+the run's config; without the switch the variables are ignored, with a note). The step hooks are installed
+around the trainer's stream and optimizer step (`install`), so the loop itself never calls one.
 """
 
 from __future__ import annotations

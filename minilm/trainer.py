@@ -99,8 +99,7 @@ class Launcher(Protocol):
     device: torch.device
 
     def batches(self, order: D.RankOrder, total_steps: int):
-        """This rank's stream from `order.start_step` to `total_steps`: iterating yields (micro-batches on the
-        device, host array of sample ids); `data_wait_s` is the time spent waiting for them."""
+        """This rank's stream to `total_steps`: yields (micro-batches on the device, host sample ids); `data_wait_s`."""
 
     def checkpoint_to_resume(self, log) -> Path | None:
         """The complete checkpoint folder this run continues from, or None for a fresh start. A launcher may also
@@ -308,8 +307,8 @@ class Trainer:
     # ---- log and save -------------------------------------------------------------------------
 
     def log(self, m, lr: float, evaluating: bool) -> dict:
-        """Every rank: the metrics of this log step (loss means over ranks, val_loss and val_bpb); rank 0 also prints the
-        log line and writes metrics.jsonl, the trackers and the last completed step."""
+        """Every rank: this log step's metrics (+ val_loss, val_bpb); rank 0 also prints the log line and writes
+        metrics.jsonl, the trackers and the last completed step."""
         metrics = self.step_metrics(m, lr)
         if evaluating:
             metrics.update(self.validate())
@@ -345,11 +344,9 @@ class Trainer:
         return self.raw_model.estimate_mfu(tokens_per_s / self.world_size, self.train_cfg.seq_len, self.peak)
 
     def save(self, metrics: dict, final: bool = False) -> None:
-        """Every rank: rank 0 waits for the save in flight (`checkpoint_wait_s`), snapshots the state and has its
-        writer write the resume checkpoint (fp32 state of every component + state.json) and, every
-        --export-every checkpoints and at the run's last one, the half-precision weights export, into a staging
-        folder; the launcher hands it over with the metrics once complete. The last save of a run (`final`) and
-        every save in sync mode are complete before this returns."""
+        """Every rank: rank 0 waits for the save in flight (`checkpoint_wait_s`), snapshots the state, and its writer
+        writes the resume checkpoint (+ the weights export when due) into a staging folder the launcher hands over
+        once complete. The run's last save (`final`) and every sync-mode save are complete when this returns."""
         t0 = time.perf_counter()
         wait_s = self.writer.wait() if self.writer is not None else 0.0  # raises the previous save's error
         self.checkpoint_index += 1
@@ -386,9 +383,8 @@ class Trainer:
 
     @torch.no_grad()
     def validate(self) -> dict:
-        """val_loss, the mean next-token loss over the held-out rows, and val_bpb, bits per UTF-8 byte of the text
-        their targets spell (special tokens left out; a byte-level BPE spells fixed bytes per token, so the bytes
-        come from the tokenizer: minilm.bpb). Each rank scores every W-th row; the sums are added over ranks."""
+        """val_loss (mean next-token loss over the held-out rows) and val_bpb (bits per UTF-8 byte their targets spell,
+        special tokens left out: minilm.bpb). Each rank scores every W-th row; the sums are added over ranks."""
         model, m = self.raw_model, self.train_cfg.micro_batch_size
         if self.token_bytes is None:
             self.token_bytes = self._token_bytes()
@@ -439,9 +435,8 @@ class Trainer:
 
 
 def wrap_ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """DDP without per-forward buffer syncs: the only buffers are the RoPE tables (computed identically on every
-    rank, 2 x 8 MB at MiniMind's 32k positions) and MoE routing statistics (per-rank by nature); DDP would
-    otherwise broadcast them from rank 0 before every forward."""
+    """DDP without per-forward buffer broadcasts: the only buffers are the RoPE tables (the same on every rank)
+    and MoE routing statistics (per-rank by nature)."""
     import inspect
 
     ddp = torch.nn.parallel.DistributedDataParallel

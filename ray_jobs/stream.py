@@ -1,16 +1,10 @@
 """Each worker's stream of micro-batches, through Ray Data, from any resume point.
 
-Ray Data has no resumable iterator (ray-project/ray#37633, #48224), and `streaming_split` does not
-promise which rank gets which rows. So the order is ours (`minilm.data`: a pure function of seed,
-epoch, optimizer step, rank and world size) and Ray Data does the streaming. Each worker streams
-one dataset for the rest of the run: the positions 0, 1, 2, ... of what this rank will consume
-from its resume step to the last step (`ray.data.range`, lazy, no id array held anywhere); a
-`map_batches` actor, placed on the worker's own node, turns positions into sample ids
-(`minilm.data.RankOrder`) and reads those rows from the node's token files (`SequenceStore`:
-positional reads through the page cache every process of the node shares; a remote `--data` is
-copied to the node once, by `minilm.data.open_local`); `iter_batches` prefetches them while the
-step runs. Epoch boundaries are just positions, so no pipeline starts mid-run; restarting at any
-step, at any world size, is building the same pipeline from a different first step.
+Ray Data has no resumable iterator (ray-project/ray#37633, #48224) and `streaming_split` does not promise
+which rank gets which rows, so the order is ours (`minilm.data.RankOrder`) and Ray Data only streams: the
+positions of what this rank consumes from its resume step to the last (`ray.data.range`), turned into rows by
+a reader actor on the rank's own node (`SequenceStore` over the node's copy of the token files), prefetched
+while the step runs. Restarting at any step and world size is the same pipeline from another first step.
 """
 
 from __future__ import annotations

@@ -116,13 +116,9 @@ class RayLauncher:
 
     def report(self, metrics: dict, checkpoint: PendingSave | None, checkpointing: bool) -> None:
         """ray.train.report on every rank (a barrier); rank 0 publishes the dashboard gauges and attaches the
-        checkpoint, whose staging folder is removed once Ray has uploaded it.
-
-        A checkpoint still being written (async mode) is reported at once with Ray's ASYNC upload, through an
-        upload function that first waits for the writer: every rank reports at the same steps, the training
-        thread goes on, and Ray registers the checkpoint once its upload is done, in report order. From then
-        on rank 0's reports are ASYNC too (a SYNC one would wait for the upload); a blocking checkpoint (sync
-        mode, the run's last) is complete already and reported SYNC, which waits for every upload before it."""
+        checkpoint. One still being written goes with Ray's ASYNC upload through `upload_when_written`, and rank
+        0's reports stay ASYNC until the next SYNC one (a blocking checkpoint, already complete), which waits for
+        every upload before it."""
         if self.rank == 0:
             dashboard_metrics.publish(metrics, self.run["name"])
         public = {k: v for k, v in metrics.items() if k != "expert_load"}
