@@ -29,13 +29,9 @@ class Decision:
 
 
 class LoopPolicy:
-    """Turns each step's signals into a `Decision`; raises for non-finite steps and a failed checkpoint write.
-
-    Signal sources: `stop_flags() -> (SIGTERM seen, drain announced)`, `checkpoint_failed() -> bool`,
-    `nonfinite() -> 0-dim device tensor`; `on_nonfinite` and `on_checkpoint_failed` raise the error (on every
-    rank at the same step). `checkpoint_every_minutes` is rank 0's clock (`is_rank0`), raised once per
-    checkpoint.
-    """
+    """Turns each step's signals into a `Decision`, and raises (`on_nonfinite`, `on_checkpoint_failed`) on every
+    rank at the same step. Sources: `stop_flags() -> (SIGTERM, drain)`, `checkpoint_failed() -> bool`,
+    `nonfinite() -> 0-dim device tensor`; --checkpoint-every-minutes runs on rank 0's clock (`is_rank0`)."""
 
     def __init__(self, collectives, *, start_step: int, total_steps: int, checkpoint_every: int, log_every: int,
                  eval_every: int | None, stop_flags, checkpoint_failed, nonfinite, on_nonfinite,

@@ -102,17 +102,14 @@ class Launcher(Protocol):
         """This rank's stream to `total_steps`: yields (micro-batches on the device, host sample ids); `data_wait_s`."""
 
     def checkpoint_to_resume(self, log) -> Path | None:
-        """The complete checkpoint folder this run continues from, or None for a fresh start. A launcher may also
-        have `resume_loaded()`, called once it is loaded (to remove a downloaded copy)."""
+        """The complete checkpoint folder to continue, or None (fresh). Optional `resume_loaded()`: once loaded."""
 
     def staging_dir(self, step: int) -> Path | None:
-        """Rank 0: an empty folder to write the checkpoint of `step` into, before `report` hands it over
-        (None: this launcher keeps no checkpoints, e.g. an in-process run without a run folder)."""
+        """Rank 0: an empty folder for the checkpoint of `step` (None: this launcher keeps no checkpoints)."""
 
     def report(self, metrics: dict, checkpoint: PendingSave | None, checkpointing: bool) -> None:
-        """Every rank, at the same steps: hand the metrics over; at a checkpoint step (`checkpointing`),
-        rank 0 passes the checkpoint its writer is writing into the staging folder (already complete when
-        `checkpoint.blocking`), to be moved or uploaded once complete (and the staging removed)."""
+        """Every rank, at the same steps: the metrics; at a checkpoint step rank 0 also passes the checkpoint
+        being written into the staging folder, to be moved or uploaded once complete."""
 
     def stop_flags(self) -> tuple[bool, bool]:
         """(SIGTERM seen, node drain announced) on this rank; called every step, so it must be cheap."""
@@ -287,12 +284,11 @@ class Trainer:
 
     def stop(self, decision) -> str:
         """After the checkpoint of a stop: Preempted (for a restart), or "exited"."""
+        self.record("preempt" if decision.preempt else "exit")
         if decision.preempt:
-            self.record("preempt")
             message = f"{decision.stop} at optimizer step {self.step}: checkpoint written, exiting for a restart"
             self.log_line(message)
             raise Preempted(message)
-        self.record("exit")
         self.log_line(f"exiting after optimizer step {self.step} as asked "
                       f"(--exit-after-steps/--exit-after-minutes); continue with --resume auto")
         return "exited"

@@ -81,11 +81,9 @@ class RayLauncher:
         return RankStream(self.run["data_dir"], order, total_steps, self.micro_batch_size, self.device)
 
     def checkpoint_to_resume(self, log) -> Path | None:
-        """The newest complete checkpoint beside Ray's latest registered one (passing over incomplete ones).
-        When Ray has none registered: the newest complete checkpoint in the run folder (this run wrote it and
-        restarted before Ray registered it: a SIGTERM or drain checkpoint before any periodic one, or a driver
-        killed between upload and registration), else the driver's `resume_path` (--resume PATH, or under
-        --resume auto what the run folder held when the driver started)."""
+        """The newest complete checkpoint beside Ray's latest registered one; without one, the newest complete
+        one in the run folder (written but not yet registered when the run restarted), else the driver's
+        `resume_path` (--resume PATH, or what the run folder held when the driver started)."""
         latest = ray.train.get_checkpoint()
         if latest is None:
             in_run = C.latest_complete(C.checkpoint_dirs(self.run.get("run_dir")), log, once_per_node=True)

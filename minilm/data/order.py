@@ -109,10 +109,6 @@ class RankOrder:
         """Sample ids this rank reads per optimizer step."""
         return self.global_batch_size // self.world_size
 
-    def num_positions(self, total_steps: int) -> int:
-        """Positions from `start_step` to the end of step `total_steps`."""
-        return max(0, total_steps - self.start_step) * self.per_rank
-
     def sample_ids(self, positions: np.ndarray) -> np.ndarray:
         per_rank = self.per_rank
         absolute = self.start_step * per_rank + np.asarray(positions, dtype=np.int64)
