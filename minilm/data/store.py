@@ -16,13 +16,9 @@ MAX_OPEN_SHARDS = 256  # file descriptors a SequenceStore keeps open (least rece
 
 
 class SequenceStore:
-    """Rows by sample id, read from the token files with positional reads; nothing is cached here.
-
-    Each `take` reads just the rows asked for (adjacent ones in one read) into a fresh array; the
-    files' pages stay in the kernel's page cache, shared by every process on the node, and count
-    toward no process's RSS. File descriptors are opened on first use (at most MAX_OPEN_SHARDS
-    stay open) with readahead off: rows are read at random positions.
-    """
+    """Rows by sample id, read with positional reads (adjacent rows in one) into a fresh array; nothing is cached
+    here: the page cache, shared by the node's processes, is. At most MAX_OPEN_SHARDS descriptors stay open,
+    readahead off (rows are read at random positions)."""
 
     def __init__(self, data: PreparedData):
         self.data = data
