@@ -107,9 +107,8 @@ def main(argv: list[str] | None = None) -> int:
                                             max_position_embeddings=args.seq_len + 1)).train()
     optimizer = make_optimizer(model, TrainConfig(lr=1e-4))
     scaler = make_grad_scaler(dtype, device.type)
-    stream = RankStream(data_dir=str(data_dir), train_ids=train_ids, seed=42, global_batch_size=args.global_batch_size,
-                        micro_batch_size=args.micro_batch_size, world_size=1, rank=0, start_step=0,
-                        total_steps=args.steps, steps_per_epoch=per_epoch, device=device)
+    stream = RankStream(str(data_dir), D.RankOrder(train_ids, 42, per_epoch, args.global_batch_size, 1, 0, 0),
+                        args.steps, args.micro_batch_size, device)
 
     records = []
     for step in range(args.steps):
@@ -203,8 +202,7 @@ def stream_child(args) -> int:
             next_batch()
         return (steps - 1) * G * seq / (time.perf_counter() - t0)
 
-    stream = RankStream(data_dir=spec["data"], train_ids=train_ids, seed=1, global_batch_size=G, micro_batch_size=m,
-                        world_size=1, rank=0, start_step=0, total_steps=steps, steps_per_epoch=spe, device="cpu")
+    stream = RankStream(spec["data"], D.RankOrder(train_ids, 1, spe, G, 1, 0, 0), steps, m, "cpu")
     stream_rate = rate(stream.next_step)
     del stream
     ctx = ray.data.DataContext.get_current()

@@ -568,9 +568,8 @@ def stream_rate(argv: list[str]) -> int:
     D.check_compatible(prepared, vocab_size=args.vocab_size, seq_len=args.seq_len)
     train_ids = np.arange(prepared.num_sequences, dtype=np.int64)
     per_epoch = D.steps_per_epoch(len(train_ids), args.global_batch_size)
-    stream = RankStream(data_dir=args.data, train_ids=train_ids, seed=0, global_batch_size=args.global_batch_size,
-                        micro_batch_size=args.micro_batch_size, world_size=1, rank=0, start_step=0,
-                        total_steps=args.steps + 1, steps_per_epoch=per_epoch, device=torch.device(args.device))
+    stream = RankStream(args.data, D.RankOrder(train_ids, 0, per_epoch, args.global_batch_size, 1, 0, 0),
+                        args.steps + 1, args.micro_batch_size, torch.device(args.device))
     t0 = time.perf_counter()
     stream.next_step()
     start_s = time.perf_counter() - t0

@@ -146,12 +146,10 @@ class Rank:
         seq_len = D.open_prepared(data, verify=False).seq_len
         G = m * accumulation * world
         steps = max(2, samples // (G // world))
-        train_ids = np.arange(num_sequences, dtype=np.int64)
         before = memory()
-        stream = RankStream(data_dir=data, train_ids=train_ids, seed=seed, global_batch_size=G,
-                            micro_batch_size=m, world_size=world, rank=rank, start_step=0, total_steps=steps,
-                            steps_per_epoch=D.steps_per_epoch(num_sequences, G), device=torch.device("cpu"))
-        del train_ids
+        order = D.RankOrder(None, seed, D.steps_per_epoch(num_sequences, G), G, world, rank, 0,
+                            num_sequences=num_sequences)  # the training ids are all of them
+        stream = RankStream(data, order, steps, m, torch.device("cpu"))
         stream.next_step()
         after_first, first_step_done = memory(), time.time()
         t0, wait0, rows = time.perf_counter(), stream.data_wait_s, 0

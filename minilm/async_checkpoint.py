@@ -1,16 +1,10 @@
 """Checkpoints that do not stall training: the training thread snapshots the state, a background writer writes it.
 
-At a checkpoint step the training thread copies the model, optimizer and scaler state into host buffers
-(`StateSnapshot`: on CUDA pinned buffers, kept from one save to the next, filled by asynchronous copies
-behind an event; on the CPU plain copies) and goes on training. `CheckpointWriter` writes the snapshot
-on a background thread with `minilm.checkpoint.write_resume_state` (each file hashed as it is written,
-COMPLETE.json last), then the half-precision export when one is due, then runs what the launcher asked
-for once the folder is complete (`PendingSave.then`: the local launcher's rename into the run folder;
-Ray's upload waits on `PendingSave.wait` instead). At most one save is in flight: the next one first
-waits for it (that wait is `checkpoint_wait_s`), so the buffers are never overwritten while read.
-
-`--checkpoint-mode sync` writes the live state from the same writer while the training thread waits:
-what a checkpoint cost before the writer existed.
+The training thread copies the state into reused host buffers (`StateSnapshot`) and goes on;
+`CheckpointWriter` writes them on a background thread (the resume checkpoint, then the export when due), then
+runs what the launcher asked for once the folder is complete (`PendingSave.then`, or Ray's upload waiting on
+`PendingSave.wait`). At most one save is in flight, so the buffers are never overwritten while read.
+`--checkpoint-mode sync` writes the live state from the same writer while the training thread waits.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
-"""Collectives of the training loop, in one place: which device each tensor goes to, and stop flags agreed
-by every rank without stalling a step.
+"""Collectives of the training loop, in one place, and stop flags agreed by every rank without stalling a step.
 
-The rule this module owns: **every collective the loop issues runs on the training device.** NCCL
-accepts only CUDA tensors: a process group made with `backend="nccl"` has no backend for the CPU
-("No backend type associated with device type cpu"), so a control flag or a metric built as a CPU
-tensor crashes the first multi-GPU step. gloo on a CPU run accepts the CPU tensors the training
-device gives it. DDP's gradient all-reduce is already on the training device (the gradients are);
-everything else (the logged-loss mean, the validation sums, the stop flags) goes through
-`Collectives`, which puts the tensor there first. `tests/test_nccl_rules.py` runs the real loop on 2
-ranks through a stand-in that refuses any other tensor.
+**Every collective the loop issues runs on the training device**: NCCL has no backend for CPU tensors, so a
+flag or metric built on the CPU would crash the first multi-GPU step. DDP's all-reduce is on the device
+already; everything else goes through `Collectives` (`tests/test_nccl_rules.py` enforces it on 2 ranks).
 """
 
 from __future__ import annotations
@@ -74,12 +68,10 @@ class _Pending:
 class FlagAgreement:
     """Boolean flags OR-ed over every rank each optimizer step, read `delay` steps later.
 
-    `push(step, host_flags, device_flags)` starts an asynchronous all-reduce (MAX) of this rank's flags
-    on the training device and returns the agreed flags of step `step - delay`, the same on every
-    rank. On CUDA the host flags reach the device from pinned memory and the result comes back to
-    pinned memory behind an event, so nothing waits for the step's queued kernels; by the time a
-    result is read, `delay` steps later, its copy has long finished. `device_flags` are 0-dim
-    tensors already on the device (e.g. the non-finite guard's trip), so they need no host sync.
+    `push(step, host_flags, device_flags)` starts an asynchronous all-reduce (MAX) and returns the agreed
+    flags of step `step - delay`, the same on every rank. On CUDA the flags travel through pinned memory
+    behind an event, so nothing waits for the step's queued kernels; `device_flags` (0-dim tensors on the
+    device, e.g. the guard's trip) need no host sync.
     """
 
     def __init__(self, collectives: Collectives, names: tuple[str, ...], delay: int = AGREEMENT_DELAY):
@@ -126,10 +118,8 @@ class FlagAgreement:
         return reasons
 
 
-# How long a rank waits in one collective for the others before the run fails (--collective-timeout-s). It must
-# outlast the longest legitimate wait: rank 0 writing a checkpoint while the others wait in the next step's
-# all-reduce, a first step that compiles. GPU (NCCL): NCCL's own default; a step takes milliseconds. CPU (gloo):
-# torch's gloo default, since a CPU step of a MiniMind-size model and its checkpoint writes take seconds to minutes.
+# How long a rank waits in one collective before the run fails (--collective-timeout-s): longer than any legitimate
+# wait (rank 0 writing a checkpoint, a first step that compiles). NCCL's and gloo's own defaults.
 COLLECTIVE_TIMEOUT_S = {"cuda": 600.0, "cpu": 1800.0}
 
 
@@ -187,10 +177,8 @@ def init_from_torchrun(backend: str | None = None, timeout_s: float | None = Non
 def leave_process_group() -> None:
     """Destroy the process group at the end of a run (NCCL's pending work must finish before the process goes).
 
-    First the trainer's reference cycles are collected (DDP holds the group) and the GIL is released for 50 ms:
-    a gloo thread dropping a finished collective's tensors needs the GIL, and left to interpreter exit it aborts
-    the process. That lowers the odds, it cannot rule it out (gloo's threads can outlive the group), so a
-    torchrun rank also ends without finalization: `minilm.train.exit_process`.
+    The trainer's cycles are collected first (DDP holds the group) and the GIL is released for 50 ms, since a
+    gloo thread still dropping tensors at interpreter exit aborts the process (also: `minilm.train.exit_process`).
     """
     if not (dist.is_available() and dist.is_initialized()):
         return

@@ -9,11 +9,9 @@ from pathlib import Path
 
 import torch
 
-# Dense (no sparsity) bf16 tensor-core peak FLOP/s with fp32 accumulation, from NVIDIA's data sheets (half
-# their "with sparsity" figure), keyed by the exact name torch.cuda.get_device_name() reports: "NVIDIA L40S"
-# is not "NVIDIA L4", an H100 SXM ("NVIDIA H100 80GB HBM3") is not an H100 PCIe. Only Ampere and later
-# GPUs, whose tensor cores have bf16 and TF32. A name not listed here (an older GPU, a MIG slice, a GPU whose
-# figure could not be checked: H100 NVL, H200 NVL, A10G, B200) gets a measured matmul peak instead.
+# Dense bf16 tensor-core peak FLOP/s (fp32 accumulation) from NVIDIA's data sheets, keyed by the exact name
+# torch.cuda.get_device_name() reports (an L40S is not an L4); Ampere and later only. An unlisted name (an older
+# GPU, a MIG slice, a figure not checked) gets a measured matmul peak instead.
 GPU_PEAK_BF16 = {
     "NVIDIA H100 80GB HBM3": 989.5e12,  # H100 SXM5
     "NVIDIA H100 PCIe": 756.5e12,
@@ -33,12 +31,8 @@ GPU_PEAK_BF16 = {
 
 def measured_matmul_peak(dtype: torch.dtype = torch.float32, n: int = 1024, repeats: int = 5,
                          device: torch.device | str = "cpu") -> float:
-    """Best-of-`repeats` FLOP/s of an n x n @ n x n matmul in this process, in `dtype` on `device`.
-
-    The reference for MFU where no data sheet applies (a CPU, an unlisted GPU): how well a step uses the
-    matmul throughput this machine, torch build and thread count really reach. On a GPU each repeat runs
-    the matmul 10 times between synchronisations, so launch latency does not count.
-    """
+    """Best-of-`repeats` FLOP/s of an n x n matmul in `dtype` on `device`: MFU's reference where no data sheet
+    applies. On a GPU each repeat runs it 10 times between synchronisations, so launch latency does not count."""
     device = torch.device(device)
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(n, n, generator=gen, device="cpu").to(device=device, dtype=dtype)
@@ -62,11 +56,8 @@ def _synchronize(device: torch.device) -> None:
 
 
 def datasheet_peak(device_name: str, dtype: torch.dtype) -> float | None:
-    """Peak FLOP/s of the GPU named exactly `device_name` for a step in `dtype`; None if it is not listed.
-
-    bf16 and fp16 run at the tensor cores' 16-bit rate; fp32 runs in TF32 (minilm.step.configure_backends
-    turns it on for Ampere and later, which every listed GPU is), half that rate.
-    """
+    """Peak FLOP/s of the GPU named `device_name` in `dtype` (None: not listed); fp32 runs in TF32, at half
+    the 16-bit rate (minilm.step.configure_backends turns it on)."""
     peak = GPU_PEAK_BF16.get(device_name)
     if peak is None:
         return None
@@ -74,11 +65,8 @@ def datasheet_peak(device_name: str, dtype: torch.dtype) -> float | None:
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype, device_name: str | None = None) -> float:
-    """MFU's denominator: a listed GPU's data-sheet peak, else a matmul peak measured on `device`.
-
-    `device_name` defaults to what torch.cuda.get_device_name reports for `device` (pass it to test the
-    lookup without a GPU).
-    """
+    """MFU's denominator: a listed GPU's data-sheet peak, else a matmul peak measured on `device` (`device_name`
+    defaults to torch.cuda.get_device_name's)."""
     device = torch.device(device)
     if device.type != "cuda":
         return measured_matmul_peak(dtype, device=device)
@@ -112,11 +100,8 @@ def format_log_line(m: dict) -> str:
 
 
 class MetricsLog:
-    """Append-only metrics.jsonl in the run folder, one record per reported step.
-
-    On resume, records past the resumed optimizer step (steps that will be redone) are dropped, so
-    the file's step axis never goes backwards.
-    """
+    """Append-only metrics.jsonl, one record per reported step; on resume the records of steps to be redone are
+    dropped, so its step axis never goes backwards."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
@@ -149,3 +134,27 @@ class MetricsLog:
         if not self.path.is_file():
             return []
         return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+
+class Meter:
+    """Throughput, data wait and ETA over each log interval; the loop restarts the interval after a log step's
+    evaluation and checkpoint, so their time never counts as training time. `mfu(tokens_per_s)` is the model's."""
+
+    def __init__(self, start_step: int, total_steps: int, data_wait_s: float, mfu):
+        self.start_step, self.total_steps, self.mfu = start_step, total_steps, mfu
+        self.t_start = time.perf_counter()
+        self.restart(data_wait_s)
+
+    def restart(self, data_wait_s: float) -> None:
+        self.t_mark, self.tokens, self.wait_mark = time.perf_counter(), 0, data_wait_s
+
+    def add(self, tokens: int) -> None:
+        self.tokens += tokens
+
+    def rates(self, step: int, data_wait_s: float) -> dict:
+        now = time.perf_counter()
+        elapsed = max(now - self.t_mark, 1e-9)
+        tokens_per_s = self.tokens / elapsed
+        return {"tokens_per_s": tokens_per_s, "mfu": self.mfu(tokens_per_s),
+                "data_wait_frac": (data_wait_s - self.wait_mark) / elapsed,
+                "eta_s": (now - self.t_start) / max(1, step - self.start_step) * (self.total_steps - step)}

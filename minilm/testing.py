@@ -1,14 +1,9 @@
 """Fault injection for the test suite, off unless a test switches it on.
 
-A user's run never reads a test hook: the training loop and the checkpoint writer take a
-`FaultHooks` object, and the only way one reaches them is
-
-* in-process: a test builds `FaultHooks(...)` and passes it (`minilm.trainer.Trainer(hooks=...)`,
-  `minilm.checkpoint.save_resume_state(hooks=...)`);
-* end to end (a `python -m ray_jobs.pretrain` / `minilm.train` subprocess): the driver reads the
-  `MINILM_TEST_*` variables only when `MINILM_TESTING=1` is set too, prints a warning line naming each
-  hook it turned on, and hands them to the workers inside the run's config (no environment variable
-  is forwarded to the workers for this). `MINILM_TEST_*` without the switch are ignored, with a note.
+A `FaultHooks` reaches a run only from a test: passed in process (`Trainer(hooks=...)`), or read by a
+driver from `MINILM_TEST_*` under `MINILM_TESTING=1` (announced in a warning line, handed to the workers in
+the run's config; without the switch the variables are ignored, with a note). The step hooks are installed
+around the trainer's stream and optimizer step (`install`), so the loop itself never calls one.
 """
 
 from __future__ import annotations
@@ -51,7 +46,22 @@ class FaultHooks:
             return None
         return cls(**{k: tuple(v) if k == "nan_at_steps" else v for k, v in d.items()})
 
-    # ---- the hooks, called by the loop and the checkpoint writer ----------------------------------
+    # ---- the hooks ---------------------------------------------------------------------------------
+
+    def install(self, trainer) -> None:
+        """Wrap the trainer's stream and optimizer step with the step hooks that are on (none: nothing changes)."""
+        if not (self.record_sample_ids or self.step_delay_s or self.hold_file or self.nan_at_steps):
+            return
+        stream, step_fn = _RememberIds(trainer.batches), trainer.optimizer_step
+
+        def hooked_step(*args, **kwargs):
+            step = trainer.step + 1
+            with self.nonfinite_gradients(step, trainer.raw_model):
+                m = step_fn(*args, **kwargs)
+            self.after_step(step, trainer.rank, trainer.world_size, stream.ids)
+            return m
+
+        trainer.batches, trainer.optimizer_step = stream, hooked_step
 
     def after_step(self, step: int, rank: int, world_size: int, sample_ids) -> None:
         if self.record_sample_ids:
@@ -89,6 +99,22 @@ class FaultHooks:
             tmp.write_text(str(path))
             os.replace(tmp, self.checkpoint_paused_file)
         time.sleep(self.checkpoint_delay_s)
+
+
+class _RememberIds:
+    """A stream that keeps the sample ids of the step it last yielded (for `record_sample_ids`)."""
+
+    def __init__(self, stream):
+        self.stream, self.ids = stream, None
+
+    @property
+    def data_wait_s(self) -> float:
+        return self.stream.data_wait_s
+
+    def __iter__(self):
+        for micro_batches, ids in self.stream:
+            self.ids = ids
+            yield micro_batches, ids
 
 
 _ENV = {  # MINILM_TEST_<NAME> -> (field, parse)

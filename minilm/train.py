@@ -66,7 +66,7 @@ class LocalLauncher:
         self.sigterm = False
 
     def batches(self, order: D.RankOrder, total_steps: int) -> D.LocalRankStream:
-        return D.LocalRankStream(self.data.store, order, self.micro_batch_size, self.device)
+        return D.LocalRankStream(self.data.store, order, total_steps, self.micro_batch_size, self.device)
 
     def checkpoint_to_resume(self, log) -> Path | None:
         if self.resume == "never":

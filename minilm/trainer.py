@@ -1,23 +1,11 @@
 """The training loop, one for every launcher: `python -m minilm.train` (one process, or each rank under
-torchrun) and each Ray Train worker (`ray_jobs/worker.py`) build a `Trainer` and call `fit()`.
+torchrun) and each Ray Train worker (`ray_jobs/worker.py`) build a `Trainer` and call `fit()`
+(docs/training-loop.md walks it).
 
-`Trainer.fit` reads like MiniMind's loop:
-
-    for each optimizer step, from the restored one to the last:
-        micro-batches <- the launcher's stream        (the rank's slice of the global batch)
-        lr <- get_lr(step)                            (minilm/schedule.py)
-        optimizer_step(...)                           (minilm/step.py: autocast, accumulation, clip, step)
-        log(...)  at log steps                        (Trainer.log: the log line, metrics.jsonl, trackers)
-        save(...) at checkpoint steps                 (Trainer.save: a snapshot, written in the background)
-
-The state of a run is a few components, each with `state_dict()`/`load_state_dict()` (as in
-torchtitan): the model (fp32 master weights), the optimizer, the GradScaler, the non-finite guard
-and the trackers. The position is the optimizer step alone: the data order (`minilm.data.RankOrder`)
-and the lr are functions of it. `restore()` loads them all from one checkpoint folder.
-
-What differs per launcher is a `Launcher` (see the Protocol below): where the micro-batches come
-from, where a checkpoint is found and handed over, and which stop signals a rank can see (SIGTERM,
-a node drain). Stops are agreed by all ranks without stalling a step (`minilm.distributed`).
+The state of a run is a few components, each with `state_dict()`/`load_state_dict()`: the model (fp32
+master weights), the optimizer, the GradScaler, the non-finite guard and the trackers. The position is
+the optimizer step alone: the data order (`minilm.data.RankOrder`) and the lr are functions of it.
+What differs per launcher is a `Launcher` (the Protocol below).
 """
 
 from __future__ import annotations
@@ -37,9 +25,10 @@ from . import data as D
 from .async_checkpoint import CheckpointWriter, PendingSave, WeightsExport
 from .bpb import bits_per_byte, token_byte_lengths
 from .config import ModelConfig, TrainConfig, accumulation_steps
-from .distributed import Collectives, FlagAgreement
+from .distributed import Collectives
 from .model import MiniMindForCausalLM
-from .progress import MetricsLog, format_log_line, peak_flops
+from .policy import LoopPolicy
+from .progress import Meter, MetricsLog, format_log_line, peak_flops
 from .schedule import get_lr
 from .step import (
     NonFiniteGuard,
@@ -54,11 +43,6 @@ from .step import (
 from .testing import FaultHooks
 from .timeline import WorldSizeTimeline
 from .trackers import Trackers, open_trackers, run_hparams
-
-SIGTERM, DRAIN, TIME_UP, NONFINITE = "SIGTERM", "node drain", "time limit", "non-finite steps"
-CHECKPOINT_FAILED, CHECKPOINT_DUE = "checkpoint write failed", "checkpoint due"
-STOPS = (SIGTERM, DRAIN, TIME_UP)  # a checkpoint at the step every rank agrees on, then an exit
-PREEMPTIONS = (SIGTERM, DRAIN)  # ... for a restart
 
 
 class Preempted(RuntimeError):
@@ -115,21 +99,17 @@ class Launcher(Protocol):
     device: torch.device
 
     def batches(self, order: D.RankOrder, total_steps: int):
-        """This rank's stream from `order.start_step`: `next_step() -> (micro-batches on the device,
-        host array of sample ids)`, and `data_wait_s`."""
+        """This rank's stream to `total_steps`: yields (micro-batches on the device, host sample ids); `data_wait_s`."""
 
     def checkpoint_to_resume(self, log) -> Path | None:
-        """The complete checkpoint folder this run continues from, or None for a fresh start. A launcher may also
-        have `resume_loaded()`, called once it is loaded (to remove a downloaded copy)."""
+        """The complete checkpoint folder to continue, or None (fresh). Optional `resume_loaded()`: once loaded."""
 
     def staging_dir(self, step: int) -> Path | None:
-        """Rank 0: an empty folder to write the checkpoint of `step` into, before `report` hands it over
-        (None: this launcher keeps no checkpoints, e.g. an in-process run without a run folder)."""
+        """Rank 0: an empty folder for the checkpoint of `step` (None: this launcher keeps no checkpoints)."""
 
     def report(self, metrics: dict, checkpoint: PendingSave | None, checkpointing: bool) -> None:
-        """Every rank, at the same steps: hand the metrics over; at a checkpoint step (`checkpointing`),
-        rank 0 passes the checkpoint its writer is writing into the staging folder (already complete when
-        `checkpoint.blocking`), to be moved or uploaded once complete (and the staging removed)."""
+        """Every rank, at the same steps: the metrics; at a checkpoint step rank 0 also passes the checkpoint
+        being written into the staging folder, to be moved or uploaded once complete."""
 
     def stop_flags(self) -> tuple[bool, bool]:
         """(SIGTERM seen, node drain announced) on this rank; called every step, so it must be cheap."""
@@ -175,7 +155,9 @@ class Trainer:
         self.writer = CheckpointWriter(self.device, train_cfg.checkpoint_mode, self.hooks) if self.rank == 0 else None
         self.checkpoint_index = 0  # checkpoints written by the run so far (the export cadence counts them)
         self.token_bytes = None  # val_bpb's byte table, made at the first evaluation
+        self.optimizer_step = optimizer_step
         self.start()
+        self.hooks.install(self)  # a test's fault hooks go around the stream and the step, never into the loop
 
     # ---- set-up -------------------------------------------------------------------------------
 
@@ -215,8 +197,8 @@ class Trainer:
                               f"checkpoint are redone ({self.redone_steps} redone in this run so far)")
         if self.world_size > 1:
             self.model = wrap_ddp(self.raw_model, self.device)
-        order = D.RankOrder(self.train_ids, cfg.seed, self.steps_per_epoch, cfg.global_batch_size,
-                            self.world_size, self.rank, self.step)
+        order = D.RankOrder(self.train_ids, cfg.seed, self.steps_per_epoch, cfg.global_batch_size, self.world_size,
+                            self.rank, self.step, num_sequences=self.data.num_sequences, val_samples=self.run.val_samples)
         self.batches = self.launcher.batches(order, self.total_steps)
 
     def restore(self) -> dict | None:
@@ -258,75 +240,58 @@ class Trainer:
         """Train to the last step; "finished", or "exited" (--exit-after-*). Raises Preempted after a
         SIGTERM or drain checkpoint, NonFiniteLossError after too many non-finite steps in a row,
         CheckpointError when rank 0's checkpoint writer failed (on every rank, at the same step)."""
-        cfg, hooks = self.train_cfg, self.hooks
-        stop = FlagAgreement(self.collectives, (*STOPS, CHECKPOINT_FAILED, CHECKPOINT_DUE, NONFINITE))
-        deadline = time.monotonic() + 60 * self.run.exit_after_minutes if self.run.exit_after_minutes else None
-        self.meter = Meter(self, peak_flops(self.device, self.dtype))
-        self.last_saved_step, self.checkpoint_clock, self.due_raised = self.step, time.monotonic(), False
+        self.peak = peak_flops(self.device, self.dtype)  # MFU's denominator, measured before the first step
+        cfg, policy = self.train_cfg, self.loop_policy()  # (so the time limit starts after the measurement)
+        self.meter = Meter(self.step, self.total_steps, self.batches.data_wait_s, self.mfu)
         try:
-            while self.step < self.total_steps:
-                micro_batches, sample_ids = self.batches.next_step()
+            for micro_batches, _sample_ids in self.batches:
                 torch.manual_seed(cfg.seed * 1_000_003 + self.step * 1009 + self.rank)  # dropout RNG: a function of the step
                 lr = get_lr(self.step, self.total_steps, cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio,
                             cfg.schedule, cfg.decay_fraction)
-                with hooks.nonfinite_gradients(self.step + 1, self.raw_model):
-                    m = optimizer_step(self.model, self.optimizer, self.scaler, micro_batches, lr=lr,
-                                       grad_clip=cfg.grad_clip, dtype=self.dtype)
+                m = self.optimizer_step(self.model, self.optimizer, self.scaler, micro_batches, lr=lr,
+                                        grad_clip=cfg.grad_clip, dtype=self.dtype)
                 self.step += 1
                 self.guard.update(m, self.step, self.scaler.is_enabled())
                 self.meter.add(m.tokens * self.world_size)
-                hooks.after_step(self.step, self.rank, self.world_size, sample_ids)
-
-                time_up = deadline is not None and time.monotonic() > deadline
-                failed = self.writer is not None and self.writer.failed()
-                reasons = stop.push(self.step, [*self.launcher.stop_flags(), time_up, failed, self.checkpoint_due()],
-                                    [self.guard.tripped()])
-                if NONFINITE in reasons:
-                    self.guard.check()  # raises, on every rank at this same step
-                if CHECKPOINT_FAILED in reasons:
-                    self.raise_checkpoint_failure()  # on every rank at this same step
-                stops = [r for r in STOPS if r in reasons]
-                exiting = bool(stops) or self.step == self.run.exit_after_steps
-                final = exiting or self.step == self.total_steps
-                # a time-based checkpoint raised `delay` steps ago, unless a checkpoint was written since
-                due = CHECKPOINT_DUE in reasons and self.last_saved_step < self.step - stop.delay
-                checkpointing = final or due or self.step % cfg.checkpoint_every == 0
-                evaluating = self.val_ids is not None and (self.step % self.eval_every == 0
-                                                           or self.step == self.total_steps)
-                if checkpointing or evaluating or self.step % cfg.log_every == 0:
-                    metrics = self.log(m, lr, evaluating)
-                    if checkpointing:
-                        self.save(metrics, final)
+                decision = policy.after_step(self.step)
+                if decision.log:
+                    metrics = self.log(m, lr, decision.evaluate)
+                    if decision.checkpoint:
+                        self.save(metrics, decision.final)
                     else:
                         self.launcher.report(metrics, None, False)
-                    self.meter.restart()  # evaluation and checkpoint time stay out of the next interval's tokens/s
-                if stops:
-                    reason = stops[0]
-                    if reason in PREEMPTIONS:
-                        self.record("preempt")
-                        message = f"{reason} at optimizer step {self.step}: checkpoint written, exiting for a restart"
-                        self.log_line(message)
-                        raise Preempted(message)
-                if exiting:
-                    self.record("exit")
-                    self.log_line(f"exiting after optimizer step {self.step} as asked "
-                                  f"(--exit-after-steps/--exit-after-minutes); continue with --resume auto")
-                    return "exited"
+                    self.meter.restart(self.batches.data_wait_s)  # evaluation and checkpoint time stay out of it
+                if decision.stop:
+                    return self.stop(decision)
             self.record("finish")
             return "finished"
         finally:
-            stop.drain()  # no collective of ours is left in flight when the process group goes away
+            policy.close()
             if self.writer is not None:
                 self.writer.close()  # a save in flight is finished (or fails) before the process goes
 
-    def checkpoint_due(self) -> bool:
-        """Rank 0's clock says --checkpoint-every-minutes have passed since the last checkpoint (raised once:
-        the flag reaches every rank with the stop flags, and they all checkpoint at the step it is agreed)."""
-        minutes = self.train_cfg.checkpoint_every_minutes
-        if self.rank != 0 or not minutes or self.due_raised:
-            return False
-        self.due_raised = time.monotonic() - self.checkpoint_clock >= 60 * minutes
-        return self.due_raised
+    def loop_policy(self) -> LoopPolicy:
+        cfg, run = self.train_cfg, self.run
+        return LoopPolicy(
+            self.collectives, start_step=self.step, total_steps=self.total_steps,
+            checkpoint_every=cfg.checkpoint_every, log_every=cfg.log_every,
+            eval_every=self.eval_every if self.val_ids is not None else None,
+            stop_flags=self.launcher.stop_flags, nonfinite=self.guard.tripped,
+            checkpoint_failed=lambda: self.writer is not None and self.writer.failed(),
+            on_nonfinite=self.guard.check, on_checkpoint_failed=self.raise_checkpoint_failure,
+            is_rank0=self.rank == 0, checkpoint_every_minutes=cfg.checkpoint_every_minutes,
+            exit_after_steps=run.exit_after_steps, exit_after_minutes=run.exit_after_minutes)
+
+    def stop(self, decision) -> str:
+        """After the checkpoint of a stop: Preempted (for a restart), or "exited"."""
+        self.record("preempt" if decision.preempt else "exit")
+        if decision.preempt:
+            message = f"{decision.stop} at optimizer step {self.step}: checkpoint written, exiting for a restart"
+            self.log_line(message)
+            raise Preempted(message)
+        self.log_line(f"exiting after optimizer step {self.step} as asked "
+                      f"(--exit-after-steps/--exit-after-minutes); continue with --resume auto")
+        return "exited"
 
     def raise_checkpoint_failure(self) -> None:
         if self.writer is not None:
@@ -338,9 +303,9 @@ class Trainer:
     # ---- log and save -------------------------------------------------------------------------
 
     def log(self, m, lr: float, evaluating: bool) -> dict:
-        """Every rank: the metrics of this log step (loss means over ranks, val_loss and val_bpb); rank 0 also prints the
-        log line and writes metrics.jsonl, the trackers and the last completed step."""
-        metrics = self.meter.metrics(m, lr)
+        """Every rank: this log step's metrics (+ val_loss, val_bpb); rank 0 also prints the log line and writes
+        metrics.jsonl, the trackers and the last completed step."""
+        metrics = self.step_metrics(m, lr)
         if evaluating:
             metrics.update(self.validate())
         self.history.append(metrics)
@@ -353,12 +318,31 @@ class Trainer:
                 self.timeline.step_done(self.step)
         return metrics
 
+    def step_metrics(self, m, lr: float) -> dict:
+        """This log step's metrics: the window's losses averaged over ranks, the position, the interval's rates."""
+        cfg, step, spe = self.train_cfg, self.step, self.steps_per_epoch
+        losses = self.collectives.mean(torch.stack([m.loss, m.lm_loss, m.aux_loss]).float()).tolist()
+        samples_seen = D.DataPosition.at(step, spe, cfg.global_batch_size).samples_seen
+        metrics = {
+            "loss": losses[0], "lm_loss": losses[1], "aux_loss": losses[2], "lr": lr, "grad_norm": float(m.grad_norm),
+            **self.meter.rates(step, self.batches.data_wait_s),
+            "optimizer_step": step, "total_steps": self.total_steps, "samples_seen": samples_seen,
+            "tokens_seen": samples_seen * cfg.seq_len, "epoch": (step - 1) // spe, "epochs": -(-self.total_steps // spe),
+            "world_size": self.world_size, "accumulation_steps": self.accumulation,
+            "skipped_steps": int(self.guard.skipped_total), "checkpoint_s": self.last_checkpoint_s,
+            "checkpoint_wait_s": self.last_checkpoint_wait_s, "redone_steps": self.redone_steps,
+        }
+        if self.raw_model.config.use_moe:
+            metrics["expert_load"] = [[round(float(x), 4) for x in layer] for layer in self.raw_model.expert_load()]
+        return metrics
+
+    def mfu(self, tokens_per_s: float) -> float:
+        return self.raw_model.estimate_mfu(tokens_per_s / self.world_size, self.train_cfg.seq_len, self.peak)
+
     def save(self, metrics: dict, final: bool = False) -> None:
-        """Every rank: rank 0 waits for the save in flight (`checkpoint_wait_s`), snapshots the state and has its
-        writer write the resume checkpoint (fp32 state of every component + state.json) and, every
-        --export-every checkpoints and at the run's last one, the half-precision weights export, into a staging
-        folder; the launcher hands it over with the metrics once complete. The last save of a run (`final`) and
-        every save in sync mode are complete before this returns."""
+        """Every rank: rank 0 waits for the save in flight (`checkpoint_wait_s`), snapshots the state, and its writer
+        writes the resume checkpoint (+ the weights export when due) into a staging folder the launcher hands over
+        once complete. The run's last save (`final`) and every sync-mode save are complete when this returns."""
         t0 = time.perf_counter()
         wait_s = self.writer.wait() if self.writer is not None else 0.0  # raises the previous save's error
         self.checkpoint_index += 1
@@ -375,7 +359,6 @@ class Trainer:
         self.launcher.report(metrics, pending, True)
         self.last_checkpoint_wait_s = wait_s
         self.last_checkpoint_s = time.perf_counter() - t0 - wait_s
-        self.last_saved_step, self.checkpoint_clock, self.due_raised = self.step, time.monotonic(), False
 
     def checkpoint_state(self, metrics: dict) -> dict:
         """state.json: the position (optimizer step) and what a resume must match."""
@@ -396,9 +379,8 @@ class Trainer:
 
     @torch.no_grad()
     def validate(self) -> dict:
-        """val_loss, the mean next-token loss over the held-out rows, and val_bpb, bits per UTF-8 byte of the text
-        their targets spell (special tokens left out; a byte-level BPE spells fixed bytes per token, so the bytes
-        come from the tokenizer: minilm.bpb). Each rank scores every W-th row; the sums are added over ranks."""
+        """val_loss (mean next-token loss over the held-out rows) and val_bpb (bits per UTF-8 byte their targets spell,
+        special tokens left out: minilm.bpb). Each rank scores every W-th row; the sums are added over ranks."""
         model, m = self.raw_model, self.train_cfg.micro_batch_size
         if self.token_bytes is None:
             self.token_bytes = self._token_bytes()
@@ -449,9 +431,8 @@ class Trainer:
 
 
 def wrap_ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """DDP without per-forward buffer syncs: the only buffers are the RoPE tables (computed identically on every
-    rank, 2 x 8 MB at MiniMind's 32k positions) and MoE routing statistics (per-rank by nature); DDP would
-    otherwise broadcast them from rank 0 before every forward."""
+    """DDP without per-forward buffer broadcasts: the only buffers are the RoPE tables (the same on every rank)
+    and MoE routing statistics (per-rank by nature)."""
     import inspect
 
     ddp = torch.nn.parallel.DistributedDataParallel
@@ -460,44 +441,4 @@ def wrap_ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     return ddp(model, device_ids=[device] if device.type == "cuda" else None, **no_sync)
 
 
-class Meter:
-    """Throughput, data wait and ETA over each log interval; the interval restarts after a log step's
-    evaluation and checkpoint, so their time never counts as training time."""
-
-    def __init__(self, trainer: Trainer, peak_flops: float):
-        self.t, self.peak = trainer, peak_flops
-        self.t_start = time.perf_counter()
-        self.step_at_start = trainer.step
-        self.restart()
-
-    def restart(self) -> None:
-        self.t_mark, self.tokens, self.wait_mark = time.perf_counter(), 0, self.t.batches.data_wait_s
-
-    def add(self, tokens: int) -> None:
-        self.tokens += tokens
-
-    def metrics(self, m, lr: float) -> dict:
-        t, cfg, now = self.t, self.t.train_cfg, time.perf_counter()
-        losses = t.collectives.mean(torch.stack([m.loss, m.lm_loss, m.aux_loss]).float()).tolist()
-        elapsed = max(now - self.t_mark, 1e-9)
-        tokens_per_s = self.tokens / elapsed
-        pos = D.DataPosition.at(t.step, t.steps_per_epoch, cfg.global_batch_size)
-        metrics = {
-            "loss": losses[0], "lm_loss": losses[1], "aux_loss": losses[2], "lr": lr,
-            "grad_norm": float(m.grad_norm), "tokens_per_s": tokens_per_s,
-            "mfu": t.raw_model.estimate_mfu(tokens_per_s / t.world_size, cfg.seq_len, self.peak),
-            "optimizer_step": t.step, "total_steps": t.total_steps, "samples_seen": pos.samples_seen,
-            "tokens_seen": pos.samples_seen * cfg.seq_len, "epoch": (t.step - 1) // t.steps_per_epoch,
-            "epochs": -(-t.total_steps // t.steps_per_epoch), "world_size": t.world_size,
-            "accumulation_steps": t.accumulation, "skipped_steps": int(t.guard.skipped_total),
-            "data_wait_frac": (t.batches.data_wait_s - self.wait_mark) / elapsed,
-            "checkpoint_s": t.last_checkpoint_s, "checkpoint_wait_s": t.last_checkpoint_wait_s,
-            "redone_steps": t.redone_steps,
-            "eta_s": (now - self.t_start) / max(1, t.step - self.step_at_start) * (t.total_steps - t.step),
-        }
-        if t.raw_model.config.use_moe:
-            metrics["expert_load"] = [[round(float(x), 4) for x in layer] for layer in t.raw_model.expert_load()]
-        return metrics
-
-
-__all__ = ["Trainer", "RunOptions", "Dataset", "Launcher", "Meter", "Preempted"]
+__all__ = ["Trainer", "RunOptions", "Dataset", "Launcher", "Preempted"]

@@ -78,18 +78,12 @@ class RayLauncher:
         self.sigterm = True
 
     def batches(self, order: D.RankOrder, total_steps: int) -> RankStream:
-        return RankStream(data_dir=self.run["data_dir"], train_ids=order.train_ids, seed=order.seed,
-                          global_batch_size=order.global_batch_size, micro_batch_size=self.micro_batch_size,
-                          world_size=order.world_size, rank=order.rank, start_step=order.start_step,
-                          total_steps=total_steps, steps_per_epoch=order.steps_per_epoch, device=self.device,
-                          val_samples=self.run.get("val_samples", 0))
+        return RankStream(self.run["data_dir"], order, total_steps, self.micro_batch_size, self.device)
 
     def checkpoint_to_resume(self, log) -> Path | None:
-        """The newest complete checkpoint beside Ray's latest registered one (passing over incomplete ones).
-        When Ray has none registered: the newest complete checkpoint in the run folder (this run wrote it and
-        restarted before Ray registered it: a SIGTERM or drain checkpoint before any periodic one, or a driver
-        killed between upload and registration), else the driver's `resume_path` (--resume PATH, or under
-        --resume auto what the run folder held when the driver started)."""
+        """The newest complete checkpoint beside Ray's latest registered one; without one, the newest complete
+        one in the run folder (written but not yet registered when the run restarted), else the driver's
+        `resume_path` (--resume PATH, or what the run folder held when the driver started)."""
         latest = ray.train.get_checkpoint()
         if latest is None:
             in_run = C.latest_complete(C.checkpoint_dirs(self.run.get("run_dir")), log, once_per_node=True)
@@ -120,13 +114,9 @@ class RayLauncher:
 
     def report(self, metrics: dict, checkpoint: PendingSave | None, checkpointing: bool) -> None:
         """ray.train.report on every rank (a barrier); rank 0 publishes the dashboard gauges and attaches the
-        checkpoint, whose staging folder is removed once Ray has uploaded it.
-
-        A checkpoint still being written (async mode) is reported at once with Ray's ASYNC upload, through an
-        upload function that first waits for the writer: every rank reports at the same steps, the training
-        thread goes on, and Ray registers the checkpoint once its upload is done, in report order. From then
-        on rank 0's reports are ASYNC too (a SYNC one would wait for the upload); a blocking checkpoint (sync
-        mode, the run's last) is complete already and reported SYNC, which waits for every upload before it."""
+        checkpoint. One still being written goes with Ray's ASYNC upload through `upload_when_written`, and rank
+        0's reports stay ASYNC until the next SYNC one (a blocking checkpoint, already complete), which waits for
+        every upload before it."""
         if self.rank == 0:
             dashboard_metrics.publish(metrics, self.run["name"])
         public = {k: v for k, v in metrics.items() if k != "expert_load"}

@@ -33,16 +33,14 @@ def test_rank_stream_delivers_the_rows_of_its_order(ray_address, tmp_path):
     train_ids, _ = D.split_ids(130, 10)
     G, W, m, start, total = 12, 2, 3, 7, 22  # 10 steps per epoch: the stream crosses an epoch start
     spe = D.steps_per_epoch(len(train_ids), G)
-    stream = RankStream(data_dir=str(path), train_ids=train_ids, seed=5, global_batch_size=G, micro_batch_size=m,
-                        world_size=W, rank=1, start_step=start, total_steps=total, steps_per_epoch=spe,
-                        device="cpu")
+    stream = RankStream(str(path), D.RankOrder(None, 5, spe, G, W, 1, start, num_sequences=130, val_samples=10),
+                        total, m, "cpu")  # its reader remakes the training ids
     order = D.RankOrder(train_ids, 5, spe, G, W, 1, start)
-    for step in range(total - start):
-        batches, ids = stream.next_step()
+    for step, (batches, ids) in enumerate(stream):
         np.testing.assert_array_equal(ids, order.sample_ids(np.arange(step * 6, (step + 1) * 6)))
         assert [b.shape for b in batches] == [(m, 17)] * 2 and all(b.dtype == torch.int64 for b in batches)
         np.testing.assert_array_equal(torch.cat(batches).numpy(), rows[ids])
-    assert stream.data_wait_s > 0
+    assert step == total - start - 1 and stream.data_wait_s > 0
     del stream
 
 
@@ -68,13 +66,12 @@ def rank(uri):
     from ray_jobs.stream import RankStream
 
     remote = D.open_prepared(uri)
-    train_ids = np.arange(remote.num_sequences)
+    order = D.RankOrder(None, 1, 10, 8, 1, 0, 0, num_sequences=remote.num_sequences)
     ids, copies = [], []
     for _ in range(3):  # a rank, then the same rank restarted twice: one copy between them (and Ray Data spreads
         # its actors over the nodes by default: 3 readers all on node B by chance would be rare)
-        stream = RankStream(data_dir=uri, train_ids=train_ids, seed=1, global_batch_size=8, micro_batch_size=4,
-                            world_size=1, rank=0, start_step=0, total_steps=3, steps_per_epoch=10, device="cpu")
-        ids.append([int(i) for _ in range(3) for i in stream.next_step()[1]])
+        stream = RankStream(uri, order, 3, 4, "cpu")
+        ids.append([int(i) for _, step_ids in stream for i in step_ids])
         del stream
         copy = D.cache_root() / "data" / remote.fingerprint[:32] / "shard-00000.bin"
         copies.append(os.stat(copy).st_ino)

@@ -47,3 +47,20 @@ def test_every_training_id_once_per_epoch_over_all_ranks():
     seen = np.concatenate([RankOrder(train_ids, 1, spe, G, W, r, 0).sample_ids(np.arange(spe * per_rank))
                            for r in range(W)])
     assert sorted(seen.tolist()) == list(range(100))
+
+
+def test_an_order_of_a_split_pickles_without_its_ids_and_reads_the_same():
+    """A reader gets the order pickled: with `num_sequences` it carries no id array and remakes the ids from
+    split_ids, so the ids it reads are the trainer's."""
+    import pickle
+
+    train_ids, _ = D.split_ids(100_000, 500)
+    order = RankOrder(train_ids, 3, D.steps_per_epoch(len(train_ids), 64), 64, 4, 2, 1555,
+                      num_sequences=100_000, val_samples=500)
+    order.sample_ids(np.arange(10))  # fills the epoch cache, which does not travel either
+    blob = pickle.dumps(order)
+    assert len(blob) < 1000 < len(pickle.dumps(train_ids))
+    positions = np.arange(0, 64 * 30, 7)
+    assert np.array_equal(pickle.loads(blob).sample_ids(positions), order.sample_ids(positions))
+    assert np.array_equal(order.sample_ids(positions), RankOrder(train_ids, 3, order.steps_per_epoch, 64, 4, 2,
+                                                                 1555).sample_ids(positions))

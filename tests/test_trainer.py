@@ -270,34 +270,24 @@ def test_killed_during_a_checkpoint_write_resumes_from_the_previous_one(run_data
 def test_checkpoint_and_evaluation_time_stay_out_of_the_next_intervals_tokens_per_s(monkeypatch):
     """The meter's interval restarts after a log step's evaluation and checkpoint: 1 s of steps after a 10 s
     checkpoint reports the same tokens/s as 1 s of steps before it."""
-    from types import SimpleNamespace
-
-    import minilm.trainer as T
-    from minilm.distributed import Collectives
+    import minilm.progress as P
 
     clock = [100.0]
-    monkeypatch.setattr(T.time, "perf_counter", lambda: clock[0])
-    model_cfg, train_cfg = configs()
-    trainer = SimpleNamespace(step=0, batches=SimpleNamespace(data_wait_s=0.0), train_cfg=train_cfg, world_size=1,
-                              total_steps=20, steps_per_epoch=15, accumulation=4, last_checkpoint_s=0.0, last_checkpoint_wait_s=0.0,
-                              redone_steps=0, collectives=Collectives("cpu"),
-                              guard=SimpleNamespace(skipped_total=torch.tensor(0)),
-                              raw_model=SimpleNamespace(config=model_cfg, estimate_mfu=lambda tps, seq, peak: tps / peak))
-    meter = T.Meter(trainer, peak_flops=1e6)
-    m = SimpleNamespace(loss=torch.tensor(2.0), lm_loss=torch.tensor(2.0), aux_loss=torch.tensor(0.0),
-                        grad_norm=torch.tensor(1.0))
+    monkeypatch.setattr(P.time, "perf_counter", lambda: clock[0])
+    step = 0
+    meter = P.Meter(step, total_steps=20, data_wait_s=0.0, mfu=lambda tokens_per_s: tokens_per_s / 1e6)
     for _ in range(4):  # four steps of 512 tokens in one second
         clock[0] += 0.25
-        trainer.step += 1
+        step += 1
         meter.add(512)
-    first = meter.metrics(m, 1e-3)
+    first = meter.rates(step, data_wait_s=0.0)
     clock[0] += 10.0  # the checkpoint and validation of this log step
-    meter.restart()
+    meter.restart(data_wait_s=0.0)
     for _ in range(4):
         clock[0] += 0.25
-        trainer.step += 1
+        step += 1
         meter.add(512)
-    second = meter.metrics(m, 1e-3)
+    second = meter.rates(step, data_wait_s=0.0)
     assert first["tokens_per_s"] == second["tokens_per_s"] == 2048
     assert second["mfu"] == 2048 / 1e6
 

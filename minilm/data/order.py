@@ -62,29 +62,55 @@ class DataPosition:
                    samples_seen=optimizer_step * global_batch_size)
 
 
+def compact_ids(ids: np.ndarray) -> np.ndarray:
+    """Sample ids as int32 when they fit: the ids and two epoch orders then take 4 bytes a sample, not 8."""
+    ids = np.asarray(ids)
+    return ids.astype(np.int32) if len(ids) == 0 or int(ids.max()) < 2**31 else ids.astype(np.int64)
+
+
 @dataclass
 class RankOrder:
     """The sample id at each position of one rank's stream that starts at optimizer step `start_step`.
 
     Position p belongs to optimizer step s = start_step + p // (G/W), as its k-th id, k = p % (G/W):
     the id at index (s mod steps_per_epoch) * G + rank * G/W + k of epoch (s // steps_per_epoch)'s
-    order. The Ray stream (`ray_jobs.stream`) and the in-process stream (`LocalRankStream`) both
-    read through it, so the order is coded once.
+    order. Both streams (`ray_jobs.stream.RankStream`, `LocalRankStream`) read through it.
+
+    `train_ids` may be None when `num_sequences` is given: they are then `split_ids(num_sequences,
+    val_samples)[0]`, remade wherever the order is unpickled, so it travels to a reader as a few bytes.
     """
 
-    train_ids: np.ndarray
+    train_ids: np.ndarray | None
     seed: int
     steps_per_epoch: int
     global_batch_size: int
     world_size: int
     rank: int
     start_step: int
+    num_sequences: int | None = None
+    val_samples: int = 0
 
     def __post_init__(self):
+        if self.train_ids is None:
+            self.train_ids = split_ids(self.num_sequences, self.val_samples)[0]
+        self.train_ids = compact_ids(self.train_ids)  # the same values, so the same order
         self._orders: dict[int, np.ndarray] = {}
 
+    def __getstate__(self):
+        rebuilt = self.num_sequences is not None
+        return {**self.__dict__, "_orders": {}, "train_ids": None if rebuilt else self.train_ids}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self.__post_init__()
+
+    @property
+    def per_rank(self) -> int:
+        """Sample ids this rank reads per optimizer step."""
+        return self.global_batch_size // self.world_size
+
     def sample_ids(self, positions: np.ndarray) -> np.ndarray:
-        per_rank = self.global_batch_size // self.world_size
+        per_rank = self.per_rank
         absolute = self.start_step * per_rank + np.asarray(positions, dtype=np.int64)
         step, k = absolute // per_rank, absolute % per_rank
         epoch, step_in_epoch = step // self.steps_per_epoch, step % self.steps_per_epoch

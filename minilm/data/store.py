@@ -16,13 +16,9 @@ MAX_OPEN_SHARDS = 256  # file descriptors a SequenceStore keeps open (least rece
 
 
 class SequenceStore:
-    """Rows by sample id, read from the token files with positional reads; nothing is cached here.
-
-    Each `take` reads just the rows asked for (adjacent ones in one read) into a fresh array; the
-    files' pages stay in the kernel's page cache, shared by every process on the node, and count
-    toward no process's RSS. File descriptors are opened on first use (at most MAX_OPEN_SHARDS
-    stay open) with readahead off: rows are read at random positions.
-    """
+    """Rows by sample id, read with positional reads (adjacent rows in one) into a fresh array; nothing is cached
+    here: the page cache, shared by the node's processes, is. At most MAX_OPEN_SHARDS descriptors stay open,
+    readahead off (rows are read at random positions)."""
 
     def __init__(self, data: PreparedData):
         self.data = data
@@ -105,27 +101,29 @@ class SequenceStore:
 class LocalRankStream:
     """One rank's micro-batches read in this process (no Ray): `python -m minilm.train`, torchrun, tests.
 
-    The same interface as the Ray stream (`ray_jobs.stream.RankStream`): `next_step()` returns the
-    accumulation_steps micro-batches of the next optimizer step, on `device`, and the sample ids
-    they hold (a host array: no device round trip); `data_wait_s` is the time spent reading.
-    `store` is anything with `take(sample_ids) -> (n, seq_len + 1) array` (a `SequenceStore`, or rows
-    held in memory).
+    Like `ray_jobs.stream.RankStream`: iterating yields, for each optimizer step to `total_steps`, its
+    accumulation_steps micro-batches on `device` and the host array of sample ids they hold;
+    `data_wait_s` is the time spent reading. `store` has `take(sample_ids) -> (n, seq_len + 1) array`.
     """
 
-    def __init__(self, store, order: RankOrder, micro_batch_size: int, device="cpu"):
+    def __init__(self, store, order: RankOrder, total_steps: int, micro_batch_size: int, device="cpu"):
         import torch
 
         self.store, self.order, self.m, self.device = store, order, micro_batch_size, torch.device(device)
-        self.per_rank = order.global_batch_size // order.world_size
+        self.num_steps = max(0, total_steps - order.start_step)
         self.position = 0
         self.data_wait_s = 0.0
+
+    def __iter__(self):
+        for _ in range(self.num_steps):
+            yield self.next_step()
 
     def next_step(self):
         import torch
 
         t0 = time.perf_counter()
-        ids = self.order.sample_ids(np.arange(self.position, self.position + self.per_rank))
-        self.position += self.per_rank
+        ids = self.order.sample_ids(np.arange(self.position, self.position + self.order.per_rank))
+        self.position += self.order.per_rank
         rows = torch.from_numpy(np.ascontiguousarray(self.store.take(ids)))
         batches = [chunk.to(self.device, non_blocking=True).long() for chunk in rows.split(self.m)]
         self.data_wait_s += time.perf_counter() - t0
