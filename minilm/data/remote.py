@@ -20,7 +20,7 @@ from .format import (
     is_remote,
     open_prepared,
 )
-from .verified import _locked, record_verified
+from .verified import node_lock, record_verified
 
 COPY_CHUNK = 8 << 20
 
@@ -81,7 +81,7 @@ def materialise(remote: PreparedData, cache: Path | None = None) -> PreparedData
     """The verified local copy of `remote` (from `open_prepared(uri)`), copying it if this node lacks it."""
     cache = (cache or cache_root()) / "data"
     target = cache / remote.fingerprint[:32]
-    with _locked(cache / f"{target.name}.lock"):
+    with node_lock(cache / f"{target.name}.lock"):
         if (target / MANIFEST).is_file():
             try:
                 local = open_prepared(target)
