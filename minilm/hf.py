@@ -24,10 +24,8 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import save_file
 
-from .checkpoint import MARKER, CheckpointError, write_error, write_marker
+from .checkpoint_files import CheckpointError, write_bytes, write_files, write_safetensors
 from .config import ModelConfig
 from .tokenizer import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, SPECIAL_TOKENS
 
@@ -37,10 +35,8 @@ DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float
 def hf_config(config: ModelConfig, dtype: torch.dtype = torch.float16) -> dict:
     """config.json of the Qwen3 (or Qwen3-MoE) model that computes what MiniMindForCausalLM computes.
 
-    Every field is written, not left to a loader's default: Qwen3Config's defaults are Qwen3-8B's
-    (head_dim 128, vocab 151936, untied embeddings), none of which is MiniMind's. RoPE is plain
-    `rope_theta` (no scaling), the form every Qwen3 checkpoint on the Hub has: transformers 5 turns
-    it into its `rope_parameters`, and vLLM and llama.cpp's converter read it as is.
+    Every field is written, since Qwen3Config's defaults are Qwen3-8B's; RoPE is plain `rope_theta`,
+    the form of the Hub's Qwen3 checkpoints, which every loader reads.
     """
     c = config
     d = {
@@ -90,9 +86,8 @@ def hf_tensors(state_dict: dict[str, torch.Tensor], config: ModelConfig,
                dtype: torch.dtype = torch.float16) -> dict[str, torch.Tensor]:
     """The weights under their Qwen3 names (MiniMind's names are Qwen3's), each its own contiguous copy.
 
-    lm_head.weight is written even when it is tied to the embedding: transformers and vLLM's Qwen3
-    then tie and skip it, while loaders that ignore tie_word_embeddings (vLLM's and SGLang's Qwen3-MoE
-    in some versions) would otherwise leave the output layer randomly initialised.
+    lm_head.weight is written even when tied, for loaders that ignore tie_word_embeddings and would
+    otherwise leave the output layer random.
     """
     tensors = {k: v.detach().to(dtype=dtype, device="cpu").contiguous().clone() for k, v in state_dict.items()}
     if "lm_head.weight" not in tensors and config.tie_word_embeddings:
@@ -137,29 +132,21 @@ def export_hf(path: str | os.PathLike, state_dict: dict[str, torch.Tensor], conf
     writers = {
         "config.json": lambda f: _write_json(f, hf_config(config, dtype)),
         "generation_config.json": lambda f: _write_json(f, generation_config(config)),
-        "model.safetensors": lambda f: save_file(hf_tensors(state_dict, config, dtype), str(f),
-                                                 metadata={"format": "pt"}),
-        "tokenizer.json": lambda f: shutil.copyfile(tokenizer_path, f),
+        "model.safetensors": lambda f: write_safetensors(f, hf_tensors(state_dict, config, dtype), {"format": "pt"}),
+        "tokenizer.json": lambda f: write_bytes(f, Path(tokenizer_path).read_bytes()),
         "tokenizer_config.json": lambda f: _write_json(f, tokenizer_config(config)),
         "special_tokens_map.json": lambda f: _write_json(f, special_tokens_map()),
     }
-    name = path.name
     try:
-        tmp.mkdir(parents=True)
-        for name, write in writers.items():
-            write(tmp / name)
-        name = MARKER
-        write_marker(tmp, list(writers))
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(tmp, path)
-    except (OSError, SafetensorError) as e:
+        write_files(tmp, writers, None, publish_as=path)
+    except CheckpointError:
         shutil.rmtree(tmp, ignore_errors=True)  # a full disk gets its space back
-        raise CheckpointError(write_error(tmp, None, name, e)) from None
+        raise
     return path
 
 
-def _write_json(f: Path, d: dict) -> None:
-    f.write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
+def _write_json(f: Path, d: dict) -> str:
+    return write_bytes(f, (json.dumps(d, indent=2, sort_keys=True) + "\n").encode())
 
 
 __all__ = ["export_hf", "hf_config", "hf_tensors", "tokenizer_config", "generation_config", "special_tokens_map"]

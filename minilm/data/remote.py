@@ -67,10 +67,8 @@ def _open_remote(uri: str) -> PreparedData:
 def open_local(data: str | os.PathLike) -> PreparedData:
     """`open_prepared` for a local folder; for a remote URI, the node-local copy (made once, then reused).
 
-    The copy goes to `cache_root()/data/<fingerprint>`: written into a temporary folder, every file
-    hashed as it arrives and checked against the manifest, the manifest last, then renamed into
-    place, under a lock, so the ranks of a node make one copy between them and a later run (a
-    restart, a resume, another job on the same data) finds it ready.
+    The copy is made under a lock into a temporary folder, each file checked as it arrives, then renamed
+    into `cache_root()/data/<fingerprint>`: one copy per node, which restarts and later runs reuse.
     """
     if not is_remote(data):
         return open_prepared(data)
