@@ -345,9 +345,6 @@ def write_weights_export(path: str | os.PathLike, model_state: dict[str, torch.T
                          tokenizer_path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float16,
                          step: int | None = None) -> Path:
     """`export_weights` of a model state (CPU tensors, any float dtype: cast to `dtype` here)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
     metadata = {"format": "pt", "dtype": str(dtype).removeprefix("torch.")}
     writers = {
         "model.safetensors": lambda f: write_safetensors(f, {k: v.to(dtype) for k, v in model_state.items()}, metadata),
@@ -355,12 +352,8 @@ def write_weights_export(path: str | os.PathLike, model_state: dict[str, torch.T
     }
     if tokenizer_path is not None:
         writers["tokenizer.json"] = lambda f: write_bytes(f, Path(tokenizer_path).read_bytes())
-    try:
-        write_files(tmp, writers, step, publish_as=path)
-    except CheckpointError:
-        shutil.rmtree(tmp, ignore_errors=True)  # a full disk gets its space back
-        raise
-    return path
+    write_files(Path(path), writers, step, via_tmp=True)
+    return Path(path)
 
 
 def export_minimind_pth(path: str | os.PathLike, model_state: dict[str, torch.Tensor]) -> Path:

@@ -29,31 +29,36 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete or corrupt; the message names the folder and the file."""
 
 
-def write_files(path: Path, writers: dict[str, Callable[[Path], str]], step: int | None, hooks=None,
-                publish_as: Path | None = None) -> None:
+def write_files(path: Path, writers: dict[str, Callable[[Path], str]], step: int | None, hooks=None, *,
+                via_tmp: bool = False) -> None:
     """Write each file of the folder `path` (a writer returns the file's SHA-256), then the marker.
 
-    With `publish_as`, the finished folder is then renamed to it (replacing what was there). A failed
-    write raises one CheckpointError line naming the step, the folder and the file, and leaves no
-    marker. `hooks` (`minilm.testing.FaultHooks`) is for the fault tests only.
+    With `via_tmp` the files go to `path.tmp`, which replaces `path` once complete. A failed write
+    raises one CheckpointError line naming the step, the folder and the file, and leaves no marker
+    (and no `path.tmp`, so a full disk gets its space back). `hooks` is for the fault tests only.
     """
-    name = path.name
+    folder = path.with_name(path.name + ".tmp") if via_tmp else path
+    if via_tmp:
+        shutil.rmtree(folder, ignore_errors=True)
+    name = folder.name
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(parents=True, exist_ok=True)
         digests = {}
         for name, write in writers.items():
             if hooks:
                 hooks.before_checkpoint_file(step, name)
-            digests[name] = write(path / name)
+            digests[name] = write(folder / name)
         name = MARKER
         if hooks:
-            hooks.before_marker(path, step)
-        write_marker(path, list(digests), digests)
-        if publish_as is not None:
-            shutil.rmtree(publish_as, ignore_errors=True)
-            os.replace(path, publish_as)
+            hooks.before_marker(folder, step)
+        write_marker(folder, list(digests), digests)
+        if via_tmp:
+            shutil.rmtree(path, ignore_errors=True)
+            os.replace(folder, path)
     except (OSError, SafetensorError) as e:
-        raise CheckpointError(write_error(path, step, name, e)) from None
+        if via_tmp:
+            shutil.rmtree(folder, ignore_errors=True)
+        raise CheckpointError(write_error(folder, step, name, e)) from None
 
 
 def write_marker(path: Path, files: tuple[str, ...] | list[str], digests: dict[str, str] | None = None) -> None:

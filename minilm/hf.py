@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import torch
 
-from .checkpoint_files import CheckpointError, write_bytes, write_files, write_safetensors
+from .checkpoint_files import write_bytes, write_files, write_safetensors
 from .config import ModelConfig
 from .tokenizer import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, SPECIAL_TOKENS
 
@@ -126,9 +125,6 @@ def export_hf(path: str | os.PathLike, state_dict: dict[str, torch.Tensor], conf
 
     A failed write (a full disk) raises CheckpointError naming the file; the temp folder is removed.
     """
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
     writers = {
         "config.json": lambda f: _write_json(f, hf_config(config, dtype)),
         "generation_config.json": lambda f: _write_json(f, generation_config(config)),
@@ -137,12 +133,8 @@ def export_hf(path: str | os.PathLike, state_dict: dict[str, torch.Tensor], conf
         "tokenizer_config.json": lambda f: _write_json(f, tokenizer_config(config)),
         "special_tokens_map.json": lambda f: _write_json(f, special_tokens_map()),
     }
-    try:
-        write_files(tmp, writers, None, publish_as=path)
-    except CheckpointError:
-        shutil.rmtree(tmp, ignore_errors=True)  # a full disk gets its space back
-        raise
-    return path
+    write_files(Path(path), writers, None, via_tmp=True)
+    return Path(path)
 
 
 def _write_json(f: Path, d: dict) -> str:

@@ -38,23 +38,14 @@ def open_backend(kind: str, *, run_path: Path | None, start_step: int, saved: di
 
 
 class Backend:
-    """One tracker run. `high_water`: steps at or below it are already in the tracker and not logged."""
+    """One tracker run: `write(scalars, step)`, `state()` (its resume state), `describe()`, `close(outcome)`.
+
+    `high_water`: steps at or below it are already in the tracker and not logged again.
+    """
 
     kind = ""
     high_water = -1
     new_run = True  # False when an existing tracker run is continued
-
-    def write(self, scalars: dict[str, float], step: int) -> None:
-        raise NotImplementedError
-
-    def state(self) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def describe(self) -> str:
-        raise NotImplementedError
-
-    def close(self, outcome: str) -> None:
-        raise NotImplementedError
 
 
 class TensorBoard(Backend):

@@ -61,11 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--on-bad-record", choices=["error", "skip"], default="error",
                    help="stop at the first bad record (default) or skip and count it")
     p.add_argument("--rows", choices=["best-fit", "bos-aligned", "packed"], default="best-fit",
-                   help="best-fit (default): every document starts with BOS, as the model is prompted; documents "
-                        "are placed whole, best-fit, and one longer than a row fills rows of its own (nothing "
-                        "dropped); bos-aligned: the same, but a document that does not fit is cropped, its rest "
-                        "dropped; packed: documents, each followed by EOS, concatenated and cut every seq_len + 1 "
-                        "tokens, with no BOS (docs/quality.md)")
+                   help="best-fit (default): every row starts with a document's BOS, as the model is prompted, "
+                        "and nothing is dropped; bos-aligned: the same, but a document that does not fit is "
+                        "cropped; packed: EOS-separated documents cut every seq_len + 1 tokens (docs/quality.md)")
     p.add_argument("--rows-per-shard", type=int, default=None, metavar="N",
                    help="sequences per token file (default: about 256 MB of tokens per file)")
     p.add_argument("--num-cpus", type=int, default=None, metavar="N",

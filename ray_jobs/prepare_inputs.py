@@ -20,9 +20,6 @@ from pathlib import Path
 from minilm.cli import UsageError  # the one usage-error class: `error: ...`, exit 2
 
 FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".txt": "txt", ".parquet": "parquet"}
-# the skip reasons counted in the manifest's skipped_by_reason
-REASONS = ("malformed_json", "not_an_object", "missing_text_field", "non_string_text", "invalid_utf8",
-           "empty_text")
 MAX_SKIP_WARNINGS = 10
 
 # ---- which files ------------------------------------------------------------------------------------
