@@ -326,11 +326,8 @@ def export_weights(path: str | os.PathLike, model: torch.nn.Module, config: Mode
                    step: int | None = None) -> Path:
     """Half-precision safetensors + config.json (+ tokenizer.json), written to a temp folder and renamed.
 
-    A failed write (a full disk) raises CheckpointError naming `step` (of the checkpoint it belongs to).
-
-    The model is put in eval mode while its weights are taken and back in train mode after, as the
-    MiniMind's loop does (dropout and the MoE aux-loss bookkeeping are train-only; a state dict read in eval
-    mode is what inference will see).
+    The weights are taken in eval mode, as MiniMind's loop does, since that is what inference sees; a
+    failed write raises CheckpointError naming `step`.
     """
     was_training = model.training
     model.eval()

@@ -1,19 +1,8 @@
 """Hugging Face export: a folder that transformers, vLLM and llama.cpp's converter open as Qwen3.
 
-MiniMind's architecture is Qwen3's (pre-norm, q/k RMSNorm per head before RoPE in the rotate-half
-layout, GQA, SwiGLU, top-k softmax router), and its parameter names are Qwen3's, so a minilm model
-is written as a `Qwen3ForCausalLM` (dense) or `Qwen3MoeForCausalLM` (MoE) folder:
-
-    config.json              Qwen3 / Qwen3-MoE fields (head_dim, rope_theta, tie_word_embeddings, ...)
-    generation_config.json   bos / eos / pad ids, so `generate` stops at <|im_end|>
-    model.safetensors        the weights under their Qwen3 names, lm_head.weight included
-    tokenizer.json           minilm's byte-level BPE, unchanged
-    tokenizer_config.json    PreTrainedTokenizerFast with MiniMind's special tokens
-    special_tokens_map.json
-    COMPLETE.json            SHA-256 of every file above (minilm's marker; other tools ignore it)
-
-Writing needs only safetensors; loading needs transformers (`pip install 'minilm[hf]'`), and no
-trust_remote_code. This module does not import transformers.
+MiniMind's architecture and parameter names are Qwen3's, so a minilm model is written as a
+`Qwen3ForCausalLM` (dense) or `Qwen3MoeForCausalLM` (MoE) folder (docs/export.md lists its files).
+Writing needs only safetensors; loading needs transformers, without trust_remote_code.
 """
 
 from __future__ import annotations
@@ -121,10 +110,7 @@ def generation_config(config: ModelConfig) -> dict:
 
 def export_hf(path: str | os.PathLike, state_dict: dict[str, torch.Tensor], config: ModelConfig,
               tokenizer_path: str | os.PathLike, dtype: torch.dtype = torch.float16) -> Path:
-    """Write the Hugging Face folder `path` (replacing it), through a temp folder renamed at the end.
-
-    A failed write (a full disk) raises CheckpointError naming the file; the temp folder is removed.
-    """
+    """Write the Hugging Face folder `path` (replacing it) through a temp folder; CheckpointError if a write fails."""
     writers = {
         "config.json": lambda f: _write_json(f, hf_config(config, dtype)),
         "generation_config.json": lambda f: _write_json(f, generation_config(config)),

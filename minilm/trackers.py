@@ -321,10 +321,8 @@ def open_trackers(kinds: str | Iterable[str] | None, *, run_dir: str | os.PathLi
                   say: Callable[[str], None] = print) -> Trackers:
     """Open (or continue) each tracker's run for the run in `run_dir`, starting after `start_step`.
 
-    `resume_state` is what `Trackers.state_dict()` returned at the checkpoint being resumed (None on
-    a fresh start); `hparams` (see `run_hparams`) is logged when a tracker run is created. Raises
-    TrackerError with a one-line message when a tracker cannot be opened; closes the ones already
-    opened first.
+    `resume_state` is the checkpoint's `Trackers.state_dict()` (None on a fresh start); `hparams` is
+    logged when a tracker run is created. A TrackerError closes the trackers already opened.
     """
     from .tracker_backends import open_backend  # imports this module
 

@@ -172,28 +172,23 @@ def _read_jsonl(src: Source, text_field: str) -> Iterator[tuple[str, str | Bad, 
             if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
                 raw = raw[3:]
             line = raw.rstrip(b"\r\n")
-            if not line.strip():
-                continue
-            where = f"{src.display}:{lineno}"
-            try:
-                s = line.decode("utf-8")
-            except UnicodeDecodeError as e:
-                yield where, Bad("invalid_utf8", _utf8_detail(line, e)[1]), len(raw)
-                continue
-            try:
-                obj = json.loads(s)
-            except json.JSONDecodeError as e:
-                yield where, Bad("malformed_json", f"malformed JSON ({e.msg} at column {e.colno})"), len(raw)
-                continue
-            if not isinstance(obj, dict):
-                yield where, Bad("not_an_object", f"a JSON {type(obj).__name__}, not an object with "
-                                                  f"{text_field!r}"), len(raw)
-                continue
-            if text_field not in obj:
-                keys = ", ".join(list(obj)[:5]) or "none"
-                yield where, Bad("missing_text_field", f"no {text_field!r} field (keys: {keys})"), len(raw)
-                continue
-            yield where, _check_text(obj[text_field], text_field), len(raw)
+            if line.strip():
+                yield f"{src.display}:{lineno}", _jsonl_record(line, text_field), len(raw)
+
+
+def _jsonl_record(line: bytes, text_field: str) -> str | Bad:
+    try:
+        obj = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        return Bad("invalid_utf8", _utf8_detail(line, e)[1])
+    except json.JSONDecodeError as e:
+        return Bad("malformed_json", f"malformed JSON ({e.msg} at column {e.colno})")
+    if not isinstance(obj, dict):
+        return Bad("not_an_object", f"a JSON {type(obj).__name__}, not an object with {text_field!r}")
+    if text_field not in obj:
+        keys = ", ".join(list(obj)[:5]) or "none"
+        return Bad("missing_text_field", f"no {text_field!r} field (keys: {keys})")
+    return _check_text(obj[text_field], text_field)
 
 
 def _read_txt(src: Source, text_field: str) -> Iterator[tuple[str, str | Bad, float]]:
