@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .data import FORMAT, MANIFEST, TOKEN_DTYPES, TOKENIZER_FILE, _fsync_dir
+from .data import FORMAT, MANIFEST, TOKEN_DTYPES, TOKENIZER_FILE, fsync_dir
 from .tokenizer import BOS_ID, EOS_ID
 
 SHARD_NAME = "shard-{:05d}.bin"
@@ -322,13 +322,13 @@ class AtomicOutput:
         """Move the finished temp folder to DIR (replacing an old dataset there)."""
         if not (self.tmp / MANIFEST).is_file():
             raise RuntimeError("commit() before the manifest was written")
-        _fsync_dir(self.tmp)
+        fsync_dir(self.tmp)
         old = None
         if self.final.exists():
             old = self.final.with_name(f"{self.final.name}.old-{os.getpid()}")
             os.rename(self.final, old)
         os.rename(self.tmp, self.final)
-        _fsync_dir(self.final.parent)
+        fsync_dir(self.final.parent)
         self.committed = True
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)

@@ -98,9 +98,9 @@ def materialise(remote: PreparedData, cache: Path | None = None) -> PreparedData
             for name, size, sha in _files(remote.manifest):
                 _copy_verified(fs, f"{root}/{name}", tmp / name, size, sha, f"{remote.uri}/{name}")
             _write_synced(tmp / MANIFEST, json.dumps(remote.manifest, indent=2).encode())
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             os.rename(tmp, target)
-            _fsync_dir(cache)
+            fsync_dir(cache)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         local = PreparedData(target, remote.manifest)
@@ -142,7 +142,7 @@ def _write_synced(path: Path, payload: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
