@@ -74,20 +74,22 @@ def tokenizer_to_str(tok: Tokenizer) -> str:
     return tok.to_str(pretty=True)
 
 
+def tokenizer_file(path: str | os.PathLike) -> Path:
+    """`path`, or the tokenizer.json in it when it is a folder."""
+    path = Path(path)
+    return path / "tokenizer.json" if path.is_dir() else path
+
+
 def save_tokenizer(tok: Tokenizer, path: str | os.PathLike) -> Path:
     """Write `tok` as `tokenizer.json` at `path` (a file path, or a directory to write it into)."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / "tokenizer.json"
+    path = tokenizer_file(path)
     path.write_text(tokenizer_to_str(tok), encoding="utf-8")
     return path
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     """Load a `tokenizer.json` (or a directory holding one) and check its special tokens."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / "tokenizer.json"
+    path = tokenizer_file(path)
     if not path.is_file():
         raise TokenizerError(f"tokenizer {path} does not exist")
     try:

@@ -154,8 +154,7 @@ def _tokenizer(args: argparse.Namespace, sources: list, tok_path: Path, skip_war
 
     if args.tokenizer:
         tok = T.load_tokenizer(args.tokenizer)
-        src_path = Path(args.tokenizer)
-        src_path = src_path / "tokenizer.json" if src_path.is_dir() else src_path
+        src_path = T.tokenizer_file(args.tokenizer)
         shutil.copyfile(src_path, tok_path)
         return tok, os.path.abspath(src_path)
     train_reader = RecordReader(sources, args.text_field, args.on_bad_record, warn=skip_warn)
