@@ -2,17 +2,9 @@
 
     bits per byte = (sum of next-token cross-entropy in nats) / ln 2 / (UTF-8 bytes those tokens spell)
 
-A byte-level BPE decodes every token to a fixed byte string, so the bytes a target token stands for
-are a property of the tokenizer alone: `token_byte_lengths` builds that table (0 for special tokens,
-which spell no text). Special-token targets (EOS, BOS, PAD) count in neither sum: bits per byte
-measures how well the model predicts text.
-
-Two ways to score held-out data:
-
-* `score_rows`: packed token rows as the training loop holds them (`val_bpb` beside `val_loss`). The
-  bytes of a row's targets come from the table, so nothing but the rows and the tokenizer is needed.
-* `evaluate_documents`: whole documents, each scored from its start in sliding windows so that every
-  token after the first window has at least `window - stride` tokens of context (`bench.quality`).
+Every byte-level BPE token spells fixed bytes, so the bytes of a target are a table lookup
+(`token_byte_lengths`); special tokens spell none and count in neither sum. `score_rows` scores
+training rows (`val_bpb`); `evaluate_documents` scores whole documents from their start (`bench.quality`).
 """
 
 from __future__ import annotations
@@ -33,9 +25,8 @@ import torch.nn.functional as F
 def byte_level_alphabet() -> dict[str, int]:
     """The printable character a byte-level BPE writes for each byte value, mapped back to the byte.
 
-    Bytes that are printable Latin-1 characters stand for themselves; the other 68 byte values are
-    shifted to code points 256 and up, in byte order (the GPT-2 convention that HF `tokenizers`'
-    ByteLevel pre-tokenizer and decoder follow).
+    GPT-2's convention, which HF `tokenizers`' ByteLevel follows: printable Latin-1 bytes stand for
+    themselves, the others are shifted to code points 256 and up, in byte order.
     """
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     char_to_byte = {chr(b): b for b in printable}
@@ -54,11 +45,8 @@ def token_bytes(token: str) -> bytes:
 
 
 def token_byte_lengths(tokenizer_json: str | os.PathLike) -> np.ndarray:
-    """UTF-8 bytes each token id decodes to, from a byte-level BPE `tokenizer.json` (or its folder).
-
-    Index = token id, for every id up to the largest (gaps hold 0); special (added) tokens get 0.
-    Raises ValueError for a tokenizer that is not byte-level: its tokens have no fixed bytes.
-    """
+    """UTF-8 bytes each token id decodes to (0 for special tokens and gaps), from a byte-level BPE
+    `tokenizer.json` or its folder; ValueError for another tokenizer, whose tokens have no fixed bytes."""
     path = Path(tokenizer_json)
     if path.is_dir():
         path = path / "tokenizer.json"
@@ -101,12 +89,10 @@ def _targets_nats(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.T
 @torch.no_grad()
 def score_rows(model: torch.nn.Module, rows: torch.Tensor, byte_lengths: torch.Tensor, *,
                autocast_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(nats, bytes) summed over the targets of `rows` (n, seq_len + 1), each row input and labels at once.
+    """(nats, bytes) summed over the text targets of `rows` (n, seq_len + 1), as in training.
 
-    Position t predicts token t + 1, as in training. Targets that spell no text (special tokens,
-    byte length 0) are left out of both sums. Both results stay on the device (no host sync):
-    add them up over batches and workers, then call `bits_per_byte`. The model is used as it is:
-    call `model.eval()` first.
+    Both stay on the device, so no host sync: sum them over batches and workers, then `bits_per_byte`.
+    The model is used as it is (call `model.eval()` first).
     """
     byte_lengths = byte_lengths.to(rows.device)
     targets = rows[:, 1:]
@@ -118,10 +104,8 @@ def score_rows(model: torch.nn.Module, rows: torch.Tensor, byte_lengths: torch.T
 def document_windows(ids: Sequence[int], window: int, stride: int) -> list[tuple[list[int], int]]:
     """Sliding windows over one token sequence: [(tokens, first_scored_target), ...].
 
-    `ids` is what the model reads, starting with the document-start context (e.g. BOS); every
-    target ids[1:] is scored exactly once. A window holds at most `window` tokens and scores its
-    targets from index `first_scored_target` on (target j predicts tokens[j + 1]); after the first
-    window each scored target sees at least `window - stride` earlier tokens.
+    Every target ids[1:] is scored exactly once, and after the first window with at least
+    `window - stride` earlier tokens of context.
     """
     if not 0 < stride < window:
         raise ValueError(f"need 0 < stride < window, got stride {stride}, window {window}")
@@ -143,10 +127,8 @@ def evaluate_documents(model: torch.nn.Module, documents: Sequence[Sequence[int]
                        device: str | torch.device = "cpu", autocast_dtype: torch.dtype | None = None) -> dict:
     """Bits per byte of `documents` (token ids, without special tokens), each read as prefix + document.
 
-    `prefix` is the document-start context of the training format (MiniMind's rows: [BOS]; packed
-    rows: [EOS], the end of the document before). Windows of all documents are batched together,
-    right-padded (causal attention: padding after a position never changes it) with padded
-    positions not scored. Returns {"bpb", "nats", "bytes", "tokens", "windows"}.
+    `prefix` is the training format's document start ([BOS], or [EOS] for packed rows). Windows are
+    right-padded, which a causal model never sees. Returns {"bpb", "nats", "bytes", "tokens", "windows"}.
     """
     stride = stride or window // 2
     pieces: list[tuple[list[int], int]] = []

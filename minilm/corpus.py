@@ -1,13 +1,8 @@
 """A built-in demo corpus that needs no download: the prose that ships with every Python.
 
-Documents are the docstrings of the standard library (modules, classes, functions; each cleaned
-with `inspect.cleandoc`) and the reference-manual topics `pydoc` carries (`pydoc_data/topics.py`),
-read with `ast` from the stdlib source files, never imported. Files are visited in sorted path
-order, and a file's docstrings in source order (depth first), so the corpus is the same on every
-run of the same Python (on another Python version it differs: the manifest's fingerprint tells).
-
-Skipped: test suites, idlelib, turtledemo, site-packages and other non-library folders; docstrings
-shorter than `MIN_CHARS`; repeats of a docstring seen before. The corpus stops before `MAX_BYTES`.
+Documents are the standard library's docstrings and pydoc's reference topics, read with `ast` (never
+imported) in sorted path and source order, so the corpus is the same on every run of one Python; the
+manifest's fingerprint tells another Python's apart. Tests, short docstrings and repeats are skipped.
 """
 
 from __future__ import annotations
@@ -98,10 +93,7 @@ def demo_corpus_documents(max_bytes: int = MAX_BYTES, min_chars: int = MIN_CHARS
 
 
 def write_demo_corpus(path: str | os.PathLike, max_bytes: int = MAX_BYTES) -> dict:
-    """Write the demo corpus as MiniMind-style JSONL (`{"text": ...}` per line) to `path`.
-
-    Returns {"path", "documents", "text_bytes", "bytes"}. The file is the same bytes on every run.
-    """
+    """Write the demo corpus as MiniMind-style JSONL to `path`; {"path", "documents", "text_bytes", "bytes"}."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     docs = text_bytes = 0

@@ -1,33 +1,19 @@
 """Hugging Face export: a folder that transformers, vLLM and llama.cpp's converter open as Qwen3.
 
-MiniMind's architecture is Qwen3's (pre-norm, q/k RMSNorm per head before RoPE in the rotate-half
-layout, GQA, SwiGLU, top-k softmax router), and its parameter names are Qwen3's, so a minilm model
-is written as a `Qwen3ForCausalLM` (dense) or `Qwen3MoeForCausalLM` (MoE) folder:
-
-    config.json              Qwen3 / Qwen3-MoE fields (head_dim, rope_theta, tie_word_embeddings, ...)
-    generation_config.json   bos / eos / pad ids, so `generate` stops at <|im_end|>
-    model.safetensors        the weights under their Qwen3 names, lm_head.weight included
-    tokenizer.json           minilm's byte-level BPE, unchanged
-    tokenizer_config.json    PreTrainedTokenizerFast with MiniMind's special tokens
-    special_tokens_map.json
-    COMPLETE.json            SHA-256 of every file above (minilm's marker; other tools ignore it)
-
-Writing needs only safetensors; loading needs transformers (`pip install 'minilm[hf]'`), and no
-trust_remote_code. This module does not import transformers.
+MiniMind's architecture and parameter names are Qwen3's, so a minilm model is written as a
+`Qwen3ForCausalLM` (dense) or `Qwen3MoeForCausalLM` (MoE) folder (docs/export.md lists its files).
+Writing needs only safetensors; loading needs transformers, without trust_remote_code.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import save_file
 
-from .checkpoint import MARKER, CheckpointError, write_error, write_marker
+from .checkpoint_files import write_bytes, write_files, write_safetensors
 from .config import ModelConfig
 from .tokenizer import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, SPECIAL_TOKENS
 
@@ -37,10 +23,8 @@ DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float
 def hf_config(config: ModelConfig, dtype: torch.dtype = torch.float16) -> dict:
     """config.json of the Qwen3 (or Qwen3-MoE) model that computes what MiniMindForCausalLM computes.
 
-    Every field is written, not left to a loader's default: Qwen3Config's defaults are Qwen3-8B's
-    (head_dim 128, vocab 151936, untied embeddings), none of which is MiniMind's. RoPE is plain
-    `rope_theta` (no scaling), the form every Qwen3 checkpoint on the Hub has: transformers 5 turns
-    it into its `rope_parameters`, and vLLM and llama.cpp's converter read it as is.
+    Every field is written, since Qwen3Config's defaults are Qwen3-8B's; RoPE is plain `rope_theta`,
+    the form of the Hub's Qwen3 checkpoints, which every loader reads.
     """
     c = config
     d = {
@@ -90,9 +74,8 @@ def hf_tensors(state_dict: dict[str, torch.Tensor], config: ModelConfig,
                dtype: torch.dtype = torch.float16) -> dict[str, torch.Tensor]:
     """The weights under their Qwen3 names (MiniMind's names are Qwen3's), each its own contiguous copy.
 
-    lm_head.weight is written even when it is tied to the embedding: transformers and vLLM's Qwen3
-    then tie and skip it, while loaders that ignore tie_word_embeddings (vLLM's and SGLang's Qwen3-MoE
-    in some versions) would otherwise leave the output layer randomly initialised.
+    lm_head.weight is written even when tied, for loaders that ignore tie_word_embeddings and would
+    otherwise leave the output layer random.
     """
     tensors = {k: v.detach().to(dtype=dtype, device="cpu").contiguous().clone() for k, v in state_dict.items()}
     if "lm_head.weight" not in tensors and config.tie_word_embeddings:
@@ -127,39 +110,21 @@ def generation_config(config: ModelConfig) -> dict:
 
 def export_hf(path: str | os.PathLike, state_dict: dict[str, torch.Tensor], config: ModelConfig,
               tokenizer_path: str | os.PathLike, dtype: torch.dtype = torch.float16) -> Path:
-    """Write the Hugging Face folder `path` (replacing it), through a temp folder renamed at the end.
-
-    A failed write (a full disk) raises CheckpointError naming the file; the temp folder is removed.
-    """
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    """Write the Hugging Face folder `path` (replacing it) through a temp folder; CheckpointError if a write fails."""
     writers = {
         "config.json": lambda f: _write_json(f, hf_config(config, dtype)),
         "generation_config.json": lambda f: _write_json(f, generation_config(config)),
-        "model.safetensors": lambda f: save_file(hf_tensors(state_dict, config, dtype), str(f),
-                                                 metadata={"format": "pt"}),
-        "tokenizer.json": lambda f: shutil.copyfile(tokenizer_path, f),
+        "model.safetensors": lambda f: write_safetensors(f, hf_tensors(state_dict, config, dtype), {"format": "pt"}),
+        "tokenizer.json": lambda f: write_bytes(f, Path(tokenizer_path).read_bytes()),
         "tokenizer_config.json": lambda f: _write_json(f, tokenizer_config(config)),
         "special_tokens_map.json": lambda f: _write_json(f, special_tokens_map()),
     }
-    name = path.name
-    try:
-        tmp.mkdir(parents=True)
-        for name, write in writers.items():
-            write(tmp / name)
-        name = MARKER
-        write_marker(tmp, list(writers))
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(tmp, path)
-    except (OSError, SafetensorError) as e:
-        shutil.rmtree(tmp, ignore_errors=True)  # a full disk gets its space back
-        raise CheckpointError(write_error(tmp, None, name, e)) from None
-    return path
+    write_files(Path(path), writers, None, via_tmp=True)
+    return Path(path)
 
 
-def _write_json(f: Path, d: dict) -> None:
-    f.write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
+def _write_json(f: Path, d: dict) -> str:
+    return write_bytes(f, (json.dumps(d, indent=2, sort_keys=True) + "\n").encode())
 
 
 __all__ = ["export_hf", "hf_config", "hf_tensors", "tokenizer_config", "generation_config", "special_tokens_map"]

@@ -1,42 +1,29 @@
 """Muon for the hidden weight matrices, AdamW for everything else, in one optimizer.
 
-Muon (MomentUm Orthogonalized by Newton-Schulz) takes SGD momentum of a 2-D weight's gradient and
-replaces it by the nearest semi-orthogonal matrix (all singular values ~1) before the step, so every
-direction of the matrix moves at the same rate. It is for the matrices inside the transformer
-blocks; the embedding (tied with the head), the norm gains and an MoE router stay on AdamW, as in
-the public Muon recipes.
+Muon replaces the SGD momentum of a 2-D weight's gradient by the nearest semi-orthogonal matrix
+before the step, so every direction of the matrix moves at the same rate. The embedding, norm gains
+and MoE router stay on AdamW, as in the public Muon recipes. One optimizer holding both kinds of
+group (`group["use_muon"]`) keeps a checkpoint to one `optimizer.pt`.
 
-One `torch.optim.Optimizer` holds both kinds of group (`group["use_muon"]`), so a checkpoint has one
-`optimizer.pt` and `state_dict`/`load_state_dict` restore it exactly.
-
-* **Learning rates.** `minilm.step.set_lr` sets each group's lr to the schedule's lr x
-  `group["lr_ratio"]`: Muon groups run at `TrainConfig.muon_lr` at the peak, AdamW groups at
-  `TrainConfig.lr`, and warmup and cosine apply to both.
-* **Deterministic.** No randomness and no data-dependent control flow: given the same (all-reduced)
-  gradients, every DDP rank computes the same update (the Newton-Schulz dtype is fixed, bf16, not
-  chosen per machine).
-* **Skipping a step without a host sync.** Set `optimizer.found_inf` to a 0-dim float tensor on the
-  parameters' device (1.0 = skip) before `step()`, as `torch.amp.GradScaler` does for torch's fused
-  AdamW. The new parameters and state are then chosen with `torch.where`, so a skipped step leaves
-  every parameter and every state tensor bitwise unchanged, and nothing is read back to the host.
+The update is deterministic (a fixed bf16 Newton-Schulz), so every DDP rank computes the same one;
+`optimizer.found_inf` (1.0 = skip), as GradScaler sets it for fused AdamW, skips a step with
+`torch.where`, bitwise and without a host sync.
 """
 
 from __future__ import annotations
 
 import torch
 
-# Quintic Newton-Schulz iteration X <- a X + (b A + c A^2) X with A = X X^T. These coefficients
-# push every singular value of a normalised matrix into roughly [0.7, 1.2] in 5 steps, which is
-# orthogonal enough for an update direction and far cheaper than an SVD.
+# Quintic Newton-Schulz iteration X <- a X + (b A + c A^2) X with A = X X^T: in 5 steps these
+# coefficients make a normalised matrix orthogonal enough for an update direction, far cheaper than an SVD.
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 
 def orthogonalize(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
     """Approximately U V^T of g = U S V^T (g 2-D), by `steps` Newton-Schulz iterations.
 
-    Runs in bf16 on every device: precise enough for an update direction, and the iteration's
-    matmuls are the whole cost of Muon (in fp32 they made a CPU step of hidden 512 x 4 layers,
-    batch 8 x 256, 2.4x AdamW's). The same dtype everywhere keeps every rank's update the same.
+    In bf16 on every device: precise enough for a direction, these matmuls are Muon's whole cost, and
+    one dtype everywhere keeps every rank's update the same.
     """
     a, b, c = NS_COEFFICIENTS
     x = g.to(torch.bfloat16)

@@ -1,15 +1,8 @@
-"""Packing token ids into fixed-length rows, and writing them as the token files docs/data.md describes.
+"""Packing token ids into rows of `seq_len + 1`, written as the token files of docs/data.md.
 
-Every document is followed by the EOS id and the documents are concatenated in input order; the
-stream is cut into rows of `seq_len + 1` tokens (no padding) and the incomplete tail is dropped and
-counted. Rows are appended to raw token files (`shard-NNNNN.bin`, little-endian uint16 or uint32) of
-`rows_per_shard` rows (the last one may be shorter) as they arrive, each file hashed as it is
-written: memory stays at one chunk of the stream, whatever the shard size. The bytes are the token
-ids and nothing else, so the same rows always give the same bytes and the same fingerprint.
-
-The output directory is written atomically: everything goes to a sibling `DIR.tmp-<pid>`, the
-manifest last, and only then is it renamed to DIR. An interrupted prepare leaves no DIR that
-`minilm.data.open_prepared` accepts (the temporary folder is removed, or by the next prepare).
+Rows are appended to `shard-NNNNN.bin` files as they arrive, each hashed as it is written, so memory
+stays at one chunk of the stream whatever the shard size. The output folder is built beside DIR and
+renamed into place after its manifest, so an interrupted prepare leaves nothing `open_prepared` accepts.
 """
 
 from __future__ import annotations
@@ -25,12 +18,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .data import FORMAT, MANIFEST, TOKEN_DTYPES, TOKENIZER_FILE, _fsync_dir
+from .data import FORMAT, MANIFEST, TOKEN_DTYPES, TOKENIZER_FILE, fsync_dir
 from .tokenizer import BOS_ID, EOS_ID
 
 SHARD_NAME = "shard-{:05d}.bin"
-# Shards of about 256 MiB: few enough files for a 10B-token corpus (~80 at uint16), small enough to
-# copy and hash one at a time.
+# Few enough files for a 10B-token corpus, small enough to copy and hash one at a time.
 SHARD_BYTES = 256 << 20
 _SHARD_RE = re.compile(r"shard-\d{5}\.bin")
 
@@ -48,8 +40,7 @@ def default_rows_per_shard(seq_len: int, token_dtype: str) -> int:
 def pack_documents(docs: Iterable[Sequence[int]], seq_len: int, eos_id: int = EOS_ID) -> tuple[np.ndarray, int]:
     """(rows, dropped_tail_tokens): `docs` each followed by `eos_id`, concatenated, cut into rows.
 
-    The in-memory reference of what `ShardWriter` writes to disk.
-    """
+    The in-memory reference of what `ShardWriter` writes to disk."""
     parts = []
     for doc in docs:
         parts.append(np.asarray(doc, dtype=np.int32))
@@ -82,9 +73,7 @@ def open_shard(path: Path):
 class ShardWriter:
     """Streams documents (or an EOS-separated token stream) into token files in `directory`.
 
-    `token_dtype` is "uint16" or "uint32" (`minilm.data.token_dtype_for(vocab_size)`); an id that
-    does not fit it is an error, never a silent wrap-around.
-    """
+    An id that does not fit `token_dtype` is an error, never a silent wrap-around."""
 
     def __init__(self, directory: str | os.PathLike, seq_len: int, rows_per_shard: int | None = None,
                  eos_id: int = EOS_ID, token_dtype: str = "uint16"):
@@ -176,13 +165,10 @@ class ShardWriter:
 
 
 class BosAlignedShardWriter(ShardWriter):
-    """A ShardWriter of best-fit rows (`prepare --rows best-fit`, the default, or `--rows bos-aligned`).
+    """A ShardWriter of rows that each start with a document (`prepare --rows best-fit` or `bos-aligned`).
 
-    The EOS-separated stream is split back into documents, which `minilm.rows.BestFitRows` places
-    best-fit into rows of seq_len + 1 (`[BOS] + doc + [EOS]` each). With `split_long` (best-fit) a
-    long document fills rows of its own and nothing is dropped; without it (bos-aligned) the last
-    document of a row is cropped rather than split into the next row. The rows go to the token
-    files as usual; `best_fit` counts what was split, cropped and left over.
+    The stream is split back into documents for `minilm.rows.BestFitRows`; `split_long` (best-fit) gives a
+    long document rows of its own instead of cropping it. `best_fit` counts what was split and cropped.
     """
 
     def __init__(self, directory: str | os.PathLike, seq_len: int, rows_per_shard: int | None = None,
@@ -217,11 +203,8 @@ class BosAlignedShardWriter(ShardWriter):
 # ---- manifest ---------------------------------------------------------------------------------------
 
 def compute_fingerprint(tokenizer_sha256: str, seq_len: int, shard_sha256s: Sequence[str], token_dtype: str) -> str:
-    """sha256 of the canonical JSON {"format", "seq_len", "shards": [sha256...], "token_dtype", "tokenizer_sha256"}.
-
-    Two prepared datasets with the same fingerprint hold the same token rows in the same order,
-    made with the same tokenizer.
-    """
+    """sha256 of the canonical JSON of what makes the rows: two datasets with the same fingerprint hold the
+    same token rows in the same order, made with the same tokenizer."""
     payload = {"format": FORMAT, "seq_len": int(seq_len), "shards": list(shard_sha256s),
                "token_dtype": token_dtype, "tokenizer_sha256": tokenizer_sha256}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
@@ -307,9 +290,7 @@ def describe_existing(path: Path) -> str | None:
 class AtomicOutput:
     """Builds DIR in `DIR.tmp-<pid>` and renames it into place on `commit()`.
 
-    Refuses an existing DIR that holds a prepared dataset (complete or not) unless `overwrite`, and
-    always refuses one that holds anything else: --overwrite never deletes foreign files.
-    """
+    An existing prepared dataset is replaced only with `overwrite`; anything else there is never deleted."""
 
     def __init__(self, final: str | os.PathLike, overwrite: bool = False):
         self.final = Path(final)
@@ -341,13 +322,13 @@ class AtomicOutput:
         """Move the finished temp folder to DIR (replacing an old dataset there)."""
         if not (self.tmp / MANIFEST).is_file():
             raise RuntimeError("commit() before the manifest was written")
-        _fsync_dir(self.tmp)
+        fsync_dir(self.tmp)
         old = None
         if self.final.exists():
             old = self.final.with_name(f"{self.final.name}.old-{os.getpid()}")
             os.rename(self.final, old)
         os.rename(self.tmp, self.final)
-        _fsync_dir(self.final.parent)
+        fsync_dir(self.final.parent)
         self.committed = True
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)

@@ -1,25 +1,13 @@
-"""How tokenized documents become training rows: three layouts, as pure functions.
+"""How tokenized documents become training rows of `row_len` (seq_len + 1) ids: the layouts, as pure functions.
 
-A row is `row_len` token ids (seq_len + 1: input and labels at once, the model shifts the labels).
+* `padded_document_rows`: MiniMind's rows, one `[BOS] + doc + [EOS]` per row, cut and padded.
+* `packed_rows`: documents each followed by EOS, concatenated and cut every row_len tokens.
+* `bos_aligned_rows`: every row starts at a document start; documents are placed best-fit, and the
+  one that fits nowhere is cropped, so each document in a row is read from its BOS, as it is prompted.
+* `best_fit_rows` (`prepare`'s default): the same, but a long document fills rows of its own and
+  a cropped rest waits for a later row, so nothing is dropped.
 
-* `padded_document_rows`: MiniMind's pretraining rows. One document per row, `[BOS] + doc + [EOS]`
-  cut to row_len (the document's tail is never trained on), PAD after it; PAD targets get label
-  -100 (no loss).
-* `packed_rows`: minilm's packing (`minilm.packing.pack_documents`, what `ray_jobs.prepare`
-  writes): documents each followed by EOS (optionally preceded by BOS), concatenated and cut every
-  row_len tokens. No padding; a document may start anywhere in a row and continue in the next.
-* `bos_aligned_rows`: every row starts at a document start. Documents (`[BOS] + doc + [EOS]`) are
-  placed best-fit into rows: each row takes the longest waiting document that fits the space left,
-  and when none fits, the shortest one is cropped to fill the row; its rest is dropped, never
-  carried into the next row. So every document in a row is read from its beginning, with its BOS.
-* `best_fit_rows` (`split_long=True`; what `ray_jobs.prepare` writes by default): the same best-fit
-  placement, but nothing is dropped. A document longer than a row fills whole rows of its own, in
-  order (the first starts with its BOS); its last piece, and the rest of a cropped document, wait
-  to be placed like any document. Short documents are read from their start exactly as in
-  `bos_aligned_rows`; long ones are trained on whole, in row-long stretches of their own text.
-
-`document_starts` marks where documents begin inside rows of any layout (after an EOS, or at a
-BOS), which is what document-masked attention needs.
+`document_starts` marks where documents begin in rows of any layout, for document-masked attention.
 """
 
 from __future__ import annotations
@@ -38,8 +26,8 @@ def padded_document_rows(docs: Iterable[Sequence[int]], row_len: int, *, bos_id:
                          eos_id: int = EOS_ID, pad_id: int = PAD_ID) -> tuple[np.ndarray, np.ndarray]:
     """(rows, labels), both int64 (n_docs, row_len): MiniMind's `[BOS] + doc[:row_len - 2] + [EOS]`, padded.
 
-    Labels equal the rows except at padded positions (-100). MiniMind masks by value (`input_ids ==
-    pad_token_id`); masking by position is the same for any document that does not contain PAD.
+    Labels are -100 at padded positions: by position, which is MiniMind's mask by value for any document
+    without a PAD in it.
     """
     if row_len < 2:
         raise ValueError(f"row_len must be >= 2 (BOS and EOS), got {row_len}")
@@ -75,14 +63,9 @@ class BestFitStats:
 class BestFitRows:
     """BOS-aligned best-fit rows from documents pushed one at a time (`add`), for a streaming writer.
 
-    At most `buffer_docs` documents wait: once that many wait (and a row's worth of tokens), `add`
-    returns the rows it could close; `finish` closes the rows the rest can fill. The rule, row by
-    row: take the longest waiting document that fits the space left in the row; when none fits,
-    crop the shortest waiting one to the space left (cropping the shortest wastes the fewest
-    tokens) and close the row. With `split_long`, a document longer than a row first fills rows of
-    its own, and when none fits, the longest waiting piece is split: its head closes the row, its
-    rest waits. Documents still waiting at the end that cannot fill a last row are
-    dropped (counted in `stats`).
+    Row by row: take the longest of the (at most `buffer_docs`) waiting documents that fits the space
+    left; when none fits, crop the shortest (or, with `split_long`, split the longest, whose rest waits).
+    What cannot fill a last row at `finish` is dropped and counted in `stats`.
     """
 
     def __init__(self, row_len: int, *, bos_id: int = BOS_ID, eos_id: int = EOS_ID, buffer_docs: int = 1000,
@@ -92,7 +75,6 @@ class BestFitRows:
         if buffer_docs < 1:
             raise ValueError(f"buffer_docs must be >= 1, got {buffer_docs}")
         self.row_len, self.bos_id, self.eos_id, self.buffer_docs = row_len, bos_id, eos_id, buffer_docs
-        # split_long: long documents fill rows of their own and cropped rests wait again (nothing dropped).
         self.split_long = split_long
         self.stats = stats if stats is not None else BestFitStats()
         self.keys: list[tuple[int, int]] = []  # (length, arrival number), sorted: bisect finds the best fit
@@ -162,8 +144,7 @@ class BestFitRows:
 def iter_bos_aligned_rows(docs: Iterable[Sequence[int]], row_len: int, *, bos_id: int = BOS_ID,
                           eos_id: int = EOS_ID, buffer_docs: int = 1000,
                           stats: BestFitStats | None = None, split_long: bool = False) -> Iterator[np.ndarray]:
-    """Yield BOS-aligned rows (int32, row_len) from `docs`, best-fit within a window of `buffer_docs` documents
-    (`BestFitRows`). Streams: memory stays flat in the corpus size."""
+    """Yield BOS-aligned rows (int32, row_len) of `docs` (`BestFitRows`), with memory flat in the corpus size."""
     packer = BestFitRows(row_len, bos_id=bos_id, eos_id=eos_id, buffer_docs=buffer_docs, stats=stats,
                          split_long=split_long)
     for doc in docs:

@@ -11,6 +11,7 @@ import sys
 import torch
 
 from .checkpoint import CheckpointError, load_pretrained
+from .cli import fail
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,16 +24,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
-        print("error: need --max-new-tokens >= 1, --temperature >= 0 and 0 < --top-p <= 1", file=sys.stderr)
-        return 2
+        return fail("need --max-new-tokens >= 1, --temperature >= 0 and 0 < --top-p <= 1")
     try:
         model, tokenizer = load_pretrained(args.weights)
     except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(str(e))
     if tokenizer is None:
-        print(f"error: {args.weights} has no tokenizer.json", file=sys.stderr)
-        return 2
+        return fail(f"{args.weights} has no tokenizer.json")
     ids = [model.config.bos_token_id] + tokenizer.encode(args.prompt).ids
     out = model.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                          top_p=args.top_p, eos_token_id=model.config.eos_token_id,

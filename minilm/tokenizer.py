@@ -1,12 +1,8 @@
 """Byte-level BPE tokenizer with MiniMind's special tokens.
 
-MiniMind's tokenizer is a byte-level BPE (HF `tokenizers`) of 6400 tokens whose first three ids are
-the special tokens below; this module trains one like it, deterministically, and loads any
-`tokenizer.json` that has the same three special tokens at the same ids.
-
-Byte-level means every string, whatever its script, encodes to tokens and decodes back unchanged
-(there is no unknown token and no normalizer). Special-token strings that appear literally in a text
-(MiniMind's pretraining data wraps documents in `<|im_start|>`...`<|im_end|>`) encode to their ids.
+This module trains one like MiniMind's (HF `tokenizers`, 6400 tokens, the special tokens below at
+ids 0-2), deterministically, and loads any `tokenizer.json` with those special tokens at those ids.
+Byte-level: every string encodes and decodes back unchanged, with no unknown token.
 """
 
 from __future__ import annotations
@@ -26,8 +22,8 @@ PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 DEFAULT_VOCAB_SIZE = 6400
 # The special tokens plus the 256 byte symbols every byte-level BPE starts from.
 MIN_VOCAB_SIZE = len(SPECIAL_TOKENS) + 256
-# Training reads at most this much text (UTF-8 bytes), taken in input order: enough for a 6400-token
-# vocabulary, and it keeps training to seconds whatever the size of the corpus.
+# Training reads at most this much text, in input order: enough for a 6400-token vocabulary, and it keeps
+# training short whatever the size of the corpus.
 DEFAULT_MAX_TRAIN_BYTES = 8 << 20
 
 
@@ -56,8 +52,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE, 
                     max_bytes: int | None = DEFAULT_MAX_TRAIN_BYTES) -> Tokenizer:
     """Train a byte-level BPE on `texts` (in order, stopping after `max_bytes` of text).
 
-    The result is a function of the texts alone: the same texts give a byte-identical `to_str()`.
-    The vocabulary may come out smaller than `vocab_size` when the texts hold fewer merges.
+    The same texts give a byte-identical `to_str()`; the vocabulary may be smaller than `vocab_size`.
     """
     check_vocab_size(vocab_size)
     tok = Tokenizer(models.BPE())
@@ -79,20 +74,22 @@ def tokenizer_to_str(tok: Tokenizer) -> str:
     return tok.to_str(pretty=True)
 
 
+def tokenizer_file(path: str | os.PathLike) -> Path:
+    """`path`, or the tokenizer.json in it when it is a folder."""
+    path = Path(path)
+    return path / "tokenizer.json" if path.is_dir() else path
+
+
 def save_tokenizer(tok: Tokenizer, path: str | os.PathLike) -> Path:
     """Write `tok` as `tokenizer.json` at `path` (a file path, or a directory to write it into)."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / "tokenizer.json"
+    path = tokenizer_file(path)
     path.write_text(tokenizer_to_str(tok), encoding="utf-8")
     return path
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     """Load a `tokenizer.json` (or a directory holding one) and check its special tokens."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / "tokenizer.json"
+    path = tokenizer_file(path)
     if not path.is_file():
         raise TokenizerError(f"tokenizer {path} does not exist")
     try:

@@ -1,25 +1,9 @@
 """Experiment trackers (TensorBoard, MLflow, Weights & Biases) that survive resume.
 
-Rank 0 opens the trackers once per (re)start of the worker group, logs every reported metric at its
-optimizer step, and saves `Trackers.state_dict()` (each tracker's run id) in the checkpoint's
-state.json. A resumed run, at any world size and from any job submission, passes that state back
-to `open_trackers` and continues the same tracker run.
-
-Steps redone after a crash (logged after the last checkpoint, then recomputed from it) never make
-a tracker's step axis go backwards:
-
-* TensorBoard overwrites them: the writer opens with `purge_step = first step to be redone`, and
-  TensorBoard hides every older event at or past it (a `SessionLog.START` purge; the Rust data
-  server also drops points a later record at a smaller step preempts).
-* MLflow and W&B cannot delete points, so they keep a high-water mark: a step at or below the last
-  step the tracker already holds is not logged again. The mark is read back from the tracker
-  (MLflow's metric history, W&B's `starting_step` of a resumed online run) and from
-  `trackers.json` in the run folder (rewritten after every log, so it survives a crash that
-  no checkpoint saw). The points kept are the first attempt's; resume is exact, so loss, lr and
-  grad norm are equal (bitwise at the same world size), only timings and world size may differ.
-
-See docs/tracking.md. Nothing here imports a tracker package until a tracker of that kind is
-opened, and nothing imports Ray.
+Rank 0 opens the trackers once per (re)start and saves each one's run id in the checkpoint, so a
+resumed run continues the same tracker run. Steps redone after a crash never make a step axis go
+backwards: TensorBoard purges them, MLflow and W&B skip steps at or below the last one they hold
+(docs/tracking.md). No tracker package is imported until a tracker of that kind is opened.
 """
 
 from __future__ import annotations
@@ -29,28 +13,23 @@ import importlib.util
 import json
 import netrc
 import os
-import re
-import secrets
 import subprocess
-import time
-import warnings
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
+
+if TYPE_CHECKING:
+    from .tracker_backends import Backend
 
 KINDS = ("tensorboard", "mlflow", "wandb")
 SIDECAR = "trackers.json"  # in the run folder: run ids and the last step each tracker holds
 STATE_VERSION = 1
 
-# What `import` each kind needs, as (module, the package that provides it).
-REQUIRED = {
-    "tensorboard": (("tensorboardX", "tensorboardX"),),
-    "mlflow": (("mlflow", "mlflow-skinny"),),
-    "wandb": (("wandb", "wandb"),),
-}
-# MLflow's SQL stores (the default, a SQLite file in the run folder) need two more packages that
-# mlflow-skinny leaves out.
+# The module each kind imports, and the package that provides it.
+REQUIRED = {"tensorboard": ("tensorboardX", "tensorboardX"), "mlflow": ("mlflow", "mlflow-skinny"),
+            "wandb": ("wandb", "wandb")}
+# MLflow's SQL stores (the default is SQLite in the run folder) need two packages mlflow-skinny leaves out.
 MLFLOW_SQL = (("sqlalchemy", "sqlalchemy"), ("alembic", "alembic"))
 
 DEFAULT_OPTIONS = {
@@ -72,11 +51,7 @@ class TrackerError(ValueError):
 # ---- checks before any work ---------------------------------------------------------------------
 
 def parse_kinds(kinds: str | Iterable[str] | None) -> list[str]:
-    """`--tracker` values -> tracker kinds, in order, without repeats.
-
-    Accepts a list of flag values, each of which may be comma-separated ("tensorboard,mlflow");
-    "none" (alone) or nothing means no tracker.
-    """
+    """`--tracker` values (each may be comma-separated) -> tracker kinds, in order, without repeats."""
     if kinds is None:
         return []
     if isinstance(kinds, str):
@@ -94,23 +69,20 @@ def parse_kinds(kinds: str | Iterable[str] | None) -> list[str]:
 
 def check_trackers(kinds: str | Iterable[str] | None, options: Mapping[str, Any] | None = None, *,
                    run_dir: str | os.PathLike | None = None) -> list[str]:
-    """Validate tracker names, their packages and options before any work; return the kinds.
+    """Check tracker names, packages and options in the driver, before any work; return the kinds.
 
-    Call it in the driver (where a `TrackerError` becomes one `error:` line). `run_dir` is the
-    local run folder, or None when checkpoints go to remote storage. Imports nothing heavy: a
-    package is only looked up.
+    `run_dir` is the local run folder, or None when checkpoints go to remote storage.
     """
     names = parse_kinds(kinds)
     opts = {**DEFAULT_OPTIONS, **(options or {})}
     for kind in names:
-        for module, package in REQUIRED[kind]:
-            _require_installed(kind, module, package)
+        _require_installed(kind, *REQUIRED[kind])
     if "tensorboard" in names and run_dir is None:
         raise TrackerError("--tracker tensorboard writes event files into the run folder, which needs a local "
                            "--storage-path (a path, not s3:// or gs://)")
     if "mlflow" in names:
         uri = mlflow_tracking_uri(opts, run_dir)
-        if _is_sql_uri(uri):
+        if is_sql_uri(uri):
             for module, package in MLFLOW_SQL:
                 _require_installed("mlflow", module, package,
                                    why=f"MLflow's SQL store ({uri.split(':', 1)[0]}) needs {package}")
@@ -128,7 +100,7 @@ def _require_installed(kind: str, module: str, package: str, why: str | None = N
         raise TrackerError(_missing_message(kind, package, why))
 
 
-def _import(kind: str, module: str, package: str):
+def import_tracker(kind: str, module: str, package: str):
     """Import a tracker package in the worker, with the same one-line message when it is missing."""
     try:
         return importlib.import_module(module)
@@ -158,10 +130,9 @@ def _check_wandb_credentials() -> None:
 
 
 def mlflow_tracking_uri(options: Mapping[str, Any], run_dir: str | os.PathLike | None) -> str:
-    """`--mlflow-uri`, or a SQLite file in the run folder.
+    """`--mlflow-uri` (a plain path ending in .db: a SQLite file there), or SQLite in the run folder.
 
-    MLflow 3 refuses its old file store unless MLFLOW_ALLOW_FILE_STORE=true, so the local default
-    is SQLite. A plain path ending in .db means a SQLite file there.
+    SQLite, because MLflow 3 refuses its old file store unless MLFLOW_ALLOW_FILE_STORE=true.
     """
     uri = options.get("mlflow_uri")
     if not uri:
@@ -175,7 +146,7 @@ def mlflow_tracking_uri(options: Mapping[str, Any], run_dir: str | os.PathLike |
     return uri
 
 
-def _is_sql_uri(uri: str) -> bool:
+def is_sql_uri(uri: str) -> bool:
     return uri.split(":", 1)[0].split("+", 1)[0] in ("sqlite", "postgresql", "mysql", "mssql")
 
 
@@ -229,11 +200,14 @@ def code_version(code_dir: str | os.PathLike | None = None) -> dict[str, Any]:
     root = Path(code_dir) if code_dir else Path(__file__).resolve().parents[1]
     if not (root / ".git").exists():  # not some unrelated repository that happens to enclose an install
         return {}
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10,
+                              check=True).stdout.strip()
+
     try:
-        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
-                                timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+        commit = git("rev-parse", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
         return {}
     return {"git_commit": commit, "git_dirty": bool(dirty)} if commit else {}
@@ -255,214 +229,10 @@ def flatten_hparams(hparams: Mapping[str, Any], prefix: str = "") -> dict[str, s
     return out
 
 
-# ---- the trackers -------------------------------------------------------------------------------
-
-class _Backend:
-    """One tracker run. `high_water`: steps at or below it are already in the tracker and not logged."""
-
-    kind = ""
-    high_water = -1
-    new_run = True  # False when an existing tracker run is continued
-
-    def write(self, scalars: dict[str, float], step: int) -> None:
-        raise NotImplementedError
-
-    def state(self) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def describe(self) -> str:
-        raise NotImplementedError
-
-    def close(self, outcome: str) -> None:
-        raise NotImplementedError
-
-
-class _TensorBoard(_Backend):
-    kind = "tensorboard"
-
-    def __init__(self, run_dir: Path, start_step: int, hparams: dict):
-        tbx = _import("tensorboard", "tensorboardX", "tensorboardX")
-        run_dir.mkdir(parents=True, exist_ok=True)
-        self.log_dir = run_dir
-        self.new_run = start_step == 0 or not any(run_dir.glob("*tfevents*"))
-        # Everything after the step this run starts from is rewritten: purge from the first redone step
-        # (0 on a fresh start: whatever an earlier attempt that never checkpointed wrote goes too).
-        purge_step = start_step + 1 if start_step > 0 else 0
-        # Event files are read in name order; ns in the name keeps two opens in one second in order.
-        self.writer = tbx.SummaryWriter(logdir=str(run_dir), purge_step=purge_step, flush_secs=30,
-                                        filename_suffix=f".{time.time_ns()}")
-        self.high_water = start_step
-        if self.new_run:
-            self._write_hparams(hparams)
-
-    def _write_hparams(self, hparams: dict) -> None:
-        from tensorboardX.summary import hparams as hparams_summary
-
-        flat = flatten_hparams(hparams)
-        # HParams dashboard: the values, and the metrics to show beside them (scalars of this run).
-        experiment, session_start, _ = hparams_summary(flat, {"loss": None, "val_loss": None})
-        self.writer.file_writer.add_summary(experiment)
-        self.writer.file_writer.add_summary(session_start)
-        table = "\n".join(f"| {k} | {v} |" for k, v in sorted(flat.items()))
-        self.writer.add_text("hparams", "| name | value |\n|---|---|\n" + table, global_step=0)
-        self.writer.flush()
-
-    def write(self, scalars: dict[str, float], step: int) -> None:
-        for name, value in scalars.items():
-            self.writer.add_scalar(name, value, global_step=step)
-        self.writer.flush()  # a killed worker loses nothing already logged
-
-    def state(self) -> dict[str, Any]:
-        return {"log_dir": str(self.log_dir)}
-
-    def describe(self) -> str:
-        return f"tensorboard {self.log_dir} (tensorboard --logdir {self.log_dir})"
-
-    def close(self, outcome: str) -> None:
-        self.writer.close()
-
-
-class _MLflow(_Backend):
-    kind = "mlflow"
-    STATUS = {"finished": "FINISHED", "failed": "FAILED", "killed": "KILLED"}
-
-    def __init__(self, uri: str, saved: dict | None, run_name: str, hparams: dict, opts: dict,
-                 run_dir: Path | None, say: Callable[[str], None]):
-        _import("mlflow", "mlflow", "mlflow-skinny")
-        if _is_sql_uri(uri):
-            for module, package in MLFLOW_SQL:
-                _import("mlflow", module, package)
-        from mlflow.exceptions import MlflowException
-        from mlflow.tracking import MlflowClient
-
-        self.uri = uri
-        try:
-            with warnings.catch_warnings():  # SQLAlchemy deprecation notes from MLflow's store: not ours
-                warnings.simplefilter("ignore", DeprecationWarning)
-                self.client = MlflowClient(tracking_uri=uri)
-                self.run_id = self._continue(saved, say) if saved and saved.get("run_id") else None
-                if self.run_id is None:
-                    self.run_id = self._create(run_name, hparams, opts, run_dir)
-        except MlflowException as e:
-            raise TrackerError(f"--tracker mlflow: cannot use the tracking store {uri}: "
-                               f"{str(e.message).splitlines()[0]}") from None
-
-    def _continue(self, saved: dict, say: Callable[[str], None]) -> str | None:
-        from mlflow.exceptions import MlflowException
-
-        run_id = saved["run_id"]
-        try:
-            run = self.client.get_run(run_id)
-        except MlflowException:
-            say(f"mlflow: run {run_id} of the checkpoint is not in {self.uri}; starting a new MLflow run")
-            return None
-        if run.info.lifecycle_stage != "active":
-            say(f"mlflow: run {run_id} of the checkpoint was deleted; starting a new MLflow run")
-            return None
-        self.client.update_run(run_id, status="RUNNING")
-        self.new_run = False
-        # The last step held: what this run logged before a crash can be past the checkpoint's step.
-        for key in run.data.metrics:
-            for point in self.client.get_metric_history(run_id, key):
-                self.high_water = max(self.high_water, int(point.step))
-        return run_id
-
-    def _create(self, run_name: str, hparams: dict, opts: dict, run_dir: Path | None) -> str:
-        from mlflow.entities import Param
-        from mlflow.exceptions import MlflowException
-
-        name = opts["mlflow_experiment"]
-        experiment = self.client.get_experiment_by_name(name)
-        if experiment is not None:
-            experiment_id = experiment.experiment_id
-        else:
-            # Artifacts (none are logged today) would otherwise go to ./mlruns of the worker's cwd.
-            location = (run_dir / "mlartifacts").resolve().as_uri() if run_dir is not None else None
-            try:
-                experiment_id = self.client.create_experiment(name, artifact_location=location)
-            except MlflowException:  # another trial of a sweep created it first
-                experiment_id = self.client.get_experiment_by_name(name).experiment_id
-        tags = {"minilm.run_name": run_name}
-        if opts.get("group"):
-            tags["minilm.group"] = str(opts["group"])
-        code = hparams.get("git_commit")
-        if code:
-            tags["mlflow.source.git.commit"] = str(code)
-        run_id = self.client.create_run(experiment_id, run_name=run_name, tags=tags).info.run_id
-        params = [Param(k, str(v)[:500]) for k, v in flatten_hparams(hparams).items()]
-        for i in range(0, len(params), 100):  # log_batch takes at most 100 params a call
-            self.client.log_batch(run_id, params=params[i:i + 100])
-        return run_id
-
-    def write(self, scalars: dict[str, float], step: int) -> None:
-        from mlflow.entities import Metric
-
-        now = int(time.time() * 1000)
-        metrics = [Metric(k, v, now, step) for k, v in scalars.items()]
-        for i in range(0, len(metrics), 1000):  # and at most 1000 metrics
-            self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
-
-    def state(self) -> dict[str, Any]:
-        return {"run_id": self.run_id, "tracking_uri": self.uri}
-
-    def describe(self) -> str:
-        return f"mlflow run {self.run_id} in {self.uri}"
-
-    def close(self, outcome: str) -> None:
-        self.client.set_terminated(self.run_id, status=self.STATUS.get(outcome, "FINISHED"))
-
-
-class _Wandb(_Backend):
-    kind = "wandb"
-
-    def __init__(self, saved: dict | None, run_name: str, hparams: dict, opts: dict, run_dir: Path | None):
-        wandb = _import("wandb", "wandb", "wandb")
-        resuming = bool(saved and saved.get("run_id"))
-        self.run_id = saved["run_id"] if resuming else _wandb_run_id(run_name)
-        if run_dir is not None:
-            run_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            self.run = wandb.init(
-                project=opts["wandb_project"], entity=opts.get("wandb_entity"), group=opts.get("group"),
-                name=run_name, id=self.run_id, resume="allow", dir=str(run_dir) if run_dir is not None else None,
-                config=None if resuming else hparams,  # once per run; a resumed run keeps its config
-                reinit="create_new",  # never hand back (or finish) a run the caller's own code has open
-                # console off: W&B's stdout capture would fight Ray's log streaming in a worker
-                settings=wandb.Settings(console="off", quiet=True))
-        except Exception as e:  # wandb raises its own UsageError/CommError types
-            raise TrackerError(f"--tracker wandb: wandb.init failed: {str(e).splitlines()[0] if str(e) else e!r}") \
-                from None
-        self.project = opts["wandb_project"]
-        self.new_run = not resuming
-        # Online, a resumed run starts after the last step the server holds; offline it cannot know
-        # (starting_step 0), and the run folder's trackers.json says instead.
-        if getattr(self.run, "starting_step", 0):
-            self.high_water = int(self.run.starting_step) - 1
-
-    def write(self, scalars: dict[str, float], step: int) -> None:
-        self.run.log(scalars, step=step)
-
-    def state(self) -> dict[str, Any]:
-        return {"run_id": self.run_id, "project": self.project}
-
-    def describe(self) -> str:
-        mode = getattr(self.run.settings, "mode", "")
-        return f"wandb run {self.run_id} in project {self.project}" + (f" ({mode})" if mode else "")
-
-    def close(self, outcome: str) -> None:
-        self.run.finish(exit_code=0 if outcome == "finished" else 1)
-
-
-def _wandb_run_id(run_name: str) -> str:
-    """A readable, unique W&B run id (W&B ids must avoid / \\ # ? % :)."""
-    slug = re.sub(r"[^a-z0-9_-]+", "-", run_name.lower()).strip("-")[:48] or "run"
-    return f"{slug}-{secrets.token_hex(4)}"
-
-
 class Trackers:
     """The trackers of one run on rank 0. Empty (every call a no-op) when no tracker was asked for."""
 
-    def __init__(self, backends: list[_Backend], *, sidecar: Path | None = None,
+    def __init__(self, backends: list[Backend], *, sidecar: Path | None = None,
                  carried: dict[str, Any] | None = None, say: Callable[[str], None] = print):
         self.backends = backends
         self.sidecar = sidecar
@@ -551,29 +321,22 @@ def open_trackers(kinds: str | Iterable[str] | None, *, run_dir: str | os.PathLi
                   say: Callable[[str], None] = print) -> Trackers:
     """Open (or continue) each tracker's run for the run in `run_dir`, starting after `start_step`.
 
-    `resume_state` is what `Trackers.state_dict()` returned at the checkpoint being resumed (None on
-    a fresh start); `hparams` (see `run_hparams`) is logged when a tracker run is created. Raises
-    TrackerError with a one-line message when a tracker cannot be opened; closes the ones already
-    opened first.
+    `resume_state` is the checkpoint's `Trackers.state_dict()` (None on a fresh start); `hparams` is
+    logged when a tracker run is created. A TrackerError closes the trackers already opened.
     """
+    from .tracker_backends import open_backend  # imports this module
+
     names = parse_kinds(kinds)
     opts = {**DEFAULT_OPTIONS, **{k: v for k, v in (options or {}).items() if v is not None}}
     run_path = Path(run_dir).expanduser() if run_dir is not None else None
     sidecar = run_path / SIDECAR if run_path is not None else None
     saved = {k: v for k, v in (resume_state or {}).items() if k in KINDS and isinstance(v, dict)}
     hp = dict(hparams or {})
-    backends: list[_Backend] = []
+    backends: list[Backend] = []
     try:
         for kind in names:
-            if kind == "tensorboard":
-                if run_path is None:
-                    raise TrackerError("--tracker tensorboard needs a local run folder (a local --storage-path)")
-                backend: _Backend = _TensorBoard(run_path, start_step, hp)
-            elif kind == "mlflow":
-                backend = _MLflow(mlflow_tracking_uri(opts, run_path), saved.get("mlflow"), run_name, hp, opts,
-                                  run_path, say)
-            else:
-                backend = _Wandb(saved.get("wandb"), run_name, hp, opts, run_path)
+            backend = open_backend(kind, run_path=run_path, start_step=start_step, saved=saved, run_name=run_name,
+                                   hparams=hp, opts=opts, say=say)
             if kind != "tensorboard":  # TensorBoard overwrites redone steps; the others must skip them
                 backend.high_water = max(backend.high_water, _sidecar_last_step(sidecar, kind, backend.state()))
             if not backend.new_run and backend.high_water > start_step:

@@ -1,11 +1,8 @@
 """What a person sees on the console of a run: minilm's lines, with Ray's routine chatter in a log file.
 
-Ray streams every worker's stdout and stderr to the driver (`log_to_driver`): next to our start line and
-progress lines that is Ray Data's progress notes, core_worker.cc messages about actors, raylet warnings
-and each worker's Python warnings. The workers print their lines for a person with `say`, which tags
-them; the driver's `ConsoleFilter` shows tagged lines, without Ray's "(RayTrainWorker pid=...)" prefix,
-and appends every other line, with its prefix, to a log file the start line names. Errors still reach
-the console: the driver prints a failed run's error as one line and points to that file.
+Workers print their lines for a person with `say`, which tags them; the driver's `ConsoleFilter` shows
+the tagged lines without Ray's "(RayTrainWorker pid=...)" prefix and appends every other line Ray streams
+to the driver to a log file the start line names. A failed run's error still reaches the console.
 """
 
 from __future__ import annotations
@@ -15,14 +12,12 @@ import threading
 from pathlib import Path
 
 TAG = "[minilm] "
-# Raylet messages that need nothing from the user: Ray starting more worker processes than it expected (the
-# reader actors and Ray Data's tasks start beside the training workers).
+# Raylet messages that need nothing from the user (reader actors start worker processes Ray did not expect).
 ROUTINE_RAYLET = ("PYTHON worker processes have been started",)
 
 
 def say(message: str) -> None:
-    """A worker's line for a person (rank 0 calls it). To the process's real stdout: Ray Train's print patch would
-    also tee print() and show it twice."""
+    """A worker's line for a person, to the real stdout, since Ray Train's print patch would show print() twice."""
     for line in str(message).splitlines() or [""]:
         print(TAG + line, file=sys.__stdout__, flush=True)
 

@@ -1,13 +1,8 @@
 """Training progress as Ray custom metrics, for the dashboard's Metrics view and Prometheus.
 
-Ray Train exports its own controller and checkpoint metrics, not loss or throughput. Rank 0
-calls `publish(metrics, run_name)` at every log interval (`ray_jobs.worker.report`); each value
-below goes to a `ray.util.metrics.Gauge` tagged with the run name. Ray exports custom metrics with
-a `ray_` prefix on every node's metrics export port (`ray start --metrics-export-port`), so
-Prometheus, Grafana and the dashboard's Metrics view see e.g. `ray_minilm_loss{run="run1"}`.
-
-The gauges are created lazily, once per process. Metrics are observability, never a reason to
-stop training: outside Ray, or if the metrics API fails, `publish` does nothing (one warning).
+Ray Train exports no loss or throughput, so rank 0 `publish`es them at every log interval as
+`ray.util.metrics.Gauge`s tagged with the run name (`ray_minilm_loss{run="run1"}` in Prometheus).
+Metrics are never a reason to stop training: outside Ray, or if the API fails, `publish` does nothing.
 """
 
 from __future__ import annotations

@@ -4,11 +4,8 @@
     python -m ray_jobs.export --checkpoint ... --output out/ --format minimind   # + pretrain_<hidden>[_moe].pth
     python -m ray_jobs.export --checkpoint ... --output out-hf/ --format hf      # a Hugging Face Qwen3 folder
 
-safetensors (the default) writes minilm's half-precision export (model.safetensors + config.json +
-tokenizer.json) that `minilm.load_pretrained(DIR)` loads; minimind adds MiniMind's `.pth` state dict;
-hf writes a `Qwen3ForCausalLM` / `Qwen3MoeForCausalLM` folder that transformers loads without
-trust_remote_code (`pip install 'minilm[hf]'`), vLLM serves and llama.cpp's converter reads
-(docs/export.md).
+safetensors is what `minilm.load_pretrained(DIR)` loads, minimind adds MiniMind's `.pth`, and hf is a
+Qwen3 folder for transformers, vLLM and llama.cpp (docs/export.md).
 """
 
 from __future__ import annotations
@@ -75,11 +72,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def tokenizer_path(args: argparse.Namespace, config: ModelConfig) -> Path | None:
-    """--tokenizer, else the checkpoint's weights/tokenizer.json; None if neither exists.
-
-    A --tokenizer, and any tokenizer of an hf export (whose loaders trust it), is checked against the model:
-    MiniMind's special tokens, and no id past the embedding.
-    """
+    """--tokenizer, else the checkpoint's weights/tokenizer.json (None if neither exists); a --tokenizer, and
+    any of an hf export (whose loaders trust it), is checked against the model."""
     if args.tokenizer:
         path = Path(args.tokenizer)
     else:

@@ -3,10 +3,8 @@
     python -m ray_jobs.plot runs/run1                          # -> runs/run1/metrics.png
     python -m ray_jobs.plot runs/run1 runs/run2 --out cmp.png  # several runs overlaid, one colour each
 
-Panels: loss (val_loss dashed where evaluated), learning rate, grad norm, tokens/s and world size,
-each against the optimizer step. `ray_jobs.tune` draws its loss_curves.png (one line per trial) with the
-same figure. Needs only matplotlib (in the dev and plot extras); neither Ray
-nor torch is imported.
+One panel per metric against the optimizer step (val_loss dashed on the loss panel); `ray_jobs.tune`
+draws its loss_curves.png with the same figure. Needs only matplotlib: neither Ray nor torch is imported.
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ from pathlib import Path
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from minilm.cli import EXIT_USAGE
+from minilm.cli import fail
 
 # (metric, panel title, y-axis label); world size is a step function.
 PANELS = (
@@ -51,10 +49,7 @@ class RunCurves:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
-    """The records of RUN_DIR/metrics.jsonl, one per optimizer step, in step order (`in_step_order`).
-
-    A torn last line (a killed run) is skipped.
-    """
+    """The records of RUN_DIR/metrics.jsonl, one per optimizer step, in step order; a torn line is skipped."""
     run = Path(run_dir)
     if not run.is_dir():
         raise PlotError(f"{run_dir}: no such run folder")
@@ -75,11 +70,8 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 
 
 def in_step_order(records: list) -> list[dict]:
-    """One record per optimizer step, in step order; records without an integer optimizer_step are dropped.
-
-    If a step appears twice (a log written without the worker's truncation on resume, or Tune's results of
-    a restored trial), the later record wins, so a curve never doubles back.
-    """
+    """One record per integer optimizer_step, in step order; of a step logged twice (a restored Tune
+    trial) the later record wins, so a curve never doubles back."""
     by_step: dict[int, dict] = {}
     for rec in records:
         if isinstance(rec, dict) and isinstance(rec.get("optimizer_step"), int) \
@@ -102,8 +94,7 @@ def load_runs(run_dirs: list[str | Path]) -> list[RunCurves]:
 def figure_for_runs(runs: list[RunCurves]) -> Figure:
     """One panel per metric of PANELS, plus a legend panel; run i is drawn in colour Ci on every panel.
 
-    On each panel the lines are in run order (run i's curve is ax.lines[i] when every run has the
-    metric); the loss panel then adds one dashed val_loss line per run that has val_loss.
+    Lines are in run order (run i's curve is ax.lines[i]), then the loss panel's dashed val_loss lines.
     """
     fig = Figure(figsize=(12, 13), layout="constrained")
     FigureCanvasAgg(fig)  # rendered with Agg: no display, no pyplot state
@@ -165,16 +156,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     out = Path(args.out) if args.out else default_out(args.run_dirs)
     if out.suffix.lower() != ".png":
-        print(f"error: --out {out}: expected a .png file", file=sys.stderr)
-        return EXIT_USAGE
+        return fail(f"--out {out}: expected a .png file")
     try:
         plot_runs(args.run_dirs, out)
     except PlotError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return fail(str(e))
     except OSError as e:  # the PNG cannot be written there
-        print(f"error: cannot write {out}: {e.strerror or e}", file=sys.stderr)
-        return EXIT_USAGE
+        return fail(f"cannot write {out}: {e.strerror or e}")
     print(f"wrote {out}")
     return 0
 

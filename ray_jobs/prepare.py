@@ -4,16 +4,9 @@
     python -m ray_jobs.prepare --input books/ wiki.parquet --output data/tok --tokenizer tokenizer.json
     python -m ray_jobs.prepare --input corpus.jsonl --output data/tok --seq-len 512 --vocab-size 6400
 
-Three modules: this one (the command line, the run, the manifest and the summary),
-`prepare_inputs` (which files; every record read and checked, in input order: .jsonl/.ndjson,
-.txt, .parquet, datasets save_to_disk folders) and `prepare_pipeline` (Ray tasks encode blocks of
-records; the results, in input order, are packed into token files; the progress bar).
-
-Without `--tokenizer`, a byte-level BPE of `--vocab-size` tokens is trained on the first 8 MB of
-usable text (in input order) before tokenizing. A bad record stops the run naming `file:line`, or
-with `--on-bad-record skip` is skipped and counted by reason in the manifest (`skipped_by_reason`,
-`documents_skipped`, `empty_inputs`). The same inputs and options give the same token files and
-fingerprint. The output folder appears only when complete (see minilm.packing).
+The inputs are read and checked in `prepare_inputs`, encoded by Ray tasks and packed in input order in
+`prepare_pipeline`. Without `--tokenizer`, a byte-level BPE is trained on the first 8 MB of usable text.
+The same inputs and options give the same token files and fingerprint.
 
 Exit status: 0 done, 2 for any mistake in the flags or the inputs (the message says what and where),
 1 when a Ray task fails, 130 when interrupted.
@@ -68,11 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--on-bad-record", choices=["error", "skip"], default="error",
                    help="stop at the first bad record (default) or skip and count it")
     p.add_argument("--rows", choices=["best-fit", "bos-aligned", "packed"], default="best-fit",
-                   help="best-fit (default): every document starts with BOS, as the model is prompted; documents "
-                        "are placed whole, best-fit, and one longer than a row fills rows of its own (nothing "
-                        "dropped); bos-aligned: the same, but a document that does not fit is cropped, its rest "
-                        "dropped; packed: documents, each followed by EOS, concatenated and cut every seq_len + 1 "
-                        "tokens, with no BOS (docs/quality.md)")
+                   help="best-fit (default): every row starts with a document's BOS, as the model is prompted, "
+                        "and nothing is dropped; bos-aligned: the same, but a document that does not fit is "
+                        "cropped; packed: EOS-separated documents cut every seq_len + 1 tokens (docs/quality.md)")
     p.add_argument("--rows-per-shard", type=int, default=None, metavar="N",
                    help="sequences per token file (default: about 256 MB of tokens per file)")
     p.add_argument("--num-cpus", type=int, default=None, metavar="N",
@@ -105,12 +96,11 @@ def run(args: argparse.Namespace, argv: list[str], progress: Progress | None = N
         stats: dict | None = None) -> dict:
     """Prepare the dataset `args` describe. Returns {"manifest", "stats"}; raises UsageError.
 
-    `stats` (timings, counts, whether this run started Ray) is filled in as the run goes, so a
-    caller can shut down a Ray this run started even when it fails.
+    `stats` is filled in as the run goes, so a caller can shut down a Ray this run started even when it fails.
     """
     from minilm import packing
     from minilm import tokenizer as T
-    from minilm.data import PreparedData, file_sha256, record_verified, token_dtype_for
+    from minilm.data import PreparedData, file_sha256, record_verified
 
     progress = progress or Progress()
     warn = lambda m: progress.message(f"warning: {m}")  # noqa: E731
@@ -124,40 +114,16 @@ def run(args: argparse.Namespace, argv: list[str], progress: Progress | None = N
     try:
         tok_path = out.tmp / packing.TOKENIZER_FILE
         t0 = time.perf_counter()
-        if args.tokenizer:
-            tok = T.load_tokenizer(args.tokenizer)
-            src_path = Path(args.tokenizer)
-            src_path = src_path / "tokenizer.json" if src_path.is_dir() else src_path
-            shutil.copyfile(src_path, tok_path)
-            source = os.path.abspath(src_path)
-        else:
-            vocab = args.vocab_size or T.DEFAULT_VOCAB_SIZE
-            train_reader = RecordReader(sources, args.text_field, args.on_bad_record, warn=skip_warn)
-            tok = T.train_tokenizer((text for text, _ in train_reader), vocab)
-            if train_reader.documents == 0:
-                raise _no_records(train_reader)
-            T.save_tokenizer(tok, tok_path)
-            source = "trained"
-            stats["tokenizer_trained_on_documents"] = train_reader.documents
+        tok, source = _tokenizer(args, sources, tok_path, skip_warn, stats)
         stats["tokenizer_s"] = time.perf_counter() - t0
-        tokenizer_json = tok_path.read_text(encoding="utf-8")
-        tok_sha = file_sha256(tok_path)
-        ids = T.special_ids(tok)
-        vocab_size = T.vocab_size_of(tok)
-
+        tokenizer = {"path": packing.TOKENIZER_FILE, "source": source, "sha256": file_sha256(tok_path),
+                     "vocab_size": T.vocab_size_of(tok), **T.special_ids(tok)}
         reader = RecordReader(sources, args.text_field, args.on_bad_record, warn=skip_warn)
-        if args.rows in ("best-fit", "bos-aligned"):
-            writer = packing.BosAlignedShardWriter(out.tmp, args.seq_len, args.rows_per_shard,
-                                                   eos_id=ids["eos_token_id"], bos_id=ids["bos_token_id"],
-                                                   token_dtype=token_dtype_for(vocab_size),
-                                                   split_long=args.rows == "best-fit")
-        else:
-            writer = packing.ShardWriter(out.tmp, args.seq_len, args.rows_per_shard, eos_id=ids["eos_token_id"],
-                                         token_dtype=token_dtype_for(vocab_size))
+        writer = _writer(args, out.tmp, tokenizer)
         t0 = time.perf_counter()
         try:
-            tokenize_and_pack(reader, writer, tokenizer_json, tok_sha, ids["eos_token_id"], args.num_cpus,
-                              progress, stats)
+            tokenize_and_pack(reader, writer, tok_path.read_text(encoding="utf-8"), tokenizer["sha256"],
+                              tokenizer["eos_token_id"], args.num_cpus, progress, stats)
         finally:
             progress.done()
         stats["pipeline_s"] = time.perf_counter() - t0 - stats.get("ray_start_s", 0.0)
@@ -166,24 +132,9 @@ def run(args: argparse.Namespace, argv: list[str], progress: Progress | None = N
         result = writer.close()
         if result.num_sequences == 0:
             raise UsageError(f"the inputs give {result.stream_tokens} tokens ({reader.documents} documents), fewer "
-                            f"than one sequence of seq_len + 1 = {args.seq_len + 1}; use a smaller --seq-len "
-                            f"or more text")
-        manifest = packing.build_manifest(
-            result,
-            tokenizer={"path": packing.TOKENIZER_FILE, "source": source, "sha256": tok_sha,
-                       "vocab_size": vocab_size, **ids},
-            inputs=[{"path": os.path.abspath(s.path), "bytes": s.bytes, "format": s.kind, **counts}
-                    for s, counts in zip(sources, reader.per_source, strict=True)],
-            documents_read=reader.documents,
-            documents_skipped=reader.documents_skipped,
-            skipped_by_reason=dict(reader.skipped),
-            command="python -m ray_jobs.prepare " + shlex.join(argv),
-            extra={"text_field": args.text_field, "on_bad_record": args.on_bad_record,
-                   "rows_per_shard": writer.rows_per_shard, "text_bytes": reader.text_bytes,
-                   "document_tokens": result.stream_tokens, "empty_inputs": reader.empty_inputs,
-                   "skipped_examples": reader.examples[:20], "rows": args.rows,
-                   **({"best_fit": dataclasses.asdict(writer.best_fit)} if args.rows != "packed" else {})},
-        )
+                             f"than one sequence of seq_len + 1 = {args.seq_len + 1}; use a smaller --seq-len "
+                             f"or more text")
+        manifest = _manifest(args, argv, sources, reader, writer, result, tokenizer)
         packing.write_manifest(out.tmp, manifest)
         out.commit()
         record_verified(PreparedData(out.final, manifest))  # every file was hashed as it was written
@@ -195,6 +146,56 @@ def run(args: argparse.Namespace, argv: list[str], progress: Progress | None = N
     stats["documents"] = reader.documents
     stats["tokens"] = result.stream_tokens
     return {"manifest": manifest, "stats": stats, "reader": reader}
+
+
+def _tokenizer(args: argparse.Namespace, sources: list, tok_path: Path, skip_warn: SkipWarnings, stats: dict):
+    """(tokenizer, its source): `--tokenizer` copied into the output, or one trained on the inputs."""
+    from minilm import tokenizer as T
+
+    if args.tokenizer:
+        tok = T.load_tokenizer(args.tokenizer)
+        src_path = T.tokenizer_file(args.tokenizer)
+        shutil.copyfile(src_path, tok_path)
+        return tok, os.path.abspath(src_path)
+    train_reader = RecordReader(sources, args.text_field, args.on_bad_record, warn=skip_warn)
+    tok = T.train_tokenizer((text for text, _ in train_reader), args.vocab_size or T.DEFAULT_VOCAB_SIZE)
+    if train_reader.documents == 0:
+        raise _no_records(train_reader)
+    T.save_tokenizer(tok, tok_path)
+    stats["tokenizer_trained_on_documents"] = train_reader.documents
+    return tok, "trained"
+
+
+def _writer(args: argparse.Namespace, folder: Path, tokenizer: dict):
+    """The shard writer of the `--rows` layout."""
+    from minilm import packing
+    from minilm.data import token_dtype_for
+
+    dtype = token_dtype_for(tokenizer["vocab_size"])
+    if args.rows == "packed":
+        return packing.ShardWriter(folder, args.seq_len, args.rows_per_shard, eos_id=tokenizer["eos_token_id"],
+                                   token_dtype=dtype)
+    return packing.BosAlignedShardWriter(folder, args.seq_len, args.rows_per_shard,
+                                         eos_id=tokenizer["eos_token_id"], bos_id=tokenizer["bos_token_id"],
+                                         token_dtype=dtype, split_long=args.rows == "best-fit")
+
+
+def _manifest(args, argv, sources, reader: RecordReader, writer, result, tokenizer: dict) -> dict:
+    from minilm import packing
+
+    extra = {"text_field": args.text_field, "on_bad_record": args.on_bad_record,
+             "rows_per_shard": writer.rows_per_shard, "text_bytes": reader.text_bytes,
+             "document_tokens": result.stream_tokens, "empty_inputs": reader.empty_inputs,
+             "skipped_examples": reader.examples[:20], "rows": args.rows}
+    if args.rows != "packed":
+        extra["best_fit"] = dataclasses.asdict(writer.best_fit)
+    return packing.build_manifest(
+        result, tokenizer=tokenizer,
+        inputs=[{"path": os.path.abspath(s.path), "bytes": s.bytes, "format": s.kind, **counts}
+                for s, counts in zip(sources, reader.per_source, strict=True)],
+        documents_read=reader.documents, documents_skipped=reader.documents_skipped,
+        skipped_by_reason=dict(reader.skipped), command="python -m ray_jobs.prepare " + shlex.join(argv),
+        extra=extra)
 
 
 def _no_records(reader: RecordReader) -> UsageError:

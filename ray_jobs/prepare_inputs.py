@@ -1,21 +1,9 @@
 """The inputs of `ray_jobs.prepare`: which files, and every record in them, checked, in input order.
 
-Inputs are read in the order given (a directory is walked recursively, a glob is expanded, both sorted):
-
-* `.jsonl` / `.ndjson`: one JSON object per line, text in `--text-field` (MiniMind's `{"text": ...}`);
-  blank lines are ignored;
-* `.txt`: the whole file is one document;
-* `.parquet`: one document per row of the `--text-field` column;
-* a folder written by `datasets.Dataset.save_to_disk` (it holds dataset_info.json and state.json).
-
-`RecordReader` yields every usable text and checks every record, so a bad one is reported as
-`file:line` (parquet and datasets: `file: row N`) and stops the run; with `--on-bad-record skip` it
-is skipped, counted by reason (malformed_json, not_an_object, missing_text_field, non_string_text,
-invalid_utf8) and the first few are shown as warnings. An empty text (`""`) is always skipped and
-counted as `empty_text`, never an error; an input with no record at all is an error, or with `skip`
-listed as an empty input.
-
-Stdlib imports only at module level: pyarrow and datasets load when a parquet or datasets input is read.
+Inputs are .jsonl/.ndjson (one JSON object a line), .txt (one document a file), .parquet (a row a
+document) and `datasets.Dataset.save_to_disk` folders; folders are walked and globs expanded, sorted.
+A bad record stops the run naming `file:line` (or `file: row N`), or with `--on-bad-record skip` is
+counted by reason. pyarrow and datasets load only when a parquet or datasets input is read.
 """
 
 from __future__ import annotations
@@ -32,9 +20,6 @@ from pathlib import Path
 from minilm.cli import UsageError  # the one usage-error class: `error: ...`, exit 2
 
 FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".txt": "txt", ".parquet": "parquet"}
-# the skip reasons counted in the manifest's skipped_by_reason
-REASONS = ("malformed_json", "not_an_object", "missing_text_field", "non_string_text", "invalid_utf8",
-           "empty_text")
 MAX_SKIP_WARNINGS = 10
 
 # ---- which files ------------------------------------------------------------------------------------
@@ -47,6 +32,9 @@ class Source:
     bytes: int
 
 
+SUPPORTED = "inputs are .jsonl, .txt, .parquet and datasets save_to_disk folders"
+
+
 def _is_hf_dataset(p: Path) -> bool:
     return (p / "dataset_info.json").is_file() and (p / "state.json").is_file()
 
@@ -55,63 +43,59 @@ def _is_hf_dict(p: Path) -> bool:
     return (p / "dataset_dict.json").is_file()
 
 
-def _dir_bytes(p: Path) -> int:
-    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+class _Inputs:
+    """The sources found so far (each once) and the files ignored, per input spec."""
 
+    def __init__(self, exclude: Path | None, warn: Callable[[str], None]):
+        self.sources: list[Source] = []
+        self.seen: dict[Path, str] = {}
+        self.visited: set[Path] = set()
+        self.ignored: dict[str, list[str]] = {}
+        self.warn = warn
+        self.exclude = exclude.resolve() if exclude is not None else None
+        # The output folder and its temporary siblings are never inputs.
+        self.exclude_re = re.compile(re.escape(self.exclude.name) + r"(\.(tmp|old)-\d+)?") if exclude else None
 
-def resolve_inputs(specs: list[str], exclude: Path | None = None,
-                   warn: Callable[[str], None] = lambda m: None) -> list[Source]:
-    """Expand globs and directories (sorted) into the ordered list of sources; refuse what is unusable."""
-    sources: list[Source] = []
-    seen: dict[Path, str] = {}
-    ignored: dict[str, list[str]] = {}
-    exclude_re = None
-    if exclude is not None:
-        exclude = exclude.resolve()
-        exclude_re = re.compile(re.escape(exclude.name) + r"(\.(tmp|old)-\d+)?")
+    def excluded(self, p: Path) -> bool:
+        return self.exclude_re is not None and p.resolve().parent == self.exclude.parent and bool(
+            self.exclude_re.fullmatch(p.name))
 
-    def excluded(p: Path) -> bool:
-        return exclude_re is not None and p.resolve().parent == exclude.parent and bool(
-            exclude_re.fullmatch(p.name))
-
-    def add(p: Path, display: str, kind: str) -> None:
+    def add(self, p: Path, display: str, kind: str) -> None:
         key = p.resolve()
-        if key in seen:
-            warn(f"{display} is the same input as {seen[key]}; reading it once")
+        if key in self.seen:
+            self.warn(f"{display} is the same input as {self.seen[key]}; reading it once")
             return
-        seen[key] = display
-        size = _dir_bytes(p) if kind == "hf" else p.stat().st_size
-        sources.append(Source(path=p, display=display, kind=kind, bytes=size))
+        self.seen[key] = display
+        size = sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if kind == "hf" else p.stat().st_size
+        self.sources.append(Source(path=p, display=display, kind=kind, bytes=size))
 
-    visited: set[Path] = set()
-
-    def walk(d: Path, display: str, top: str) -> None:
-        if d.resolve() in visited:  # a symlink loop, or a folder reached twice
+    def walk(self, d: Path, display: str, top: str) -> None:
+        if d.resolve() in self.visited:  # a symlink loop, or a folder reached twice
             return
-        visited.add(d.resolve())
+        self.visited.add(d.resolve())
         for child in sorted(d.iterdir(), key=lambda c: c.name):
             shown = os.path.join(display, child.name)
-            if child.name.startswith(".") or excluded(child):
+            if child.name.startswith(".") or self.excluded(child):
                 continue
             if child.is_dir():
                 if _is_hf_dataset(child):
-                    add(child, shown, "hf")
+                    self.add(child, shown, "hf")
                 elif not _is_hf_dict(child):
-                    walk(child, shown, top)
+                    self.walk(child, shown, top)
                 else:
-                    ignored.setdefault(top, []).append(shown + "/ (a DatasetDict)")
+                    self.ignored.setdefault(top, []).append(shown + "/ (a DatasetDict)")
             elif child.is_file():
                 kind = FORMATS.get(child.suffix.lower())
                 if kind:
-                    add(child, shown, kind)
+                    self.add(child, shown, kind)
                 else:
-                    ignored.setdefault(top, []).append(shown)
+                    self.ignored.setdefault(top, []).append(shown)
 
-    def add_path(spec_path: str, explicit: bool, top: str) -> None:
+    def add_path(self, spec_path: str, explicit: bool, top: str) -> None:
         p = Path(spec_path)
         if p.is_dir():
             if _is_hf_dataset(p):
-                add(p, spec_path, "hf")
+                self.add(p, spec_path, "hf")
             elif _is_hf_dict(p):
                 splits = ""
                 try:
@@ -119,40 +103,43 @@ def resolve_inputs(specs: list[str], exclude: Path | None = None,
                 except (OSError, ValueError, AttributeError):
                     pass
                 raise UsageError(f"input {spec_path} is a datasets DatasetDict (splits: {splits or '?'}); "
-                                f"pass one split's folder, e.g. {os.path.join(spec_path, 'train')}")
+                                 f"pass one split's folder, e.g. {os.path.join(spec_path, 'train')}")
             else:
-                walk(p, spec_path, top)
+                self.walk(p, spec_path, top)
         elif p.is_file():
             kind = FORMATS.get(p.suffix.lower())
             if kind:
-                add(p, spec_path, kind)
+                self.add(p, spec_path, kind)
             elif explicit:
                 raise UsageError(f"input {spec_path}: unsupported file type {p.suffix or '(no suffix)'!r}; use "
-                                f".jsonl, .txt, .parquet or a datasets save_to_disk folder")
+                                 f".jsonl, .txt, .parquet or a datasets save_to_disk folder")
             else:
-                ignored.setdefault(top, []).append(spec_path)
+                self.ignored.setdefault(top, []).append(spec_path)
         elif explicit:
             raise UsageError(f"input {spec_path} does not exist")
 
+
+def resolve_inputs(specs: list[str], exclude: Path | None = None,
+                   warn: Callable[[str], None] = lambda m: None) -> list[Source]:
+    """Expand globs and directories (sorted) into the ordered list of sources; refuse what is unusable."""
+    found = _Inputs(exclude, warn)
     for spec in specs:
         if glob.has_magic(spec):
-            matches = sorted(m for m in glob.glob(spec, recursive=True) if not excluded(Path(m)))
+            matches = sorted(m for m in glob.glob(spec, recursive=True) if not found.excluded(Path(m)))
             if not matches:
                 raise UsageError(f"input {spec}: no file matches this pattern")
             for m in matches:
-                add_path(m, explicit=False, top=spec)
+                found.add_path(m, explicit=False, top=spec)
         else:
             if not os.path.exists(spec):
                 raise UsageError(f"input {spec} does not exist")
-            add_path(spec, explicit=True, top=spec)
-    for top, names in ignored.items():
+            found.add_path(spec, explicit=True, top=spec)
+    for top, names in found.ignored.items():
         more = f" and {len(names) - 3} more" if len(names) > 3 else ""
-        warn(f"ignoring {len(names)} file(s) of unsupported type in {top}: {', '.join(names[:3])}{more} "
-             f"(inputs are .jsonl, .txt, .parquet and datasets save_to_disk folders)")
-    if not sources:
-        raise UsageError("no input files found in " + " ".join(specs) +
-                        " (inputs are .jsonl, .txt, .parquet and datasets save_to_disk folders)")
-    return sources
+        warn(f"ignoring {len(names)} file(s) of unsupported type in {top}: {', '.join(names[:3])}{more} ({SUPPORTED})")
+    if not found.sources:
+        raise UsageError("no input files found in " + " ".join(specs) + f" ({SUPPORTED})")
+    return found.sources
 
 
 # ---- reading and checking records --------------------------------------------------------------------
@@ -185,28 +172,23 @@ def _read_jsonl(src: Source, text_field: str) -> Iterator[tuple[str, str | Bad, 
             if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
                 raw = raw[3:]
             line = raw.rstrip(b"\r\n")
-            if not line.strip():
-                continue
-            where = f"{src.display}:{lineno}"
-            try:
-                s = line.decode("utf-8")
-            except UnicodeDecodeError as e:
-                yield where, Bad("invalid_utf8", _utf8_detail(line, e)[1]), len(raw)
-                continue
-            try:
-                obj = json.loads(s)
-            except json.JSONDecodeError as e:
-                yield where, Bad("malformed_json", f"malformed JSON ({e.msg} at column {e.colno})"), len(raw)
-                continue
-            if not isinstance(obj, dict):
-                yield where, Bad("not_an_object", f"a JSON {type(obj).__name__}, not an object with "
-                                                  f"{text_field!r}"), len(raw)
-                continue
-            if text_field not in obj:
-                keys = ", ".join(list(obj)[:5]) or "none"
-                yield where, Bad("missing_text_field", f"no {text_field!r} field (keys: {keys})"), len(raw)
-                continue
-            yield where, _check_text(obj[text_field], text_field), len(raw)
+            if line.strip():
+                yield f"{src.display}:{lineno}", _jsonl_record(line, text_field), len(raw)
+
+
+def _jsonl_record(line: bytes, text_field: str) -> str | Bad:
+    try:
+        obj = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        return Bad("invalid_utf8", _utf8_detail(line, e)[1])
+    except json.JSONDecodeError as e:
+        return Bad("malformed_json", f"malformed JSON ({e.msg} at column {e.colno})")
+    if not isinstance(obj, dict):
+        return Bad("not_an_object", f"a JSON {type(obj).__name__}, not an object with {text_field!r}")
+    if text_field not in obj:
+        keys = ", ".join(list(obj)[:5]) or "none"
+        return Bad("missing_text_field", f"no {text_field!r} field (keys: {keys})")
+    return _check_text(obj[text_field], text_field)
 
 
 def _read_txt(src: Source, text_field: str) -> Iterator[tuple[str, str | Bad, float]]:

@@ -1,15 +1,9 @@
 """The Ray side of `ray_jobs.prepare`: records in input order -> token ids -> packed token files.
 
-The driver reads and checks the records (`prepare_inputs.RecordReader`) and cuts them into blocks
-of about BLOCK_BYTES of text; a Ray task per block encodes it with the tokenizer's batched
-`encode_batch_fast` (one CPU each); the driver keeps at most WINDOW_PER_CPU tasks per cluster CPU in
-flight and takes their results in submission order, so the token stream is in input order by
-construction, and hands them to the writer (`minilm.packing.ShardWriter`), which packs them into
-rows and appends them to the token files. Memory is bounded whatever the corpus size: the driver
-holds the blocks in flight (a few MB), the writer less than one row.
-
-Plain tasks, not Ray Data: an ordered map of independent blocks needs none of Ray Data's planning,
-and its streaming executor's driver CPU is taken from the encoders (bench/RESULTS.md, "bench.prepare").
+The driver cuts the checked records into blocks, a Ray task per block encodes it, and the results are
+taken in submission order, so the token stream is in input order by construction and memory is a few
+blocks whatever the corpus size. Plain tasks, not Ray Data: an ordered map of independent blocks
+needs none of its planning, and its executor would take driver CPU from the encoders.
 
 Module-level imports stay light (stdlib only): Ray workers import this module to run `_encode_block`.
 """
@@ -26,8 +20,7 @@ from contextlib import suppress
 
 from .prepare_inputs import RecordReader
 
-# A task encodes a block of about BLOCK_BYTES of text (or BLOCK_DOCS documents): a tenth of a second
-# or more of work on one core, so Ray's per-task cost (about a millisecond) stays around 1%.
+# A block is enough work on one core that Ray's per-task cost stays small beside it.
 BLOCK_BYTES = 256 << 10
 BLOCK_DOCS = 4096
 WINDOW_PER_CPU = 2  # tasks in flight per CPU: one running, one queued behind it
@@ -44,8 +37,7 @@ def _si(x: float) -> str:
 
 
 class Progress:
-    """A tqdm bar of the input bytes done, with documents and tokens, on a terminal (stderr a TTY);
-    nothing but the messages (warnings, errors, the summary) otherwise."""
+    """A tqdm bar of the input bytes done on a terminal; only the messages otherwise."""
 
     def __init__(self, stream=None, interval: float = 0.5):
         self.stream = stream or sys.stderr
@@ -147,9 +139,8 @@ def tokenize_and_pack(reader: RecordReader, writer, tokenizer_json: str, tokeniz
                       eos_id: int, num_cpus: int | None, progress: Progress, stats: dict) -> None:
     """Encode the records in Ray tasks and feed `writer` in input order.
 
-    Ray is started (or joined) only once the first block is read, so bad inputs at the start, and
-    inputs smaller than a block, fail fast without it. `stats` receives started_ray, ray_start_s,
-    text_bytes and window (the tasks kept in flight).
+    Ray is started (or joined) once the first block is read, so bad inputs at the start fail fast
+    without it. `stats` receives started_ray, ray_start_s, text_bytes and window.
     """
     in_flight: deque = deque()  # (ref, documents, text_bytes, input bytes read), in input order
     done = {"documents": 0, "text_bytes": 0}

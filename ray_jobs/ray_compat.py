@@ -52,8 +52,8 @@ def quiet_token_auth_notice() -> bool:
 
 
 def quiet_train_report_logs() -> bool:
-    """Ray Train logs every `ray.train.report` at INFO as a screen-wide `TrainingReport(...)` dump, on a logger named
-    after its file (so `LoggingConfig(log_level=...)` misses it); our own log line says what matters."""
+    """Ray Train logs every `ray.train.report` as a screen-wide dump, on a logger named after its file, which
+    `LoggingConfig(log_level=...)` misses; our own log line says what matters."""
     module = _internal(_TRAIN_CONTEXT)
     if module is None or not getattr(module, "__file__", None):
         return False
@@ -82,11 +82,8 @@ def route_worker_output(handle: Callable[[dict], None], take_raylet: Callable[[d
 
 
 def defer_sigterm_exit(on_sigterm: Callable[[], None]) -> bool:
-    """Let the first SIGTERM reach the step boundary instead of exiting the worker at once.
-
-    Ray's worker SIGTERM handler (main thread) exits through `raise_sys_exit_with_custom_error_message`, looked up
-    at call time. The first SIGTERM only calls `on_sigterm`, so the loop checkpoints at a step boundary and then
-    raises; a second SIGTERM exits as Ray would."""
+    """Let the first SIGTERM only call `on_sigterm`, so the loop checkpoints at a step boundary; a second
+    one exits as Ray would (Ray's handler exits through a function looked up at call time)."""
     ray_worker = _internal(_RAY_WORKER)
     original = getattr(ray_worker, "raise_sys_exit_with_custom_error_message", None)
     if original is None:
@@ -105,10 +102,8 @@ def defer_sigterm_exit(on_sigterm: Callable[[], None]) -> bool:
 
 
 def drain_announced(call: int) -> bool:
-    """Has Ray announced a drain of a node hosting this worker group (`ray drain-node`, the autoscaler, a spot
-    reclaim)? Ray Train marks every worker of the group when it sees one; reading that mark is local.
-    `ray.train.get_preemption_info()` returns the same but is a barrier across workers, too slow for every step:
-    it is the fallback, on every DRAIN_FALLBACK_EVERY-th call (the same steps on every rank)."""
+    """Has Ray announced a drain of a node hosting this worker group? Reading Ray Train's mark is local;
+    the fallback, `ray.train.get_preemption_info()`, is a barrier, so it runs every DRAIN_FALLBACK_EVERY-th call."""
     module = _internal(_TRAIN_CONTEXT)
     try:
         return module.get_train_context().preemption_context.preemption_info is not None

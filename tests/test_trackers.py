@@ -24,6 +24,7 @@ import pytest
 
 from minilm import trackers as T
 from minilm.progress import MetricsLog
+from minilm.tracker_backends import Backend
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -398,7 +399,7 @@ def test_hparams_flatten_and_code_version(monkeypatch):
     assert T.code_version(code_dir=TESTS) == {}  # not the root of a checkout: omitted, not guessed
 
 
-class Recorder(T._Backend):
+class Recorder(Backend):
     """A tracker that records what reaches it; fails at the steps in `fail_at`."""
 
     kind = "mlflow"

@@ -1,13 +1,8 @@
 """The prepared-data format: the manifest, its checks, and opening a dataset.
 
-Storage (docs/data.md): a prepared dataset is a folder of raw token files, `shard-NNNNN.bin`, each
-an uncompressed little-endian array of rows of `seq_len + 1` token ids (uint16 when the vocabulary
-fits, uint32 otherwise), described by `manifest.json`. `SequenceStore` reads rows by sample id with
-positional reads (`os.preadv`) straight from those files: nothing is decoded and nothing is held,
-so the only copy of the tokens in memory is the kernel's page cache, which every process on a node
-shares. Memory per process stays flat whatever the size of the dataset. Remote data (`s3://`,
-`gs://`, any pyarrow filesystem URI) is copied once per node into a cache folder (`open_local`),
-verified against the manifest's hashes; every rank on the node and every restart reuse that copy.
+A dataset is a folder of raw token files (`shard-NNNNN.bin`, rows of `seq_len + 1` ids) described by
+`manifest.json` (docs/data.md). The rows are read in place, so the only copy in memory is the page
+cache that every process of a node shares.
 """
 
 from __future__ import annotations
@@ -163,9 +158,8 @@ def _check_layout(manifest: dict, where: str) -> None:
 def open_prepared(path: str | os.PathLike, *, verify: bool = True) -> PreparedData:
     """Open a dataset written by `ray_jobs.prepare`, checking that it is complete and intact.
 
-    A local folder: the manifest, every file's presence and size, and (with `verify`) every file's
-    sha256, hashed once per machine (`verify_hashes`). A remote URI: the manifest and every file's
-    size, read remotely; `open_local` makes the copy that the readers use.
+    Locally every file's size and (with `verify`) its sha256, once per machine; a remote URI's manifest
+    and sizes are read remotely, and `open_local` makes the copy the readers use.
     """
     from .remote import _open_remote  # here: remote and verified build on this module
     from .verified import verify_hashes

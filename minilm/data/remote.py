@@ -20,7 +20,7 @@ from .format import (
     is_remote,
     open_prepared,
 )
-from .verified import _locked, record_verified
+from .verified import node_lock, record_verified
 
 COPY_CHUNK = 8 << 20
 
@@ -67,10 +67,8 @@ def _open_remote(uri: str) -> PreparedData:
 def open_local(data: str | os.PathLike) -> PreparedData:
     """`open_prepared` for a local folder; for a remote URI, the node-local copy (made once, then reused).
 
-    The copy goes to `cache_root()/data/<fingerprint>`: written into a temporary folder, every file
-    hashed as it arrives and checked against the manifest, the manifest last, then renamed into
-    place, under a lock, so the ranks of a node make one copy between them and a later run (a
-    restart, a resume, another job on the same data) finds it ready.
+    The copy is made under a lock into a temporary folder, each file checked as it arrives, then renamed
+    into `cache_root()/data/<fingerprint>`: one copy per node, which restarts and later runs reuse.
     """
     if not is_remote(data):
         return open_prepared(data)
@@ -81,7 +79,7 @@ def materialise(remote: PreparedData, cache: Path | None = None) -> PreparedData
     """The verified local copy of `remote` (from `open_prepared(uri)`), copying it if this node lacks it."""
     cache = (cache or cache_root()) / "data"
     target = cache / remote.fingerprint[:32]
-    with _locked(cache / f"{target.name}.lock"):
+    with node_lock(cache / f"{target.name}.lock"):
         if (target / MANIFEST).is_file():
             try:
                 local = open_prepared(target)
@@ -100,9 +98,9 @@ def materialise(remote: PreparedData, cache: Path | None = None) -> PreparedData
             for name, size, sha in _files(remote.manifest):
                 _copy_verified(fs, f"{root}/{name}", tmp / name, size, sha, f"{remote.uri}/{name}")
             _write_synced(tmp / MANIFEST, json.dumps(remote.manifest, indent=2).encode())
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             os.rename(tmp, target)
-            _fsync_dir(cache)
+            fsync_dir(cache)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         local = PreparedData(target, remote.manifest)
@@ -144,7 +142,7 @@ def _write_synced(path: Path, payload: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:

@@ -17,7 +17,7 @@ RACY_NS = 2_000_000_000  # a file modified this recently when hashed is hashed a
 
 
 @contextmanager
-def _locked(lock_path: Path) -> Iterator[None]:
+def node_lock(lock_path: Path) -> Iterator[None]:
     """An exclusive lock between the processes of this node (the ranks and reader actors of a run)."""
     try:
         lock_path.parent.mkdir(parents=True, exist_ok=True)
@@ -37,7 +37,7 @@ def _stamp_path(folder: Path) -> Path:
     return cache_root() / "verified" / f"{key}.json"
 
 
-def _file_key(path: Path) -> list[int]:
+def file_key(path: Path) -> list[int]:
     st = path.stat()
     return [st.st_size, st.st_mtime_ns, st.st_ino]
 
@@ -79,22 +79,18 @@ def _prune_stamps(folder: Path) -> None:
 def verify_hashes(data: PreparedData) -> None:
     """Check every file's sha256 against the manifest, once per file on this machine.
 
-    A file whose (size, mtime, inode) were seen with the right hash before is not read again: the
-    stamp lives under `cache_root()/verified/`. So the first open of a dataset on a node reads it all
-    (about a second per GB), and later opens, by every rank and every restart, only stat the files.
-    The ranks of a node take a lock, so one of them hashes while the others wait for its stamp.
-    As in git's index, a file modified less than RACY_NS before it was hashed is not stamped (a
-    change within the same timestamp tick would keep its mtime). A change in place that keeps
-    size, mtime and inode is not seen: the check is against a wrong, partial or replaced file, not
-    against later bit rot.
+    A file whose (size, mtime, inode) were stamped with the right hash is not read again, so later
+    opens by every rank and restart only stat the files; one rank of a node hashes under the lock
+    while the others wait. As in git's index, a file modified less than RACY_NS before it was
+    hashed is not stamped. The check is against a wrong, partial or replaced file, not bit rot.
     """
     folder = data._local()
     stamp = _stamp_path(folder)
-    with _locked(stamp.with_suffix(".lock")):
+    with node_lock(stamp.with_suffix(".lock")):
         known = _read_stamp(stamp, data)
         fresh = {}
         for name, _, sha in _files(data.manifest):
-            key = _file_key(folder / name)
+            key = file_key(folder / name)
             if known.get(name) != [*key, sha]:
                 got = file_sha256(folder / name)
                 if got != sha:
@@ -107,9 +103,8 @@ def verify_hashes(data: PreparedData) -> None:
 
 
 def record_verified(data: PreparedData) -> None:
-    """Stamp every file of `data` as verified: for a writer that hashed the bytes as it wrote them
-    (`ray_jobs.prepare`, the copy of remote data), so that the first open does not read them again."""
+    """Stamp every file of `data` as verified, for a writer that hashed the bytes as it wrote them."""
     folder = data._local()
     stamp = _stamp_path(folder)
-    with _locked(stamp.with_suffix(".lock")):
-        _write_stamp(stamp, data, {name: [*_file_key(folder / name), sha] for name, _, sha in _files(data.manifest)})
+    with node_lock(stamp.with_suffix(".lock")):
+        _write_stamp(stamp, data, {name: [*file_key(folder / name), sha] for name, _, sha in _files(data.manifest)})

@@ -1,0 +1,230 @@
+"""The tracker backends: one class per kind, each opening (or continuing) one tracker run on rank 0.
+
+`minilm.trackers` decides which to open and what to log; nothing here is imported until a tracker is
+asked for, and each backend imports its package only when it opens.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .trackers import (
+    MLFLOW_SQL,
+    REQUIRED,
+    TrackerError,
+    flatten_hparams,
+    import_tracker,
+    is_sql_uri,
+    mlflow_tracking_uri,
+)
+
+
+def open_backend(kind: str, *, run_path: Path | None, start_step: int, saved: dict, run_name: str,
+                 hparams: dict, opts: dict, say: Callable[[str], None]) -> Backend:
+    """Open the tracker run of one kind; `saved` is the resume state of each kind."""
+    if kind == "tensorboard":
+        if run_path is None:
+            raise TrackerError("--tracker tensorboard needs a local run folder (a local --storage-path)")
+        return TensorBoard(run_path, start_step, hparams)
+    if kind == "mlflow":
+        return MLflow(mlflow_tracking_uri(opts, run_path), saved.get("mlflow"), run_name, hparams, opts, run_path, say)
+    return Wandb(saved.get("wandb"), run_name, hparams, opts, run_path)
+
+
+class Backend:
+    """One tracker run: `write(scalars, step)`, `state()` (its resume state), `describe()`, `close(outcome)`.
+
+    `high_water`: steps at or below it are already in the tracker and not logged again.
+    """
+
+    kind = ""
+    high_water = -1
+    new_run = True  # False when an existing tracker run is continued
+
+
+class TensorBoard(Backend):
+    kind = "tensorboard"
+
+    def __init__(self, run_dir: Path, start_step: int, hparams: dict):
+        tbx = import_tracker("tensorboard", *REQUIRED["tensorboard"])
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir = run_dir
+        self.new_run = start_step == 0 or not any(run_dir.glob("*tfevents*"))
+        # Everything after the step this run starts from is rewritten: purge from the first redone step
+        # (0 on a fresh start: whatever an earlier attempt that never checkpointed wrote goes too).
+        purge_step = start_step + 1 if start_step > 0 else 0
+        # Event files are read in name order; ns in the name keeps two opens in one second in order.
+        self.writer = tbx.SummaryWriter(logdir=str(run_dir), purge_step=purge_step, flush_secs=30,
+                                        filename_suffix=f".{time.time_ns()}")
+        self.high_water = start_step
+        if self.new_run:
+            self._write_hparams(hparams)
+
+    def _write_hparams(self, hparams: dict) -> None:
+        from tensorboardX.summary import hparams as hparams_summary
+
+        flat = flatten_hparams(hparams)
+        # HParams dashboard: the values, and the metrics to show beside them (scalars of this run).
+        experiment, session_start, _ = hparams_summary(flat, {"loss": None, "val_loss": None})
+        self.writer.file_writer.add_summary(experiment)
+        self.writer.file_writer.add_summary(session_start)
+        table = "\n".join(f"| {k} | {v} |" for k, v in sorted(flat.items()))
+        self.writer.add_text("hparams", "| name | value |\n|---|---|\n" + table, global_step=0)
+        self.writer.flush()
+
+    def write(self, scalars: dict[str, float], step: int) -> None:
+        for name, value in scalars.items():
+            self.writer.add_scalar(name, value, global_step=step)
+        self.writer.flush()  # a killed worker loses nothing already logged
+
+    def state(self) -> dict[str, Any]:
+        return {"log_dir": str(self.log_dir)}
+
+    def describe(self) -> str:
+        return f"tensorboard {self.log_dir} (tensorboard --logdir {self.log_dir})"
+
+    def close(self, outcome: str) -> None:
+        self.writer.close()
+
+
+class MLflow(Backend):
+    kind = "mlflow"
+    STATUS = {"finished": "FINISHED", "failed": "FAILED", "killed": "KILLED"}
+
+    def __init__(self, uri: str, saved: dict | None, run_name: str, hparams: dict, opts: dict,
+                 run_dir: Path | None, say: Callable[[str], None]):
+        import_tracker("mlflow", *REQUIRED["mlflow"])
+        if is_sql_uri(uri):
+            for module, package in MLFLOW_SQL:
+                import_tracker("mlflow", module, package)
+        from mlflow.exceptions import MlflowException
+        from mlflow.tracking import MlflowClient
+
+        self.uri = uri
+        try:
+            with warnings.catch_warnings():  # SQLAlchemy deprecation notes from MLflow's store: not ours
+                warnings.simplefilter("ignore", DeprecationWarning)
+                self.client = MlflowClient(tracking_uri=uri)
+                self.run_id = self._continue(saved, say) if saved and saved.get("run_id") else None
+                if self.run_id is None:
+                    self.run_id = self._create(run_name, hparams, opts, run_dir)
+        except MlflowException as e:
+            raise TrackerError(f"--tracker mlflow: cannot use the tracking store {uri}: "
+                               f"{str(e.message).splitlines()[0]}") from None
+
+    def _continue(self, saved: dict, say: Callable[[str], None]) -> str | None:
+        from mlflow.exceptions import MlflowException
+
+        run_id = saved["run_id"]
+        try:
+            run = self.client.get_run(run_id)
+        except MlflowException:
+            say(f"mlflow: run {run_id} of the checkpoint is not in {self.uri}; starting a new MLflow run")
+            return None
+        if run.info.lifecycle_stage != "active":
+            say(f"mlflow: run {run_id} of the checkpoint was deleted; starting a new MLflow run")
+            return None
+        self.client.update_run(run_id, status="RUNNING")
+        self.new_run = False
+        # The last step held: what this run logged before a crash can be past the checkpoint's step.
+        for key in run.data.metrics:
+            for point in self.client.get_metric_history(run_id, key):
+                self.high_water = max(self.high_water, int(point.step))
+        return run_id
+
+    def _create(self, run_name: str, hparams: dict, opts: dict, run_dir: Path | None) -> str:
+        from mlflow.entities import Param
+        from mlflow.exceptions import MlflowException
+
+        name = opts["mlflow_experiment"]
+        experiment = self.client.get_experiment_by_name(name)
+        if experiment is not None:
+            experiment_id = experiment.experiment_id
+        else:
+            # Artifacts (none are logged today) would otherwise go to ./mlruns of the worker's cwd.
+            location = (run_dir / "mlartifacts").resolve().as_uri() if run_dir is not None else None
+            try:
+                experiment_id = self.client.create_experiment(name, artifact_location=location)
+            except MlflowException:  # another trial of a sweep created it first
+                experiment_id = self.client.get_experiment_by_name(name).experiment_id
+        tags = {"minilm.run_name": run_name}
+        if opts.get("group"):
+            tags["minilm.group"] = str(opts["group"])
+        code = hparams.get("git_commit")
+        if code:
+            tags["mlflow.source.git.commit"] = str(code)
+        run_id = self.client.create_run(experiment_id, run_name=run_name, tags=tags).info.run_id
+        params = [Param(k, str(v)[:500]) for k, v in flatten_hparams(hparams).items()]
+        for i in range(0, len(params), 100):  # log_batch takes at most 100 params a call
+            self.client.log_batch(run_id, params=params[i:i + 100])
+        return run_id
+
+    def write(self, scalars: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(k, v, now, step) for k, v in scalars.items()]
+        for i in range(0, len(metrics), 1000):  # and at most 1000 metrics
+            self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
+
+    def state(self) -> dict[str, Any]:
+        return {"run_id": self.run_id, "tracking_uri": self.uri}
+
+    def describe(self) -> str:
+        return f"mlflow run {self.run_id} in {self.uri}"
+
+    def close(self, outcome: str) -> None:
+        self.client.set_terminated(self.run_id, status=self.STATUS.get(outcome, "FINISHED"))
+
+
+class Wandb(Backend):
+    kind = "wandb"
+
+    def __init__(self, saved: dict | None, run_name: str, hparams: dict, opts: dict, run_dir: Path | None):
+        wandb = import_tracker("wandb", *REQUIRED["wandb"])
+        resuming = bool(saved and saved.get("run_id"))
+        self.run_id = saved["run_id"] if resuming else wandb_run_id(run_name)
+        if run_dir is not None:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.run = wandb.init(
+                project=opts["wandb_project"], entity=opts.get("wandb_entity"), group=opts.get("group"),
+                name=run_name, id=self.run_id, resume="allow", dir=str(run_dir) if run_dir is not None else None,
+                config=None if resuming else hparams,  # once per run; a resumed run keeps its config
+                reinit="create_new",  # never hand back (or finish) a run the caller's own code has open
+                # console off: W&B's stdout capture would fight Ray's log streaming in a worker
+                settings=wandb.Settings(console="off", quiet=True))
+        except Exception as e:  # wandb raises its own UsageError/CommError types
+            raise TrackerError(f"--tracker wandb: wandb.init failed: {str(e).splitlines()[0] if str(e) else e!r}") \
+                from None
+        self.project = opts["wandb_project"]
+        self.new_run = not resuming
+        # Online, a resumed run starts after the last step the server holds; offline it cannot know
+        # (starting_step 0), and the run folder's trackers.json says instead.
+        if getattr(self.run, "starting_step", 0):
+            self.high_water = int(self.run.starting_step) - 1
+
+    def write(self, scalars: dict[str, float], step: int) -> None:
+        self.run.log(scalars, step=step)
+
+    def state(self) -> dict[str, Any]:
+        return {"run_id": self.run_id, "project": self.project}
+
+    def describe(self) -> str:
+        mode = getattr(self.run.settings, "mode", "")
+        return f"wandb run {self.run_id} in project {self.project}" + (f" ({mode})" if mode else "")
+
+    def close(self, outcome: str) -> None:
+        self.run.finish(exit_code=0 if outcome == "finished" else 1)
+
+
+def wandb_run_id(run_name: str) -> str:
+    """A readable, unique W&B run id (W&B ids must avoid / \\ # ? % :)."""
+    slug = re.sub(r"[^a-z0-9_-]+", "-", run_name.lower()).strip("-")[:48] or "run"
+    return f"{slug}-{secrets.token_hex(4)}"
