@@ -14,7 +14,7 @@ from typing import Any
 
 from .schedule import SCHEDULES
 
-DTYPES = ("auto", "bf16", "fp16", "fp32")
+DTYPES = ("auto", "bf16", "fp16", "fp32")  # "auto" and the names of minilm.step.TORCH_DTYPES
 OPTIMIZERS = ("adamw", "muon")
 CHECKPOINT_MODES = ("async", "sync")  # how rank 0 writes a checkpoint: minilm.async_checkpoint
 
@@ -196,10 +196,14 @@ class TrainConfig:
         for name in ("compile", "activation_checkpointing"):
             if not isinstance(getattr(self, name), bool):
                 p.append(f"{name} must be true or false, got {getattr(self, name)!r}")
-        steps = total_steps if total_steps is not None else self.max_steps
-        if steps is not None and _is_int(self.warmup_steps) and _is_int(steps) and self.warmup_steps >= steps:
-            p.append(f"warmup_steps ({self.warmup_steps}) must be smaller than the total optimizer steps ({steps})")
-        return p
+        return p + self.steps_problems(total_steps if total_steps is not None else self.max_steps)
+
+    def steps_problems(self, total_steps: int | None) -> list[str]:
+        """What a run of `total_steps` optimizer steps (None: not known yet) finds wrong with this config."""
+        if total_steps is not None and _is_int(self.warmup_steps) and _is_int(total_steps) and \
+                self.warmup_steps >= total_steps:
+            return [f"warmup_steps ({self.warmup_steps}) must be smaller than the total optimizer steps ({total_steps})"]
+        return []
 
     def validate(self, world_size: int | None = None, total_steps: int | None = None) -> TrainConfig:
         problems = self.problems(world_size, total_steps)

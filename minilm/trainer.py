@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -39,6 +39,7 @@ from .bpb import bits_per_byte, token_byte_lengths
 from .config import ModelConfig, TrainConfig, accumulation_steps
 from .distributed import Collectives, FlagAgreement
 from .model import MiniMindForCausalLM
+from .options import RunOptions
 from .progress import MetricsLog, format_log_line, peak_flops
 from .schedule import get_lr
 from .step import (
@@ -63,27 +64,6 @@ PREEMPTIONS = (SIGTERM, DRAIN)  # ... for a restart
 
 class Preempted(RuntimeError):
     """SIGTERM or a node drain reached the run; a checkpoint was written at the step boundary before exiting."""
-
-
-@dataclass
-class RunOptions:
-    """What a run adds to the two configs: its name, its folder and the when-to-stop/evaluate options."""
-
-    name: str
-    run_id: str = ""
-    run_dir: str | None = None  # metrics.jsonl, world_size.csv, trackers (None: remote storage, or none at all)
-    val_samples: int = 0
-    eval_every: int | None = None  # default: checkpoint_every
-    exit_after_steps: int | None = None
-    exit_after_minutes: float | None = None
-    trackers: list[str] = field(default_factory=list)
-    tracker_options: dict | None = None
-    test_hooks: dict | None = None  # minilm.testing.FaultHooks, only ever set by a test
-
-    @classmethod
-    def from_dict(cls, d: dict) -> RunOptions:
-        known = cls.__dataclass_fields__
-        return cls(**{k: v for k, v in d.items() if k in known})
 
 
 @dataclass
