@@ -1,7 +1,6 @@
-"""The options a run adds to the two configs, declared once: every field's metadata makes its flag for
-`python -m minilm.train` (TRAIN) and/or `python -m ray_jobs.pretrain` (PRETRAIN), its YAML key and its
-check; the same dataclass, filled in by the entry point, is what `Trainer` and every Ray worker get.
-`plan_steps` is the one place a run's step count and batch checks are worked out."""
+"""The options a run adds to the two configs, declared once: a field's metadata makes its flag in
+`minilm.train` (TRAIN) and/or `ray_jobs.pretrain` (PRETRAIN), its YAML key and its check, and the same
+dataclass is what the Trainer and every Ray worker get. `plan_steps` works out a run's steps, once."""
 
 from __future__ import annotations
 
@@ -20,8 +19,7 @@ TRAIN, PRETRAIN = "minilm.train", "ray_jobs.pretrain"
 BOTH = (TRAIN, PRETRAIN)
 
 
-def parse_num_workers(spec) -> tuple[int, int]:
-    """'N' or 'MIN-MAX' -> (min, max)."""
+def parse_num_workers(spec) -> tuple[int, int]:  # 'N' or 'MIN-MAX'
     try:
         lo, _, hi = str(spec).partition("-")
         lo, hi = int(lo), int(hi or lo)
@@ -32,8 +30,7 @@ def parse_num_workers(spec) -> tuple[int, int]:
     return lo, hi
 
 
-def parse_cpus(value) -> float | None:
-    """--cpus-per-worker: `auto` (None) or a number > 0."""
+def parse_cpus(value) -> float | None:  # --cpus-per-worker: auto (None) or a number > 0
     if value is None or str(value) == "auto":
         return None
     try:
@@ -45,8 +42,7 @@ def parse_cpus(value) -> float | None:
     return cpus
 
 
-def parse_resources(spec) -> dict[str, float]:
-    """'slot=1,disk=2' (or a YAML mapping) -> {'slot': 1.0, 'disk': 2.0}."""
+def parse_resources(spec) -> dict[str, float]:  # 'slot=1,disk=2' or a YAML mapping -> {'slot': 1.0, 'disk': 2.0}
     if not spec:
         return {}
     items = spec.items() if isinstance(spec, dict) else (part.partition("=")[::2] for part in str(spec).split(","))
@@ -66,8 +62,7 @@ def parse_resources(spec) -> dict[str, float]:
 
 def option(default=None, help: str | dict[str, str] = "", *, cli=BOTH, group="run", minimum=None, convert=None,
            **argparse_kwargs):
-    """A RunOptions field with a flag: `help` (one text, or one per CLI), the CLIs that have it, its --help group,
-    the smallest value it accepts (`minimum`, exclusive for 0 on a float), a converter for flag and YAML values."""
+    """A RunOptions field with a flag; `minimum` 0 means > 0, `convert` turns a flag's or YAML's value into the field's."""
     meta = {"help": help, "cli": cli, "group": group, "minimum": minimum, "convert": convert, "argparse": argparse_kwargs}
     if isinstance(default, (dict, list)):
         return field(default_factory=type(default), metadata=meta)
@@ -81,8 +76,7 @@ TIMEOUT_HELP = ("seconds a rank waits in one collective for the others before th
 
 @dataclass
 class RunOptions:
-    """What a run adds to the two configs. Fields with a flag come first, in --help order; the rest are filled in
-    by the entry point (where the run writes, what it resumes) before the Trainer gets them."""
+    """What a run adds to the two configs: the fields with a flag, in --help order, then what the entry point fills in."""
 
     data: str | None = option(help={TRAIN: "a folder written by ray_jobs.prepare",
                                     PRETRAIN: "a folder written by ray_jobs.prepare, or a remote URI; default: the "
@@ -130,7 +124,6 @@ class RunOptions:
     allow_config_change: bool = option(False, "resume even though the schedule or optimizer settings differ from the "
                                        "checkpoint's (lr, warmup, steps, betas, weight decay, ...): each change is "
                                        "logged and used", cli=(PRETRAIN,), action="store_true")
-    # Filled in by the entry point; no flag.
     run_id: str = ""
     data_dir: str | None = None  # the data every worker opens: a local folder, or a remote URI it copies once
     storage_dir: str | None = None  # STORAGE/NAME without the URI's query (named in upload errors)
@@ -148,8 +141,7 @@ class RunOptions:
     def from_dict(cls, d: dict) -> RunOptions:
         return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
 
-    def validate(self) -> RunOptions:
-        """Each field's type and `minimum`, as one `error: --flag ...` line."""
+    def validate(self) -> RunOptions:  # each field's type and minimum
         hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):
             low, value = f.metadata.get("minimum"), getattr(self, f.name)
@@ -169,8 +161,7 @@ def cli_fields(cli: str) -> list[dataclasses.Field]:
 
 
 def add_run_flags(parser: argparse.ArgumentParser, cli: str) -> None:
-    """One flag per RunOptions field `cli` has. Every flag defaults to None, so `build_configs` can tell a value
-    the user gave from a default; the --data group's flags exclude each other."""
+    """One flag per field `cli` has, defaulting to None so that `build_configs` tells a given value from a default."""
     hints = typing.get_type_hints(RunOptions)
     groups: dict[str, argparse._ActionsContainer] = {}
     for f in cli_fields(cli):
@@ -204,8 +195,7 @@ class Configs:
 
 
 def build_configs(args: argparse.Namespace, file_values: dict, cli: str, demo: bool = False) -> Configs:
-    """Flags override the YAML file, which overrides the demo preset (only with demo=True) and the defaults.
-    Nothing is validated here: `check_configs` does it, once per start."""
+    """Flags override the YAML file, which overrides the demo preset (with demo=True) and the defaults; unchecked."""
     model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
     train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
     run_fields = {f.name: f for f in cli_fields(cli)}
@@ -230,7 +220,7 @@ def build_configs(args: argparse.Namespace, file_values: dict, cli: str, demo: b
 
 
 def check_configs(model_cfg: ModelConfig, train_cfg: TrainConfig, run: RunOptions) -> None:
-    """Every check of the configs and options that needs no data and no world size, once per start."""
+    """Every check that needs no data and no world size: once per start."""
     model_cfg.validate()
     train_cfg.validate()
     check_fits(model_cfg, train_cfg)
@@ -246,7 +236,6 @@ class StepPlan:
 
 
 def check_world_sizes(train_cfg: TrainConfig, world_sizes: Iterable[int], where: str = "") -> None:
-    """Refuse world sizes that cannot keep the global batch, naming the ones that can."""
     valid = valid_world_sizes(train_cfg.global_batch_size, train_cfg.micro_batch_size)
     bad = [w for w in world_sizes if w not in valid]
     if bad:
@@ -257,9 +246,8 @@ def check_world_sizes(train_cfg: TrainConfig, world_sizes: Iterable[int], where:
 
 def plan_steps(train_cfg: TrainConfig, num_sequences: int, val_samples: int = 0, world_sizes: Iterable[int] = (1,),
                where: str = "") -> StepPlan:
-    """A run of `train_cfg` on `num_sequences` rows (`val_samples` held out) at any of `world_sizes`: its steps per
-    epoch and total optimizer steps, refused when the data does not fill one global batch, a world size breaks
-    the global batch, or the warmup does not fit the steps."""
+    """The steps of a run on `num_sequences` rows (`val_samples` held out) at `world_sizes`; refused when a world size
+    breaks the global batch, the data does not fill one, or the warmup does not fit the steps."""
     check_world_sizes(train_cfg, world_sizes)
     num_train = len(D.split_ids(num_sequences, val_samples)[0])
     per_epoch = D.steps_per_epoch(num_train, train_cfg.global_batch_size)

@@ -5,10 +5,10 @@
     python -m minilm.train --random-tokens 200000 --max-steps 20                     # synthetic ids, timing
     python -m minilm.train --tokens ids.npy --seq-len 128 --max-steps 50             # a .npy of token ids
 
-Every ModelConfig / TrainConfig field is a flag, as for `ray_jobs.pretrain`. Without --data the demo
-preset applies (a small model); with --data, the dataclasses' defaults. With --run-dir, checkpoints
-go to RUN_DIR/checkpoint_<step> and `--resume auto` (the default) continues the newest complete one,
-at any world size that keeps the global batch.
+Every ModelConfig / TrainConfig field and run option (minilm.options) is a flag, as for
+`ray_jobs.pretrain`; without --data the demo preset applies. With --run-dir, checkpoints go to
+RUN_DIR/checkpoint_<step> and `--resume auto` (the default) continues the newest complete one, at any
+world size that keeps the global batch.
 """
 
 from __future__ import annotations
@@ -76,8 +76,7 @@ class LocalLauncher:
         return path
 
     def report(self, metrics: dict, checkpoint: PendingSave | None, checkpointing: bool) -> None:
-        """Rank 0: once complete, the staged checkpoint becomes RUN_DIR/checkpoint_<step> in one rename (on the
-        writer's thread when it is still being written); the oldest beyond --keep-checkpoints go."""
+        """Rank 0: the complete checkpoint is renamed into the run folder (on the writer's thread if still written)."""
         if checkpoint is not None:
             checkpoint.then(lambda path: self.publish(path, checkpoint.step))
 
@@ -225,10 +224,8 @@ def agreed_dtype(name: str, device: torch.device) -> str:
 
 
 def exit_process(code: int) -> None:
-    """The end of `python -m minilm.train`. A torchrun rank of several leaves without interpreter finalization:
-    gloo's threads can outlive `destroy_process_group`, and one that drops a collective's tensors while the
-    interpreter finalizes cannot take the GIL and aborts the process (SIGABRT), which torchrun reports as a
-    failed run. Everything this process wrote is closed by then (trackers, checkpoints)."""
+    """A torchrun rank of several leaves without interpreter finalization, during which a gloo thread that outlived
+    the process group would abort the process (SIGABRT: a failed run for torchrun); its files are closed by then."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         sys.exit(code)
     sys.stdout.flush()

@@ -1,5 +1,4 @@
-"""Command-line plumbing of the Ray entrypoints: the local Ray, printable URIs. Exit codes, the usage-error
-class, flags and YAML files are `minilm.cli`'s and `minilm.options`' (re-exported here)."""
+"""Command-line plumbing of the Ray entrypoints: the local Ray, printable URIs (the rest is `minilm.cli`'s)."""
 
 from __future__ import annotations
 
@@ -7,18 +6,7 @@ import os
 import re
 import urllib.parse
 
-from minilm.cli import (  # noqa: F401  (re-exported: one definition, shared by every entrypoint)
-    DEMO_PRESET,
-    EXIT_FAILED,
-    EXIT_INTERRUPTED,
-    EXIT_USAGE,
-    UsageError,
-    add_config_flags,
-    fail,
-    flag,
-    load_yaml,
-)
-from minilm.options import build_configs, parse_num_workers  # noqa: F401
+from minilm.cli import DEMO_PRESET, UsageError, fail, load_yaml  # noqa: F401  (re-exported)
 
 from .ray_compat import quiet_token_auth_notice
 

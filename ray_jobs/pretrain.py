@@ -102,9 +102,8 @@ def check_options(model_cfg: ModelConfig, train_cfg: TrainConfig, opts: RunOptio
 
 def plan_run(args: argparse.Namespace, concurrent_runs: int = 1, reserved_cpus: float = 0.0,
              file_values: dict | None = None) -> RunPlan:
-    """Flags + YAML (`file_values`, else --config's) -> a checked RunPlan; starts or joins Ray and prepares the demo
-    data if needed. `concurrent_runs` runs share the cluster (Tune trials), whose other actors hold
-    `reserved_cpus`: both count for --cpus-per-worker auto."""
+    """Flags + YAML (`file_values`, else --config's) -> a checked RunPlan, Ray started or joined. For --cpus-per-worker
+    auto, `concurrent_runs` share the cluster (Tune trials) and their other actors hold `reserved_cpus`."""
     file_values = load_yaml(args.config) if file_values is None else file_values
     demo = not (args.data or file_values.get("data"))
     model_cfg, train_cfg, opts = build_configs(args, file_values, PRETRAIN, demo=demo)
@@ -189,8 +188,7 @@ def auto_cpus_per_worker(workers: int, local: bool, opts: RunOptions, reserved_c
 
 
 def check_storage_writable(storage: Path) -> None:
-    """A local --storage-path that cannot be created or written is one error line here, not a traceback from
-    Ray's controller later."""
+    """A local --storage-path that cannot be written: one error line here, not a traceback from Ray's controller."""
     created = [p for p in (storage, *storage.parents) if not p.exists()]
     try:
         storage.mkdir(parents=True, exist_ok=True)
@@ -222,8 +220,7 @@ def latest_checkpoint(run_dir: Path | None, resume: str) -> Path | None:
 
 def check_resumable(path: Path | None, model_cfg: ModelConfig, train_cfg: TrainConfig, prepared,
                     opts: RunOptions) -> dict | None:
-    """Refuse, before any worker starts, a run that cannot continue the checkpoint it would resume, or that
-    would silently change it; returns the checkpoint's state.json."""
+    """Refuse, before any worker starts, a resume that cannot work or would silently change the run; its state.json."""
     if path is None:
         return None
     state = C.read_state(path)
@@ -370,8 +367,7 @@ def worker_env(opts: RunOptions) -> dict[str, str]:
 
 
 def worker_error_summary(e: BaseException) -> str:
-    """The worker's own exception line, not Ray's 40-line wrapper; the class without its module
-    ("CheckpointError: could not write ...", not "minilm.checkpoint.CheckpointError: ...")."""
+    """The worker's own exception line, not Ray's 40-line wrapper, its class without the module."""
     text = str(e)
     for line in reversed(text.splitlines()):
         line = line.strip()

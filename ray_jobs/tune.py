@@ -54,17 +54,9 @@ class SearchDim:
     def to_tune(self):
         from ray import tune
 
-        if self.kind == "loguniform":
-            return tune.loguniform(*self.values)
-        if self.kind == "uniform":
-            return tune.uniform(*self.values)
-        if self.kind == "grid":
-            return tune.grid_search(list(self.values))
-        return tune.choice(list(self.values))
-
-    def candidates(self) -> tuple:
-        """Values to check against the configs before starting: the choices, or the range ends."""
-        return self.values
+        if self.kind in ("loguniform", "uniform"):
+            return getattr(tune, self.kind)(*self.values)
+        return (tune.grid_search if self.kind == "grid" else tune.choice)(list(self.values))
 
 
 def parse_search(spec: str) -> SearchDim:
@@ -123,9 +115,9 @@ def apply_params(model_cfg: ModelConfig, train_cfg: TrainConfig, params: dict) -
 
 
 def check_space(dims: dict[str, SearchDim], plan: RunPlan) -> None:
-    """Every choice (and both ends of every range) must give a valid run, checked one dimension at a time."""
+    """Every value a dimension can take must give a valid run, checked one dimension at a time."""
     for dim in dims.values():
-        for value in dim.candidates():
+        for value in dim.values:  # the choices, or both ends of the range
             m, t = apply_params(plan.model_cfg, plan.train_cfg, {dim.name: value})
             try:
                 check_options(m, t, plan.opts)
@@ -333,9 +325,7 @@ def sweep(plan: RunPlan, dims, num_samples, concurrent, scheduler, grace, metric
                              f"or choose another --name")
         sched = None
         if scheduler == "asha":
-            # max_t one past the last step: a trial that reaches its end returns by itself. At max_t Tune stops the
-            # trial's actor at its last report, and its Train controller dies before it releases the workers'
-            # placement group (Ray Train's cleaner then needs the State API, i.e. a dashboard, to notice).
+            # max_t one past the last step: a trial stopped at max_t would leave its workers' placement group behind.
             sched = ASHAScheduler(time_attr="optimizer_step", max_t=max(plan.steps.total_steps, grace) + 1,
                                   grace_period=grace, reduction_factor=2)
         tuner = tune.Tuner(
