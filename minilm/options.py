@@ -87,7 +87,7 @@ class RunOptions:
                                        group="data")
     num_workers: str = option("2", "N, or MIN-MAX for an elastic run", cli=(PRETRAIN,))
     use_gpu: str = option("auto", "auto: GPUs if the cluster has any", cli=(PRETRAIN,),
-                          choices=["auto", "true", "false"])
+                          choices=["auto", "true", "false"], convert=lambda v: str(v).lower())  # YAML's true too
     cpus_per_worker: float | None = option(
         help="CPUs (and torch threads) per worker, or auto (default): on a local Ray started by this command, the "
              "machine's cores divided among the workers; on a cluster, a node's CPUs divided among the workers it "
@@ -216,6 +216,9 @@ def build_configs(args: argparse.Namespace, file_values: dict, cli: str, demo: b
     for name, f in run_fields.items():
         if name in values:
             run[name] = f.metadata["convert"](values[name]) if f.metadata["convert"] else values[name]
+            choices = f.metadata["argparse"].get("choices")
+            if choices and run[name] not in choices:  # a YAML value argparse did not see
+                raise UsageError(f"{flag(name)} must be one of {', '.join(choices)}, got {values[name]!r}")
     return Configs(model, train, RunOptions(**run), frozenset(explicit))
 
 

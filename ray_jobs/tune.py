@@ -181,7 +181,6 @@ def write_results(rows: list[dict], dims: dict[str, SearchDim], plan: RunPlan, o
     if best is not None:
         m, t = apply_params(plan.model_cfg, plan.train_cfg, {d: best[d] for d in dims})
         best_cfg = {**m.to_dict(), **t.to_dict(), "data": plan.opts.data_dir}
-        best_cfg["betas"] = list(best_cfg["betas"])
         (out / "best.yaml").write_text(f"# best trial {best['trial']} of sweep {plan.opts.name} by {metric}\n"
                                        + yaml.safe_dump(best_cfg, sort_keys=True))
         print(f"best: {best['trial']} -> {out / 'best.yaml'}  (python -m ray_jobs.pretrain --config {out / 'best.yaml'})")

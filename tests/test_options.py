@@ -60,6 +60,9 @@ def test_flags_win_over_yaml_and_values_arrive_typed():
     assert (run.workers, run.val_samples, run.storage_path, run.max_failures) == ((2, 4), 8, "./runs", 0)
     assert build_configs(pretrain_parser().parse_args(["--resources-per-worker", "a=1,b=2"]), {},
                          PRETRAIN).run.resources_per_worker == {"a": 1.0, "b": 2.0}
+    assert build_configs(pretrain_parser().parse_args([]), {"use_gpu": True}, PRETRAIN).run.use_gpu == "true"
+    with pytest.raises(UsageError, match="^--use-gpu must be one of auto, true, false, got 'maybe'$"):
+        build_configs(pretrain_parser().parse_args([]), {"use_gpu": "maybe"}, PRETRAIN)
     with pytest.raises(UsageError, match="unknown option.*num_workers"):  # a pretrain option in a minilm.train file
         build_configs(train_parser().parse_args([]), {"num_workers": 2}, TRAIN)
 
