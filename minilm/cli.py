@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from .config import CHECKPOINT_MODES, ModelConfig, TrainConfig
+from .config import CHECKPOINT_MODES, DTYPES, ModelConfig, TrainConfig
 
 EXIT_USAGE = 2  # bad flag, bad config, bad data: nothing was started
 EXIT_FAILED = 1  # training (or a Ray task) started and failed
@@ -65,7 +65,7 @@ def add_config_flags(parser: argparse.ArgumentParser, preset: dict | None = None
             elif f.name == "betas":
                 kwargs.update(nargs=2, type=float, metavar=("BETA1", "BETA2"))
             elif f.name == "dtype":
-                kwargs.update(choices=["auto", "bf16", "fp16", "fp32"])
+                kwargs.update(choices=list(DTYPES))
             elif f.name == "checkpoint_mode":
                 kwargs.update(choices=list(CHECKPOINT_MODES))
             else:
@@ -87,39 +87,3 @@ def load_yaml(path: str | None) -> dict:
     if not isinstance(data, dict):
         raise UsageError(f"--config {path}: expected a mapping of option: value, got {type(data).__name__}")
     return {k.replace("-", "_"): v for k, v in data.items()}
-
-
-@dataclasses.dataclass
-class Configs:
-    """What `build_configs` returns: the two configs, the other options, and which keys the user set."""
-
-    model: ModelConfig
-    train: TrainConfig
-    rest: dict
-    explicit: frozenset[str]  # keys given by a flag or the --config file (not by a preset or a default)
-
-    def __iter__(self):  # model, train, rest = build_configs(...)
-        return iter((self.model, self.train, self.rest))
-
-
-def build_configs(args: argparse.Namespace, file_values: dict, other_keys: set[str] | frozenset[str],
-                  demo: bool = False) -> Configs:
-    """Flags override the YAML file, which overrides the demo preset (only with demo=True) and the defaults."""
-    model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    unknown = set(file_values) - model_fields - train_fields - set(other_keys)
-    if unknown:
-        raise UsageError(f"--config: unknown option(s) {', '.join(sorted(unknown))}")
-    values = {**(DEMO_PRESET if demo else {}), **file_values}
-    explicit = set(file_values)
-    for name in model_fields | train_fields | set(other_keys):
-        v = getattr(args, name, None)
-        if v is not None:
-            values[name] = v
-            explicit.add(name)
-    model = ModelConfig(**{k: v for k, v in values.items() if k in model_fields})
-    train = TrainConfig(**{k: v for k, v in values.items() if k in train_fields})
-    if isinstance(train.betas, list):
-        train.betas = tuple(train.betas)
-    rest = {k: values[k] for k in other_keys if k in values}
-    return Configs(model, train, rest, frozenset(explicit))

@@ -14,7 +14,7 @@ from typing import Any
 
 from .schedule import SCHEDULES
 
-DTYPES = ("auto", "bf16", "fp16", "fp32")
+DTYPES = ("auto", "bf16", "fp16", "fp32")  # "auto" and the names of minilm.step.TORCH_DTYPES
 OPTIMIZERS = ("adamw", "muon")
 CHECKPOINT_MODES = ("async", "sync")  # how rank 0 writes a checkpoint: minilm.async_checkpoint
 
@@ -143,24 +143,20 @@ class TrainConfig:
 
     def problems(self, world_size: int | None = None, total_steps: int | None = None) -> list[str]:
         p: list[str] = []
-        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
-            p.append(f"lr must be a positive number, got {self.lr!r}")
+        for name in ("lr", "muon_lr"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                p.append(f"{name} must be a positive number, got {v!r}")
         if not _is_int(self.warmup_steps) or self.warmup_steps < 0:
             p.append(f"warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             p.append(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
-        if self.schedule not in SCHEDULES:
-            p.append(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if not (isinstance(self.decay_fraction, (int, float)) and 0.0 < self.decay_fraction <= 1.0):
             p.append(f"decay_fraction must be in (0, 1], got {self.decay_fraction!r}")
-        if not _is_int(self.epochs) or self.epochs < 1:
-            p.append(f"epochs must be an integer >= 1, got {self.epochs!r}")
-        if self.max_steps is not None and (not _is_int(self.max_steps) or self.max_steps < 1):
-            p.append(f"max_steps must be an integer >= 1, got {self.max_steps!r}")
-        for name in ("micro_batch_size", "global_batch_size", "seq_len", "log_every", "checkpoint_every",
-                     "max_nonfinite_steps", "export_every"):
+        for name in ("epochs", "max_steps", "micro_batch_size", "global_batch_size", "seq_len", "log_every",
+                     "checkpoint_every", "max_nonfinite_steps", "export_every"):
             v = getattr(self, name)
-            if not _is_int(v) or v < 1:
+            if (v is not None or name != "max_steps") and (not _is_int(v) or v < 1):
                 p.append(f"{name} must be an integer >= 1, got {v!r}")
         if _is_int(self.micro_batch_size) and _is_int(self.global_batch_size) and \
                 self.micro_batch_size >= 1 and self.global_batch_size >= 1:
@@ -174,8 +170,10 @@ class TrainConfig:
                     p.extend(e.problems)
         if not (isinstance(self.grad_clip, (int, float)) and self.grad_clip > 0):
             p.append(f"grad_clip must be > 0, got {self.grad_clip!r}")
-        if self.dtype not in DTYPES:
-            p.append(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        for name, choices in (("schedule", SCHEDULES), ("dtype", DTYPES), ("checkpoint_mode", CHECKPOINT_MODES),
+                              ("optimizer", OPTIMIZERS)):
+            if getattr(self, name) not in choices:
+                p.append(f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
         if not (isinstance(self.weight_decay, (int, float)) and self.weight_decay >= 0):
             p.append(f"weight_decay must be >= 0, got {self.weight_decay!r}")
         betas = tuple(self.betas) if isinstance(self.betas, (list, tuple)) else ()
@@ -185,21 +183,19 @@ class TrainConfig:
         if minutes is not None and not (isinstance(minutes, (int, float)) and not isinstance(minutes, bool)
                                         and math.isfinite(minutes) and minutes > 0):
             p.append(f"checkpoint_every_minutes must be a positive number, got {minutes!r}")
-        if self.checkpoint_mode not in CHECKPOINT_MODES:
-            p.append(f"checkpoint_mode must be one of {', '.join(CHECKPOINT_MODES)}, got {self.checkpoint_mode!r}")
-        if self.optimizer not in OPTIMIZERS:
-            p.append(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
-        if not (isinstance(self.muon_lr, (int, float)) and math.isfinite(self.muon_lr) and self.muon_lr > 0):
-            p.append(f"muon_lr must be a positive number, got {self.muon_lr!r}")
         if not (isinstance(self.muon_momentum, (int, float)) and 0.0 <= self.muon_momentum < 1.0):
             p.append(f"muon_momentum must be in [0, 1), got {self.muon_momentum!r}")
         for name in ("compile", "activation_checkpointing"):
             if not isinstance(getattr(self, name), bool):
                 p.append(f"{name} must be true or false, got {getattr(self, name)!r}")
-        steps = total_steps if total_steps is not None else self.max_steps
-        if steps is not None and _is_int(self.warmup_steps) and _is_int(steps) and self.warmup_steps >= steps:
-            p.append(f"warmup_steps ({self.warmup_steps}) must be smaller than the total optimizer steps ({steps})")
-        return p
+        return p + self.steps_problems(total_steps if total_steps is not None else self.max_steps)
+
+    def steps_problems(self, total_steps: int | None) -> list[str]:
+        """What a run of `total_steps` optimizer steps (None: not known yet) finds wrong with this config."""
+        if total_steps is not None and _is_int(self.warmup_steps) and _is_int(total_steps) and \
+                self.warmup_steps >= total_steps:
+            return [f"warmup_steps ({self.warmup_steps}) must be smaller than the total optimizer steps ({total_steps})"]
+        return []
 
     def validate(self, world_size: int | None = None, total_steps: int | None = None) -> TrainConfig:
         problems = self.problems(world_size, total_steps)

@@ -23,7 +23,9 @@ import torch
 
 from .config import TrainConfig
 
+# The one table of --dtype names (minilm.config.DTYPES, less "auto") and their torch dtypes.
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
 
 
 class NonFiniteLossError(RuntimeError):
@@ -43,8 +45,13 @@ def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
     if name == "fp16" and device_type != "cuda":
         raise ValueError("dtype fp16 needs a CUDA device (CPU autocast supports bf16 or fp32); use --dtype bf16 or fp32")
     if name not in TORCH_DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; choose auto, bf16, fp16 or fp32")
+        raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(TORCH_DTYPES)}")
     return TORCH_DTYPES[name]
+
+
+def resolve_dtype_name(name: str, device: torch.device | str) -> str:
+    """`resolve_dtype` as a --dtype name ("auto" resolved on this device)."""
+    return DTYPE_NAMES[resolve_dtype(name, device)]
 
 
 def cpu_bf16_is_faster(size: int = 512, repeats: int = 8) -> bool:

@@ -5,10 +5,10 @@
     python -m minilm.train --random-tokens 200000 --max-steps 20                     # synthetic ids, timing
     python -m minilm.train --tokens ids.npy --seq-len 128 --max-steps 50             # a .npy of token ids
 
-Every ModelConfig / TrainConfig field is a flag, as for `ray_jobs.pretrain`. Without --data the demo
-preset applies (a small model); with --data, the dataclasses' defaults. With --run-dir, checkpoints
-go to RUN_DIR/checkpoint_<step> and `--resume auto` (the default) continues the newest complete one,
-at any world size that keeps the global batch.
+Every ModelConfig / TrainConfig field and run option (minilm.options) is a flag, as for
+`ray_jobs.pretrain`; without --data the demo preset applies. With --run-dir, checkpoints go to
+RUN_DIR/checkpoint_<step> and `--resume auto` (the default) continues the newest complete one, at any
+world size that keeps the global batch.
 """
 
 from __future__ import annotations
@@ -27,16 +27,8 @@ import torch
 from . import checkpoint as C
 from . import data as D
 from .async_checkpoint import PendingSave
-from .cli import (
-    EXIT_FAILED,
-    EXIT_INTERRUPTED,
-    UsageError,
-    add_config_flags,
-    build_configs,
-    fail,
-    load_yaml,
-)
-from .config import ConfigError, ModelConfig, TrainConfig, check_fits
+from .cli import EXIT_FAILED, EXIT_INTERRUPTED, UsageError, add_config_flags, fail, load_yaml
+from .config import ConfigError, ModelConfig, TrainConfig
 from .distributed import (
     Collectives,
     collective_failure,
@@ -45,12 +37,13 @@ from .distributed import (
     leave_process_group,
 )
 from .model import MiniMindForCausalLM
+from .options import TRAIN, RunOptions, add_run_flags, build_configs, check_configs, plan_steps
 from .rows import rows_note
-from .step import NonFiniteLossError, resolve_dtype
+from .step import TORCH_DTYPES, NonFiniteLossError, resolve_dtype_name
 from .testing import FaultHooks
 from .testing import from_env as hooks_from_env
 from .trackers import TrackerError, check_trackers
-from .trainer import Dataset, Preempted, RunOptions, Trainer
+from .trainer import Dataset, Preempted, Trainer
 
 
 class LocalLauncher:
@@ -83,8 +76,7 @@ class LocalLauncher:
         return path
 
     def report(self, metrics: dict, checkpoint: PendingSave | None, checkpointing: bool) -> None:
-        """Rank 0: once complete, the staged checkpoint becomes RUN_DIR/checkpoint_<step> in one rename (on the
-        writer's thread when it is still being written); the oldest beyond --keep-checkpoints go."""
+        """Rank 0: the complete checkpoint is renamed into the run folder (on the writer's thread if still written)."""
         if checkpoint is not None:
             checkpoint.then(lambda path: self.publish(path, checkpoint.step))
 
@@ -115,16 +107,12 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, sequences: torch.Tenso
     """Train on `sequences` (N, seq_len + 1) in this process, world size 1; returns the model and the metrics
     of every log step (`train_cfg.log_every`)."""
     model_cfg.validate()
-    train_cfg.validate(world_size=1)
+    train_cfg.validate()  # seq_len is the rows': not checked against the model
     if sequences.shape[1] > model_cfg.max_position_embeddings:
         raise ConfigError([f"rows of {sequences.shape[1]} tokens exceed max_position_embeddings "
                            f"({model_cfg.max_position_embeddings})"])
     data = Dataset.in_memory(torch.as_tensor(sequences).numpy())
-    per_epoch = D.steps_per_epoch(data.num_sequences, train_cfg.global_batch_size)
-    if per_epoch == 0:
-        raise D.DataError(f"{data.num_sequences} sequences do not fill one global batch of "
-                          f"{train_cfg.global_batch_size}")
-    train_cfg.validate(world_size=1, total_steps=train_cfg.max_steps or per_epoch * train_cfg.epochs)
+    plan_steps(train_cfg, data.num_sequences)
     launcher = LocalLauncher(data, train_cfg.micro_batch_size, device=device, run_dir=run_dir, say=log)
     trainer = Trainer(model_cfg, train_cfg, RunOptions(name="in-process", run_dir=str(run_dir) if run_dir else None),
                       data, launcher, hooks=hooks, model=model)
@@ -135,35 +123,11 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, sequences: torch.Tenso
     return trainer.raw_model, trainer.history
 
 
-# ---- the command line ---------------------------------------------------------------------------------
-
-RUN_KEYS = frozenset({"data", "tokens", "random_tokens", "run_dir", "name", "resume", "keep_checkpoints",
-                      "exit_after_steps", "exit_after_minutes", "val_samples", "eval_every", "tracker",
-                      "collective_timeout_s"})
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m minilm.train", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--config", help="YAML file of option: value (any flag below)")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--data", help="a directory written by ray_jobs.prepare")
-    src.add_argument("--tokens", help="a .npy file of 1-D token ids")
-    src.add_argument("--random-tokens", type=int, help="train on this many uniformly random token ids")
-    r = p.add_argument_group("run")
-    r.add_argument("--run-dir", help="checkpoints, metrics.jsonl and world_size.csv go here (default: none kept)")
-    r.add_argument("--name", help="run name (default: the run folder's name)")
-    r.add_argument("--resume", help="auto (default): the newest complete checkpoint in --run-dir; never; or a PATH")
-    r.add_argument("--keep-checkpoints", type=int, help="checkpoints kept in --run-dir (default 3)")
-    r.add_argument("--exit-after-steps", type=int, help="checkpoint and exit cleanly after this optimizer step")
-    r.add_argument("--exit-after-minutes", type=float, help="checkpoint and exit cleanly after this many minutes")
-    r.add_argument("--val-samples", type=int, help="held-out sequences for val_loss (default 0)")
-    r.add_argument("--eval-every", type=int, help="optimizer steps between val_loss evaluations")
-    r.add_argument("--tracker", action="append", metavar="none|tensorboard|mlflow|wandb",
-                   help="experiment tracker(s), as for ray_jobs.pretrain (needs --run-dir)")
-    r.add_argument("--collective-timeout-s", type=float,
-                   help="under torchrun: seconds a rank waits in one collective for the others before the run fails "
-                        "(a rank hung or gone); default 600 on GPUs (NCCL), 1800 on CPUs (gloo)")
+    add_run_flags(p, TRAIN)
     add_config_flags(p)
     return p
 
@@ -175,50 +139,43 @@ def main(argv: list[str] | None = None) -> int:
         leave_process_group()
 
 
+def start(argv: list[str] | None) -> tuple[Trainer, RunOptions]:
+    """Flags -> a Trainer at its first step; every user error raises."""
+    args = build_parser().parse_args(argv)
+    file_values = load_yaml(args.config)
+    model_cfg, train_cfg, opts = build_configs(args, file_values, TRAIN, demo=not (args.data or file_values.get("data")))
+    if not (opts.data or opts.tokens or opts.random_tokens):
+        raise UsageError("give the data to train on: --data DIR, --tokens FILE.npy or --random-tokens N")
+    check_configs(model_cfg, train_cfg, opts)
+    hooks = hooks_from_env(warn=lambda m: print(m, file=sys.stderr))
+    rank, world_size, device = init_from_torchrun(timeout_s=opts.collective_timeout_s)
+    notes: list[str | None] = []  # shown under the start line (rank 0)
+    data = load_data(opts, model_cfg, train_cfg, notes)
+    plan_steps(train_cfg, data.num_sequences, opts.val_samples, (world_size,))
+    run_dir = Path(opts.run_dir).resolve() if opts.run_dir else None
+    if run_dir is not None and rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    train_cfg.dtype = agreed_dtype(train_cfg.dtype, device)
+    opts.trackers = check_trackers(opts.tracker, {}, run_dir=run_dir)
+    opts.name, opts.run_dir = opts.name or (run_dir.name if run_dir else "local"), str(run_dir) if run_dir else None
+    launcher = LocalLauncher(data, train_cfg.micro_batch_size, rank=rank, world_size=world_size, device=device,
+                             run_dir=run_dir, resume=opts.resume, keep_checkpoints=opts.keep_checkpoints,
+                             say=lambda m: print(m, flush=True))
+    signal.signal(signal.SIGTERM, lambda *_: setattr(launcher, "sigterm", True))
+    if rank == 0:
+        for note in filter(None, notes):
+            print(note, flush=True)
+    return Trainer(model_cfg, train_cfg, opts, data, launcher, hooks=hooks), opts
+
+
 def run_cli(argv: list[str] | None) -> int:
     """Parse, check, train; every user error is one line and an exit code."""
-    args = build_parser().parse_args(argv)
     try:
-        file_values = load_yaml(args.config)
-        demo = not (args.data or file_values.get("data"))
-        configs = build_configs(args, file_values, RUN_KEYS, demo=demo)
-        model_cfg, train_cfg, opts = configs
-        notes: list[str | None] = []  # shown under the start line (rank 0)
-        if opts.get("keep_checkpoints") is not None and opts["keep_checkpoints"] < 1:
-            raise UsageError(f"--keep-checkpoints must be an integer >= 1, got {opts['keep_checkpoints']}")
-        if not any(opts.get(k) for k in ("data", "tokens", "random_tokens")):
-            raise UsageError("give the data to train on: --data DIR, --tokens FILE.npy or --random-tokens N")
-        model_cfg.validate()
-        train_cfg.validate()
-        check_fits(model_cfg, train_cfg)
-        hooks = hooks_from_env(warn=lambda m: print(m, file=sys.stderr))
-        if opts.get("collective_timeout_s") is not None and not opts["collective_timeout_s"] > 0:
-            raise UsageError(f"--collective-timeout-s must be > 0, got {opts['collective_timeout_s']}")
-        rank, world_size, device = init_from_torchrun(timeout_s=opts.get("collective_timeout_s"))
-        train_cfg.validate(world_size=world_size)
-        data = load_data(opts, model_cfg, train_cfg, notes)
-        run_dir = Path(opts["run_dir"]).resolve() if opts.get("run_dir") else None
-        if run_dir is not None and rank == 0:
-            run_dir.mkdir(parents=True, exist_ok=True)
-        train_cfg.dtype = agreed_dtype(train_cfg.dtype, device)
-        trackers = check_trackers(opts.get("tracker"), {}, run_dir=run_dir)
-        run = RunOptions(name=opts.get("name") or (run_dir.name if run_dir else "local"),
-                         run_dir=str(run_dir) if run_dir else None, val_samples=opts.get("val_samples") or 0,
-                         eval_every=opts.get("eval_every"), exit_after_steps=opts.get("exit_after_steps"),
-                         exit_after_minutes=opts.get("exit_after_minutes"), trackers=trackers)
-        launcher = LocalLauncher(data, train_cfg.micro_batch_size, rank=rank, world_size=world_size, device=device,
-                                 run_dir=run_dir, resume=opts.get("resume") or "auto",
-                                 keep_checkpoints=opts.get("keep_checkpoints") or 3,
-                                 say=lambda m: print(m, flush=True))
-        signal.signal(signal.SIGTERM, lambda *_: setattr(launcher, "sigterm", True))
-        if rank == 0:
-            for note in filter(None, notes):
-                print(note, flush=True)
-        trainer = Trainer(model_cfg, train_cfg, run, data, launcher, hooks=hooks)
+        trainer, opts = start(argv)
     except (UsageError, ConfigError, D.DataError, C.CheckpointError, TrackerError, ValueError, FileNotFoundError) as e:
         return fail(str(e))
-    outcome = "failed"
-    t0 = time.time()
+    outcome, t0 = "failed", time.time()
+    rank, world_size, device = trainer.rank, trainer.world_size, trainer.device
     try:
         outcome = trainer.fit()
     except KeyboardInterrupt:
@@ -226,7 +183,7 @@ def run_cli(argv: list[str] | None) -> int:
     except (Preempted, NonFiniteLossError, C.CheckpointError) as e:
         return fail(f"training stopped: {e}", EXIT_FAILED)
     except RuntimeError as e:  # torch.distributed's errors (DistBackendError among them) are RuntimeErrors
-        line = collective_failure(e, collective_timeout_s(device.type, opts.get("collective_timeout_s")), rank,
+        line = collective_failure(e, collective_timeout_s(device.type, opts.collective_timeout_s), rank,
                                   world_size) if world_size > 1 else None
         if line is None:
             raise
@@ -240,20 +197,20 @@ def run_cli(argv: list[str] | None) -> int:
     return 0
 
 
-def load_data(opts: dict, model_cfg: ModelConfig, train_cfg: TrainConfig, notes: list) -> Dataset:
-    if opts.get("data"):
-        prepared = D.open_prepared(opts["data"])
+def load_data(opts: RunOptions, model_cfg: ModelConfig, train_cfg: TrainConfig, notes: list) -> Dataset:
+    if opts.data:
+        prepared = D.open_prepared(opts.data)
         D.check_compatible(prepared, vocab_size=model_cfg.vocab_size, seq_len=train_cfg.seq_len)
         notes.append(rows_note(prepared.manifest, prepared.location))
         return Dataset.prepared(prepared)
-    if opts.get("tokens"):
-        path = Path(opts["tokens"])
+    if opts.tokens:
+        path = Path(opts.tokens)
         if not path.is_file():
             raise UsageError(f"--tokens {path}: file not found")
         rows = sequences_from_tokens(np.load(path), train_cfg.seq_len)
     else:
         rng = np.random.default_rng(train_cfg.seed)
-        rows = sequences_from_tokens(rng.integers(0, model_cfg.vocab_size, opts["random_tokens"]), train_cfg.seq_len)
+        rows = sequences_from_tokens(rng.integers(0, model_cfg.vocab_size, opts.random_tokens), train_cfg.seq_len)
     return Dataset.in_memory(rows.numpy())
 
 
@@ -261,16 +218,14 @@ def agreed_dtype(name: str, device: torch.device) -> str:
     """--dtype auto resolved once; under torchrun rank 0's answer is every rank's (a probe can disagree)."""
     if name != "auto":
         return name
-    code = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[resolve_dtype("auto", device)]
-    code = int(Collectives(device).broadcast_from_rank0(torch.tensor([code], device="cpu"))[0])
-    return ("fp32", "bf16", "fp16")[code]
+    names = list(TORCH_DTYPES)
+    code = torch.tensor([names.index(resolve_dtype_name("auto", device))], device="cpu")
+    return names[int(Collectives(device).broadcast_from_rank0(code)[0])]
 
 
 def exit_process(code: int) -> None:
-    """The end of `python -m minilm.train`. A torchrun rank of several leaves without interpreter finalization:
-    gloo's threads can outlive `destroy_process_group`, and one that drops a collective's tensors while the
-    interpreter finalizes cannot take the GIL and aborts the process (SIGABRT), which torchrun reports as a
-    failed run. Everything this process wrote is closed by then (trackers, checkpoints)."""
+    """A torchrun rank of several leaves without interpreter finalization, during which a gloo thread that outlived
+    the process group would abort the process (SIGABRT: a failed run for torchrun); its files are closed by then."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         sys.exit(code)
     sys.stdout.flush()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -27,6 +27,7 @@ from .bpb import bits_per_byte, token_byte_lengths
 from .config import ModelConfig, TrainConfig, accumulation_steps
 from .distributed import Collectives
 from .model import MiniMindForCausalLM
+from .options import RunOptions, plan_steps
 from .policy import LoopPolicy
 from .progress import Meter, MetricsLog, format_log_line, peak_flops
 from .schedule import get_lr
@@ -47,27 +48,6 @@ from .trackers import Trackers, open_trackers, run_hparams
 
 class Preempted(RuntimeError):
     """SIGTERM or a node drain reached the run; a checkpoint was written at the step boundary before exiting."""
-
-
-@dataclass
-class RunOptions:
-    """What a run adds to the two configs: its name, its folder and the when-to-stop/evaluate options."""
-
-    name: str
-    run_id: str = ""
-    run_dir: str | None = None  # metrics.jsonl, world_size.csv, trackers (None: remote storage, or none at all)
-    val_samples: int = 0
-    eval_every: int | None = None  # default: checkpoint_every
-    exit_after_steps: int | None = None
-    exit_after_minutes: float | None = None
-    trackers: list[str] = field(default_factory=list)
-    tracker_options: dict | None = None
-    test_hooks: dict | None = None  # minilm.testing.FaultHooks, only ever set by a test
-
-    @classmethod
-    def from_dict(cls, d: dict) -> RunOptions:
-        known = cls.__dataclass_fields__
-        return cls(**{k: v for k, v in d.items() if k in known})
 
 
 @dataclass
@@ -129,11 +109,8 @@ class Trainer:
                                                self.world_size)
         self.train_ids, val_ids = D.split_ids(data.num_sequences, run.val_samples)
         self.val_ids = val_ids[self.rank::self.world_size] if len(val_ids) else None
-        self.steps_per_epoch = D.steps_per_epoch(len(self.train_ids), train_cfg.global_batch_size)
-        if self.steps_per_epoch == 0:
-            raise D.DataError(f"{len(self.train_ids)} training sequences do not fill one global batch of "
-                              f"{train_cfg.global_batch_size}")
-        self.total_steps = train_cfg.max_steps or self.steps_per_epoch * train_cfg.epochs
+        plan = plan_steps(train_cfg, data.num_sequences, run.val_samples, [self.world_size])
+        self.steps_per_epoch, self.total_steps = plan.steps_per_epoch, plan.total_steps
         self.eval_every = run.eval_every or train_cfg.checkpoint_every
         self.step, self.run_id = 0, run.run_id or f"{run.name}-{int(time.time())}"
         self.collectives = Collectives(self.device)

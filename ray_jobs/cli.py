@@ -1,40 +1,29 @@
-"""Command-line plumbing of the Ray entrypoints: worker counts and the local Ray.
-
-Exit codes, the usage-error class, config flags and YAML files are `minilm.cli`'s (re-exported here).
-"""
+"""Command-line plumbing of the Ray entrypoints: the local Ray, printable URIs (the rest is `minilm.cli`'s)."""
 
 from __future__ import annotations
 
 import os
+import re
+import urllib.parse
 
-from minilm.cli import (  # noqa: F401  (re-exported: one definition, shared by every entrypoint)
-    DEMO_PRESET,
-    EXIT_FAILED,
-    EXIT_INTERRUPTED,
-    EXIT_USAGE,
-    UsageError,
-    add_config_flags,
-    build_configs,
-    fail,
-    flag,
-    load_yaml,
-)
+from minilm.cli import DEMO_PRESET, UsageError, fail, load_yaml  # noqa: F401  (re-exported)
 
 from .ray_compat import quiet_token_auth_notice
 
 
-def parse_num_workers(spec: str) -> tuple[int, int]:
-    """'N' or 'MIN-MAX' -> (min, max)."""
-    try:
-        if "-" in str(spec):
-            lo, hi = (int(x) for x in str(spec).split("-", 1))
-        else:
-            lo = hi = int(spec)
-    except ValueError:
-        raise UsageError(f"--num-workers {spec!r}: expected N or MIN-MAX, e.g. 2 or 2-8") from None
-    if lo < 1 or hi < lo:
-        raise UsageError(f"--num-workers {spec!r}: need 1 <= MIN <= MAX")
-    return lo, hi
+def redact_uri(uri: str | None) -> str | None:
+    """A storage or data URI fit to print: the values of its query's secret keys and any user:password@ as ***."""
+    if not uri or "://" not in uri:
+        return uri
+    parts = urllib.parse.urlsplit(uri)
+    netloc = ("***@" + parts.netloc.rpartition("@")[2]) if "@" in parts.netloc else parts.netloc
+    query = [(k, "***" if SECRET_KEY.search(k) else redact_uri(v) if "://" in v else v)
+             for k, v in urllib.parse.parse_qsl(parts.query, keep_blank_values=True)]
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, urllib.parse.urlencode(query, safe="/:*@"),
+                                    parts.fragment))
+
+
+SECRET_KEY = re.compile(r"key|secret|token|password|credential|signature", re.I)
 
 
 def available_cores() -> int:

@@ -4,7 +4,7 @@
     python -m ray_jobs.pretrain --data data/tok --num-workers 2-8 --name run1 --storage-path s3://bucket/runs
     ray job submit --working-dir . -- python -m ray_jobs.pretrain --name run1 --resume auto
 
-Every ModelConfig / TrainConfig field is a flag (--hidden-size, --global-batch-size, ...), and
+Every ModelConfig / TrainConfig field and every run option (minilm.options) is a flag, and
 `--config FILE.yaml` sets any of them (flags win). Checkpoints are Ray Train checkpoints under
 STORAGE/NAME; `--resume auto` continues the latest complete one, from any driver process, at any
 world size that keeps the global batch.
@@ -13,6 +13,7 @@ world size that keeps the global batch.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import shutil
@@ -24,80 +25,35 @@ from pathlib import Path
 from minilm import checkpoint as C
 from minilm import data as D
 from minilm import testing
-from minilm.cli import (
-    EXIT_FAILED,
-    EXIT_INTERRUPTED,
-    UsageError,
-    add_config_flags,
-    build_configs,
-    fail,
-    load_yaml,
-)
-from minilm.config import ConfigError, ModelConfig, TrainConfig, check_fits, valid_world_sizes
+from minilm.cli import EXIT_FAILED, EXIT_INTERRUPTED, UsageError, add_config_flags, fail, load_yaml
+from minilm.config import ConfigError, ModelConfig, TrainConfig
 from minilm.distributed import collective_timeout_s
+from minilm.options import (
+    PRETRAIN,
+    RunOptions,
+    StepPlan,
+    add_run_flags,
+    build_configs,
+    check_configs,
+    check_world_sizes,
+    plan_steps,
+)
 from minilm.progress import MetricsLog, format_duration
 from minilm.rows import rows_note
 from minilm.timeline import TIMELINE, WorldSizeTimeline, format_timeline
 from minilm.trackers import TrackerError, check_trackers
 
-from .cli import available_cores, ensure_ray, parse_num_workers
+from .cli import available_cores, ensure_ray, redact_uri
 from .elastic import SHARED_STORAGE_HINT, nodes_missing_path
 from .ray_compat import CONTROLLER_POLL_ENV
-
-RUN_KEYS = {"data", "num_workers", "use_gpu", "cpus_per_worker", "storage_path", "name", "resume", "max_failures",
-            "keep_checkpoints", "exit_after_steps", "exit_after_minutes", "val_samples", "collective_timeout_s",
-            "num_cpus", "elastic_check_seconds", "eval_every", "resources_per_worker", "tracker", "mlflow_uri",
-            "wandb_project", "allow_config_change"}
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ray_jobs.pretrain", description=__doc__.split("\n")[0])
     p.add_argument("--config", help="YAML file of option: value (any flag below, underscores or dashes)")
-    r = p.add_argument_group("run")
-    r.add_argument("--data", help="prepared data dir (ray_jobs.prepare); default: the built-in demo corpus, "
-                                  "prepared once into ~/.cache/minilm")
-    r.add_argument("--num-workers", help="N, or MIN-MAX for an elastic run (default 2)")
-    r.add_argument("--use-gpu", choices=["auto", "true", "false"], help="default auto: GPUs if the cluster has any")
-    r.add_argument("--cpus-per-worker", help="CPUs (and torch threads) per worker, or auto (default): on a local Ray "
-                                              "started by this command, the machine's cores divided among the "
-                                              "workers; on a cluster, a node's CPUs divided among the workers it "
-                                              "would host (GPU runs: its CPUs per GPU)")
-    r.add_argument("--resources-per-worker", metavar="NAME=N[,NAME=N]",
-                   help="custom Ray resources each worker also needs, e.g. spot_slot=1 (one worker per node that "
-                        "offers one)")
-    r.add_argument("--storage-path", help="local path or pyarrow URI (s3://, gs://); default ./runs")
-    r.add_argument("--name", help="run name; resume finds checkpoints by it (default: minilm-<time>)")
-    r.add_argument("--resume", help="auto (default): continue RUN's latest complete checkpoint; never; or a "
-                                    "checkpoint PATH")
-    r.add_argument("--max-failures", type=int, help="worker-group restarts Ray Train may do (default 0)")
-    r.add_argument("--keep-checkpoints", type=int, help="CheckpointConfig(num_to_keep) (default 3)")
-    r.add_argument("--exit-after-steps", type=int, help="checkpoint and exit cleanly after this optimizer step")
-    r.add_argument("--exit-after-minutes", type=float, help="checkpoint and exit cleanly after this many minutes")
-    r.add_argument("--val-samples", type=int, help="held-out sequences for val_loss and val_bpb (default 0: no "
-                                                    "validation)")
-    r.add_argument("--eval-every", type=int, help="optimizer steps between val_loss evaluations "
-                                                   "(default: --checkpoint-every)")
-    r.add_argument("--elastic-check-seconds", type=float, help="how often Ray checks to resize an elastic run")
-    r.add_argument("--collective-timeout-s", "--backend-timeout-s", type=float, dest="collective_timeout_s",
-                   help="seconds a rank waits in one collective for the others before its worker fails (a rank hung "
-                        "or gone; with --max-failures the group restarts from the last checkpoint); default 600 on "
-                        "GPUs (NCCL), 1800 on CPUs (gloo)")
-    r.add_argument("--num-cpus", type=int, help="logical CPUs of a local Ray (default max(8, 2 x cores))")
-    r.add_argument("--tracker", action="append", metavar="none|tensorboard|mlflow|wandb",
-                   help="experiment tracker(s) rank 0 logs every reported metric to (repeat, or comma-separate); "
-                        "the tracker run continues across resumes (docs/tracking.md)")
-    r.add_argument("--mlflow-uri", help="MLflow tracking URI (default: sqlite:///RUN_DIR/mlflow.db)")
-    r.add_argument("--wandb-project", help="W&B project (default minilm); WANDB_MODE=offline works")
-    r.add_argument("--allow-config-change", action="store_true", default=None,
-                   help="resume even though the schedule or optimizer settings differ from the checkpoint's "
-                        "(lr, warmup, steps, betas, weight decay, ...): each change is logged and used")
+    add_run_flags(p, PRETRAIN)
     add_config_flags(p)
     return p
-
-
-RUN_DEFAULTS = {"num_workers": "2", "use_gpu": "auto", "cpus_per_worker": "auto", "storage_path": "./runs",
-                "resume": "auto", "max_failures": 0, "keep_checkpoints": 3, "val_samples": 0,
-                "elastic_check_seconds": 60.0}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,181 +68,114 @@ def main(argv: list[str] | None = None) -> int:
 
 @dataclass
 class RunPlan:
-    """A run checked and ready to start: configs, options, where it writes, what it reads."""
+    """A run checked and ready to start: configs, options (where it writes, what it reads), its steps."""
 
     model_cfg: ModelConfig
     train_cfg: TrainConfig
-    opts: dict
-    workers: tuple[int, int]
-    name: str
-    storage: str
-    run_dir: Path | None
-    data_dir: Path | str  # a local folder, or a remote URI every node copies once
+    opts: RunOptions
     prepared: D.PreparedData
-    steps_per_epoch: int
-    resume_path: Path | None = None
-    hooks: testing.FaultHooks | None = None  # only when a test switched fault injection on
+    steps: StepPlan
     notes: list[str] = field(default_factory=list)  # shown under the start line
 
-    def config(self, name: str | None = None, run_dir: Path | None | str = "same") -> dict:
-        """The train_loop_config every worker gets."""
-        name = name or self.name
-        run_dir = self.run_dir if run_dir == "same" else run_dir
-        return {
-            "model": self.model_cfg.to_dict(), "train": self.train_cfg.to_dict(),
-            "run": {"name": name, "run_id": f"{name}-{int(time.time())}", "data_dir": str(self.data_dir),
-                    "run_dir": str(run_dir) if run_dir else None, "val_samples": self.opts["val_samples"],
-                    "storage_dir": f"{self.storage.split('?', 1)[0].rstrip('/')}/{name}",
-                    "collective_timeout_s": self.opts.get("collective_timeout_s"),
-                    "eval_every": self.opts.get("eval_every") or self.train_cfg.checkpoint_every,
-                    "resume_path": str(self.resume_path) if self.resume_path else None,
-                    "exit_after_steps": self.opts.get("exit_after_steps"),
-                    "exit_after_minutes": self.opts.get("exit_after_minutes"),
-                    "trackers": self.opts.get("trackers", []), "tracker_options": tracker_options(self.opts),
-                    "test_hooks": self.hooks.to_dict() if self.hooks else None},
-        }
+    @property
+    def run_dir(self) -> Path | None:
+        return Path(self.opts.run_dir) if self.opts.run_dir else None
+
+    def config(self, opts: RunOptions | None = None) -> dict:
+        """The train_loop_config every worker gets; `opts` for a run of its own (a Tune trial)."""
+        run = dataclasses.replace(opts or self.opts)
+        run.run_id = f"{run.name}-{int(time.time())}"
+        run.storage_dir = f"{run.storage_path.split('?', 1)[0].rstrip('/')}/{run.name}"
+        run.tracker_options = tracker_options(run)
+        return {"model": self.model_cfg.to_dict(), "train": self.train_cfg.to_dict(), "run": dataclasses.asdict(run)}
 
 
-def check_options(model_cfg: ModelConfig, train_cfg: TrainConfig, opts: dict) -> tuple[int, int]:
+def check_options(model_cfg: ModelConfig, train_cfg: TrainConfig, opts: RunOptions) -> tuple[int, int]:
     """Every check that needs no data and no Ray; returns the (min, max) world size."""
-    model_cfg.validate()
-    train_cfg.validate()  # the config's own problems first, then how it meets the world size
-    min_w, max_w = parse_num_workers(opts["num_workers"])
-    valid = valid_world_sizes(train_cfg.global_batch_size, train_cfg.micro_batch_size)
-    bad = [w for w in range(min_w, max_w + 1) if w not in valid]
-    if bad:
-        raise UsageError(f"--num-workers {opts['num_workers']}: world size(s) {', '.join(map(str, bad))} cannot keep "
-                         f"global_batch_size {train_cfg.global_batch_size} with micro_batch_size "
-                         f"{train_cfg.micro_batch_size}; valid world sizes: {', '.join(map(str, valid)) or 'none'}")
-    train_cfg.validate(world_size=min_w)
-    check_fits(model_cfg, train_cfg)
-    for key in ("max_failures", "keep_checkpoints", "val_samples"):
-        if not isinstance(opts[key], int) or opts[key] < (1 if key == "keep_checkpoints" else 0):
-            raise UsageError(f"{'--' + key.replace('_', '-')} must be an integer >= "
-                             f"{1 if key == 'keep_checkpoints' else 0}, got {opts[key]!r}")
-    for key in ("eval_every", "exit_after_steps"):
-        if opts.get(key) is not None and opts[key] < 1:
-            raise UsageError(f"--{key.replace('_', '-')} must be >= 1")
-    if opts.get("exit_after_minutes") is not None and not opts["exit_after_minutes"] > 0:
-        raise UsageError("--exit-after-minutes must be > 0")
-    if opts.get("collective_timeout_s") is not None and not opts["collective_timeout_s"] >= 1:
-        raise UsageError(f"--collective-timeout-s must be >= 1, got {opts['collective_timeout_s']}")
-    if str(opts["cpus_per_worker"]) != "auto":
-        given = opts["cpus_per_worker"]
-        try:
-            opts["cpus_per_worker"] = float(given)
-        except ValueError:
-            opts["cpus_per_worker"] = -1.0
-        if not opts["cpus_per_worker"] > 0:
-            raise UsageError(f"--cpus-per-worker must be auto or a number > 0, got {given!r}")
-    opts["resources_per_worker"] = parse_resources(opts.get("resources_per_worker"))
+    check_configs(model_cfg, train_cfg, opts)
+    min_w, max_w = opts.workers
+    check_world_sizes(train_cfg, range(min_w, max_w + 1), where=f"--num-workers {opts.num_workers}: ")
+    if opts.collective_timeout_s is not None and opts.collective_timeout_s < 1:  # TorchConfig takes whole seconds
+        raise UsageError(f"--collective-timeout-s must be >= 1, got {opts.collective_timeout_s}")
     return min_w, max_w
 
 
-def parse_resources(spec) -> dict[str, float]:
-    """'slot=1,disk=2' (or a YAML mapping) -> {'slot': 1.0, 'disk': 2.0}."""
-    if not spec:
-        return {}
-    items = spec.items() if isinstance(spec, dict) else (part.partition("=")[::2] for part in str(spec).split(","))
-    resources = {}
-    for name, value in items:
-        name = str(name).strip()
-        try:
-            amount = float(value)
-        except (TypeError, ValueError):
-            amount = -1.0
-        if not name or amount <= 0 or name in ("CPU", "GPU"):
-            raise UsageError(f"--resources-per-worker {spec!r}: expected NAME=N with N > 0, e.g. slot=1 "
-                             f"(CPU and GPU have their own flags: --cpus-per-worker, --use-gpu)")
-        resources[name] = amount
-    return resources
-
-
-def plan_run(args: argparse.Namespace, extra_keys: frozenset[str] = frozenset(), concurrent_runs: int = 1,
-             reserved_cpus: float = 0.0) -> RunPlan:
-    """Flags + YAML -> a checked RunPlan (starts or joins Ray, prepares the demo data if needed).
-    `concurrent_runs`: runs sharing the machine at once (Tune trials), and `reserved_cpus` the CPUs other actors
-    of theirs hold (Tune's trial functions), for --cpus-per-worker auto."""
-    file_values = load_yaml(args.config)
+def plan_run(args: argparse.Namespace, concurrent_runs: int = 1, reserved_cpus: float = 0.0,
+             file_values: dict | None = None) -> RunPlan:
+    """Flags + YAML (`file_values`, else --config's) -> a checked RunPlan, Ray started or joined. For --cpus-per-worker
+    auto, `concurrent_runs` share the cluster (Tune trials) and their other actors hold `reserved_cpus`."""
+    file_values = load_yaml(args.config) if file_values is None else file_values
     demo = not (args.data or file_values.get("data"))
-    configs = build_configs(args, file_values, RUN_KEYS | extra_keys, demo=demo)
-    model_cfg, train_cfg, rest = configs
-    opts = {**RUN_DEFAULTS, **rest}
+    model_cfg, train_cfg, opts = build_configs(args, file_values, PRETRAIN, demo=demo)
     hooks = testing.from_env(warn=lambda m: print(m, file=sys.stderr, flush=True))
     min_w, max_w = check_options(model_cfg, train_cfg, opts)
-
-    name = opts.get("name") or time.strftime("minilm-%Y%m%d-%H%M%S")
-    storage = opts["storage_path"]
-    local_storage = "://" not in storage
-    if local_storage:
-        storage = str(Path(storage).expanduser().resolve())
-    run_dir = Path(storage) / name if local_storage else None
-
-    resume_path = None
-    if opts["resume"] not in ("auto", "never"):
-        resume_path = Path(opts["resume"]).expanduser().resolve()
-        C.verify(resume_path, once_per_node=True)  # missing, partial or corrupt: refused here, before any worker starts
-        if C.checkpoint_dirs(run_dir):
-            raise UsageError(f"run {name} already has checkpoints in {run_dir}: --resume {resume_path} would mix two "
-                             f"runs; use another --name (or --resume auto to continue {name})")
-    elif opts["resume"] == "never" and run_dir is not None and any(run_dir.glob("checkpoint_*")):
-        raise UsageError(f"run {name} already has checkpoints in {run_dir}; use --resume auto to continue it, "
-                         f"or another --name")
-
-    opts["trackers"] = check_trackers(opts.get("tracker"), tracker_options(opts), run_dir=run_dir)
-    if local_storage:
-        check_storage_writable(Path(storage))
+    local_storage = locate_run(opts)
+    run_dir = Path(opts.run_dir) if opts.run_dir else None
+    opts.trackers = check_trackers(opts.tracker, tracker_options(opts), run_dir=run_dir)
     if not demo:
-        data_dir = opts["data"] if D.is_remote(opts["data"]) else Path(opts["data"]).expanduser().resolve()
-        D.open_prepared(data_dir)  # a missing, incomplete or damaged --data is refused before Ray starts
-    started_here = ensure_ray(opts.get("num_cpus"))
-    if opts["cpus_per_worker"] == "auto":
-        opts["cpus_per_worker"] = auto_cpus_per_worker(max_w * concurrent_runs, started_here, opts, reserved_cpus)
-    if local_storage:
-        missing = nodes_missing_path(Path(storage))
-        if missing:
-            raise UsageError(f"--storage-path {storage} is not visible from {len(missing)} node(s) of this cluster "
-                             f"({', '.join(missing)}): {SHARED_STORAGE_HINT}")
+        opts.data_dir = opts.data if D.is_remote(opts.data) else str(Path(opts.data).expanduser().resolve())
+        D.open_prepared(opts.data_dir)  # a missing, incomplete or damaged --data is refused before Ray starts
+    started_here = ensure_ray(opts.num_cpus)
+    if opts.cpus_per_worker is None:
+        opts.cpus_per_worker = auto_cpus_per_worker(max_w * concurrent_runs, started_here, opts, reserved_cpus)
+    missing = nodes_missing_path(Path(opts.storage_path)) if local_storage else []
+    if missing:
+        raise UsageError(f"--storage-path {opts.storage_path} is not visible from {len(missing)} node(s) of this "
+                         f"cluster ({', '.join(missing)}): {SHARED_STORAGE_HINT}")
     if train_cfg.dtype == "fp16" and not uses_gpu(opts):
         raise UsageError("--dtype fp16 needs GPU workers (CPU autocast supports bf16 or fp32); this run has none: "
                          "use --dtype bf16, fp32 or auto")
     if demo:
         from .demo_data import demo_data_dir
 
-        data_dir = demo_data_dir(train_cfg.seq_len, model_cfg.vocab_size)
-    prepared = D.open_prepared(data_dir)
+        opts.data_dir = str(demo_data_dir(train_cfg.seq_len, model_cfg.vocab_size))
+    prepared = D.open_prepared(opts.data_dir)
     D.check_compatible(prepared, vocab_size=model_cfg.vocab_size, seq_len=train_cfg.seq_len)
+    steps = plan_steps(train_cfg, prepared.num_sequences, opts.val_samples, range(min_w, max_w + 1),
+                       where=f"{redact_uri(opts.data_dir)}: ")
+    resume = Path(opts.resume_path) if opts.resume_path else latest_checkpoint(run_dir, opts.resume)
+    opts.resume_path = str(resume) if resume else None
+    train_cfg.dtype = run_dtype(train_cfg.dtype, check_resumable(resume, model_cfg, train_cfg, prepared, opts), opts)
+    if hooks:
+        opts.test_hooks = hooks.to_dict()
+        if hooks.record_sample_ids:
+            Path(hooks.record_sample_ids).mkdir(parents=True, exist_ok=True)
     notes = [rows_note(prepared.manifest, prepared.location)]
-    train_ids, _ = D.split_ids(prepared.num_sequences, opts["val_samples"])
-    per_epoch = D.steps_per_epoch(len(train_ids), train_cfg.global_batch_size)
-    if per_epoch == 0:
-        raise D.DataError(f"{data_dir}: {len(train_ids)} training sequences do not fill one global batch of "
-                          f"{train_cfg.global_batch_size}")
-    train_cfg.validate(world_size=min_w, total_steps=train_cfg.max_steps or per_epoch * train_cfg.epochs)
-    if resume_path is None:  # --resume auto: what the workers continue when Ray has no checkpoint of the run registered
-        resume_path = latest_checkpoint(run_dir, opts["resume"])
-    saved = check_resumable(resume_path, model_cfg, train_cfg, prepared, opts)
-    train_cfg.dtype = run_dtype(train_cfg.dtype, saved, opts)  # one precision for every rank and every restart
-    if hooks and hooks.record_sample_ids:
-        Path(hooks.record_sample_ids).mkdir(parents=True, exist_ok=True)
-    return RunPlan(model_cfg=model_cfg, train_cfg=train_cfg, opts=opts, workers=(min_w, max_w), name=name,
-                   storage=storage, run_dir=run_dir, data_dir=data_dir, prepared=prepared, steps_per_epoch=per_epoch,
-                   resume_path=resume_path, hooks=hooks, notes=[n for n in notes if n])
+    return RunPlan(model_cfg, train_cfg, opts, prepared, steps, [n for n in notes if n])
 
 
-def auto_cpus_per_worker(workers: int, local: bool, opts: dict, reserved_cpus: float = 0.0) -> float:
-    """--cpus-per-worker auto. A local Ray this command started: the machine's cores divided among the workers
-    (at least 1), so 1 worker on a laptop uses every core. A running cluster: the CPUs of its smallest node that
-    can host a worker, less one left for Ray Data and Ray itself (workers that take every CPU starve the tasks
-    that feed them) and less the CPUs other actors of the runs reserve (Tune's trial functions: counted whole, on
-    every node, since they go wherever Tune puts them), divided among the workers such a node would host if they
-    spread evenly (GPU runs: one worker per GPU). A local Ray's logical CPUs are not used: it declares more than
-    there are cores (ensure_ray)."""
+def locate_run(opts: RunOptions) -> bool:
+    """Name the run, resolve its storage and check --resume against what is there; True for local storage."""
+    opts.name = opts.name or time.strftime("minilm-%Y%m%d-%H%M%S")
+    local = "://" not in opts.storage_path
+    if local:
+        opts.storage_path = str(Path(opts.storage_path).expanduser().resolve())
+        opts.run_dir = str(Path(opts.storage_path) / opts.name)
+    if opts.resume not in ("auto", "never"):
+        path = Path(opts.resume).expanduser().resolve()
+        C.verify(path, once_per_node=True)  # missing, partial or corrupt: refused here, before any worker starts
+        if C.checkpoint_dirs(opts.run_dir):
+            raise UsageError(f"run {opts.name} already has checkpoints in {opts.run_dir}: --resume {path} would mix "
+                             f"two runs; use another --name (or --resume auto to continue {opts.name})")
+        opts.resume_path = str(path)
+    elif opts.resume == "never" and C.checkpoint_dirs(opts.run_dir):
+        raise UsageError(f"run {opts.name} already has checkpoints in {opts.run_dir}; use --resume auto to continue "
+                         f"it, or another --name")
+    if local:
+        check_storage_writable(Path(opts.storage_path))
+    return local
+
+
+def auto_cpus_per_worker(workers: int, local: bool, opts: RunOptions, reserved_cpus: float = 0.0) -> float:
+    """--cpus-per-worker auto. A local Ray this command started: its cores (not its logical CPUs, which
+    overstate them) shared among the workers. A cluster: the smallest node that can host a worker, less one CPU
+    for Ray Data (workers that take every CPU starve their feed) and less `reserved_cpus` (Tune's trial actors),
+    shared among the workers it would host (GPU runs: its CPUs per GPU)."""
     if local:
         return float(max(1, available_cores() // max(1, workers)))
     import ray
 
-    custom = opts["resources_per_worker"]
+    custom = opts.resources_per_worker
     nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU", 0) >= 1
              and all(n["Resources"].get(k, 0) >= v for k, v in custom.items())]
     if uses_gpu(opts):
@@ -299,8 +188,7 @@ def auto_cpus_per_worker(workers: int, local: bool, opts: dict, reserved_cpus: f
 
 
 def check_storage_writable(storage: Path) -> None:
-    """A local --storage-path that cannot be created or written is one error line here, not a traceback from
-    Ray's controller later."""
+    """A local --storage-path that cannot be written: one error line here, not a traceback from Ray's controller."""
     created = [p for p in (storage, *storage.parents) if not p.exists()]
     try:
         storage.mkdir(parents=True, exist_ok=True)
@@ -318,28 +206,21 @@ def check_storage_writable(storage: Path) -> None:
                 break
 
 
-def tracker_options(opts: dict) -> dict:
-    return {"mlflow_uri": opts.get("mlflow_uri"), "wandb_project": opts.get("wandb_project"),
-            "group": opts.get("tracker_group")}
+def tracker_options(opts: RunOptions) -> dict:
+    return {"mlflow_uri": opts.mlflow_uri, "wandb_project": opts.wandb_project, "group": opts.tracker_group}
 
 
 def latest_checkpoint(run_dir: Path | None, resume: str) -> Path | None:
-    """The newest complete (verified) checkpoint in a local run folder, for --resume auto.
-
-    Ray Train registers a checkpoint in its run state only after every rank's report reached the
-    controller; a driver killed after the upload but before that leaves a complete checkpoint that
-    `ray.train.get_checkpoint()` does not know, and the run would start fresh. The workers continue
-    this one when Ray has none registered. A folder torn by a kill mid-upload is skipped, with a message.
-    """
+    """The newest complete checkpoint in a local run folder, for --resume auto: one Ray has not registered
+    (its driver was killed after the upload) is continued too; a torn folder is skipped, with a message."""
     if run_dir is None or resume != "auto":
         return None
     return C.latest_complete(C.checkpoint_dirs(run_dir), once_per_node=True)  # a worker on this node: no rehash
 
 
 def check_resumable(path: Path | None, model_cfg: ModelConfig, train_cfg: TrainConfig, prepared,
-                    opts: dict) -> dict | None:
-    """Refuse, before any worker starts, a run that cannot continue the checkpoint it would resume, or that
-    would silently change it; returns the checkpoint's state.json."""
+                    opts: RunOptions) -> dict | None:
+    """Refuse, before any worker starts, a resume that cannot work or would silently change the run; its state.json."""
     if path is None:
         return None
     state = C.read_state(path)
@@ -348,9 +229,9 @@ def check_resumable(path: Path | None, model_cfg: ModelConfig, train_cfg: TrainC
     if problems:
         raise UsageError(f"cannot resume from {path}: " + "; ".join(problems) +
                          " (use another --name to start a new run)")
-    changes = C.config_changes(state, train_cfg, val_samples=opts["val_samples"])
+    changes = C.config_changes(state, train_cfg, val_samples=opts.val_samples)
     refused = [c for c in changes if not c.safe]
-    if refused and not opts.get("allow_config_change"):
+    if refused and not opts.allow_config_change:
         raise UsageError(f"cannot resume from {path} with other settings: " + "; ".join(map(str, refused)) +
                          " change the schedule or optimizer mid-run; pass --allow-config-change to continue with "
                          "the new values, or use another --name")
@@ -359,34 +240,28 @@ def check_resumable(path: Path | None, model_cfg: ModelConfig, train_cfg: TrainC
     return state
 
 
-def run_dtype(requested: str, saved: dict | None, opts: dict) -> str:
-    """The one precision of the run, decided here before any worker starts: the checkpoint's when resuming
-    (`auto`, or a change `config_changes` let through), else `--dtype`, with `auto` probed once on a worker-like
-    process (bf16 on GPUs that support it; on CPUs, bf16 only where its matmuls are faster)."""
+def run_dtype(requested: str, saved: dict | None, opts: RunOptions) -> str:
+    """The one precision of every rank and restart: the checkpoint's when resuming (`auto`, or a change
+    `config_changes` let through), else --dtype, `auto` probed once where a worker would run."""
     if saved is not None:
         before = C.checkpoint_dtype(saved)
         if before and (requested == "auto" or requested == before):
             return before
-    if requested != "auto":
-        return requested
-    return probe_dtype(opts)
+    return requested if requested != "auto" else probe_dtype(opts)
 
 
-def probe_dtype(opts: dict) -> str:
+def probe_dtype(opts: RunOptions) -> str:
     """Resolve `--dtype auto` in one Ray task placed like a training worker (GPU, CPUs, custom resources)."""
     import ray
 
-    from minilm.step import resolve_dtype
+    from minilm.step import resolve_dtype_name
 
     use_gpu = uses_gpu(opts)
 
-    @ray.remote(num_cpus=0.01 if use_gpu else max(0.01, float(opts["cpus_per_worker"])), num_gpus=1 if use_gpu else 0,
-                resources=opts["resources_per_worker"] or None)
+    @ray.remote(num_cpus=0.01 if use_gpu else max(0.01, opts.cpus_per_worker), num_gpus=1 if use_gpu else 0,
+                resources=opts.resources_per_worker or None)
     def probe() -> str:
-        import torch
-
-        dtype = resolve_dtype("auto", "cuda" if use_gpu else "cpu")
-        return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+        return resolve_dtype_name("auto", "cuda" if use_gpu else "cpu")
 
     try:
         return ray.get(probe.remote(), timeout=180)
@@ -399,11 +274,14 @@ def probe_dtype(opts: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     plan = plan_run(args)
-    trainer = make_trainer(plan.config(), plan.opts, plan.storage, plan.name, plan.workers)
+    opts = plan.opts
+    trainer = make_trainer(plan.config(), opts)
     console = quiet_console(plan)
-    print(f"run {plan.name}: storage {plan.storage}/{plan.name}, data {plan.data_dir} "
-          f"({plan.prepared.num_sequences} sequences, {plan.steps_per_epoch} steps per epoch), "
-          f"workers {plan.opts['num_workers']} x {plan.opts['cpus_per_worker']:g} CPU(s)"
+    storage, query = redact_uri(opts.storage_path).partition("?")[::2]
+    print(f"run {opts.name}: storage {storage.rstrip('/')}/{opts.name}{'?' + query if query else ''}, "
+          f"data {redact_uri(opts.data_dir)} "
+          f"({plan.prepared.num_sequences} sequences, {plan.steps.steps_per_epoch} steps per epoch), "
+          f"workers {opts.num_workers} x {opts.cpus_per_worker:g} CPU(s)"
           + (f"; Ray's own messages: {console.log_path}" if console.installed else ""), flush=True)
     for note in plan.notes:
         print(note, flush=True)
@@ -425,43 +303,41 @@ def quiet_console(plan: RunPlan, log_name: str = "ray-workers.log"):
 
     from .console import ConsoleFilter
 
-    folder = plan.run_dir if plan.run_dir is not None else Path(tempfile.gettempdir()) / f"minilm-{plan.name}"
+    folder = plan.run_dir if plan.run_dir is not None else Path(tempfile.gettempdir()) / f"minilm-{plan.opts.name}"
     console = ConsoleFilter(folder / log_name)
     console.install()
     return console
 
 
-def uses_gpu(opts: dict) -> bool:
+def uses_gpu(opts: RunOptions) -> bool:
     import ray
 
-    return opts["use_gpu"] == "true" or (opts["use_gpu"] == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
+    return opts.use_gpu == "true" or (opts.use_gpu == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
 
 
-def make_trainer(config: dict, opts: dict, storage: str, name: str, workers: tuple[int, int], callbacks=None):
+def make_trainer(config: dict, opts: RunOptions, callbacks=None):
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from .worker import train_func
 
-    # Ray Train's controller takes one report per worker per poll, every 2 s by default, and a report made before
-    # the previous one was taken blocks until the next poll: at GPU step times (10 steps between log steps well under
-    # 2 s) that is most of the wall time (bench.overhead --mode report). Ray hands this variable from the process
-    # that calls fit() to the controller; a value the user set wins.
+    # Ray Train's controller takes one report per worker per poll (2 s by default), and a report made sooner
+    # blocks until then; Ray hands this variable to the controller, and a value the user set wins.
     os.environ.setdefault(CONTROLLER_POLL_ENV, CONTROLLER_POLL_S)
     use_gpu = uses_gpu(opts)
-    min_w, max_w = workers
+    min_w, max_w = opts.workers
     scaling = ScalingConfig(num_workers=min_w if min_w == max_w else (min_w, max_w), use_gpu=use_gpu,
-                            resources_per_worker={"CPU": opts["cpus_per_worker"], **opts["resources_per_worker"]},
-                            elastic_resize_monitor_interval_s=opts["elastic_check_seconds"])
-    run_config = RunConfig(name=name, storage_path=storage,
-                           failure_config=FailureConfig(max_failures=opts["max_failures"]),
-                           checkpoint_config=CheckpointConfig(num_to_keep=opts["keep_checkpoints"]),
+                            resources_per_worker={"CPU": opts.cpus_per_worker, **opts.resources_per_worker},
+                            elastic_resize_monitor_interval_s=opts.elastic_check_seconds)
+    run_config = RunConfig(name=opts.name, storage_path=opts.storage_path,
+                           failure_config=FailureConfig(max_failures=opts.max_failures),
+                           checkpoint_config=CheckpointConfig(num_to_keep=opts.keep_checkpoints),
                            logging_config=LoggingConfig(log_level="WARNING"),  # our log line, not Ray's per report
                            callbacks=callbacks,
                            worker_runtime_env={"env_vars": worker_env(opts)})
     return TorchTrainer(train_func, train_loop_config=config, scaling_config=scaling, run_config=run_config,
                         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo", timeout_s=round(
-                            collective_timeout_s("cuda" if use_gpu else "cpu", opts.get("collective_timeout_s")))))
+                            collective_timeout_s("cuda" if use_gpu else "cpu", opts.collective_timeout_s))))
 
 
 CONTROLLER_POLL_S = "0.1"
@@ -471,18 +347,17 @@ WORKER_ENV_GPU = ("TORCH_LOGS", "PYTORCH_CUDA_ALLOC_CONF", "CUDA_LAUNCH_BLOCKING
 WORKER_ENV_GPU_PREFIXES = ("NCCL_", "TORCH_NCCL_")
 
 
-def worker_env(opts: dict) -> dict[str, str]:
-    threads = str(max(1, int(opts["cpus_per_worker"])))
-    # Inductor compiles with up to 32 threads per process by default: a node's ranks compiling at once each take its
-    # share of the CPUs, as their torch threads do.
+def worker_env(opts: RunOptions) -> dict[str, str]:
+    """What a worker on an already-running cluster (which does not inherit this shell) must see: its threads, the
+    cache, the trackers' and GPU settings. Test hooks travel in the run's config; secrets never (the dashboard
+    shows runtime env variables)."""
+    threads = str(max(1, int(opts.cpus_per_worker)))
+    # Inductor compiles with up to 32 threads per process by default: each rank gets its share of the CPUs.
     env = {"OMP_NUM_THREADS": threads, "TORCHINDUCTOR_COMPILE_THREADS": threads}
     env.update({k: v for k, v in os.environ.items() if k in WORKER_ENV_GPU or k.startswith(WORKER_ENV_GPU_PREFIXES)})
-    # The cache dir and the trackers' own settings (WANDB_MODE=offline, MLFLOW_*) reach the workers even on an
-    # already-running cluster, whose processes do not inherit this shell. Test hooks travel in the run's config,
-    # never here. Secrets stay out: runtime env variables are shown in the dashboard (use netrc / a secret store).
     env.update({k: v for k, v in os.environ.items() if (k in WORKER_ENV or k.startswith(("WANDB_", "MLFLOW_")))
                 and not k.endswith(("API_KEY", "TOKEN", "PASSWORD"))})
-    if opts.get("trackers") and "MINILM_GIT_COMMIT" not in env:
+    if opts.trackers and "MINILM_GIT_COMMIT" not in env:
         from minilm.trackers import code_version
 
         commit = code_version().get("git_commit")  # a job's working dir has no .git: name the commit here
@@ -492,8 +367,7 @@ def worker_env(opts: dict) -> dict[str, str]:
 
 
 def worker_error_summary(e: BaseException) -> str:
-    """The worker's own exception line, not Ray's 40-line wrapper; the class without its module
-    ("CheckpointError: could not write ...", not "minilm.checkpoint.CheckpointError: ...")."""
+    """The worker's own exception line, not Ray's 40-line wrapper, its class without the module."""
     text = str(e)
     for line in reversed(text.splitlines()):
         line = line.strip()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import math
 import sys
 import time
@@ -26,9 +27,10 @@ import yaml
 from minilm import checkpoint as C
 from minilm import data as D
 from minilm.config import ConfigError, ModelConfig, TrainConfig
+from minilm.options import plan_steps
 from minilm.trackers import TrackerError
 
-from .cli import UsageError, fail
+from .cli import UsageError, fail, load_yaml, redact_uri
 from .pretrain import RunPlan, check_options, plan_run
 from .pretrain import build_parser as pretrain_parser
 
@@ -52,17 +54,9 @@ class SearchDim:
     def to_tune(self):
         from ray import tune
 
-        if self.kind == "loguniform":
-            return tune.loguniform(*self.values)
-        if self.kind == "uniform":
-            return tune.uniform(*self.values)
-        if self.kind == "grid":
-            return tune.grid_search(list(self.values))
-        return tune.choice(list(self.values))
-
-    def candidates(self) -> tuple:
-        """Values to check against the configs before starting: the choices, or the range ends."""
-        return self.values
+        if self.kind in ("loguniform", "uniform"):
+            return getattr(tune, self.kind)(*self.values)
+        return (tune.grid_search if self.kind == "grid" else tune.choice)(list(self.values))
 
 
 def parse_search(spec: str) -> SearchDim:
@@ -120,17 +114,15 @@ def apply_params(model_cfg: ModelConfig, train_cfg: TrainConfig, params: dict) -
     return m, t
 
 
-def check_space(dims: dict[str, SearchDim], plan_cfgs: tuple[ModelConfig, TrainConfig], opts: dict,
-                steps_of) -> None:
-    """Every choice (and both ends of every range) must give a valid run, checked one dimension at a time."""
-    model_cfg, train_cfg = plan_cfgs
+def check_space(dims: dict[str, SearchDim], plan: RunPlan) -> None:
+    """Every value a dimension can take must give a valid run, checked one dimension at a time."""
     for dim in dims.values():
-        for value in dim.candidates():
-            m, t = apply_params(model_cfg, train_cfg, {dim.name: value})
+        for value in dim.values:  # the choices, or both ends of the range
+            m, t = apply_params(plan.model_cfg, plan.train_cfg, {dim.name: value})
             try:
-                check_options(m, t, opts)
-                t.validate(world_size=int(opts["num_workers"]), total_steps=steps_of(t))
-            except (ConfigError, UsageError) as e:
+                check_options(m, t, plan.opts)
+                plan_steps(t, plan.prepared.num_sequences, plan.opts.val_samples, (plan.opts.workers[0],))
+            except (ConfigError, UsageError, D.DataError) as e:
                 raise UsageError(f"--search {dim.name}: value {value!r} gives an invalid run: {e}") from None
 
 
@@ -145,12 +137,10 @@ def trial(params: dict, plan: RunPlan, sweep_dir: str) -> None:
 
     m, t = apply_params(plan.model_cfg, plan.train_cfg, params)
     name = tune.get_context().get_trial_name()
-    trial_plan = RunPlan(**{**plan.__dict__, "model_cfg": m, "train_cfg": t})
-    run_dir = Path(sweep_dir) / "trials" / name if plan.run_dir else None
-    config = trial_plan.config(name=name, run_dir=run_dir)
-    storage = f"{plan.storage}/{plan.name}/trials"
-    trainer = make_trainer(config, plan.opts, storage, name, plan.workers, callbacks=[TuneReportCallback()])
-    trainer.fit()
+    opts = dataclasses.replace(plan.opts, name=name, storage_path=f"{plan.opts.storage_path}/{plan.opts.name}/trials",
+                               run_dir=str(Path(sweep_dir) / "trials" / name) if plan.run_dir else None)
+    config = dataclasses.replace(plan, model_cfg=m, train_cfg=t).config(opts)
+    make_trainer(config, opts, callbacks=[TuneReportCallback()]).fit()
 
 
 # ---- results ---------------------------------------------------------------------------------------
@@ -178,7 +168,7 @@ def write_results(rows: list[dict], dims: dict[str, SearchDim], plan: RunPlan, o
     fmt = {float: lambda v: f"{v:.4g}", int: str}
     table = [[fmt.get(type(r[c]), str)(r[c]) if r[c] is not None else "-" for c in cols] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in table)) for i, c in enumerate(cols)]
-    print(f"\n=== sweep {plan.name}: {len(rows)} trials, sorted by {metric} ===")
+    print(f"\n=== sweep {plan.opts.name}: {len(rows)} trials, sorted by {metric} ===")
     print("  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)))
     for row in table:
         print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)))
@@ -190,9 +180,8 @@ def write_results(rows: list[dict], dims: dict[str, SearchDim], plan: RunPlan, o
     best = next((r for r in rows if r["status"] != "ERROR"), None)
     if best is not None:
         m, t = apply_params(plan.model_cfg, plan.train_cfg, {d: best[d] for d in dims})
-        best_cfg = {**m.to_dict(), **t.to_dict(), "data": str(plan.data_dir)}
-        best_cfg["betas"] = list(best_cfg["betas"])
-        (out / "best.yaml").write_text(f"# best trial {best['trial']} of sweep {plan.name} by {metric}\n"
+        best_cfg = {**m.to_dict(), **t.to_dict(), "data": plan.opts.data_dir}
+        (out / "best.yaml").write_text(f"# best trial {best['trial']} of sweep {plan.opts.name} by {metric}\n"
                                        + yaml.safe_dump(best_cfg, sort_keys=True))
         print(f"best: {best['trial']} -> {out / 'best.yaml'}  (python -m ray_jobs.pretrain --config {out / 'best.yaml'})")
     drawn = plot_trials(rows, dims, out / "loss_curves.png") is not None
@@ -265,18 +254,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .cli import load_yaml
-
     file_values = load_yaml(args.config)
     dims = search_space(args.search, file_values.pop("search", None))
-    tune_opts = {k: file_values.pop(k, None) for k in list(TUNE_KEYS - {"search"})}
-    for k in tune_opts:
-        if getattr(args, k) is not None:
-            tune_opts[k] = getattr(args, k)
-    num_samples = tune_opts["num_samples"] or 4
-    concurrent = tune_opts["max_concurrent_trials"] or 1
-    workers = tune_opts["workers_per_trial"] or 1
-    scheduler = tune_opts["scheduler"] or "asha"
+    sweep_opts = {k: file_values.pop(k, None) for k in TUNE_KEYS - {"search"}}
+    sweep_opts.update({k: getattr(args, k) for k in sweep_opts if getattr(args, k) is not None})
+    num_samples = sweep_opts["num_samples"] or 4
+    concurrent = sweep_opts["max_concurrent_trials"] or 1
+    workers = sweep_opts["workers_per_trial"] or 1
+    scheduler = sweep_opts["scheduler"] or "asha"
     if num_samples < 1 or concurrent < 1 or workers < 1:
         raise UsageError("--num-samples, --max-concurrent-trials and --workers-per-trial must be >= 1")
     if args.num_workers is not None and args.num_workers != str(workers):
@@ -284,26 +269,15 @@ def run(args: argparse.Namespace) -> int:
     args.num_workers = str(workers)
     args.name = args.name or time.strftime("sweep-%Y%m%d-%H%M%S")
     resume_sweep, args.resume = args.resume, "auto"  # a restored trial continues its own latest checkpoint
-    if args.config:  # plan_run reads the file again: hand it one without the sweep keys
-        import tempfile
-
-        tmp = Path(tempfile.mkdtemp()) / "pretrain.yaml"
-        tmp.write_text(yaml.safe_dump(file_values))
-        args.config = str(tmp)
-    plan = plan_run(args, concurrent_runs=concurrent, reserved_cpus=concurrent * TRIAL_CPUS)
-    plan.opts["tracker_group"] = plan.name  # trials of one sweep: one W&B group / MLflow tag
-    metric = tune_opts["metric"] or ("val_loss" if plan.opts["val_samples"] > 0 else "loss")
-    if metric in ("val_loss", "val_bpb") and plan.opts["val_samples"] == 0:
+    plan = plan_run(args, concurrent_runs=concurrent, reserved_cpus=concurrent * TRIAL_CPUS, file_values=file_values)
+    plan.opts.tracker_group = plan.opts.name  # trials of one sweep: one W&B group / MLflow tag
+    metric = sweep_opts["metric"] or ("val_loss" if plan.opts.val_samples > 0 else "loss")
+    if metric in ("val_loss", "val_bpb") and plan.opts.val_samples == 0:
         raise UsageError(f"--metric {metric} needs --val-samples N > 0")
-
-    def steps_of(t: TrainConfig) -> int:
-        train_ids, _ = D.split_ids(plan.prepared.num_sequences, plan.opts["val_samples"])
-        return t.max_steps or D.steps_per_epoch(len(train_ids), t.global_batch_size) * t.epochs
-
-    check_space(dims, (plan.model_cfg, plan.train_cfg), plan.opts, steps_of)
-    check_capacity(concurrent, workers, plan.opts["cpus_per_worker"], plan.opts["use_gpu"])
-    grace = tune_opts["grace_steps"] or max(1, plan.train_cfg.log_every)
-    return sweep(plan, dims, num_samples, concurrent, scheduler, grace, metric, steps_of, resume_sweep)
+    check_space(dims, plan)
+    check_capacity(concurrent, workers, plan.opts.cpus_per_worker, plan.opts.use_gpu)
+    grace = sweep_opts["grace_steps"] or max(1, plan.train_cfg.log_every)
+    return sweep(plan, dims, num_samples, concurrent, scheduler, grace, metric, resume_sweep)
 
 
 def check_capacity(concurrent: int, workers: int, cpus_per_worker: float, use_gpu: str) -> None:
@@ -326,7 +300,7 @@ def check_capacity(concurrent: int, workers: int, cpus_per_worker: float, use_gp
 TRIAL_CPUS = 0.1  # the Tune trial function itself only waits on its TorchTrainer
 
 
-def sweep(plan: RunPlan, dims, num_samples, concurrent, scheduler, grace, metric, steps_of, resume: bool) -> int:
+def sweep(plan: RunPlan, dims, num_samples, concurrent, scheduler, grace, metric, resume: bool) -> int:
     import os
 
     # val_loss comes only every --eval-every steps; the reports between carry loss but not val_loss
@@ -334,34 +308,34 @@ def sweep(plan: RunPlan, dims, num_samples, concurrent, scheduler, grace, metric
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler
 
-    sweep_path = f"{plan.storage}/{plan.name}"
+    sweep_path = f"{plan.opts.storage_path}/{plan.opts.name}"
     trainable = tune.with_resources(tune.with_parameters(trial, plan=plan, sweep_dir=sweep_path),
                                     {"CPU": TRIAL_CPUS})
     if resume and not tune.Tuner.can_restore(sweep_path):
-        raise UsageError(f"--resume: no sweep named {plan.name} under {plan.storage} to continue")
+        raise UsageError(f"--resume: no sweep named {plan.opts.name} under {redact_uri(plan.opts.storage_path)} to "
+                         f"continue")
     if resume:
-        print(f"resuming sweep {plan.name} from {sweep_path}", flush=True)
+        print(f"resuming sweep {plan.opts.name} from {redact_uri(sweep_path)}", flush=True)
         tuner = tune.Tuner.restore(sweep_path, trainable=trainable, resume_errored=True)
     else:
         if tune.Tuner.can_restore(sweep_path):
-            raise UsageError(f"sweep {plan.name} already exists under {plan.storage}: add --resume to continue it, "
+            raise UsageError(f"sweep {plan.opts.name} already exists under {redact_uri(plan.opts.storage_path)}: add "
+                             f"--resume to continue it, "
                              f"or choose another --name")
         sched = None
         if scheduler == "asha":
-            # max_t one past the last step: a trial that reaches its end returns by itself. At max_t Tune stops the
-            # trial's actor at its last report, and its Train controller dies before it releases the workers'
-            # placement group (Ray Train's cleaner then needs the State API, i.e. a dashboard, to notice).
-            sched = ASHAScheduler(time_attr="optimizer_step", max_t=max(steps_of(plan.train_cfg), grace) + 1,
+            # max_t one past the last step: a trial stopped at max_t would leave its workers' placement group behind.
+            sched = ASHAScheduler(time_attr="optimizer_step", max_t=max(plan.steps.total_steps, grace) + 1,
                                   grace_period=grace, reduction_factor=2)
         tuner = tune.Tuner(
             trainable, param_space={d.name: d.to_tune() for d in dims.values()},
             tune_config=tune.TuneConfig(metric=metric, mode="min", num_samples=num_samples, scheduler=sched,
                                         max_concurrent_trials=concurrent),
-            run_config=tune.RunConfig(name=plan.name, storage_path=plan.storage),
+            run_config=tune.RunConfig(name=plan.opts.name, storage_path=plan.opts.storage_path),
         )
     results = tuner.fit()
     rows = collect(results, dims, metric)
-    out = Path(sweep_path) if plan.run_dir else Path("runs") / plan.name
+    out = Path(sweep_path) if plan.run_dir else Path("runs") / plan.opts.name
     write_results(rows, dims, plan, out, metric)
     return 0 if any(r["status"] != "ERROR" for r in rows) else 1
 

@@ -22,7 +22,8 @@ from minilm import data as D
 from minilm.async_checkpoint import PendingSave
 from minilm.config import ModelConfig, TrainConfig
 from minilm.distributed import CollectiveError, collective_failure, collective_timeout_s
-from minilm.trainer import Dataset, Preempted, RunOptions, Trainer
+from minilm.options import RunOptions
+from minilm.trainer import Dataset, Preempted, Trainer
 
 from . import console, dashboard_metrics, ray_compat
 from .cli import available_cores

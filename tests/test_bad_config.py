@@ -52,7 +52,7 @@ CASES = [
     ("pretrain", ["--seq-len", "40000"], "exceeds max_position_embeddings"),
     ("pretrain", ["--keep-checkpoints", "0"], "--keep-checkpoints must be an integer >= 1"),
     ("pretrain", ["--exit-after-minutes", "0"], "--exit-after-minutes must be > 0"),
-    ("pretrain", ["--eval-every", "0"], "--eval-every must be >= 1"),
+    ("pretrain", ["--eval-every", "0"], "--eval-every must be an integer >= 1, got 0"),
     ("pretrain", ["--collective-timeout-s", "0.5"], "--collective-timeout-s must be >= 1, got 0.5"),
     ("pretrain", ["--resources-per-worker", "slot"], "expected NAME=N with N > 0"),
     ("pretrain", ["--cpus-per-worker", "many"], "--cpus-per-worker must be auto or a number > 0, got 'many'"),
@@ -147,13 +147,14 @@ def test_a_cluster_that_cannot_be_joined_is_one_line(data, tmp_path, capsys, mon
 
 
 def test_the_demo_preset_stays_out_of_runs_on_real_data(data):
-    from minilm.cli import DEMO_PRESET, build_configs
+    from minilm.cli import DEMO_PRESET
     from minilm.config import ModelConfig, TrainConfig
-    from ray_jobs.pretrain import RUN_KEYS, build_parser
+    from minilm.options import PRETRAIN, build_configs
+    from ray_jobs.pretrain import build_parser
 
-    real = build_configs(build_parser().parse_args(["--data", str(data)]), {}, RUN_KEYS, demo=False)
+    real = build_configs(build_parser().parse_args(["--data", str(data)]), {}, PRETRAIN, demo=False)
     assert real.model == ModelConfig() and real.train == TrainConfig()  # MiniMind's defaults, as README says
-    demo = build_configs(build_parser().parse_args([]), {}, RUN_KEYS, demo=True)
+    demo = build_configs(build_parser().parse_args([]), {}, PRETRAIN, demo=True)
     assert demo.model.hidden_size == DEMO_PRESET["hidden_size"] and demo.train.max_steps == DEMO_PRESET["max_steps"]
 
 

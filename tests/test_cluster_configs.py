@@ -16,9 +16,9 @@ import yaml
 from helpers import ROOT
 
 from minilm.config import valid_world_sizes
+from minilm.options import PRETRAIN, build_configs
 from ray_jobs import dashboard_metrics
-from ray_jobs.cli import build_configs, parse_num_workers
-from ray_jobs.pretrain import RUN_DEFAULTS, RUN_KEYS, build_parser, check_options
+from ray_jobs.pretrain import build_parser, check_options
 
 CLUSTER = ROOT / "cluster"
 YAMLS = sorted(CLUSTER.glob("*.yaml"))
@@ -43,12 +43,12 @@ def entrypoint_args(command: str, module: str = "ray_jobs.pretrain") -> list[str
 def parse_pretrain(args: list[str]):
     """What `python -m ray_jobs.pretrain ARGS` checks before it needs data or Ray: flags and configs."""
     ns = build_parser().parse_args(args)  # SystemExit(2) on an unknown or malformed flag
-    model, train, rest = build_configs(ns, {}, RUN_KEYS, demo=not ns.data)
-    check_options(model, train, {**RUN_DEFAULTS, **rest})  # pretrain's own checks before it needs data
-    lo, hi = parse_num_workers(rest.get("num_workers", "2"))
+    model, train, run = build_configs(ns, {}, PRETRAIN, demo=not ns.data)
+    check_options(model, train, run)  # pretrain's own checks before it needs data
+    lo, hi = run.workers
     valid = valid_world_sizes(train.global_batch_size, train.micro_batch_size)
     assert set(range(lo, hi + 1)) <= set(valid), f"{args}: world sizes {lo}-{hi}, valid {valid}"
-    return ns, model, train, rest
+    return ns, model, train, run
 
 
 def test_the_cluster_folder_has_its_files():
@@ -187,19 +187,19 @@ def test_kuberay_rayjob_runs_the_pretrain_module_with_valid_flags():
     args = entrypoint_args(job["spec"]["entrypoint"])
     assert importlib.util.find_spec("ray_jobs.pretrain") is not None
     assert (ROOT / "ray_jobs" / "pretrain.py").is_file()
-    ns, model, train, rest = parse_pretrain(args)
+    ns, model, train, run = parse_pretrain(args)
     # Checkpoints on the shared volume (or object storage), resumable by name.
-    assert rest["storage_path"].startswith(("/shared/", "s3://", "gs://"))
-    assert rest["data"].startswith("/shared/")
-    assert rest["resume"] == "auto" and rest["name"]
+    assert run.storage_path.startswith(("/shared/", "s3://", "gs://"))
+    assert run.data.startswith("/shared/")
+    assert run.resume == "auto" and run.name
     # Elastic: MIN-MAX Train workers = the gpu group's min/max replicas x 1 GPU, and every world size
     # in between keeps the global batch (pretrain refuses the run otherwise).
-    lo, hi = (int(x) for x in rest["num_workers"].split("-"))
+    lo, hi = (int(x) for x in run.num_workers.split("-"))
     group = job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]
     gpus = int(group["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
     assert (lo, hi) == (group["minReplicas"] * gpus, group["maxReplicas"] * gpus)
     assert set(range(lo, hi + 1)) <= set(valid_world_sizes(train.global_batch_size, train.micro_batch_size))
-    assert rest["use_gpu"] == "true"
+    assert run.use_gpu == "true"
 
 
 def test_kuberay_manifests_and_images_agree_on_one_ray_version():

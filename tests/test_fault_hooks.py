@@ -36,6 +36,7 @@ def test_an_unknown_hook_is_refused():
 
 
 def test_no_test_variable_reaches_a_worker(monkeypatch):
+    from minilm.options import RunOptions
     from ray_jobs.pretrain import worker_env
 
     monkeypatch.setenv("MINILM_TESTING", "1")
@@ -43,7 +44,7 @@ def test_no_test_variable_reaches_a_worker(monkeypatch):
     monkeypatch.setenv("MINILM_CACHE", "/tmp/cache")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_API_KEY", "secret")
-    env = worker_env({"cpus_per_worker": 2.0})
+    env = worker_env(RunOptions(cpus_per_worker=2.0))
     assert env == {"OMP_NUM_THREADS": "2", "TORCHINDUCTOR_COMPILE_THREADS": "2", "MINILM_CACHE": "/tmp/cache",
                    "WANDB_MODE": "offline"}
 

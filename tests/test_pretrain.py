@@ -110,14 +110,15 @@ def test_world_size_that_breaks_the_global_batch_is_refused(ray_address, run_dat
 def test_the_zero_argument_preset_trains_in_process(ray_address, tmp_path, monkeypatch):
     """What `python -m ray_jobs.pretrain` with no argument trains (the nightly test below runs it whole): the demo
     preset on the built-in corpus, a few steps of it through the Trainer in this process."""
-    from minilm.cli import DEMO_PRESET, build_configs
+    from minilm.cli import DEMO_PRESET
     from minilm.data import open_prepared
+    from minilm.options import PRETRAIN, build_configs
     from minilm.train import LocalLauncher
     from minilm.trainer import Dataset, RunOptions, Trainer
     from ray_jobs.demo_data import demo_data_dir
-    from ray_jobs.pretrain import RUN_KEYS, build_parser
+    from ray_jobs.pretrain import build_parser
 
-    cfgs = build_configs(build_parser().parse_args([]), {}, RUN_KEYS, demo=True)
+    cfgs = build_configs(build_parser().parse_args([]), {}, PRETRAIN, demo=True)
     for key, value in DEMO_PRESET.items():
         assert getattr(cfgs.model if hasattr(cfgs.model, key) else cfgs.train, key) == value, key
     assert cfgs.explicit == frozenset() and cfgs.train.max_steps == 100

@@ -5,14 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from minilm.options import RunOptions
+
 POLL = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
 
 
 def build(tmp_path):
-    from ray_jobs.pretrain import RUN_DEFAULTS, make_trainer
+    from minilm.options import RunOptions
+    from ray_jobs.pretrain import make_trainer
 
-    opts = {**RUN_DEFAULTS, "use_gpu": "false", "cpus_per_worker": 1.0, "resources_per_worker": {}}
-    return make_trainer({}, opts, str(tmp_path), "poll", (1, 1))
+    opts = RunOptions(use_gpu="false", cpus_per_worker=1.0, storage_path=str(tmp_path), name="poll", num_workers="1")
+    return make_trainer({}, opts)
 
 
 def test_the_train_controller_polls_every_tenth_of_a_second(monkeypatch, tmp_path):
@@ -59,7 +62,7 @@ def auto(monkeypatch, nodes: list[dict], workers: int, gpu: bool = False, reserv
 
     monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "Resources": r} for r in nodes])
     monkeypatch.setattr(pretrain, "uses_gpu", lambda opts: gpu)
-    return pretrain.auto_cpus_per_worker(workers, False, {"resources_per_worker": {}}, reserved)
+    return pretrain.auto_cpus_per_worker(workers, False, RunOptions(), reserved)
 
 
 @pytest.mark.parametrize(("cores", "workers", "expected"), [(2, 1, 2.0), (2, 2, 1.0), (2, 3, 1.0), (16, 4, 4.0)])
@@ -67,7 +70,7 @@ def test_auto_cpus_on_a_local_ray_share_the_cores(monkeypatch, cores, workers, e
     from ray_jobs import pretrain
 
     monkeypatch.setattr(pretrain, "available_cores", lambda: cores)
-    assert pretrain.auto_cpus_per_worker(workers, True, {"resources_per_worker": {}}) == expected
+    assert pretrain.auto_cpus_per_worker(workers, True, RunOptions()) == expected
 
 
 def test_auto_cpus_on_a_cluster_leave_one_cpu_per_node_for_ray_data(monkeypatch):
@@ -104,8 +107,8 @@ def test_cuda_nccl_and_torch_settings_reach_the_workers(monkeypatch):
     for k, v in settings.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # Ray's to set per worker, never the driver's
-    env = worker_env({"cpus_per_worker": 4.0})
+    env = worker_env(RunOptions(cpus_per_worker=4.0))
     assert {k: env[k] for k in settings} == settings and "CUDA_VISIBLE_DEVICES" not in env
     assert env["TORCHINDUCTOR_COMPILE_THREADS"] == "4" == env["OMP_NUM_THREADS"]
     monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "2")
-    assert worker_env({"cpus_per_worker": 4.0})["TORCHINDUCTOR_COMPILE_THREADS"] == "2"
+    assert worker_env(RunOptions(cpus_per_worker=4.0))["TORCHINDUCTOR_COMPILE_THREADS"] == "2"
