@@ -40,6 +40,7 @@ from .checkpoint_files import (  # noqa: F401 (is_disk_full, write_error, write_
 from .config import ModelConfig
 from .data import cache_root, file_sha256
 from .data.verified import file_key, node_lock
+from .step import DTYPE_NAMES
 
 RESUME_FILES = ("model.safetensors", "optimizer.pt", "scaler.pt", "state.json")
 # state.json's format: a change that an older reader would misread bumps it (and adds a fixture under
@@ -216,7 +217,9 @@ def resume_problems(state: dict[str, Any], model_config: ModelConfig, global_bat
 def checkpoint_dtype(state: dict[str, Any]) -> str | None:
     """The precision a checkpoint's run trained in (None for an old checkpoint that left it at auto)."""
     dtype = state.get("dtype") or state.get("train_config", {}).get("dtype")
-    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dtype, dtype) if dtype != "auto" else None
+    if dtype == "auto":
+        return None
+    return DTYPE_NAMES.get(getattr(torch, dtype, None), dtype)  # state.json names torch's dtype: "bfloat16"
 
 
 # Train-config fields added after checkpoints were first written, and the value every checkpoint that lacks

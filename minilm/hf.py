@@ -17,8 +17,6 @@ from .checkpoint_files import write_bytes, write_files, write_safetensors
 from .config import ModelConfig
 from .tokenizer import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, SPECIAL_TOKENS
 
-DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
-
 
 def hf_config(config: ModelConfig, dtype: torch.dtype = torch.float16) -> dict:
     """config.json of the Qwen3 (or Qwen3-MoE) model that computes what MiniMindForCausalLM computes.
@@ -53,8 +51,8 @@ def hf_config(config: ModelConfig, dtype: torch.dtype = torch.float16) -> dict:
         "bos_token_id": c.bos_token_id,
         "eos_token_id": c.eos_token_id,
         "pad_token_id": c.pad_token_id,
-        "torch_dtype": DTYPE_NAMES[dtype],  # transformers 4.x and vLLM read torch_dtype, transformers 5 dtype
-        "dtype": DTYPE_NAMES[dtype],
+        "torch_dtype": str(dtype).removeprefix("torch."),  # transformers 4.x and vLLM read torch_dtype, transformers 5 dtype
+        "dtype": str(dtype).removeprefix("torch."),
     }
     if c.use_moe:
         d.update({

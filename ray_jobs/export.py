@@ -14,17 +14,14 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
 from minilm import checkpoint as C
 from minilm.config import ConfigError, ModelConfig
 from minilm.hf import export_hf
 from minilm.model import MiniMindForCausalLM
+from minilm.step import TORCH_DTYPES
 from minilm.tokenizer import TokenizerError, load_tokenizer, vocab_size_of
 
 from .cli import fail
-
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["safetensors", "minimind", "hf"], default="safetensors",
                    help="safetensors: minilm's export (minilm.load_pretrained); minimind: that plus MiniMind's "
                         "pretrain_<hidden>[_moe].pth; hf: a Hugging Face Qwen3 folder (transformers, vLLM, llama.cpp)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp16")
+    p.add_argument("--dtype", choices=sorted(TORCH_DTYPES), default="fp16")
     p.add_argument("--tokenizer", help="tokenizer.json to ship with the weights (default: the checkpoint's "
                                        "weights/tokenizer.json); --format hf needs one")
     return p
@@ -50,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = tokenizer_path(args, config)
         params = f"{model.num_params() / 1e6:.2f}M parameters, {args.dtype}"
         if args.format == "hf":
-            out = export_hf(args.output, model.state_dict(), config, tokenizer, dtype=DTYPES[args.dtype])
+            out = export_hf(args.output, model.state_dict(), config, tokenizer, dtype=TORCH_DTYPES[args.dtype])
             arch = "Qwen3MoeForCausalLM" if config.use_moe else "Qwen3ForCausalLM"
             print(f"hf: {out} ({arch}, {params}): transformers.AutoModelForCausalLM.from_pretrained, "
                   f"vllm serve, llama.cpp's convert_hf_to_gguf.py")
@@ -58,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
                 print("note: llama.cpp always renormalises the top-k router weights; with norm_topk_prob false "
                       "its output will differ from transformers' and vLLM's")
             return 0
-        out = C.export_weights(args.output, model, config, tokenizer, dtype=DTYPES[args.dtype])
+        out = C.export_weights(args.output, model, config, tokenizer, dtype=TORCH_DTYPES[args.dtype])
         print(f"weights: {out} ({params})")
         if args.format == "minimind":
             name = f"pretrain_{config.hidden_size}{'_moe' if config.use_moe else ''}.pth"
