@@ -26,7 +26,7 @@ from minilm.options import RunOptions
 from minilm.trainer import Dataset, Preempted, Trainer
 
 from . import console, dashboard_metrics, ray_compat
-from .cli import available_cores
+from .cli import available_cores, redact_uri
 from .stream import RankStream
 
 
@@ -131,7 +131,8 @@ class RayLauncher:
             return
         dir_name = C.checkpoint_dir_name(self.run.get("run_dir"), step)
         ckpt = ray.train.Checkpoint.from_directory(checkpoint.path) if checkpoint is not None else None
-        target = f"{self.run.get('run_dir') or self.run.get('storage_dir') or 'the storage path'}/{dir_name}"
+        storage = self.run.get("run_dir") or self.run.get("storage_dir") or "the storage path"
+        target = f"{redact_uri(storage)}/{dir_name}"  # a message's name for it: no credentials
         if uploading_later:
             self._async_reports = True
             ray.train.report(public, checkpoint=ckpt, checkpoint_dir_name=dir_name,

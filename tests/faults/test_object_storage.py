@@ -118,8 +118,9 @@ def test_s3_storage_a_hung_worker_a_failed_upload_and_a_new_driver_end_as_the_un
     errors = error_lines(out)
     assert len(errors) == 1, errors
     assert errors[0].startswith("error: training failed: CheckpointError: could not write the checkpoint of "
-                                f"optimizer step 16 to s3://minilm:minilm-secret@bucket/runs/{name}/"
+                                f"optimizer step 16 to s3://***@bucket/runs/{name}/"
                                 "checkpoint_00000016 (upload): "), errors[0]
+    assert "minilm-secret" not in errors[0], errors[0]  # the storage's credentials are not printed
     assert "Access Denied" in errors[0] and "earlier checkpoints are intact" in errors[0] and "--resume auto" in \
         errors[0]
     assert not s3_complete(fs, name, "checkpoint_00000016")
