@@ -112,8 +112,8 @@ def prepare_model(model: torch.nn.Module, cfg: TrainConfig, device: torch.device
       recomputed there (torch.utils.checkpoint, non-reentrant).
     * `compile`: `torch.compile` of each transformer block ("regional" compilation). The blocks are
       identical, so one compilation serves them all, which keeps start-up to one block's compile
-      time, and a MoE block's data-dependent expert sizes only split that block's graph. The
-      embedding, final norm, lm_head and loss stay eager.
+      time, and the split MoE dispatch's host-read expert sizes only split that block's graph (the
+      grouped dispatch has none). The embedding, final norm, lm_head and loss stay eager.
     """
     inner = model.model  # MiniMindModel
     inner.activation_checkpointing = bool(cfg.activation_checkpointing)
