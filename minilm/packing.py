@@ -101,8 +101,9 @@ class ShardWriter:
         doc = np.asarray(ids, dtype=np.int64)
         self.add_stream(np.append(doc, self.eos_id), documents=1)
 
-    def add_stream(self, tokens: np.ndarray, documents: int = 0) -> None:
-        """Append tokens that already carry an EOS after each document (`documents` of them)."""
+    def add_stream(self, tokens: np.ndarray, documents: int = 0, stream_tokens: int | None = None) -> None:
+        """Append tokens that already carry an EOS after each document (`documents` of them); `stream_tokens`:
+        how many input tokens they stand for, when a subclass has rearranged them into rows."""
         if self._closed:
             raise RuntimeError("ShardWriter is closed")
         tokens = np.asarray(tokens)
@@ -110,7 +111,7 @@ class ShardWriter:
             raise ValueError(f"token ids {int(tokens.min())}..{int(tokens.max())} do not fit "
                              f"{self.result.token_dtype}")
         tokens = tokens.astype(self.dtype, copy=False)
-        self.result.stream_tokens += len(tokens)
+        self.result.stream_tokens += len(tokens) if stream_tokens is None else stream_tokens
         self.result.documents += documents
         buf = np.concatenate([self._carry, tokens]) if len(self._carry) else tokens
         rows = len(buf) // self.row_len
@@ -188,16 +189,16 @@ class BosAlignedShardWriter(ShardWriter):
         for end in ends:
             rows += self._packer.add(tokens[start:end])
             start = int(end) + 1
-        self._write_rows(rows, documents)
+        self._write_rows(rows, documents, len(tokens))
 
     def close(self) -> PackResult:
         if not self._closed:
-            self._write_rows(self._packer.finish(), 0)
+            self._write_rows(self._packer.finish(), 0, 0)
         return super().close()
 
-    def _write_rows(self, rows: list, documents: int) -> None:
+    def _write_rows(self, rows: list, documents: int, stream_tokens: int) -> None:
         stream = np.concatenate(rows) if rows else np.zeros(0, np.int32)
-        super().add_stream(stream, documents=documents)
+        super().add_stream(stream, documents=documents, stream_tokens=stream_tokens)
 
 
 # ---- manifest ---------------------------------------------------------------------------------------

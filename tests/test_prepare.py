@@ -644,6 +644,7 @@ def test_default_rows_are_best_fit_rows_with_nothing_dropped(ray_cluster, tmp_pa
     assert m["rows"] == "best-fit" and m["best_fit"]["cropped_tokens"] == 0 and m["best_fit"]["split_documents"] >= 1
     assert "rows best-fit:" in r.stderr and "split into rows of their own" in r.stderr
     assert rows.size + m["best_fit"]["leftover_tokens"] == sum(len(d) + 2 for d in docs)
+    assert m["document_tokens"] == sum(len(d) + 1 for d in docs)  # the documents' tokens and EOS, not the rows'
 
 
 @pytest.mark.ray
