@@ -140,13 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             args.micro_batch_size = 2  # CPU steps short enough for several of them to run during a write
         return stall_main(args)
 
-    env = environment()
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="bench-checkpoint-", dir=args.dir) as tmp:
-        for hidden, layers in args.sizes:
-            rows.append(bench_size(hidden, layers, args, Path(tmp)))
-    print(f"# {env['cpu']}, {env['torch_threads']} torch threads, torch {env['torch']}, "
-          f"load average {env['load_average']}; checkpoints in {args.dir or tempfile.gettempdir()}")
+    env, rows = bench_sizes(bench_size, args)
     print(f"# save = save_resume_state + export_weights; restore = load_resume_state (hash check) + load_state_dict; "
           f"median of {args.repeats}; step = optimizer step of {args.micro_batch_size} x {args.seq_len} tokens")
     header = (f"{'size':<8} {'params':>8} {'resume MB':>10} {'export MB':>10} {'save s':>8} {'restore s':>10} "
@@ -250,14 +244,19 @@ def bench_stall(hidden: int, layers: int, args, root: Path) -> dict:
             "sync_share": sync_s / (sync_s + window), "async_share": async_cost / (async_cost + window)}
 
 
-def stall_main(args) -> int:
+def bench_sizes(bench, args) -> tuple[dict, list[dict]]:
+    """(environment, rows): `bench(hidden, layers, args, folder)` for each of --sizes in one temporary folder; prints
+    the machine line."""
     env = environment()
-    rows = []
     with tempfile.TemporaryDirectory(prefix="bench-checkpoint-", dir=args.dir) as tmp:
-        for hidden, layers in args.sizes:
-            rows.append(bench_stall(hidden, layers, args, Path(tmp)))
+        rows = [bench(hidden, layers, args, Path(tmp)) for hidden, layers in args.sizes]
     print(f"# {env['cpu']}, {env['torch_threads']} torch threads, torch {env['torch']}, "
           f"load average {env['load_average']}; checkpoints in {args.dir or tempfile.gettempdir()}")
+    return env, rows
+
+
+def stall_main(args) -> int:
+    env, rows = bench_sizes(bench_stall, args)
     print(f"# stall = the training thread's time per checkpoint (resume files + weights export), median of "
           f"{args.repeats}, sync and async alternated; write = the async writer's time to COMPLETE.json and weights/")
     header = (f"{'size':<8} {'params':>8} {'sync s':>8} {'async s':>8} {'ratio':>7} {'1st async':>9} "

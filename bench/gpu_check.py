@@ -642,6 +642,7 @@ def row(argv: list[str]) -> int:
     from minilm.model import MiniMindForCausalLM, MoEFeedForward
     from minilm.progress import datasheet_peak, measured_matmul_peak
     from minilm.step import (
+        TORCH_DTYPES,
         configure_backends,
         make_grad_scaler,
         make_optimizer,
@@ -650,7 +651,7 @@ def row(argv: list[str]) -> int:
     )
 
     device = torch.device(args.device)
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    dtype = TORCH_DTYPES[args.dtype]
     configure_backends(device)
     counts = DynamoCounts() if args.compile else None
     peak = measured_matmul_peak(dtype, n=args.peak_size or (8192 if device.type == "cuda" else 2048), repeats=10,

@@ -25,11 +25,10 @@ import torch
 
 from minilm.config import ModelConfig, TrainConfig
 from minilm.model import MiniMindForCausalLM, MoEFeedForward
-from minilm.step import make_grad_scaler, make_optimizer, optimizer_step
+from minilm.step import TORCH_DTYPES, make_grad_scaler, make_optimizer, optimizer_step
 
 from .common import add_model_args, alternate, environment, write_json
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TARGET = 1.10
 
 
@@ -49,7 +48,7 @@ def build(args, experts: int, top_k: int) -> MiniMindForCausalLM:
 
 
 def bench_dtype(args, dtype_name: str) -> dict:
-    dtype = DTYPES[dtype_name]
+    dtype = TORCH_DTYPES[dtype_name]
     named = len(args.dispatch) > 1 or args.dispatch != ["auto"]
     configs = [("dense", 0, 1, "auto")] + [(f"moe {e}x top-{k}" + (f" {d}" if named else ""), e, k, d)
                                            for e in args.experts for k in args.top_k for d in args.dispatch]

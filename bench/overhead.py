@@ -69,7 +69,7 @@ import torch
 from minilm import data as D
 from minilm.config import ModelConfig, TrainConfig
 from minilm.model import MiniMindForCausalLM
-from minilm.step import make_grad_scaler, make_optimizer, optimizer_step, resolve_dtype
+from minilm.step import TORCH_DTYPES, make_grad_scaler, make_optimizer, optimizer_step, resolve_dtype
 from ray_jobs.cli import DEMO_PRESET, ensure_ray
 
 from .common import environment, load_average, write_json
@@ -346,7 +346,7 @@ def ddp_rounds(config: dict) -> None:
     torch.set_num_threads(1)  # 1 CPU per worker
     rank, world = dist.get_rank(), dist.get_world_size()
     model_cfg, cfg = ModelConfig.from_dict(config["model"]), TrainConfig.from_dict(config["train"])
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[config["dtype"]]
+    dtype = TORCH_DTYPES[config["dtype"]]
     scaler = make_grad_scaler(dtype, "cpu")
 
     def fresh():

@@ -56,13 +56,13 @@ from minilm.corpus import demo_corpus_documents
 from minilm.model import MiniMindForCausalLM
 from minilm.rows import best_fit_rows, bos_aligned_rows, packed_rows, padded_document_rows
 from minilm.schedule import get_lr
-from minilm.step import autocast, make_grad_scaler, make_optimizer, optimizer_step, set_lr
+from minilm.step import TORCH_DTYPES, autocast, make_grad_scaler, make_optimizer, optimizer_step, set_lr
 from minilm.tokenizer import BOS_ID, EOS_ID, save_tokenizer, train_tokenizer, vocab_size_of
 from minilm.train import train as minilm_train
 
 from .common import alternate, environment, load_average, write_json
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = ("fp32", "bf16")  # the autocast dtypes of both loops
 
 
 class InputError(ValueError):
@@ -183,7 +183,7 @@ def train_recipe(recipe: Recipe, model_cfg: ModelConfig, docs: list[list[int]], 
         optimizer = make_optimizer(model, TrainConfig(lr=args.lr, betas=recipe.betas, weight_decay=recipe.weight_decay,
                                                       optimizer=recipe.optimizer))
     order = batch_order(len(rows), args.steps * args.batch_size, args.seed)
-    dtype = DTYPES[args.dtype]
+    dtype = TORCH_DTYPES[args.dtype]
     t0 = time.perf_counter()
     for step in range(args.steps):
         if recipe.schedule == "minimind":
@@ -232,7 +232,7 @@ def warm_up(model_cfg: ModelConfig, args) -> None:
     model = MiniMindForCausalLM(model_cfg)
     ids = torch.randint(3, model_cfg.vocab_size, (args.batch_size, args.seq_len + 1))
     for _ in range(2):
-        with autocast("cpu", DTYPES[args.dtype]):
+        with autocast("cpu", TORCH_DTYPES[args.dtype]):
             model(ids, labels=ids).loss.backward()
 
 
@@ -242,7 +242,7 @@ def step_times(model_cfg: ModelConfig, args, steps: int = 4) -> dict[str, float]
     The quality runs follow each other, so their wall times drift with the machine's load; these
     steps take turns, so the ratio holds on a busy machine too.
     """
-    scaler = make_grad_scaler(DTYPES[args.dtype], "cpu")
+    scaler = make_grad_scaler(TORCH_DTYPES[args.dtype], "cpu")
     batch = torch.randint(3, model_cfg.vocab_size, (args.batch_size, args.seq_len + 1),
                           generator=torch.Generator().manual_seed(0))
     fns = {}
@@ -252,7 +252,7 @@ def step_times(model_cfg: ModelConfig, args, steps: int = 4) -> dict[str, float]
         model = MiniMindForCausalLM(cfg_m).train()
         opt = make_optimizer(model, cfg_t)
         step = functools.partial(optimizer_step, model, opt, scaler, [batch], lr=args.lr, grad_clip=1.0,
-                                 dtype=DTYPES[args.dtype])
+                                 dtype=TORCH_DTYPES[args.dtype])
         fns[name] = lambda _i, step=step: step()
     times = alternate(fns, timed=steps, warmup=1)
     return {name: statistics.median(t) for name, t in times.items()}
@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
             model, info = train_minilm(cfg_m, cfg_t, best_fit_rows(train_docs, args.seq_len + 1)[0])
         t0 = time.perf_counter()
         score = evaluate_documents(model, held_docs, byte_lengths, prefix=[BOS_ID], window=args.seq_len + 1,
-                                   stride=args.eval_stride or args.seq_len // 2, autocast_dtype=DTYPES[args.dtype])
+                                   stride=args.eval_stride or args.seq_len // 2, autocast_dtype=TORCH_DTYPES[args.dtype])
         results.append({"run": name, "rows": layout, **info, "eval_s": time.perf_counter() - t0, **score,
                         "load": load_average()})
         print(f"  {name:32s} bpb {score['bpb']:.4f}  train {info['train_s']:6.1f} s  load {load_average()}",

@@ -28,11 +28,16 @@ import torch
 from minilm.config import ModelConfig, TrainConfig
 from minilm.model import MiniMindForCausalLM
 from minilm.progress import datasheet_peak, measured_matmul_peak
-from minilm.step import configure_backends, make_grad_scaler, make_optimizer, optimizer_step, prepare_model
+from minilm.step import (
+    TORCH_DTYPES,
+    configure_backends,
+    make_grad_scaler,
+    make_optimizer,
+    optimizer_step,
+    prepare_model,
+)
 
 from .common import add_model_args, alternate, environment, write_json
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def build(args, use_moe: bool, compile_: bool) -> MiniMindForCausalLM:
@@ -47,7 +52,7 @@ def build(args, use_moe: bool, compile_: bool) -> MiniMindForCausalLM:
 
 
 def bench_dtype(args, dtype_name: str) -> dict:
-    dtype = DTYPES[dtype_name]
+    dtype = TORCH_DTYPES[dtype_name]
     device = torch.device(args.device)
     peak_before = measured_matmul_peak(dtype, n=args.peak_size, repeats=10, device=device)
     configs = [("dense", False, False)] + ([] if args.no_moe else [("moe", True, False)])
