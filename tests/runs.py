@@ -83,6 +83,20 @@ def max_rel_diff(a: dict, b: dict) -> float:
     return max(((a[k] - b[k]).abs().max() / a[k].abs().max().clamp_min(1e-12)).item() for k in a)
 
 
+def hold_again_after(checkpoint_done, hold: Path, proc: subprocess.Popen, what: str) -> list[Path]:
+    """Both ranks are held after step 1 (MINILM_TEST_HOLD_FILE=`hold`, touched before the start): release them, wait
+    for `checkpoint_done()` (`what`), then hold them again; returns the two ranks' hold files (each names its step)."""
+    held = [hold.with_name(f"{hold.name}.rank{r}") for r in (0, 1)]
+    wait_for(lambda: all(h.is_file() for h in held), proc, "both ranks were held after step 1")
+    for h in held:
+        h.unlink()
+    hold.unlink()
+    wait_for(checkpoint_done, proc, what)
+    hold.touch()
+    wait_for(lambda: all(h.is_file() for h in held), proc, "both ranks were held again")
+    return held
+
+
 def bitwise_equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 

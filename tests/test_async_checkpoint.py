@@ -186,7 +186,6 @@ def test_training_goes_on_while_the_writer_writes_and_the_next_save_waits_for_it
     run_local(run_data, tmp_path / "sync", checkpoint_mode="sync", max_steps=12)
     for step in (8, 12):
         a, b = (d / f"checkpoint_{step:08d}" for d in (run_dir, tmp_path / "sync"))
-        assert load_file(str(a / "model.safetensors")).keys() == load_file(str(b / "model.safetensors")).keys()
         assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
         for name in ("optimizer.pt", "scaler.pt"):
             assert same(torch.load(a / name, weights_only=True), torch.load(b / name, weights_only=True)), name
@@ -219,7 +218,9 @@ def test_every_end_of_a_run_waits_for_the_save_in_flight(run_data, tmp_path, sto
     assert last > 2 and last in complete(run_dir) and 2 in complete(run_dir)
     assert C.latest_complete(C.checkpoint_dirs(run_dir)) == run_dir / f"checkpoint_{last:08d}"
     assert (run_dir / f"checkpoint_{last:08d}" / "weights" / C.MARKER).is_file()  # the last save exports the weights
-    assert trainer.last_checkpoint_wait_s > 0.2 or last > 4  # the last save waited for checkpoint 2's writer
+    if stop != "exit-after-minutes":  # (there the held steps overlap most of the writer's delay)
+        waits = [r.get("checkpoint_wait_s", 0.0) for r in metrics(run_dir)] + [trainer.last_checkpoint_wait_s]
+        assert max(waits) > 0.5, waits  # the next save waited for checkpoint 2's held writer
     assert not list(run_dir.glob(".staging-*"))
 
 

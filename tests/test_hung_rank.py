@@ -16,6 +16,7 @@ from conftest import run_env
 from helpers import ROOT
 from inprocess import STEPS, checkpoint_weights, configs, free_port, metrics, torchrun, train_flags
 from reference import check_run, replay
+from runs import bitwise_equal, hold_again_after, wait_for
 
 from minilm import checkpoint as C
 
@@ -31,14 +32,6 @@ def rank_process(launcher: subprocess.Popen, rank: int) -> psutil.Process:
         except psutil.NoSuchProcess:
             pass
     raise AssertionError(f"no process of rank {rank} under torchrun")
-
-
-def wait_for(condition, proc: subprocess.Popen, what: str, timeout: float = 120) -> None:
-    deadline = time.time() + timeout
-    while not condition():
-        assert proc.poll() is None, f"torchrun exited ({proc.returncode}) before {what}"
-        assert time.time() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def rank_logs(log_dir: Path, rank: int, stream: str) -> str:
@@ -62,14 +55,8 @@ def test_a_hung_rank_ends_the_run_at_the_collective_timeout_and_resume_is_bitwis
                             env=run_env(None, OMP_NUM_THREADS="1", MINILM_TEST_HOLD_FILE=str(hold),
                                         MINILM_TEST_STEP_DELAY_S="0.3", **env))
     try:
-        held = [tmp_path / f"hold.rank{r}" for r in (0, 1)]
-        wait_for(lambda: all(h.is_file() for h in held), proc, "both ranks were held after step 1")
-        for h in held:
-            h.unlink()
-        hold.unlink()
-        wait_for(lambda: (run_dir / "checkpoint_00000008" / "COMPLETE.json").is_file(), proc, "checkpoint 8")
-        hold.touch()
-        wait_for(lambda: all(h.is_file() for h in held), proc, "both ranks were held again")
+        held = hold_again_after(lambda: (run_dir / "checkpoint_00000008" / C.MARKER).is_file(), hold, proc,
+                                "checkpoint 8")
         step = int(held[0].read_text())
         assert 8 <= step < 12, step
         hung = rank_process(proc, 1)
@@ -101,7 +88,7 @@ def test_a_hung_rank_ends_the_run_at_the_collective_timeout_and_resume_is_bitwis
     straight = tmp_path / "straight"
     torchrun(2, train_flags(run_data, straight))
     a, b = checkpoint_weights(run_dir), checkpoint_weights(straight)
-    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a), "resumed != uninterrupted (2 ranks)"
+    assert bitwise_equal(a, b), "resumed != uninterrupted (2 ranks)"
     check_run(replay(*configs(), run_data, ids, STEPS), a, metrics(run_dir))
 
 

@@ -20,6 +20,7 @@ from runs import (
     STEPS,
     bitwise_equal,
     error_lines,
+    hold_again_after,
     pretrain,
     ray_train_workers,
     start_pretrain,
@@ -81,14 +82,8 @@ def test_s3_storage_a_hung_worker_a_failed_upload_and_a_new_driver_end_as_the_un
                           MINILM_TEST_STEP_DELAY_S="0.25", MINILM_TEST_RECORD_SAMPLE_IDS=str(ids))
     hung = None
     try:
-        held = [tmp_path / f"hold.rank{r}" for r in (0, 1)]
-        wait_for(lambda: all(h.is_file() for h in held), proc, "both ranks were held after step 1")
-        for h in held:
-            h.unlink()
-        hold.unlink()
-        wait_for(lambda: s3_complete(fs, name, "checkpoint_00000008"), proc, "checkpoint 8 was complete in S3")
-        hold.touch()
-        wait_for(lambda: all(h.is_file() for h in held), proc, "both ranks were held again")
+        hold_again_after(lambda: s3_complete(fs, name, "checkpoint_00000008"), hold, proc,
+                         "checkpoint 8 was complete in S3")
         workers = ray_train_workers()
         assert len(workers) == 2
         hung = workers[-1]
