@@ -214,12 +214,15 @@ def resume_problems(state: dict[str, Any], model_config: ModelConfig, global_bat
     return problems
 
 
+TORCH_NAMES = {str(dtype).removeprefix("torch."): name for dtype, name in DTYPE_NAMES.items()}  # "bfloat16": "bf16"
+
+
 def checkpoint_dtype(state: dict[str, Any]) -> str | None:
     """The precision a checkpoint's run trained in (None for an old checkpoint that left it at auto)."""
     dtype = state.get("dtype") or state.get("train_config", {}).get("dtype")
-    if dtype == "auto":
+    if dtype in (None, "auto"):
         return None
-    return DTYPE_NAMES.get(getattr(torch, dtype, None), dtype)  # state.json names torch's dtype: "bfloat16"
+    return TORCH_NAMES.get(dtype, dtype)  # state.json names torch's dtype ("bfloat16"), a train_config the flag's
 
 
 # Train-config fields added after checkpoints were first written, and the value every checkpoint that lacks
