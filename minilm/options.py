@@ -252,7 +252,8 @@ def plan_steps(train_cfg: TrainConfig, num_sequences: int, val_samples: int = 0,
     """The steps of a run on `num_sequences` rows (`val_samples` held out) at `world_sizes`; refused when a world size
     breaks the global batch, the data does not fill one, or the warmup does not fit the steps."""
     check_world_sizes(train_cfg, world_sizes)
-    num_train = len(D.split_ids(num_sequences, val_samples)[0])
+    D.check_val_samples(num_sequences, val_samples)
+    num_train = num_sequences - val_samples  # split_ids' training ids, counted without making them
     per_epoch = D.steps_per_epoch(num_train, train_cfg.global_batch_size)
     if per_epoch == 0:
         raise D.DataError(f"{where}{num_train} training sequences do not fill one global batch of "

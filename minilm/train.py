@@ -112,7 +112,6 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, sequences: torch.Tenso
         raise ConfigError([f"rows of {sequences.shape[1]} tokens exceed max_position_embeddings "
                            f"({model_cfg.max_position_embeddings})"])
     data = Dataset.in_memory(torch.as_tensor(sequences).numpy())
-    plan_steps(train_cfg, data.num_sequences)
     launcher = LocalLauncher(data, train_cfg.micro_batch_size, device=device, run_dir=run_dir, say=log)
     trainer = Trainer(model_cfg, train_cfg, RunOptions(name="in-process", run_dir=str(run_dir) if run_dir else None),
                       data, launcher, hooks=hooks, model=model)

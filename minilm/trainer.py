@@ -107,7 +107,7 @@ class Trainer:
         self.dtype = resolve_dtype(train_cfg.dtype, self.device)  # the driver has resolved "auto" for every rank
         self.accumulation = accumulation_steps(train_cfg.global_batch_size, train_cfg.micro_batch_size,
                                                self.world_size)
-        self.train_ids, val_ids = D.split_ids(data.num_sequences, run.val_samples)
+        val_ids = D.split_ids(data.num_sequences, run.val_samples)[1]
         self.val_ids = val_ids[self.rank::self.world_size] if len(val_ids) else None
         plan = plan_steps(train_cfg, data.num_sequences, run.val_samples, [self.world_size])
         self.steps_per_epoch, self.total_steps = plan.steps_per_epoch, plan.total_steps
@@ -174,7 +174,7 @@ class Trainer:
                               f"checkpoint are redone ({self.redone_steps} redone in this run so far)")
         if self.world_size > 1:
             self.model = wrap_ddp(self.raw_model, self.device)
-        order = D.RankOrder(self.train_ids, cfg.seed, self.steps_per_epoch, cfg.global_batch_size, self.world_size,
+        order = D.RankOrder(None, cfg.seed, self.steps_per_epoch, cfg.global_batch_size, self.world_size,
                             self.rank, self.step, num_sequences=self.data.num_sequences, val_samples=self.run.val_samples)
         self.batches = self.launcher.batches(order, self.total_steps)
 

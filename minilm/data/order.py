@@ -25,11 +25,15 @@ from .format import DataError
 VAL_SEED = 0x5EED  # the held-out slice is fixed, independent of the training seed
 
 
-def split_ids(num_sequences: int, val_samples: int) -> tuple[np.ndarray, np.ndarray]:
-    """(train_ids, val_ids): a fixed held-out slice, disjoint from training, same for every seed."""
+def check_val_samples(num_sequences: int, val_samples: int) -> None:
     if val_samples < 0 or val_samples >= num_sequences:
         raise DataError(f"val_samples {val_samples} must be in [0, {num_sequences}) for a dataset of "
                         f"{num_sequences} sequences")
+
+
+def split_ids(num_sequences: int, val_samples: int) -> tuple[np.ndarray, np.ndarray]:
+    """(train_ids, val_ids): a fixed held-out slice, disjoint from training, same for every seed."""
+    check_val_samples(num_sequences, val_samples)
     rng = np.random.default_rng(VAL_SEED)
     val = np.sort(rng.choice(num_sequences, size=val_samples, replace=False)) if val_samples else np.array([], np.int64)
     mask = np.ones(num_sequences, dtype=bool)
