@@ -145,8 +145,7 @@ class MoEFeedForward(nn.Module):
     def uses_grouped_dispatch(self, x: torch.Tensor) -> bool:
         if self.dispatch != "auto":
             return self.dispatch == "grouped"
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        return self.grouped_kernel and dtype == torch.bfloat16
+        return self.grouped_kernel and compute_dtype(x) == torch.bfloat16
 
     def forward(self, x):
         b, t, h = x.shape
@@ -210,14 +209,13 @@ class MoEFeedForward(nn.Module):
         ends = padded.cumsum(0)
         shift = (ends - padded) - (counts.cumsum(0) - counts)  # each group's padded start minus its start
         slot_of = torch.arange(pairs, device=x_flat.device) + shift[sorted_expert]  # row of each sorted pair
-        dtype = torch.get_autocast_dtype(x_flat.device.type) if torch.is_autocast_enabled(x_flat.device.type) \
-            else x_flat.dtype
+        dtype = compute_dtype(x_flat)
         xs = x_flat.new_zeros(rows, x_flat.shape[1], dtype=dtype).index_copy(
             0, slot_of, x_flat.index_select(0, token_of).to(dtype))
         offs = ends.to(torch.int32)
 
         def stacked(name):  # (experts, in, out): each nn.Linear's weight, transposed
-            return torch.stack([getattr(ex, name).weight for ex in self.experts]).to(dtype).transpose(-2, -1)
+            return torch.stack([getattr(ex, name).weight.to(dtype) for ex in self.experts]).transpose(-2, -1)
 
         gate = GroupedMM.apply(xs, stacked("gate_proj"), offs)
         up = GroupedMM.apply(xs, stacked("up_proj"), offs)
@@ -235,6 +233,11 @@ class MoEFeedForward(nn.Module):
             return outputs.index_select(0, torch.argsort(order))
         weighted = outputs * topk_prob.reshape(-1)[order, None].to(x_flat.dtype)
         return torch.zeros_like(x_flat).index_add_(0, token_of, weighted)
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype matmuls on `x` run in: autocast's where it is on, else x's own."""
+    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
 
 
 GROUP_ROWS = 8  # rows per group alignment of the grouped dispatch: 16 bytes of bf16
