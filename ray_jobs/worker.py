@@ -139,12 +139,8 @@ class RayLauncher:
                              checkpoint_upload_fn=upload_when_written(checkpoint, target), **mode)
             return
         try:
-            try:
+            with upload_errors(target, step) if ckpt is not None else contextlib.nullcontext():
                 ray.train.report(public, checkpoint=ckpt, checkpoint_dir_name=dir_name, **mode)
-            except Exception as e:  # Ray's upload to the storage path (pyarrow raises OSError): one clear line
-                if ckpt is None or not (isinstance(e, OSError) or C.is_disk_full(e)):
-                    raise
-                raise C.CheckpointError(C.write_error(target, step, "upload", e)) from None
         finally:
             if checkpoint is not None:
                 shutil.rmtree(checkpoint.path, ignore_errors=True)
@@ -158,6 +154,17 @@ class RayLauncher:
         console.say(message)
 
 
+@contextlib.contextmanager
+def upload_errors(target: str, step: int):
+    """A storage that refuses an upload (pyarrow raises OSError) or is full: one CheckpointError line."""
+    try:
+        yield
+    except Exception as e:
+        if not (isinstance(e, OSError) or C.is_disk_full(e)):
+            raise
+        raise C.CheckpointError(C.write_error(target, step, "upload", e)) from None
+
+
 def upload_when_written(checkpoint: PendingSave, target: str):
     """Ray's upload function for a checkpoint still being written: wait for the writer (its CheckpointError
     fails the run, through Ray's eager raising of a failed async upload), copy the folder into the run's
@@ -167,12 +174,8 @@ def upload_when_written(checkpoint: PendingSave, target: str):
     def upload(ckpt: ray.train.Checkpoint, dir_name: str) -> ray.train.Checkpoint:
         try:
             checkpoint.wait()
-            try:
+            with upload_errors(target, checkpoint.step):
                 return storage.persist_current_checkpoint(ckpt, dir_name)
-            except Exception as e:  # the storage refused the upload (pyarrow raises OSError): one clear line
-                if not (isinstance(e, OSError) or C.is_disk_full(e)):
-                    raise
-                raise C.CheckpointError(C.write_error(target, checkpoint.step, "upload", e)) from None
         finally:
             shutil.rmtree(checkpoint.path, ignore_errors=True)
 
