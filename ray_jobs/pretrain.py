@@ -112,9 +112,10 @@ def plan_run(args: argparse.Namespace, concurrent_runs: int = 1, reserved_cpus: 
     local_storage = locate_run(opts)
     run_dir = Path(opts.run_dir) if opts.run_dir else None
     opts.trackers = check_trackers(opts.tracker, tracker_options(opts), run_dir=run_dir)
+    prepared = None
     if not demo:
         opts.data_dir = opts.data if D.is_remote(opts.data) else str(Path(opts.data).expanduser().resolve())
-        D.open_prepared(opts.data_dir)  # a missing, incomplete or damaged --data is refused before Ray starts
+        prepared = D.open_prepared(opts.data_dir)  # a missing, incomplete or damaged --data: refused before Ray
     started_here = ensure_ray(opts.num_cpus)
     if opts.cpus_per_worker is None:
         opts.cpus_per_worker = auto_cpus_per_worker(max_w * concurrent_runs, started_here, opts, reserved_cpus)
@@ -129,7 +130,7 @@ def plan_run(args: argparse.Namespace, concurrent_runs: int = 1, reserved_cpus: 
         from .demo_data import demo_data_dir
 
         opts.data_dir = str(demo_data_dir(train_cfg.seq_len, model_cfg.vocab_size))
-    prepared = D.open_prepared(opts.data_dir)
+        prepared = D.open_prepared(opts.data_dir)
     D.check_compatible(prepared, vocab_size=model_cfg.vocab_size, seq_len=train_cfg.seq_len)
     steps = plan_steps(train_cfg, prepared.num_sequences, opts.val_samples, range(min_w, max_w + 1),
                        where=f"{redact_uri(opts.data_dir)}: ")
