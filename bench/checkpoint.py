@@ -20,7 +20,7 @@ Writes checkpoint.json to bench/results/ (or $MINILM_BENCH_RESULTS).
     python -m bench.checkpoint --mode stall            # sync vs async, side by side: 512x8 (26M), 768x16 (123M)
 
 `--mode stall` measures what the training thread loses per checkpoint, the way `Trainer.save` takes one
-(minilm.async_checkpoint.CheckpointWriter, resume files + weights export), the two modes alternated
+(minilm.checkpoint.CheckpointManager: resume files + weights export, published into a run folder), the two modes alternated
 `--repeats` times at each size: sync (the thread waits for the whole write) vs async (the snapshot into
 reused buffers and the writer's start; the first async save, which allocates the buffers, is reported
 apart). Then optimizer steps run while an async save is written and right after it, alternately: the
@@ -44,7 +44,6 @@ from pathlib import Path
 import torch
 
 from minilm import checkpoint as C
-from minilm.async_checkpoint import CheckpointWriter, WeightsExport
 from minilm.config import ModelConfig, TrainConfig
 from minilm.model import MiniMindForCausalLM
 from minilm.step import make_grad_scaler, make_optimizer, optimizer_step
@@ -187,26 +186,27 @@ def bench_stall(hidden: int, layers: int, args, root: Path) -> dict:
 
     step()  # AdamW's state exists from here on
     state = {"optimizer_step": 1, "model_config": cfg.to_dict(), "note": "bench.checkpoint --mode stall"}
-    export = WeightsExport(cfg)
-    writers = {"sync": CheckpointWriter(device, "sync"), "async": CheckpointWriter(device, "async")}
+    # each mode's own run folder, keeping one checkpoint: what the Trainer's manager does at a checkpoint step
+    writers = {mode: C.CheckpointManager(C.LocalStorage(root / f"h{hidden}-l{layers}-{mode}"),
+                                         TrainConfig(checkpoint_mode=mode), rank=0, device=device, keep=1,
+                                         export=C.WeightsExport(cfg), say=lambda m: None) for mode in ("sync", "async")}
     stalls: dict[str, list[float]] = {"sync": [], "async": []}
     writes, first_async, k = [], None, 0
 
-    def save(mode: str) -> tuple[float, float]:
+    def start(writer: C.CheckpointManager) -> None:
         nonlocal k
         k += 1
-        path = root / f"h{hidden}-l{layers}-{mode}-{k}"
+        writer.report(k, {}, model=model, optimizer=optimizer, scaler=scaler, state=state)
+
+    def save(mode: str) -> tuple[float, float]:
         writer = writers[mode]
+        (root / f"h{hidden}-l{layers}-{mode}").mkdir(exist_ok=True)
         t0 = time.perf_counter()
-        writer.start(path, 1, model=model, optimizer=optimizer, scaler=scaler, state=state, export=export)
-        if mode == "sync":
-            writer.wait()
+        start(writer)
         synchronize(device)  # on a GPU the snapshot's copies hold the stream: they count as the stall
         stall = time.perf_counter() - t0
         writer.wait()
-        done = time.perf_counter() - t0
-        shutil.rmtree(path, ignore_errors=True)
-        return stall, done
+        return stall, time.perf_counter() - t0
 
     first_async = save("async")[0]  # allocates the reused buffers
     for _ in range(args.repeats):
@@ -219,17 +219,15 @@ def bench_stall(hidden: int, layers: int, args, root: Path) -> dict:
     # tokens/s of steps run while an async save is written vs steps right after it, alternately
     tokens = args.micro_batch_size * args.seq_len
     during, after = [], []
-    for r in range(args.repeats):
-        path = root / f"h{hidden}-l{layers}-inflight-{r}"
+    for _ in range(args.repeats):
         writer = writers["async"]
-        writer.start(path, 1, model=model, optimizer=optimizer, scaler=scaler, state=state, export=export)
+        start(writer)
         times = []
         while not writer.pending.done() or not times:
             times.append(step())
         writer.wait()
         during += times
         after += [step() for _ in range(len(times))]
-        shutil.rmtree(path, ignore_errors=True)
     sync_s, async_s = statistics.median(stalls["sync"]), statistics.median(stalls["async"])
     write_s = statistics.median(writes)
     window = args.checkpoint_every * args.gpu_step_s

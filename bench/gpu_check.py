@@ -853,7 +853,7 @@ def trainer_ddp1(argv: list[str]) -> int:
             if name == "ddp":
                 dist.init_process_group(backend, init_method=f"file://{tmp}/rendezvous", rank=0, world_size=1)
             try:
-                launcher = LocalLauncher(data, args.micro_batch_size, device=device, resume="never",
+                launcher = LocalLauncher(data, args.micro_batch_size, device=device,
                                          say=lambda line, name=name: print(f"{name}: {line}", flush=True))
                 trainer = trainer_class(cfg, train_cfg, RunOptions(name=f"trainer-ddp1-{name}"), data, launcher)
                 t0 = time.perf_counter()

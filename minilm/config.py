@@ -16,7 +16,7 @@ from .schedule import SCHEDULES
 
 DTYPES = ("auto", "bf16", "fp16", "fp32")  # "auto" and the names of minilm.step.TORCH_DTYPES
 OPTIMIZERS = ("adamw", "muon")
-CHECKPOINT_MODES = ("async", "sync")  # how rank 0 writes a checkpoint: minilm.async_checkpoint
+CHECKPOINT_MODES = ("async", "sync")  # how rank 0 writes a checkpoint: minilm.checkpoint.manager
 
 
 class ConfigError(ValueError):
@@ -131,6 +131,8 @@ class TrainConfig:
     checkpoint_every_minutes: float | None = None  # also checkpoint when this much time passed since the last
     checkpoint_mode: str = "async"  # async: a snapshot, written in the background; sync: training waits for the write
     export_every: int = 1  # the half-precision weights/ export with every N-th checkpoint (and always the last)
+    val_samples: int = 0  # held-out sequences for val_loss and val_bpb (0: no validation)
+    eval_every: int | None = None  # optimizer steps between validations (None: checkpoint_every)
     seed: int = 42
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
@@ -154,10 +156,12 @@ class TrainConfig:
         if not (isinstance(self.decay_fraction, (int, float)) and 0.0 < self.decay_fraction <= 1.0):
             p.append(f"decay_fraction must be in (0, 1], got {self.decay_fraction!r}")
         for name in ("epochs", "max_steps", "micro_batch_size", "global_batch_size", "seq_len", "log_every",
-                     "checkpoint_every", "max_nonfinite_steps", "export_every"):
+                     "checkpoint_every", "max_nonfinite_steps", "export_every", "eval_every"):
             v = getattr(self, name)
-            if (v is not None or name != "max_steps") and (not _is_int(v) or v < 1):
+            if (v is not None or name not in ("max_steps", "eval_every")) and (not _is_int(v) or v < 1):
                 p.append(f"{name} must be an integer >= 1, got {v!r}")
+        if not _is_int(self.val_samples) or self.val_samples < 0:
+            p.append(f"val_samples must be an integer >= 0, got {self.val_samples!r}")
         if _is_int(self.micro_batch_size) and _is_int(self.global_batch_size) and \
                 self.micro_batch_size >= 1 and self.global_batch_size >= 1:
             if self.global_batch_size % self.micro_batch_size:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint_files import write_bytes, write_files, write_safetensors
+from .checkpoint.files import write_bytes, write_export, write_safetensors
 from .config import ModelConfig
 from .tokenizer import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, SPECIAL_TOKENS
 
@@ -108,7 +108,8 @@ def generation_config(config: ModelConfig) -> dict:
 
 def export_hf(path: str | os.PathLike, state_dict: dict[str, torch.Tensor], config: ModelConfig,
               tokenizer_path: str | os.PathLike, dtype: torch.dtype = torch.float16) -> Path:
-    """Write the Hugging Face folder `path` (replacing it) through a temp folder; CheckpointError if a write fails."""
+    """Write the Hugging Face folder `path` (new, empty, or an earlier export replaced); CheckpointError if it holds
+    anything else or a write fails."""
     writers = {
         "config.json": lambda f: _write_json(f, hf_config(config, dtype)),
         "generation_config.json": lambda f: _write_json(f, generation_config(config)),
@@ -117,8 +118,7 @@ def export_hf(path: str | os.PathLike, state_dict: dict[str, torch.Tensor], conf
         "tokenizer_config.json": lambda f: _write_json(f, tokenizer_config(config)),
         "special_tokens_map.json": lambda f: _write_json(f, special_tokens_map()),
     }
-    write_files(Path(path), writers, None, via_tmp=True)
-    return Path(path)
+    return write_export(Path(path), writers, "hf")
 
 
 def _write_json(f: Path, d: dict) -> str:

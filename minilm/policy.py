@@ -29,50 +29,37 @@ class Decision:
 
 
 class LoopPolicy:
-    """Turns each step's signals into a `Decision`, and raises (`on_nonfinite`, `on_checkpoint_failed`) on every
-    rank at the same step. Sources: `stop_flags() -> (SIGTERM, drain)`, `checkpoint_failed() -> bool`,
-    `nonfinite() -> 0-dim device tensor`; --checkpoint-every-minutes runs on rank 0's clock (`is_rank0`)."""
+    """Turns each step's signals into a `Decision`, and raises (`checkpoints.raise_failure`, `on_nonfinite`) on every
+    rank at the same step. Sources: `stop_flags() -> (SIGTERM, drain)`, `nonfinite() -> 0-dim device tensor`, and
+    the checkpoint owner (`checkpoints`: its `cadence`, `failed()`). --exit-after-minutes counts from `started_at`
+    (the entry point's start, on `clock`'s scale), so a restarted worker group keeps the job's deadline."""
 
-    def __init__(self, collectives, *, start_step: int, total_steps: int, checkpoint_every: int, log_every: int,
-                 eval_every: int | None, stop_flags, checkpoint_failed, nonfinite, on_nonfinite,
-                 on_checkpoint_failed, is_rank0: bool = True, checkpoint_every_minutes: float | None = None,
-                 exit_after_steps: int | None = None, exit_after_minutes: float | None = None,
-                 clock=time.monotonic):
+    def __init__(self, collectives, checkpoints, *, total_steps: int, log_every: int, eval_every: int | None,
+                 stop_flags, nonfinite, on_nonfinite, exit_after_steps: int | None = None,
+                 exit_after_minutes: float | None = None, started_at: float | None = None, clock=time.time):
         self.agreement = FlagAgreement(collectives, FLAGS)
-        self.total_steps, self.checkpoint_every, self.log_every = total_steps, checkpoint_every, log_every
-        self.eval_every, self.exit_after_steps = eval_every, exit_after_steps
-        self.stop_flags, self.checkpoint_failed, self.nonfinite = stop_flags, checkpoint_failed, nonfinite
-        self.on_nonfinite, self.on_checkpoint_failed = on_nonfinite, on_checkpoint_failed
-        self.due_seconds = 60 * checkpoint_every_minutes if checkpoint_every_minutes and is_rank0 else None
-        self.clock = clock
-        self.deadline = clock() + 60 * exit_after_minutes if exit_after_minutes else None
-        self.last_checkpoint_step, self.checkpoint_clock, self.due_raised = start_step, clock(), False
+        self.checkpoints, self.cadence = checkpoints, checkpoints.cadence
+        self.total_steps, self.log_every, self.eval_every, self.exit_after_steps = \
+            total_steps, log_every, eval_every, exit_after_steps
+        self.stop_flags, self.nonfinite, self.on_nonfinite, self.clock = stop_flags, nonfinite, on_nonfinite, clock
+        start = clock() if started_at is None else started_at
+        self.deadline = start + 60 * exit_after_minutes if exit_after_minutes else None
 
     def after_step(self, step: int) -> Decision:
         time_up = self.deadline is not None and self.clock() > self.deadline
-        reasons = self.agreement.push(step, [*self.stop_flags(), time_up, self.checkpoint_failed(), self._due()],
-                                      [self.nonfinite()])
+        reasons = self.agreement.push(step, [*self.stop_flags(), time_up, self.checkpoints.failed(),
+                                             self.cadence.time_due()], [self.nonfinite()])
         if NONFINITE in reasons:
             self.on_nonfinite()
         if CHECKPOINT_FAILED in reasons:
-            self.on_checkpoint_failed()
-        stop = next((r for r in STOPS if r in reasons), EXIT_STEPS if step == self.exit_after_steps else None)
+            self.checkpoints.raise_failure(step)
+        exit_now = self.exit_after_steps is not None and step >= self.exit_after_steps
+        stop = next((r for r in STOPS if r in reasons), EXIT_STEPS if exit_now else None)
         final = stop is not None or step == self.total_steps
-        # a time-based checkpoint raised `delay` steps ago, unless one was written since
-        due = CHECKPOINT_DUE in reasons and self.last_checkpoint_step < step - self.agreement.delay
-        checkpoint = final or due or step % self.checkpoint_every == 0
+        checkpoint = self.cadence.due(step, final, CHECKPOINT_DUE in reasons, self.agreement.delay)
         evaluate = self.eval_every is not None and (step % self.eval_every == 0 or step == self.total_steps)
-        if checkpoint:
-            self.last_checkpoint_step, self.checkpoint_clock, self.due_raised = step, self.clock(), False
         return Decision(log=checkpoint or evaluate or step % self.log_every == 0, evaluate=evaluate,
                         checkpoint=checkpoint, final=final, stop=stop)
-
-    def _due(self) -> bool:
-        """--checkpoint-every-minutes have passed since the last checkpoint (raised once until the next one)."""
-        if self.due_seconds is None or self.due_raised:
-            return False
-        self.due_raised = self.clock() - self.checkpoint_clock >= self.due_seconds
-        return self.due_raised
 
     def close(self) -> None:
         """No all-reduce of ours is left in flight when the process group goes away."""

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -26,8 +26,7 @@ import torch
 
 from . import checkpoint as C
 from . import data as D
-from .async_checkpoint import PendingSave
-from .cli import EXIT_FAILED, EXIT_INTERRUPTED, UsageError, add_config_flags, fail, load_yaml
+from .cli import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, UsageError, add_config_flags, fail, load_yaml
 from .config import ConfigError, ModelConfig, TrainConfig
 from .distributed import (
     Collectives,
@@ -37,7 +36,7 @@ from .distributed import (
     leave_process_group,
 )
 from .model import MiniMindForCausalLM
-from .options import TRAIN, RunOptions, add_run_flags, build_configs, check_configs, plan_steps
+from .options import RunOptions, add_run_flags, build_configs, check_configs, option, plan_steps
 from .rows import rows_note
 from .step import TORCH_DTYPES, NonFiniteLossError, resolve_dtype_name
 from .testing import FaultHooks
@@ -46,45 +45,26 @@ from .trackers import TrackerError, check_trackers
 from .trainer import Dataset, Preempted, Trainer
 
 
+@dataclass
+class LocalOptions(RunOptions):
+    """minilm.train's own flags: data without Ray Data, and where the run folder is."""
+
+    tokens: str | None = option(help="a .npy file of 1-D token ids")
+    random_tokens: int | None = option(help="train on this many uniformly random token ids")
+    run_dir: str | None = option(help="checkpoints, metrics.jsonl and world_size.csv go here (default: none kept)")
+
+
 class LocalLauncher:
-    """Batches read in this process; checkpoints moved into a local run folder; SIGTERM as the stop flag."""
+    """Batches read in this process; checkpoints renamed into a local run folder; SIGTERM as the stop flag."""
 
     def __init__(self, data: Dataset, micro_batch_size: int, *, rank: int = 0, world_size: int = 1,
-                 device: torch.device | str = "cpu", run_dir: str | os.PathLike | None = None,
-                 resume: str = "auto", keep_checkpoints: int = 3, say=print):
+                 device: torch.device | str = "cpu", run_dir: str | os.PathLike | None = None, say=print):
         self.data, self.micro_batch_size = data, micro_batch_size
         self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
-        self.run_dir = Path(run_dir) if run_dir else None
-        self.resume, self.keep_checkpoints, self._say = resume, keep_checkpoints, say
-        self.sigterm = False
+        self.storage, self._say, self.sigterm = C.LocalStorage(run_dir), say, False
 
     def batches(self, order: D.RankOrder, total_steps: int) -> D.LocalRankStream:
         return D.LocalRankStream(self.data.store, order, total_steps, self.micro_batch_size, self.device)
-
-    def checkpoint_to_resume(self, log) -> Path | None:
-        if self.resume == "never":
-            return None
-        if self.resume != "auto":
-            return Path(self.resume)
-        return C.latest_complete(C.checkpoint_dirs(self.run_dir), log, once_per_node=True)
-
-    def staging_dir(self, step: int) -> Path | None:
-        if self.run_dir is None:
-            return None  # nowhere to keep a checkpoint: none is written
-        path = self.run_dir / f".staging-checkpoint_{step:08d}-{os.getpid()}"
-        shutil.rmtree(path, ignore_errors=True)
-        return path
-
-    def report(self, metrics: dict, checkpoint: PendingSave | None, checkpointing: bool) -> None:
-        """Rank 0: the complete checkpoint is renamed into the run folder (on the writer's thread if still written)."""
-        if checkpoint is not None:
-            checkpoint.then(lambda path: self.publish(path, checkpoint.step))
-
-    def publish(self, staged: Path, step: int) -> Path:
-        final = self.run_dir / C.checkpoint_dir_name(self.run_dir, step)
-        os.replace(staged, final)
-        C.prune_checkpoints(self.run_dir, self.keep_checkpoints, newest=final, log=self._say)
-        return final
 
     def stop_flags(self) -> tuple[bool, bool]:
         return self.sigterm, False
@@ -126,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m minilm.train", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--config", help="YAML file of option: value (any flag below)")
-    add_run_flags(p, TRAIN)
+    add_run_flags(p, LocalOptions)
     add_config_flags(p)
     return p
 
@@ -138,39 +118,90 @@ def main(argv: list[str] | None = None) -> int:
         leave_process_group()
 
 
-def start(argv: list[str] | None) -> tuple[Trainer, RunOptions]:
-    """Flags -> a Trainer at its first step; every user error raises."""
+class RefusedOnRank0(UsageError):
+    """Rank 0 refused the run (and said why): the other ranks leave with the same exit code, silently."""
+
+
+def start(argv: list[str] | None) -> tuple[Trainer, LocalOptions, C.Lease | None]:
+    """Flags -> a Trainer at its first step (rank 0 holding the run folder's lease); every user error raises."""
+    started_at = time.time()
     args = build_parser().parse_args(argv)
     file_values = load_yaml(args.config)
-    model_cfg, train_cfg, opts = build_configs(args, file_values, TRAIN, demo=not (args.data or file_values.get("data")))
-    if not (opts.data or opts.tokens or opts.random_tokens):
-        raise UsageError("give the data to train on: --data DIR, --tokens FILE.npy or --random-tokens N")
+    model_cfg, train_cfg, opts = build_configs(args, file_values, LocalOptions,
+                                               demo=not (args.data or file_values.get("data")))
+    if sum(x is not None for x in (opts.data, opts.tokens, opts.random_tokens)) != 1:
+        raise UsageError("give the data to train on: one of --data DIR, --tokens FILE.npy or --random-tokens N")
     check_configs(model_cfg, train_cfg, opts)
     hooks = hooks_from_env(warn=lambda m: print(m, file=sys.stderr))
     rank, world_size, device = init_from_torchrun(timeout_s=opts.collective_timeout_s)
     notes: list[str | None] = []  # shown under the start line (rank 0)
     data = load_data(opts, model_cfg, train_cfg, notes)
-    plan_steps(train_cfg, data.num_sequences, opts.val_samples, (world_size,))
+    steps = plan_steps(train_cfg, data.num_sequences, (world_size,))
     run_dir = Path(opts.run_dir).resolve() if opts.run_dir else None
-    if run_dir is not None and rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    train_cfg.dtype = agreed_dtype(train_cfg.dtype, device)
-    opts.trackers = check_trackers(opts.tracker, {}, run_dir=run_dir)
-    opts.name, opts.run_dir = opts.name or (run_dir.name if run_dir else "local"), str(run_dir) if run_dir else None
+    opts.name, opts.run_dir, opts.started_at = opts.name or (run_dir.name if run_dir else "local"), \
+        str(run_dir) if run_dir else None, started_at
+    say = lambda m: print(m, flush=True)  # noqa: E731
+    lease, refused, asked = None, None, train_cfg.dtype
+    if rank == 0:
+        try:
+            lease, state = take_run_folder(opts, model_cfg, train_cfg, data.fingerprint, say)
+            if asked == "auto" and state and C.checkpoint_dtype(state):  # a resume keeps its precision
+                train_cfg.dtype = C.checkpoint_dtype(state)
+        except (UsageError, C.CheckpointError) as e:
+            refused = e
+    elif opts.resume not in ("auto", "never"):
+        opts.resume_path = str(Path(opts.resume).expanduser().resolve())
+    if world_size > 1 and Collectives(device).broadcast_from_rank0(torch.tensor([refused is not None]))[0]:
+        raise refused or RefusedOnRank0("")
+    if refused is not None:
+        raise refused
+    if asked == "auto":
+        train_cfg.dtype = agreed_dtype(train_cfg.dtype, device)
+    opts.trackers = check_trackers(opts.tracker, opts.tracker_settings(), run_dir=run_dir)
     launcher = LocalLauncher(data, train_cfg.micro_batch_size, rank=rank, world_size=world_size, device=device,
-                             run_dir=run_dir, resume=opts.resume, keep_checkpoints=opts.keep_checkpoints,
-                             say=lambda m: print(m, flush=True))
+                             run_dir=run_dir, say=say)
     signal.signal(signal.SIGTERM, lambda *_: setattr(launcher, "sigterm", True))
     if rank == 0:
         for note in filter(None, notes):
             print(note, flush=True)
-    return Trainer(model_cfg, train_cfg, opts, data, launcher, hooks=hooks), opts
+    try:
+        return Trainer(model_cfg, train_cfg, opts, data, launcher, hooks=hooks, steps=steps), opts, lease
+    except BaseException:
+        if lease is not None:
+            lease.release()
+        raise
+
+
+def take_run_folder(opts: RunOptions, model_cfg: ModelConfig, train_cfg: TrainConfig, fingerprint: str, say):
+    """Rank 0, before any work: the run folder's lease, --resume applied to it, and the checkpoint it continues
+    checked against this command (the same rules as ray_jobs.pretrain's driver); (lease, its state.json or None)."""
+    if opts.run_dir is None:
+        if opts.resume not in ("auto", "never"):
+            opts.resume_path = C.plan_resume(None, opts.resume)
+        return None, opts.resume_path and check_origin(None, opts, model_cfg, train_cfg, fingerprint, say)
+    folder = C.RunFolder(opts.run_dir)
+    lease = C.Lease(folder, say).take()
+    try:
+        opts.resume_path = C.plan_resume(folder, opts.resume, opts.abandon_newer, say)
+        return lease, opts.resume_path and check_origin(folder, opts, model_cfg, train_cfg, fingerprint, say)
+    except BaseException:
+        lease.release()
+        raise
+
+
+def check_origin(folder, opts, model_cfg, train_cfg, fingerprint, say) -> dict:
+    state = (folder or C.RunFolder(".")).state(opts.resume_path)
+    for c in C.check_resume(state, opts.resume_path, model_cfg, train_cfg, fingerprint, opts.allow_config_change):
+        say(f"note: resuming with {c}" + ("" if c.safe else " (--allow-config-change)"))
+    return state
 
 
 def run_cli(argv: list[str] | None) -> int:
     """Parse, check, train; every user error is one line and an exit code."""
     try:
-        trainer, opts = start(argv)
+        trainer, opts, lease = start(argv)
+    except RefusedOnRank0:
+        return EXIT_USAGE
     except (UsageError, ConfigError, D.DataError, C.CheckpointError, TrackerError, ValueError, FileNotFoundError) as e:
         return fail(str(e))
     outcome, t0 = "failed", time.time()
@@ -189,6 +220,8 @@ def run_cli(argv: list[str] | None) -> int:
         return fail(f"training failed: {line}", EXIT_FAILED)
     finally:
         trainer.close(outcome)
+        if lease is not None:
+            lease.release()
     if rank == 0:
         last = trainer.history[-1] if trainer.history else None
         print(f"done: {outcome} at optimizer step {trainer.step}/{trainer.total_steps} in {time.time() - t0:.1f}s"
@@ -215,8 +248,6 @@ def load_data(opts: RunOptions, model_cfg: ModelConfig, train_cfg: TrainConfig, 
 
 def agreed_dtype(name: str, device: torch.device) -> str:
     """--dtype auto resolved once; under torchrun rank 0's answer is every rank's (a probe can disagree)."""
-    if name != "auto":
-        return name
     names = list(TORCH_DTYPES)
     code = torch.tensor([names.index(resolve_dtype_name("auto", device))], device="cpu")
     return names[int(Collectives(device).broadcast_from_rank0(code)[0])]

@@ -22,16 +22,16 @@ import torch.nn.functional as F
 
 from . import checkpoint as C
 from . import data as D
-from .async_checkpoint import CheckpointWriter, PendingSave, WeightsExport
 from .bpb import bits_per_byte, token_byte_lengths
 from .config import ModelConfig, TrainConfig, accumulation_steps
 from .distributed import Collectives
 from .model import MiniMindForCausalLM
-from .options import RunOptions, plan_steps
+from .options import RunOptions, StepPlan, plan_steps
 from .policy import LoopPolicy
 from .progress import Meter, MetricsLog, format_log_line, peak_flops
 from .schedule import get_lr
 from .step import (
+    TORCH_DTYPES,
     NonFiniteGuard,
     autocast,
     configure_backends,
@@ -39,7 +39,7 @@ from .step import (
     make_optimizer,
     optimizer_step,
     prepare_model,
-    resolve_dtype,
+    resolve_dtype_name,
 )
 from .testing import FaultHooks
 from .timeline import WorldSizeTimeline
@@ -77,19 +77,10 @@ class Launcher(Protocol):
     rank: int
     world_size: int
     device: torch.device
+    storage: C.Storage  # where checkpoints are published and metrics reported (minilm.checkpoint.manager)
 
     def batches(self, order: D.RankOrder, total_steps: int):
         """This rank's stream to `total_steps`: yields (micro-batches on the device, host sample ids); `data_wait_s`."""
-
-    def checkpoint_to_resume(self, log) -> Path | None:
-        """The complete checkpoint folder to continue, or None (fresh). Optional `resume_loaded()`: once loaded."""
-
-    def staging_dir(self, step: int) -> Path | None:
-        """Rank 0: an empty folder for the checkpoint of `step` (None: this launcher keeps no checkpoints)."""
-
-    def report(self, metrics: dict, checkpoint: PendingSave | None, checkpointing: bool) -> None:
-        """Every rank, at the same steps: the metrics; at a checkpoint step rank 0 also passes the checkpoint
-        being written into the staging folder, to be moved or uploaded once complete."""
 
     def stop_flags(self) -> tuple[bool, bool]:
         """(SIGTERM seen, node drain announced) on this rank; called every step, so it must be cheap."""
@@ -100,18 +91,19 @@ class Launcher(Protocol):
 
 class Trainer:
     def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, run: RunOptions, data: Dataset,
-                 launcher: Launcher, hooks: FaultHooks | None = None, model: MiniMindForCausalLM | None = None):
+                 launcher: Launcher, hooks: FaultHooks | None = None, model: MiniMindForCausalLM | None = None,
+                 steps: StepPlan | None = None):
         self.model_cfg, self.train_cfg, self.run, self.data, self.launcher = model_cfg, train_cfg, run, data, launcher
         self.hooks = hooks or FaultHooks.from_dict(run.test_hooks) or FaultHooks()
         self.rank, self.world_size, self.device = launcher.rank, launcher.world_size, torch.device(launcher.device)
-        self.dtype = resolve_dtype(train_cfg.dtype, self.device)  # the driver has resolved "auto" for every rank
+        train_cfg.dtype = resolve_dtype_name(train_cfg.dtype, self.device)  # the entry point resolved "auto" already
+        self.dtype = TORCH_DTYPES[train_cfg.dtype]
         self.accumulation = accumulation_steps(train_cfg.global_batch_size, train_cfg.micro_batch_size,
                                                self.world_size)
-        val_ids = D.split_ids(data.num_sequences, run.val_samples)[1]
+        val_ids = D.split_ids(data.num_sequences, train_cfg.val_samples)[1]
         self.val_ids = val_ids[self.rank::self.world_size] if len(val_ids) else None
-        plan = plan_steps(train_cfg, data.num_sequences, run.val_samples, [self.world_size])
-        self.steps_per_epoch, self.total_steps = plan.steps_per_epoch, plan.total_steps
-        self.eval_every = run.eval_every or train_cfg.checkpoint_every
+        steps = steps or plan_steps(train_cfg, data.num_sequences, [self.world_size])  # the entry point's, if given
+        self.steps_per_epoch, self.total_steps = steps.steps_per_epoch, steps.total_steps
         self.step, self.run_id = 0, run.run_id or f"{run.name}-{int(time.time())}"
         self.collectives = Collectives(self.device)
 
@@ -127,10 +119,11 @@ class Trainer:
         self.trackers = Trackers([])
         self.metrics_log = MetricsLog(Path(run.run_dir) / "metrics.jsonl") if run.run_dir and self.rank == 0 else None
         self.timeline = WorldSizeTimeline(run.run_dir) if run.run_dir and self.rank == 0 else None
-        self.redone_steps, self.last_checkpoint_s, self.last_checkpoint_wait_s, self.history = 0, 0.0, 0.0, []
-        # rank 0 writes the checkpoints: a snapshot on this thread, the files on the writer's
-        self.writer = CheckpointWriter(self.device, train_cfg.checkpoint_mode, self.hooks) if self.rank == 0 else None
-        self.checkpoint_index = 0  # checkpoints written by the run so far (the export cadence counts them)
+        self.redone_steps, self.history = 0, []
+        self.checkpoints = C.CheckpointManager(launcher.storage, train_cfg, rank=self.rank, device=self.device,
+                                               keep=run.keep_checkpoints, origin=run.resume_path, hooks=self.hooks,
+                                               export=C.WeightsExport(model_cfg, data.tokenizer_path),
+                                               say=self.log_line)
         self.token_bytes = None  # val_bpb's byte table, made at the first evaluation
         self.optimizer_step = optimizer_step
         self.start()
@@ -161,7 +154,7 @@ class Trainer:
         if self.rank == 0 and self.run.trackers:
             self.trackers = open_trackers(
                 self.run.trackers, run_dir=self.run.run_dir, run_name=self.run.name, start_step=self.step,
-                resume_state=(resumed or {}).get("trackers"), options=self.run.tracker_options, say=self.log_line,
+                resume_state=(resumed or {}).get("trackers"), options=self.run.tracker_settings(), say=self.log_line,
                 hparams=run_hparams(self.model_cfg.to_dict(), cfg.to_dict(), world_size=self.world_size,
                                     data_fingerprint=self.data.fingerprint,
                                     tokenizer_sha256=self.data.tokenizer_sha256))
@@ -175,31 +168,24 @@ class Trainer:
         if self.world_size > 1:
             self.model = wrap_ddp(self.raw_model, self.device)
         order = D.RankOrder(None, cfg.seed, self.steps_per_epoch, cfg.global_batch_size, self.world_size,
-                            self.rank, self.step, num_sequences=self.data.num_sequences, val_samples=self.run.val_samples)
+                            self.rank, self.step, num_sequences=self.data.num_sequences, val_samples=cfg.val_samples)
         self.batches = self.launcher.batches(order, self.total_steps)
 
     def restore(self) -> dict | None:
         """Load every stateful component from the checkpoint this run continues; return its state.json."""
-        path = self.launcher.checkpoint_to_resume(self.log_line)
-        if path is None:
+        resume = self.checkpoints.load()
+        if resume is None:
             return None
-        try:
-            resume = C.load_resume_state(path, keys=C.STATE_KEYS, once_per_node=True)  # hashes read once per node
-        finally:
-            getattr(self.launcher, "resume_loaded", lambda: None)()  # e.g. a downloaded copy goes
         s = resume.state
-        problems = C.resume_problems(s, self.model_cfg, self.train_cfg.global_batch_size, self.train_cfg.seed,
-                                     self.data.fingerprint, dtype=self.train_cfg.dtype,
-                                     optimizer=self.train_cfg.optimizer)
-        if problems:
-            raise C.CheckpointError(f"cannot resume from {path}: " + "; ".join(problems))
+        C.check_resume(s, self.checkpoints.resumed_from, self.model_cfg, self.train_cfg, self.data.fingerprint,
+                       allow_config_change=True)  # the entry point refused a change that was not allowed
         for name, then in C.PREDATED_VALUES.items():
             if name not in s["train_config"] and getattr(self.train_cfg, name) != then:
-                self.log_line(f"note: {Path(path).name} predates --{name.replace('_', '-')}: the run goes on with its "
-                              f"{name} {then}")
+                self.log_line(f"note: {Path(self.checkpoints.resumed_from).name} predates "
+                              f"--{name.replace('_', '-')}: the run goes on with its {name} {then}")
                 setattr(self.train_cfg, name, then)
         self.raw_model.load_state_dict(resume.model_state, strict=True)
-        # The loaded param groups carry the saved betas / weight decay; this run's config wins (the driver has
+        # The loaded param groups carry the saved betas / weight decay; this run's config wins (the entry point has
         # refused a change unless --allow-config-change said it is meant).
         configured = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         self.optimizer.load_state_dict(resume.optimizer_state)
@@ -208,7 +194,7 @@ class Trainer:
         self.scaler.load_state_dict(resume.scaler_state)
         self.guard.load_state_dict(s["nonfinite_guard"])
         self.step, self.run_id = int(s["optimizer_step"]), s.get("run_id", self.run_id)
-        self.checkpoint_index = int(s.get("checkpoint_index", 0))
+        self.checkpoints.index, self.checkpoints.cadence.last_step = int(s.get("checkpoint_index", 0)), self.step
         return s
 
     # ---- the loop -----------------------------------------------------------------------------
@@ -233,10 +219,9 @@ class Trainer:
                 decision = policy.after_step(self.step)
                 if decision.log:
                     metrics = self.log(m, lr, decision.evaluate)
-                    if decision.checkpoint:
-                        self.save(metrics, decision.final)
-                    else:
-                        self.launcher.report(metrics, None, False)
+                    state = self.checkpoint_state(metrics) if decision.checkpoint else None
+                    self.checkpoints.report(self.step, metrics, model=self.raw_model, optimizer=self.optimizer,
+                                            scaler=self.scaler, state=state, final=decision.final)
                     self.meter.restart(self.batches.data_wait_s)  # evaluation and checkpoint time stay out of it
                 if decision.stop:
                     return self.stop(decision)
@@ -244,20 +229,16 @@ class Trainer:
             return "finished"
         finally:
             policy.close()
-            if self.writer is not None:
-                self.writer.close()  # a save in flight is finished (or fails) before the process goes
+            self.checkpoints.close()  # a save in flight is finished (or fails) before the process goes
 
     def loop_policy(self) -> LoopPolicy:
-        cfg, run = self.train_cfg, self.run
-        return LoopPolicy(
-            self.collectives, start_step=self.step, total_steps=self.total_steps,
-            checkpoint_every=cfg.checkpoint_every, log_every=cfg.log_every,
-            eval_every=self.eval_every if self.val_ids is not None else None,
-            stop_flags=self.launcher.stop_flags, nonfinite=self.guard.tripped,
-            checkpoint_failed=lambda: self.writer is not None and self.writer.failed(),
-            on_nonfinite=self.guard.check, on_checkpoint_failed=self.raise_checkpoint_failure,
-            is_rank0=self.rank == 0, checkpoint_every_minutes=cfg.checkpoint_every_minutes,
-            exit_after_steps=run.exit_after_steps, exit_after_minutes=run.exit_after_minutes)
+        run = self.run
+        return LoopPolicy(self.collectives, self.checkpoints, total_steps=self.total_steps, log_every=self.train_cfg.log_every,
+                          eval_every=(self.train_cfg.eval_every or self.train_cfg.checkpoint_every)
+                          if self.val_ids is not None else None, stop_flags=self.launcher.stop_flags,
+                          nonfinite=self.guard.tripped, on_nonfinite=self.guard.check,
+                          exit_after_steps=run.exit_after_steps, exit_after_minutes=run.exit_after_minutes,
+                          started_at=run.started_at)
 
     def stop(self, decision) -> str:
         """After the checkpoint of a stop: Preempted (for a restart), or "exited"."""
@@ -269,13 +250,6 @@ class Trainer:
         self.log_line(f"exiting after optimizer step {self.step} as asked "
                       f"(--exit-after-steps/--exit-after-minutes); continue with --resume auto")
         return "exited"
-
-    def raise_checkpoint_failure(self) -> None:
-        if self.writer is not None:
-            self.writer.wait()  # raises the writer's CheckpointError (the one line naming step, folder and file)
-        raise C.CheckpointError(f"rank 0 could not write a checkpoint (its error names the step, folder and file); "
-                                f"stopped at optimizer step {self.step}; earlier checkpoints are intact: fix the "
-                                f"storage, then continue with --resume auto")
 
     # ---- log and save -------------------------------------------------------------------------
 
@@ -306,8 +280,8 @@ class Trainer:
             "optimizer_step": step, "total_steps": self.total_steps, "samples_seen": samples_seen,
             "tokens_seen": samples_seen * cfg.seq_len, "epoch": (step - 1) // spe, "epochs": -(-self.total_steps // spe),
             "world_size": self.world_size, "accumulation_steps": self.accumulation,
-            "skipped_steps": int(self.guard.skipped_total), "checkpoint_s": self.last_checkpoint_s,
-            "checkpoint_wait_s": self.last_checkpoint_wait_s, "redone_steps": self.redone_steps,
+            "skipped_steps": int(self.guard.skipped_total), "checkpoint_s": self.checkpoints.save_s,
+            "checkpoint_wait_s": self.checkpoints.wait_s, "redone_steps": self.redone_steps,
         }
         if self.raw_model.config.use_moe:
             metrics["expert_load"] = [[round(float(x), 4) for x in layer] for layer in self.raw_model.expert_load()]
@@ -315,27 +289,6 @@ class Trainer:
 
     def mfu(self, tokens_per_s: float) -> float:
         return self.raw_model.estimate_mfu(tokens_per_s / self.world_size, self.train_cfg.seq_len, self.peak)
-
-    def save(self, metrics: dict, final: bool = False) -> None:
-        """Every rank: rank 0 waits for the save in flight (`checkpoint_wait_s`), snapshots the state, and its writer
-        writes the resume checkpoint (+ the weights export when due) into a staging folder the launcher hands over
-        once complete. The run's last save (`final`) and every sync-mode save are complete when this returns."""
-        t0 = time.perf_counter()
-        wait_s = self.writer.wait() if self.writer is not None else 0.0  # raises the previous save's error
-        self.checkpoint_index += 1
-        staged = self.launcher.staging_dir(self.step) if self.rank == 0 else None
-        pending = None
-        if staged is not None:
-            exporting = final or self.checkpoint_index % self.train_cfg.export_every == 0
-            export = WeightsExport(self.model_cfg, self.data.tokenizer_path) if exporting else None
-            pending = self.writer.start(staged, self.step, model=self.raw_model, optimizer=self.optimizer,
-                                        scaler=self.scaler, state=self.checkpoint_state(metrics), export=export,
-                                        blocking=final)
-            if pending.blocking:
-                pending.wait()
-        self.launcher.report(metrics, pending, True)
-        self.last_checkpoint_wait_s = wait_s
-        self.last_checkpoint_s = time.perf_counter() - t0 - wait_s
 
     def checkpoint_state(self, metrics: dict) -> dict:
         """state.json: the position (optimizer step) and what a resume must match."""
@@ -345,13 +298,10 @@ class Trainer:
             "optimizer_step": self.step, "epoch": pos.epoch, "samples_seen": pos.samples_seen,
             "world_size": self.world_size, "micro_batch_size": cfg.micro_batch_size,
             "accumulation_steps": self.accumulation, "global_batch_size": cfg.global_batch_size,
-            "total_steps": self.total_steps, "dtype": str(self.dtype).removeprefix("torch."),
-            "val_samples": self.run.val_samples,
-            "model_config": self.model_cfg.to_dict(), "train_config": cfg.to_dict(),
+            "total_steps": self.total_steps, "model_config": self.model_cfg.to_dict(), "train_config": cfg.to_dict(),
             "data_fingerprint": self.data.fingerprint, "tokenizer_sha256": self.data.tokenizer_sha256,
             "run_id": self.run_id, "run_name": self.run.name, "nonfinite_guard": self.guard.state_dict(),
             "trackers": self.trackers.state_dict(), "loss": metrics["loss"],
-            "checkpoint_index": self.checkpoint_index,
         }
 
     @torch.no_grad()

@@ -5,10 +5,86 @@ from __future__ import annotations
 import os
 import re
 import urllib.parse
+from dataclasses import dataclass
 
 from minilm.cli import DEMO_PRESET, UsageError, fail, load_yaml  # noqa: F401  (re-exported)
+from minilm.options import TIMEOUT_HELP, RunOptions, option
 
 from .ray_compat import quiet_token_auth_notice
+
+
+def parse_num_workers(spec) -> tuple[int, int]:  # 'N' or 'MIN-MAX'
+    try:
+        lo, _, hi = str(spec).partition("-")
+        lo, hi = int(lo), int(hi or lo)
+    except ValueError:
+        raise UsageError(f"--num-workers {spec!r}: expected N or MIN-MAX, e.g. 2 or 2-8") from None
+    if lo < 1 or hi < lo:
+        raise UsageError(f"--num-workers {spec!r}: need 1 <= MIN <= MAX")
+    return lo, hi
+
+
+def parse_cpus(value) -> float | None:  # --cpus-per-worker: auto (None) or a number > 0
+    if value is None or str(value) == "auto":
+        return None
+    try:
+        cpus = float(value)
+    except ValueError:
+        cpus = -1.0
+    if not cpus > 0:
+        raise UsageError(f"--cpus-per-worker must be auto or a number > 0, got {value!r}")
+    return cpus
+
+
+def parse_resources(spec) -> dict[str, float]:  # 'slot=1,disk=2' or a YAML mapping -> {'slot': 1.0, 'disk': 2.0}
+    if not spec:
+        return {}
+    items = spec.items() if isinstance(spec, dict) else (part.partition("=")[::2] for part in str(spec).split(","))
+    resources = {}
+    for name, value in items:
+        name = str(name).strip()
+        try:
+            amount = float(value)
+        except (TypeError, ValueError):
+            amount = -1.0
+        if not name or amount <= 0 or name in ("CPU", "GPU"):
+            raise UsageError(f"--resources-per-worker {spec!r}: expected NAME=N with N > 0, e.g. slot=1 "
+                             f"(CPU and GPU have their own flags: --cpus-per-worker, --use-gpu)")
+        resources[name] = amount
+    return resources
+
+
+
+
+@dataclass
+class RayOptions(RunOptions):
+    """ray_jobs.pretrain's own flags (a Ray cluster's), and what its driver fills in for the workers."""
+
+    data: str | None = option(help="a folder written by ray_jobs.prepare, or a remote URI; default: the built-in demo "
+                                   "corpus, prepared once into ~/.cache/minilm")
+    name: str | None = option(help="run name; resume finds checkpoints by it (default: minilm-<time>)")
+    collective_timeout_s: float | None = option(help=TIMEOUT_HELP + "; with --max-failures the group restarts from "
+                                                "the last checkpoint", minimum=0, aliases=["--backend-timeout-s"])
+    num_workers: str = option("2", "N, or MIN-MAX for an elastic run")
+    use_gpu: str = option("auto", "auto: GPUs if the cluster has any", choices=["auto", "true", "false"],
+                          convert=lambda v: str(v).lower())  # YAML's true too
+    cpus_per_worker: float | None = option(
+        help="CPUs (and torch threads) per worker, or auto (default): on a local Ray started by this command, the "
+             "machine's cores divided among the workers; on a cluster, a node's CPUs divided among the workers it "
+             "would host (GPU runs: its CPUs per GPU)", convert=parse_cpus)
+    resources_per_worker: dict[str, float] = option(
+        {}, "custom Ray resources each worker also needs, e.g. spot_slot=1 (one worker per node that offers one)",
+        convert=parse_resources, metavar="NAME=N[,NAME=N]")
+    storage_path: str = option("./runs", "local path or pyarrow URI (s3://, gs://)")
+    max_failures: int = option(0, "worker-group restarts Ray Train may do", minimum=0)
+    elastic_check_seconds: float = option(60.0, "how often Ray checks to resize an elastic run", minimum=0)
+    num_cpus: int | None = option(help="logical CPUs of a local Ray (default max(8, 2 x cores))", minimum=1)
+    data_dir: str | None = None  # the data every worker opens: a local folder, or a remote URI it copies once
+    storage_dir: str | None = None  # STORAGE/NAME, printable (no credentials): named in messages
+
+    @property
+    def workers(self) -> tuple[int, int]:
+        return parse_num_workers(self.num_workers)
 
 
 def redact_uri(uri: str | None) -> str | None:

@@ -27,7 +27,8 @@ from .cli import fail
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ray_jobs.export", description=__doc__.split("\n")[0])
     p.add_argument("--checkpoint", required=True, help="a checkpoint folder written by ray_jobs.pretrain")
-    p.add_argument("--output", required=True, help="folder to write the export into")
+    p.add_argument("--output", required=True, help="a new or empty folder, or an earlier export to replace (a folder "
+                                                   "holding anything else is refused)")
     p.add_argument("--format", choices=["safetensors", "minimind", "hf"], default="safetensors",
                    help="safetensors: minilm's export (minilm.load_pretrained); minimind: that plus MiniMind's "
                         "pretrain_<hidden>[_moe].pth; hf: a Hugging Face Qwen3 folder (transformers, vLLM, llama.cpp)")
@@ -40,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        C.check_output(Path(args.output))  # refused before the checkpoint is read
         resume = C.load_resume_state(args.checkpoint, keys=("model_config",))
         config = ModelConfig.from_dict(resume.state["model_config"])
         model = MiniMindForCausalLM(config)
@@ -55,12 +57,11 @@ def main(argv: list[str] | None = None) -> int:
                 print("note: llama.cpp always renormalises the top-k router weights; with norm_topk_prob false "
                       "its output will differ from transformers' and vLLM's")
             return 0
-        out = C.export_weights(args.output, model, config, tokenizer, dtype=TORCH_DTYPES[args.dtype])
+        out = C.export_weights(args.output, model, config, tokenizer, dtype=TORCH_DTYPES[args.dtype],
+                               minimind_pth=args.format == "minimind")
         print(f"weights: {out} ({params})")
-        if args.format == "minimind":
-            name = f"pretrain_{config.hidden_size}{'_moe' if config.use_moe else ''}.pth"
-            C.export_minimind_pth(out / name, model.state_dict())
-            print(f"minimind: {out / name}")
+        for pth in out.glob("*.pth"):
+            print(f"minimind: {pth}")
     except (C.CheckpointError, ConfigError, TokenizerError) as e:
         return fail(str(e))
     except OSError as e:

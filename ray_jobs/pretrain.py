@@ -16,7 +16,6 @@ import argparse
 import dataclasses
 import math
 import os
-import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -29,8 +28,7 @@ from minilm.cli import EXIT_FAILED, EXIT_INTERRUPTED, UsageError, add_config_fla
 from minilm.config import ConfigError, ModelConfig, TrainConfig
 from minilm.distributed import collective_timeout_s
 from minilm.options import (
-    PRETRAIN,
-    RunOptions,
+    RunSpec,
     StepPlan,
     add_run_flags,
     build_configs,
@@ -43,7 +41,7 @@ from minilm.rows import rows_note
 from minilm.timeline import TIMELINE, WorldSizeTimeline, format_timeline
 from minilm.trackers import TrackerError, check_trackers
 
-from .cli import available_cores, ensure_ray, redact_uri
+from .cli import RayOptions, available_cores, ensure_ray, redact_uri
 from .elastic import SHARED_STORAGE_HINT, nodes_missing_path
 from .ray_compat import CONTROLLER_POLL_ENV
 
@@ -51,7 +49,7 @@ from .ray_compat import CONTROLLER_POLL_ENV
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ray_jobs.pretrain", description=__doc__.split("\n")[0])
     p.add_argument("--config", help="YAML file of option: value (any flag below, underscores or dashes)")
-    add_run_flags(p, PRETRAIN)
+    add_run_flags(p, RayOptions)
     add_config_flags(p)
     return p
 
@@ -68,29 +66,40 @@ def main(argv: list[str] | None = None) -> int:
 
 @dataclass
 class RunPlan:
-    """A run checked and ready to start: configs, options (where it writes, what it reads), its steps."""
+    """A run checked and ready to start: configs, options (where it writes, what it reads), its steps, and the lease
+    on its run folder (released by whoever runs it)."""
 
     model_cfg: ModelConfig
     train_cfg: TrainConfig
-    opts: RunOptions
+    opts: RayOptions
     prepared: D.PreparedData
     steps: StepPlan
     notes: list[str] = field(default_factory=list)  # shown under the start line
+    lease: C.Lease | None = None
 
     @property
     def run_dir(self) -> Path | None:
         return Path(self.opts.run_dir) if self.opts.run_dir else None
 
-    def config(self, opts: RunOptions | None = None) -> dict:
-        """The train_loop_config every worker gets; `opts` for a run of its own (a Tune trial)."""
+    def config(self, opts: RayOptions | None = None) -> dict:
+        """The train_loop_config every worker gets, one object; `opts` for a run of its own (a Tune trial)."""
         run = dataclasses.replace(opts or self.opts)
         run.run_id = f"{run.name}-{int(time.time())}"
-        run.storage_dir = f"{run.storage_path.split('?', 1)[0].rstrip('/')}/{run.name}"
-        run.tracker_options = tracker_options(run)
-        return {"model": self.model_cfg.to_dict(), "train": self.train_cfg.to_dict(), "run": dataclasses.asdict(run)}
+        run.storage_dir = redact_uri(join_uri(run.storage_path.split("?", 1)[0], run.name))  # what messages name
+        return RunSpec(self.model_cfg, self.train_cfg, run, self.steps).to_dict()
+
+    def release(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
 
 
-def check_options(model_cfg: ModelConfig, train_cfg: TrainConfig, opts: RunOptions) -> tuple[int, int]:
+def join_uri(base: str, *names: str) -> str:
+    """A child of a local path or a URI, before the URI's query (s3://b/runs?endpoint=x -> s3://b/runs/NAME?endpoint=x)."""
+    path, query = base.split("?", 1) if "?" in base else (base, "")
+    return "/".join([path.rstrip("/"), *names]) + (f"?{query}" if query else "")
+
+
+def check_options(model_cfg: ModelConfig, train_cfg: TrainConfig, opts: RayOptions) -> tuple[int, int]:
     """Every check that needs no data and no Ray; returns the (min, max) world size."""
     check_configs(model_cfg, train_cfg, opts)
     min_w, max_w = opts.workers
@@ -102,16 +111,24 @@ def check_options(model_cfg: ModelConfig, train_cfg: TrainConfig, opts: RunOptio
 
 def plan_run(args: argparse.Namespace, concurrent_runs: int = 1, reserved_cpus: float = 0.0,
              file_values: dict | None = None) -> RunPlan:
-    """Flags + YAML (`file_values`, else --config's) -> a checked RunPlan, Ray started or joined. For --cpus-per-worker
-    auto, `concurrent_runs` share the cluster (Tune trials) and their other actors hold `reserved_cpus`."""
+    """Flags + YAML (`file_values`, else --config's) -> a checked RunPlan holding its run folder's lease, Ray started or
+    joined. For --cpus-per-worker auto, `concurrent_runs` share the cluster (Tune trials) and their other actors hold
+    `reserved_cpus`."""
+    started_at = time.time()
     file_values = load_yaml(args.config) if file_values is None else file_values
     demo = not (args.data or file_values.get("data"))
-    model_cfg, train_cfg, opts = build_configs(args, file_values, PRETRAIN, demo=demo)
+    model_cfg, train_cfg, opts = build_configs(args, file_values, RayOptions, demo=demo)
+    opts.started_at = started_at
     hooks = testing.from_env(warn=lambda m: print(m, file=sys.stderr, flush=True))
     min_w, max_w = check_options(model_cfg, train_cfg, opts)
-    local_storage = locate_run(opts)
+    opts.name = opts.name or time.strftime("minilm-%Y%m%d-%H%M%S")
+    local_storage = "://" not in opts.storage_path
+    if local_storage:
+        opts.storage_path = str(Path(opts.storage_path).expanduser().resolve())
+        opts.run_dir = str(Path(opts.storage_path) / opts.name)
+        check_storage_writable(Path(opts.storage_path))
     run_dir = Path(opts.run_dir) if opts.run_dir else None
-    opts.trackers = check_trackers(opts.tracker, tracker_options(opts), run_dir=run_dir)
+    opts.trackers = check_trackers(opts.tracker, opts.tracker_settings(), run_dir=run_dir)
     prepared = None
     if not demo:
         opts.data_dir = opts.data if D.is_remote(opts.data) else str(Path(opts.data).expanduser().resolve())
@@ -132,42 +149,49 @@ def plan_run(args: argparse.Namespace, concurrent_runs: int = 1, reserved_cpus: 
         opts.data_dir = str(demo_data_dir(train_cfg.seq_len, model_cfg.vocab_size))
         prepared = D.open_prepared(opts.data_dir)
     D.check_compatible(prepared, vocab_size=model_cfg.vocab_size, seq_len=train_cfg.seq_len)
-    steps = plan_steps(train_cfg, prepared.num_sequences, opts.val_samples, range(min_w, max_w + 1),
-                       where=f"{redact_uri(opts.data_dir)}: ")
-    resume = Path(opts.resume_path) if opts.resume_path else latest_checkpoint(run_dir, opts.resume)
-    opts.resume_path = str(resume) if resume else None
-    train_cfg.dtype = run_dtype(train_cfg.dtype, check_resumable(resume, model_cfg, train_cfg, prepared, opts), opts)
+    steps = plan_steps(train_cfg, prepared.num_sequences, range(min_w, max_w + 1), where=f"{redact_uri(opts.data_dir)}: ")
+    plan = RunPlan(model_cfg, train_cfg, opts, prepared, steps)
+    plan.lease, state = take_run_folder(opts, model_cfg, train_cfg, prepared.fingerprint)
+    try:
+        train_cfg.dtype = run_dtype(train_cfg.dtype, state, opts)
+    except BaseException:
+        plan.release()
+        raise
     if hooks:
         opts.test_hooks = hooks.to_dict()
         if hooks.record_sample_ids:
             Path(hooks.record_sample_ids).mkdir(parents=True, exist_ok=True)
-    notes = [rows_note(prepared.manifest, prepared.location)]
-    return RunPlan(model_cfg, train_cfg, opts, prepared, steps, [n for n in notes if n])
+    plan.notes = [n for n in [rows_note(prepared.manifest, prepared.location)] if n]
+    return plan
 
 
-def locate_run(opts: RunOptions) -> bool:
-    """Name the run, resolve its storage and check --resume against what is there; True for local storage."""
-    opts.name = opts.name or time.strftime("minilm-%Y%m%d-%H%M%S")
-    local = "://" not in opts.storage_path
-    if local:
-        opts.storage_path = str(Path(opts.storage_path).expanduser().resolve())
-        opts.run_dir = str(Path(opts.storage_path) / opts.name)
-    if opts.resume not in ("auto", "never"):
-        path = Path(opts.resume).expanduser().resolve()
-        C.verify(path, once_per_node=True)  # missing, partial or corrupt: refused here, before any worker starts
-        if C.checkpoint_dirs(opts.run_dir):
-            raise UsageError(f"run {opts.name} already has checkpoints in {opts.run_dir}: --resume {path} would mix "
-                             f"two runs; use another --name (or --resume auto to continue {opts.name})")
-        opts.resume_path = str(path)
-    elif opts.resume == "never" and C.checkpoint_dirs(opts.run_dir):
-        raise UsageError(f"run {opts.name} already has checkpoints in {opts.run_dir}; use --resume auto to continue "
-                         f"it, or another --name")
-    if local:
-        check_storage_writable(Path(opts.storage_path))
-    return local
+def take_run_folder(opts: RayOptions, model_cfg: ModelConfig, train_cfg: TrainConfig, fingerprint: str):
+    """The run folder's lease, --resume applied to it, and the checkpoint it continues checked against this command
+    (the same rules as minilm.train's rank 0); (lease, its state.json or None). Ray's own index of the checkpoints it
+    registered goes: minilm prunes and moves checkpoints aside itself, and Ray refuses an index naming one gone."""
+    folder = C.RunFolder(join_uri(opts.storage_path, opts.name),
+                         display=redact_uri(join_uri(opts.storage_path.split("?", 1)[0], opts.name)))
+    say = lambda m: print(m, flush=True)  # noqa: E731
+    lease = C.Lease(folder, say).take()
+    try:
+        opts.resume_path = C.plan_resume(folder, opts.resume, opts.abandon_newer, say)
+        folder.delete(RAY_SNAPSHOT)
+        if opts.resume_path is None:
+            return lease, None
+        state = folder.state(opts.resume_path)
+        for c in C.check_resume(state, folder.display if "/" not in opts.resume_path else opts.resume_path,
+                                model_cfg, train_cfg, fingerprint, opts.allow_config_change):
+            say(f"note: resuming with {c}" + ("" if c.safe else " (--allow-config-change)"))
+        return lease, state
+    except BaseException:
+        lease.release()
+        raise
 
 
-def auto_cpus_per_worker(workers: int, local: bool, opts: RunOptions, reserved_cpus: float = 0.0) -> float:
+RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's list of the checkpoints it registered
+
+
+def auto_cpus_per_worker(workers: int, local: bool, opts: RayOptions, reserved_cpus: float = 0.0) -> float:
     """--cpus-per-worker auto. A local Ray this command started: its cores (not its logical CPUs, which
     overstate them) shared among the workers. A cluster: the smallest node that can host a worker, less one CPU
     for Ray Data (workers that take every CPU starve their feed) and less `reserved_cpus` (Tune's trial actors),
@@ -207,41 +231,7 @@ def check_storage_writable(storage: Path) -> None:
                 break
 
 
-def tracker_options(opts: RunOptions) -> dict:
-    return {"mlflow_uri": opts.mlflow_uri, "wandb_project": opts.wandb_project, "group": opts.tracker_group}
-
-
-def latest_checkpoint(run_dir: Path | None, resume: str) -> Path | None:
-    """The newest complete checkpoint in a local run folder, for --resume auto: one Ray has not registered
-    (its driver was killed after the upload) is continued too; a torn folder is skipped, with a message."""
-    if run_dir is None or resume != "auto":
-        return None
-    return C.latest_complete(C.checkpoint_dirs(run_dir), once_per_node=True)  # a worker on this node: no rehash
-
-
-def check_resumable(path: Path | None, model_cfg: ModelConfig, train_cfg: TrainConfig, prepared,
-                    opts: RunOptions) -> dict | None:
-    """Refuse, before any worker starts, a resume that cannot work or would silently change the run; its state.json."""
-    if path is None:
-        return None
-    state = C.read_state(path)
-    problems = C.resume_problems(state, model_cfg, train_cfg.global_batch_size, train_cfg.seed, prepared.fingerprint,
-                                 dtype=train_cfg.dtype, optimizer=train_cfg.optimizer)
-    if problems:
-        raise UsageError(f"cannot resume from {path}: " + "; ".join(problems) +
-                         " (use another --name to start a new run)")
-    changes = C.config_changes(state, train_cfg, val_samples=opts.val_samples)
-    refused = [c for c in changes if not c.safe]
-    if refused and not opts.allow_config_change:
-        raise UsageError(f"cannot resume from {path} with other settings: " + "; ".join(map(str, refused)) +
-                         " change the schedule or optimizer mid-run; pass --allow-config-change to continue with "
-                         "the new values, or use another --name")
-    for c in changes:
-        print(f"note: resuming with {c}" + ("" if c.safe else " (--allow-config-change)"), flush=True)
-    return state
-
-
-def run_dtype(requested: str, saved: dict | None, opts: RunOptions) -> str:
+def run_dtype(requested: str, saved: dict | None, opts: RayOptions) -> str:
     """The one precision of every rank and restart: the checkpoint's when resuming (`auto`, or a change
     `config_changes` let through), else --dtype, `auto` probed once where a worker would run."""
     if saved is not None:
@@ -251,7 +241,7 @@ def run_dtype(requested: str, saved: dict | None, opts: RunOptions) -> str:
     return requested if requested != "auto" else probe_dtype(opts)
 
 
-def probe_dtype(opts: RunOptions) -> str:
+def probe_dtype(opts: RayOptions) -> str:
     """Resolve `--dtype auto` in one Ray task placed like a training worker (GPU, CPUs, custom resources)."""
     import ray
 
@@ -275,11 +265,17 @@ def probe_dtype(opts: RunOptions) -> str:
 
 def run(args: argparse.Namespace) -> int:
     plan = plan_run(args)
+    try:
+        return start(plan)
+    finally:
+        plan.release()
+
+
+def start(plan: RunPlan) -> int:
     opts = plan.opts
     trainer = make_trainer(plan.config(), opts)
     console = quiet_console(plan)
-    storage, query = redact_uri(opts.storage_path).partition("?")[::2]
-    print(f"run {opts.name}: storage {storage.rstrip('/')}/{opts.name}{'?' + query if query else ''}, "
+    print(f"run {opts.name}: storage {redact_uri(join_uri(opts.storage_path, opts.name))}, "
           f"data {redact_uri(opts.data_dir)} "
           f"({plan.prepared.num_sequences} sequences, {plan.steps.steps_per_epoch} steps per epoch), "
           f"workers {opts.num_workers} x {opts.cpus_per_worker:g} CPU(s)"
@@ -299,24 +295,25 @@ def run(args: argparse.Namespace) -> int:
 
 
 def quiet_console(plan: RunPlan, log_name: str = "ray-workers.log"):
-    """Our lines on the console, Ray's routine output in the run folder (or a temp file for remote storage)."""
+    """Our lines on the console, Ray's routine output in the run folder (or, for remote storage, a new folder only this
+    user can read)."""
     import tempfile
 
     from .console import ConsoleFilter
 
-    folder = plan.run_dir if plan.run_dir is not None else Path(tempfile.gettempdir()) / f"minilm-{plan.opts.name}"
+    folder = plan.run_dir if plan.run_dir is not None else Path(tempfile.mkdtemp(prefix=f"minilm-{plan.opts.name}-"))
     console = ConsoleFilter(folder / log_name)
     console.install()
     return console
 
 
-def uses_gpu(opts: RunOptions) -> bool:
+def uses_gpu(opts: RayOptions) -> bool:
     import ray
 
     return opts.use_gpu == "true" or (opts.use_gpu == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
 
 
-def make_trainer(config: dict, opts: RunOptions, callbacks=None):
+def make_trainer(config: dict, opts: RayOptions, callbacks=None):
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -332,7 +329,7 @@ def make_trainer(config: dict, opts: RunOptions, callbacks=None):
                             elastic_resize_monitor_interval_s=opts.elastic_check_seconds)
     run_config = RunConfig(name=opts.name, storage_path=opts.storage_path,
                            failure_config=FailureConfig(max_failures=opts.max_failures),
-                           checkpoint_config=CheckpointConfig(num_to_keep=opts.keep_checkpoints),
+                           checkpoint_config=CheckpointConfig(num_to_keep=None),  # minilm prunes (C.RunFolder.prune)
                            logging_config=LoggingConfig(log_level="WARNING"),  # our log line, not Ray's per report
                            callbacks=callbacks,
                            worker_runtime_env={"env_vars": worker_env(opts)})
@@ -348,7 +345,7 @@ WORKER_ENV_GPU = ("TORCH_LOGS", "PYTORCH_CUDA_ALLOC_CONF", "CUDA_LAUNCH_BLOCKING
 WORKER_ENV_GPU_PREFIXES = ("NCCL_", "TORCH_NCCL_")
 
 
-def worker_env(opts: RunOptions) -> dict[str, str]:
+def worker_env(opts: RayOptions) -> dict[str, str]:
     """What a worker on an already-running cluster (which does not inherit this shell) must see: its threads, the
     cache, the trackers' and GPU settings. Test hooks travel in the run's config; secrets never (the dashboard
     shows runtime env variables)."""
@@ -394,9 +391,12 @@ def summarize(result, run_dir: Path | None, wall_s: float) -> None:
         weights = Path(ckpt.path) / "weights"
         if run_dir is not None and weights.is_dir():
             final = run_dir / "weights"
-            shutil.rmtree(final, ignore_errors=True)
-            shutil.copytree(weights, final)
-            print(f"weights     {final}  (minilm.load_pretrained / python -m minilm.sample --weights {final})")
+            try:  # a copy of the last export, replacing only an earlier one
+                C.write_export(final, {f.name: lambda out, f=f: C.write_bytes(out, f.read_bytes())
+                                       for f in weights.iterdir() if f.name != C.MARKER}, "weights")
+                print(f"weights     {final}  (minilm.load_pretrained / python -m minilm.sample --weights {final})")
+            except C.CheckpointError as e:
+                print(f"warning: weights not copied to {final}: {e}")
     if run_dir is not None and (run_dir / TIMELINE).is_file():
         print(f"world size  {run_dir / TIMELINE}\n" + format_timeline(WorldSizeTimeline(run_dir).rows()))
     if run_dir is not None and (run_dir / "metrics.jsonl").is_file():

@@ -121,7 +121,7 @@ def check_space(dims: dict[str, SearchDim], plan: RunPlan) -> None:
             m, t = apply_params(plan.model_cfg, plan.train_cfg, {dim.name: value})
             try:
                 check_options(m, t, plan.opts)
-                plan_steps(t, plan.prepared.num_sequences, plan.opts.val_samples, (plan.opts.workers[0],))
+                plan_steps(t, plan.prepared.num_sequences, (plan.opts.workers[0],))
             except (ConfigError, UsageError, D.DataError) as e:
                 raise UsageError(f"--search {dim.name}: value {value!r} gives an invalid run: {e}") from None
 
@@ -133,12 +133,13 @@ def trial(params: dict, plan: RunPlan, sweep_dir: str) -> None:
     from ray import tune
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    from .pretrain import make_trainer
+    from .pretrain import RAY_SNAPSHOT, join_uri, make_trainer
 
     m, t = apply_params(plan.model_cfg, plan.train_cfg, params)
     name = tune.get_context().get_trial_name()
     opts = dataclasses.replace(plan.opts, name=name, storage_path=f"{plan.opts.storage_path}/{plan.opts.name}/trials",
                                run_dir=str(Path(sweep_dir) / "trials" / name) if plan.run_dir else None)
+    C.RunFolder(join_uri(opts.storage_path, name)).delete(RAY_SNAPSHOT)  # a restored trial: minilm's rules, not Ray's
     config = dataclasses.replace(plan, model_cfg=m, train_cfg=t).config(opts)
     make_trainer(config, opts, callbacks=[TuneReportCallback()]).fit()
 
@@ -271,13 +272,16 @@ def run(args: argparse.Namespace) -> int:
     resume_sweep, args.resume = args.resume, "auto"  # a restored trial continues its own latest checkpoint
     plan = plan_run(args, concurrent_runs=concurrent, reserved_cpus=concurrent * TRIAL_CPUS, file_values=file_values)
     plan.opts.tracker_group = plan.opts.name  # trials of one sweep: one W&B group / MLflow tag
-    metric = sweep_opts["metric"] or ("val_loss" if plan.opts.val_samples > 0 else "loss")
-    if metric in ("val_loss", "val_bpb") and plan.opts.val_samples == 0:
-        raise UsageError(f"--metric {metric} needs --val-samples N > 0")
-    check_space(dims, plan)
-    check_capacity(concurrent, workers, plan.opts.cpus_per_worker, plan.opts.use_gpu)
-    grace = sweep_opts["grace_steps"] or max(1, plan.train_cfg.log_every)
-    return sweep(plan, dims, num_samples, concurrent, scheduler, grace, metric, resume_sweep)
+    try:
+        metric = sweep_opts["metric"] or ("val_loss" if plan.train_cfg.val_samples > 0 else "loss")
+        if metric in ("val_loss", "val_bpb") and plan.train_cfg.val_samples == 0:
+            raise UsageError(f"--metric {metric} needs --val-samples N > 0")
+        check_space(dims, plan)
+        check_capacity(concurrent, workers, plan.opts.cpus_per_worker, plan.opts.use_gpu)
+        grace = sweep_opts["grace_steps"] or max(1, plan.train_cfg.log_every)
+        return sweep(plan, dims, num_samples, concurrent, scheduler, grace, metric, resume_sweep)
+    finally:
+        plan.release()
 
 
 def check_capacity(concurrent: int, workers: int, cpus_per_worker: float, use_gpu: str) -> None:
@@ -309,7 +313,8 @@ def sweep(plan: RunPlan, dims, num_samples, concurrent, scheduler, grace, metric
     from ray.tune.schedulers import ASHAScheduler
 
     sweep_path = f"{plan.opts.storage_path}/{plan.opts.name}"
-    trainable = tune.with_resources(tune.with_parameters(trial, plan=plan, sweep_dir=sweep_path),
+    shipped = dataclasses.replace(plan, lease=None)  # the lease stays with this driver
+    trainable = tune.with_resources(tune.with_parameters(trial, plan=shipped, sweep_dir=sweep_path),
                                     {"CPU": TRIAL_CPUS})
     if resume and not tune.Tuner.can_restore(sweep_path):
         raise UsageError(f"--resume: no sweep named {plan.opts.name} under {redact_uri(plan.opts.storage_path)} to "

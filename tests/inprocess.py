@@ -17,6 +17,7 @@ from conftest import run_env
 from helpers import ROOT
 from safetensors.torch import load_file
 
+from minilm import checkpoint as C
 from minilm import data as D
 from minilm.config import ModelConfig, TrainConfig
 from minilm.testing import FaultHooks
@@ -35,18 +36,19 @@ def configs(**train) -> tuple[ModelConfig, TrainConfig]:
 
 
 def run_local(data_dir: Path, run_dir: Path, *, record: Path | None = None, resume: str = "auto",
-              exit_after_steps: int | None = None, hooks: dict | None = None, val_samples: int = 0,
-              keep_checkpoints: int = 3, **train) -> tuple[Trainer, str, list[str]]:
-    """One Trainer in this process on the prepared data; returns (trainer, outcome, log lines)."""
+              exit_after_steps: int | None = None, hooks: dict | None = None, keep_checkpoints: int = 3,
+              abandon_newer: bool = False, **train) -> tuple[Trainer, str, list[str]]:
+    """One Trainer in this process on the prepared data, --resume applied by the entry points' rule (without the
+    lease); returns (trainer, outcome, log lines)."""
     model_cfg, train_cfg = configs(**train)
     data = Dataset.prepared(D.open_prepared(data_dir))
     lines: list[str] = []
-    launcher = LocalLauncher(data, train_cfg.micro_batch_size, run_dir=run_dir, resume=resume,
-                             keep_checkpoints=keep_checkpoints, say=lines.append)
+    launcher = LocalLauncher(data, train_cfg.micro_batch_size, run_dir=run_dir, say=lines.append)
     fault_hooks = FaultHooks(record_sample_ids=str(record) if record else None, **(hooks or {}))
     run = RunOptions(name=Path(run_dir).name, run_dir=str(run_dir), exit_after_steps=exit_after_steps,
-                     val_samples=val_samples)
+                     keep_checkpoints=keep_checkpoints)
     Path(run_dir).mkdir(parents=True, exist_ok=True)
+    run.resume_path = C.plan_resume(C.RunFolder(run_dir), resume, abandon_newer, lines.append)
     if record:
         Path(record).mkdir(parents=True, exist_ok=True)
     trainer = Trainer(model_cfg, train_cfg, run, data, launcher, hooks=fault_hooks)

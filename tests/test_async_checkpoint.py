@@ -10,6 +10,7 @@ time-based cadence, and a resume's verification once per node.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,7 @@ from safetensors.torch import load_file, save
 
 from minilm import checkpoint as C
 from minilm import data as D
-from minilm.async_checkpoint import CheckpointWriter, StateSnapshot
+from minilm.checkpoint.manager import StateSnapshot
 from minilm.config import ModelConfig, TrainConfig
 from minilm.model import MiniMindForCausalLM
 from minilm.step import make_grad_scaler, make_optimizer, optimizer_step
@@ -94,20 +95,22 @@ def test_the_snapshot_reuses_its_buffers_and_holds_the_state_of_its_step():
     assert second.optimizer_state["param_groups"] == optimizer.state_dict()["param_groups"]
 
 
-def test_the_writer_writes_one_save_at_a_time_and_its_checkpoint_loads_as_the_live_state(tmp_path):
+def test_the_manager_writes_one_save_at_a_time_and_its_checkpoint_loads_as_the_live_state(tmp_path):
     model, optimizer, scaler = tiny_state()
-    writer = CheckpointWriter("cpu", "async")
-    pending = writer.start(tmp_path / "a", 1, model=model, optimizer=optimizer, scaler=scaler,
-                           state={"optimizer_step": 1})
-    with pytest.raises(RuntimeError, match="already being written"):
-        writer.start(tmp_path / "b", 2, model=model, optimizer=optimizer, scaler=scaler, state={"optimizer_step": 2})
-    writer.wait()
-    assert pending.done() and not pending.failed()
-    loaded = C.load_resume_state(tmp_path / "a")
+    (tmp_path / "run").mkdir()
+    manager = C.CheckpointManager(C.LocalStorage(tmp_path / "run"), TrainConfig(), rank=0, device=torch.device("cpu"),
+                                  say=lambda m: None)
+    live = dict(model=model, optimizer=optimizer, scaler=scaler)
+    manager.report(1, {}, **live, state={"optimizer_step": 1})
+    first = manager.pending
+    manager.report(2, {}, **live, state={"optimizer_step": 2})  # waits for the first: one save in flight at most
+    assert first.done() and not first.failed() and manager.pending is not first
+    manager.wait()
+    loaded = C.load_resume_state(tmp_path / "run" / "checkpoint_00000002")
     assert all(torch.equal(loaded.model_state[k], v) for k, v in model.state_dict().items())
     sync = C.save_resume_state(tmp_path / "sync", model=model, optimizer=optimizer, scaler=scaler,
-                               state={"optimizer_step": 1})
-    assert_same_checkpoint(sync, tmp_path / "a")  # the snapshot's files hold the live state's
+                               state={"optimizer_step": 2, "checkpoint_index": 2})
+    assert_same_checkpoint(sync, tmp_path / "run" / "checkpoint_00000002")  # the snapshot's files hold the live state's
 
 
 def same(a, b) -> bool:
@@ -152,7 +155,8 @@ class SeeAtMarker(FaultHooks):
     run_dir: str | None = None
 
     def before_marker(self, path: Path, step: int | None) -> None:
-        self.seen.append((step, [p.name for p in C.checkpoint_dirs(self.run_dir) if (p / C.MARKER).is_file()]))
+        self.seen.append((step, [n for n in C.RunFolder(self.run_dir).checkpoints()
+                                 if (Path(self.run_dir) / n / C.MARKER).is_file()]))
         super().before_marker(path, step)
 
 
@@ -168,7 +172,7 @@ def make_trainer(data_dir: Path, run_dir: Path, *, launcher_cls=LocalLauncher, l
 
 
 def complete(run_dir: Path) -> list[int]:
-    return [int(p.name.split("_")[1]) for p in C.checkpoint_dirs(run_dir) if (p / C.MARKER).is_file()]
+    return [int(n.split("_")[1]) for n in C.RunFolder(run_dir).checkpoints() if (run_dir / n / C.MARKER).is_file()]
 
 
 def test_training_goes_on_while_the_writer_writes_and_the_next_save_waits_for_it(run_data, tmp_path):
@@ -216,10 +220,10 @@ def test_every_end_of_a_run_waits_for_the_save_in_flight(run_data, tmp_path, sto
     if stop != "exit-after-minutes":  # (the time limit's step depends on the machine's speed)
         assert last == 5 and complete(run_dir) == [2, 4, 5]
     assert last > 2 and last in complete(run_dir) and 2 in complete(run_dir)
-    assert C.latest_complete(C.checkpoint_dirs(run_dir)) == run_dir / f"checkpoint_{last:08d}"
+    assert C.RunFolder(run_dir).newest_complete() == f"checkpoint_{last:08d}"
     assert (run_dir / f"checkpoint_{last:08d}" / "weights" / C.MARKER).is_file()  # the last save exports the weights
     if stop != "exit-after-minutes":  # (there the held steps overlap most of the writer's delay)
-        waits = [r.get("checkpoint_wait_s", 0.0) for r in metrics(run_dir)] + [trainer.last_checkpoint_wait_s]
+        waits = [r.get("checkpoint_wait_s", 0.0) for r in metrics(run_dir)] + [trainer.checkpoints.wait_s]
         assert max(waits) > 0.5, waits  # the next save waited for checkpoint 2's held writer
     assert not list(run_dir.glob(".staging-*"))
 
@@ -229,7 +233,7 @@ def test_pruning_keeps_the_newest_complete_checkpoint_while_the_next_is_written(
     previous one is still complete in the run folder; a torn folder of a later step (left by a kill) does not
     make pruning remove the checkpoint just completed."""
     run_dir, seen = tmp_path / "keep1", []
-    trainer = make_trainer(run_data, run_dir, launcher_kwargs={"keep_checkpoints": 1}, max_steps=12,
+    trainer = make_trainer(run_data, run_dir, run_kwargs={"keep_checkpoints": 1}, max_steps=12,
                            hooks=SeeAtMarker(seen=seen, run_dir=str(run_dir)))
     (run_dir / "checkpoint_00000099").mkdir()  # torn: no marker
     trainer.fit()
@@ -238,13 +242,16 @@ def test_pruning_keeps_the_newest_complete_checkpoint_while_the_next_is_written(
 
 
 def test_prune_never_removes_the_newest_complete_checkpoint(tmp_path):
+    marker = json.dumps({"files": {"model.safetensors": "0" * 64}})
     for name in ("checkpoint_00000004", "checkpoint_00000008", "checkpoint_00000012"):
         (tmp_path / name).mkdir()
-        (tmp_path / name / C.MARKER).write_text("{}")
+        (tmp_path / name / C.MARKER).write_text(marker)
     (tmp_path / "checkpoint_00000016").mkdir()  # torn (no marker), of a later step
-    removed = C.prune_checkpoints(tmp_path, 2, newest=tmp_path / "checkpoint_00000012")
-    assert [p.name for p in removed] == ["checkpoint_00000004"]
-    assert C.prune_checkpoints(tmp_path, 1, newest=tmp_path / "checkpoint_00000012") == [tmp_path / "checkpoint_00000008"]
+    def manager(keep: int) -> C.CheckpointManager:
+        return C.CheckpointManager(C.LocalStorage(tmp_path), TrainConfig(), rank=0, device=torch.device("cpu"), keep=keep)
+
+    assert manager(2).prune("checkpoint_00000012") == ["checkpoint_00000004"]
+    assert manager(1).prune("checkpoint_00000012") == ["checkpoint_00000008"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_00000012", "checkpoint_00000016"]
 
 
@@ -252,10 +259,9 @@ def test_the_weights_export_has_its_own_cadence_and_is_always_at_the_end(run_dat
     """--export-every 2, a checkpoint every 4 steps, the run stopped at 10 and resumed: weights/ with every 2nd
     checkpoint of the run (8, 12: the count goes on across the resume) and with each run's last (10, 20)."""
     run_dir = tmp_path / "export2"
-    launcher = {"keep_checkpoints": 10}
-    assert make_trainer(run_data, run_dir, launcher_kwargs=launcher, export_every=2,
-                        run_kwargs={"exit_after_steps": 10}).fit() == "exited"
-    assert make_trainer(run_data, run_dir, launcher_kwargs=launcher, export_every=2).fit() == "finished"
+    assert make_trainer(run_data, run_dir, export_every=2,
+                        run_kwargs={"exit_after_steps": 10, "keep_checkpoints": 10}).fit() == "exited"
+    assert make_trainer(run_data, run_dir, export_every=2, run_kwargs={"keep_checkpoints": 10}).fit() == "finished"
     exported = [s for s in complete(run_dir) if (run_dir / f"checkpoint_{s:08d}" / "weights" / C.MARKER).is_file()]
     assert complete(run_dir) == [4, 8, 10, 12, 16, 20]
     assert exported == [8, 10, 12, 20]
@@ -291,7 +297,7 @@ def test_a_resume_hashes_each_file_once_per_node(run_data, tmp_path, monkeypatch
     assert make_trainer(run_data, run_dir, run_kwargs={"exit_after_steps": 8}).fit() == "exited"
     hashed = []
     real = C.file_sha256
-    monkeypatch.setattr(C, "file_sha256", lambda f: hashed.append(Path(f)) or real(f))
+    monkeypatch.setattr(C.files, "file_sha256", lambda f: hashed.append(Path(f)) or real(f))
     for _ in range(2):
         assert make_trainer(run_data, run_dir).step == 8
     ckpt = run_dir / "checkpoint_00000008"
@@ -307,23 +313,33 @@ def test_a_resume_hashes_each_file_once_per_node(run_data, tmp_path, monkeypatch
 
 
 def test_a_remote_checkpoint_is_downloaded_to_the_node_and_removed_after_load(run_data, tmp_path, monkeypatch):
-    """Ray's latest checkpoint on storage that is not a local filesystem: the worker reads the node's one download
-    (Ray's as_directory, shared by the node's ranks) and leaves the context once the state is loaded, so the
-    download is removed; nothing is copied into a temporary folder of its own."""
+    """A run folder on storage that is not a local filesystem: the manager loads the newest checkpoint from the node's
+    one download (Ray's as_directory, shared by the node's ranks: `ray_jobs.worker.download`) and leaves it once the
+    state is loaded, so the download is removed; nothing is copied into a temporary folder of its own."""
+    from types import SimpleNamespace
+
     import pyarrow.fs
     import ray.train
 
-    from ray_jobs.worker import RayLauncher
+    from ray_jobs import worker
 
     run_dir = tmp_path / "remote"
     assert make_trainer(run_data, run_dir, run_kwargs={"exit_after_steps": 8}).fit() == "exited"
-    remote = ray.train.Checkpoint(str(run_dir / "checkpoint_00000008").lstrip("/"),
-                                  filesystem=pyarrow.fs.SubTreeFileSystem("/", pyarrow.fs.LocalFileSystem()))
-    monkeypatch.setattr(ray.train, "get_checkpoint", lambda: remote)
-    launcher = object.__new__(RayLauncher)
-    launcher.run, launcher._download = {"name": "remote"}, None
-    path = launcher.checkpoint_to_resume(print)
-    assert path.is_dir() and path != run_dir / "checkpoint_00000008"
-    C.verify(path)
-    launcher.resume_loaded()
-    assert not path.exists()
+    fs = pyarrow.fs.SubTreeFileSystem("/", pyarrow.fs.LocalFileSystem())  # not a LocalFileSystem: "remote"
+    monkeypatch.setattr(ray.train, "get_context", lambda: SimpleNamespace(
+        get_storage=lambda: SimpleNamespace(storage_filesystem=fs)))
+    downloads = []
+
+    @contextlib.contextmanager
+    def download(fs_path):
+        with worker.download(fs_path) as path:
+            downloads.append(Path(path))
+            C.verify(path)
+            yield path
+
+    folder = C.RunFolder(str(run_dir).lstrip("/"), fs, download=download)
+    assert folder.local is None and folder.newest_complete() == "checkpoint_00000008"  # its marker, its files
+    storage = SimpleNamespace(folder=folder, staging=tmp_path)
+    loaded = C.CheckpointManager(storage, configs()[1], rank=0, device=torch.device("cpu")).load()
+    assert loaded.state["optimizer_step"] == 8
+    assert len(downloads) == 1 and downloads[0] != run_dir / "checkpoint_00000008" and not downloads[0].exists()

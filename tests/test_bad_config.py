@@ -52,7 +52,7 @@ CASES = [
     ("pretrain", ["--seq-len", "40000"], "exceeds max_position_embeddings"),
     ("pretrain", ["--keep-checkpoints", "0"], "--keep-checkpoints must be an integer >= 1"),
     ("pretrain", ["--exit-after-minutes", "0"], "--exit-after-minutes must be > 0"),
-    ("pretrain", ["--eval-every", "0"], "--eval-every must be an integer >= 1, got 0"),
+    ("pretrain", ["--eval-every", "0"], "eval_every must be an integer >= 1, got 0"),
     ("pretrain", ["--collective-timeout-s", "0.5"], "--collective-timeout-s must be >= 1, got 0.5"),
     ("pretrain", ["--resources-per-worker", "slot"], "expected NAME=N with N > 0"),
     ("pretrain", ["--cpus-per-worker", "many"], "--cpus-per-worker must be auto or a number > 0, got 'many'"),
@@ -149,12 +149,13 @@ def test_a_cluster_that_cannot_be_joined_is_one_line(data, tmp_path, capsys, mon
 def test_the_demo_preset_stays_out_of_runs_on_real_data(data):
     from minilm.cli import DEMO_PRESET
     from minilm.config import ModelConfig, TrainConfig
-    from minilm.options import PRETRAIN, build_configs
+    from minilm.options import build_configs
+    from ray_jobs.cli import RayOptions
     from ray_jobs.pretrain import build_parser
 
-    real = build_configs(build_parser().parse_args(["--data", str(data)]), {}, PRETRAIN, demo=False)
+    real = build_configs(build_parser().parse_args(["--data", str(data)]), {}, RayOptions, demo=False)
     assert real.model == ModelConfig() and real.train == TrainConfig()  # MiniMind's defaults, as README says
-    demo = build_configs(build_parser().parse_args([]), {}, PRETRAIN, demo=True)
+    demo = build_configs(build_parser().parse_args([]), {}, RayOptions, demo=True)
     assert demo.model.hidden_size == DEMO_PRESET["hidden_size"] and demo.train.max_steps == DEMO_PRESET["max_steps"]
 
 
@@ -197,8 +198,8 @@ def test_resuming_with_other_data_or_model_is_refused_before_start(ray_address, 
     assert code == 2 and "model config differs from the checkpoint's (hidden_size" in err, err
     code = pretrain.main(["--data", str(data), *TINY, "--storage-path", str(tmp_path / "runs"), "--name", "old",
                           "--resume", str(ckpt)])
-    err = capsys.readouterr().err
-    assert code == 2 and "already has checkpoints" in err and "would mix two runs" in err, err
+    err = capsys.readouterr().err  # the run's newest checkpoint by its path: the same check
+    assert code == 2 and f"cannot resume from {ckpt}" in err and "data fingerprint" in err, err
     assert sorted(str(p) for p in tmp_path.rglob("*")) == before
 
 
@@ -257,12 +258,12 @@ def test_a_precision_change_is_refused_unless_it_is_fp32_bf16():
     from minilm.config import ModelConfig, TrainConfig
 
     cfg = ModelConfig()
-    state = {"global_batch_size": 64, "model_config": cfg.to_dict(), "data_fingerprint": "f", "dtype": "bfloat16",
+    state = {"global_batch_size": 64, "model_config": cfg.to_dict(), "data_fingerprint": "f",
              "train_config": TrainConfig(dtype="bf16").to_dict()}
     for asked, refused in (("fp16", True), ("fp32", False), ("bf16", False), ("auto", False)):
-        problems = C.resume_problems(state, cfg, 64, 42, "f", dtype=asked)
+        problems = C.resume_problems(state, cfg, TrainConfig(dtype=asked), "f")
         assert bool(problems) == refused, (asked, problems)
-    assert "dtype fp16 != bf16 in the checkpoint" in C.resume_problems(state, cfg, 64, 42, "f", dtype="fp16")[0]
+    assert "dtype fp16 != bf16 in the checkpoint" in C.resume_problems(state, cfg, TrainConfig(dtype="fp16"), "f")[0]
     changes = C.config_changes(state, TrainConfig(dtype="fp32"))
     assert [(c.name, c.before, c.after, c.safe) for c in changes] == [("dtype", "bf16", "fp32", False)]
     assert C.config_changes(state, TrainConfig(dtype="auto")) == []

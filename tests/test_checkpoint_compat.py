@@ -99,12 +99,14 @@ def test_a_state_json_this_version_cannot_use_is_one_line_and_exit_2(edit, messa
 def test_the_ray_driver_refuses_such_a_state_json_before_any_worker(tmp_path):
     """ray_jobs.pretrain reads the checkpoint it will resume with the same check (its main turns the
     CheckpointError into the one line and exit 2, before Ray starts any worker)."""
-    from ray_jobs.pretrain import check_resumable
+    from ray_jobs.cli import RayOptions
+    from ray_jobs.pretrain import take_run_folder
 
     run_dir, _ = resumable_copy(FORMATS[-1], tmp_path)
     edit_state(run_dir / CHECKPOINT, lambda s: s.pop("global_batch_size"))
     with pytest.raises(C.CheckpointError, match="state.json lacks global_batch_size"):
-        check_resumable(run_dir / CHECKPOINT, None, None, None, {})
+        take_run_folder(RayOptions(storage_path=str(run_dir.parent), name=run_dir.name), None, None, None)
+    assert not (run_dir / C.LEASE).exists()  # the run folder is free again
 
 
 def test_keep_checkpoints_keeps_the_newest_complete_ones_and_a_failed_delete_only_logs(run_data, tmp_path,
@@ -124,10 +126,10 @@ def test_keep_checkpoints_keeps_the_newest_complete_ones_and_a_failed_delete_onl
             raise PermissionError(13, "Permission denied", str(path))
         return real_rmtree(path, *args, **kwargs)
 
-    monkeypatch.setattr(C.shutil, "rmtree", rmtree)
+    monkeypatch.setattr(C.resume.shutil, "rmtree", rmtree)
     _, outcome, lines = run_local(run_data, run_dir, keep_checkpoints=2, max_steps=16)
     assert outcome == "finished" and failed
-    assert [p.name for p in C.checkpoint_dirs(run_dir)] == ["checkpoint_00000012", "checkpoint_00000016"]
+    assert C.RunFolder(run_dir).checkpoints() == ["checkpoint_00000012", "checkpoint_00000016"]
     warnings = [line for line in lines if line.startswith("warning: could not delete old checkpoint")]
     assert len(warnings) == 1 and "checkpoint_00000004 (--keep-checkpoints 2): Permission denied" in warnings[0]
     assert "the run goes on" in warnings[0]

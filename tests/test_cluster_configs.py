@@ -16,8 +16,9 @@ import yaml
 from helpers import ROOT
 
 from minilm.config import valid_world_sizes
-from minilm.options import PRETRAIN, build_configs
+from minilm.options import build_configs
 from ray_jobs import dashboard_metrics
+from ray_jobs.cli import RayOptions
 from ray_jobs.pretrain import build_parser, check_options
 
 CLUSTER = ROOT / "cluster"
@@ -43,7 +44,7 @@ def entrypoint_args(command: str, module: str = "ray_jobs.pretrain") -> list[str
 def parse_pretrain(args: list[str]):
     """What `python -m ray_jobs.pretrain ARGS` checks before it needs data or Ray: flags and configs."""
     ns = build_parser().parse_args(args)  # SystemExit(2) on an unknown or malformed flag
-    model, train, run = build_configs(ns, {}, PRETRAIN, demo=not ns.data)
+    model, train, run = build_configs(ns, {}, RayOptions, demo=not ns.data)
     check_options(model, train, run)  # pretrain's own checks before it needs data
     lo, hi = run.workers
     valid = valid_world_sizes(train.global_batch_size, train.micro_batch_size)

@@ -36,7 +36,7 @@ def test_an_unknown_hook_is_refused():
 
 
 def test_no_test_variable_reaches_a_worker(monkeypatch):
-    from minilm.options import RunOptions
+    from ray_jobs.cli import RayOptions as RunOptions
     from ray_jobs.pretrain import worker_env
 
     monkeypatch.setenv("MINILM_TESTING", "1")

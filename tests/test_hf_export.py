@@ -201,16 +201,21 @@ def test_fields_and_tensor_names_vllm_and_llama_cpp_read(exports, name):
 
 
 def test_default_dtype_is_fp16_and_the_folder_is_complete(tmp_path, capsys):
+    """Into a new folder; again over that export (replaced); never into a folder that holds anything else."""
     ckpt, model = make_checkpoint(tmp_path)
     out = tmp_path / "hf"
-    out.mkdir()
-    (out / "stale.bin").write_text("from an earlier export")
-    code, stdout, _ = run_export(capsys, "--checkpoint", ckpt, "--output", out, "--format", "hf")
-    assert code == 0 and "Qwen3ForCausalLM" in stdout
-    assert sorted(p.name for p in out.iterdir()) == sorted([
-        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-        "special_tokens_map.json", MARKER])  # the earlier export's files are gone, no temp folder is left
-    assert not (tmp_path / "hf.tmp").exists()
+    for _ in range(2):
+        code, stdout, _ = run_export(capsys, "--checkpoint", ckpt, "--output", out, "--format", "hf")
+        assert code == 0 and "Qwen3ForCausalLM" in stdout
+        assert sorted(p.name for p in out.iterdir()) == sorted([
+            "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+            "special_tokens_map.json", MARKER])
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["hf", ckpt.name])  # no staging folder left
+    (out / "notes.txt").write_text("mine")
+    code, _, err = run_export(capsys, "--checkpoint", ckpt, "--output", out, "--format", "hf")
+    assert code == 2 and err.startswith(f"error: --output {out} holds other files") and err.count("\n") == 1
+    assert (out / "notes.txt").read_text() == "mine"
+    (out / "notes.txt").unlink()
     verify(out)
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "float16"
     with safe_open(str(out / "model.safetensors"), "pt") as f:

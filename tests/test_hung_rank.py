@@ -81,7 +81,7 @@ def test_a_hung_rank_ends_the_run_at_the_collective_timeout_and_resume_is_bitwis
     errors1 = [line for line in err1.splitlines() if not line.startswith("warning: MINILM_TESTING=1")]
     assert "Traceback" not in err1 and len(errors1) <= 1, err1  # torchrun may end it before it says anything
     assert all(line.startswith("error: training failed: ") for line in errors1), err1
-    assert C.latest_complete(C.checkpoint_dirs(run_dir)) == run_dir / "checkpoint_00000008"
+    assert C.RunFolder(run_dir).newest_complete() == "checkpoint_00000008"
 
     resumed = torchrun(2, train_flags(run_data, run_dir), **env)
     assert "resumed run hung at optimizer step 8 " in resumed.stdout

@@ -63,12 +63,12 @@ def _rank(rank: int, world_size: int, port: int, data_dir: str, out: str, varian
                 self.steps += 1
                 return self.rank == 1 and self.steps >= 5, False
 
-        model_cfg, train_cfg = configs(max_steps=12)
+        model_cfg, train_cfg = configs(max_steps=12, val_samples=16, eval_every=4)
         data = Dataset.prepared(D.open_prepared(data_dir))
         launcher = SigtermOnRank1(data, train_cfg.micro_batch_size, rank=rank, world_size=world_size,
                                   run_dir=Path(out) / "run", say=lambda m: None)
-        trainer = Trainer(model_cfg, train_cfg, RunOptions(name="nccl", run_dir=str(Path(out) / "run"),
-                                                           val_samples=16, eval_every=4), data, launcher)
+        trainer = Trainer(model_cfg, train_cfg, RunOptions(name="nccl", run_dir=str(Path(out) / "run")), data,
+                          launcher)
         with NcclRules() as rules:
             # The loop's collectives and the guard whose flags they agree on move to the stand-in's device, as they
             # are on the GPU of a GPU run; the model and DDP stay on the CPU (gloo).

@@ -13,41 +13,46 @@ import torch
 from minilm import data as D
 from minilm.cli import UsageError
 from minilm.config import DTYPES, ConfigError, TrainConfig
-from minilm.options import PRETRAIN, TRAIN, RunOptions, build_configs, plan_steps
+from minilm.options import RunOptions, build_configs, plan_steps
 from minilm.step import DTYPE_NAMES, TORCH_DTYPES, resolve_dtype_name
+from minilm.train import LocalOptions
 from minilm.train import build_parser as train_parser
-from ray_jobs.cli import redact_uri
+from ray_jobs.cli import RayOptions, redact_uri
 from ray_jobs.pretrain import build_parser as pretrain_parser
 
 # The run flags users type today: a rename or a lost flag is a broken command line.
-TRAIN_FLAGS = {"--data", "--tokens", "--random-tokens", "--run-dir", "--name", "--resume", "--keep-checkpoints",
-               "--exit-after-steps", "--exit-after-minutes", "--val-samples", "--eval-every", "--collective-timeout-s",
-               "--tracker"}
-PRETRAIN_FLAGS = {"--data", "--num-workers", "--use-gpu", "--cpus-per-worker", "--resources-per-worker",
-                  "--storage-path", "--name", "--resume", "--max-failures", "--keep-checkpoints", "--exit-after-steps",
-                  "--exit-after-minutes", "--val-samples", "--eval-every", "--elastic-check-seconds",
-                  "--collective-timeout-s", "--backend-timeout-s", "--num-cpus", "--tracker", "--mlflow-uri",
-                  "--wandb-project", "--allow-config-change"}
+# The run flags users type today: a rename or a lost flag is a broken command line.
+SHARED_FLAGS = {"--data", "--name", "--resume", "--abandon-newer", "--keep-checkpoints", "--exit-after-steps",
+                "--exit-after-minutes", "--collective-timeout-s", "--tracker", "--mlflow-uri", "--wandb-project",
+                "--allow-config-change"}
+TRAIN_FLAGS = SHARED_FLAGS | {"--tokens", "--random-tokens", "--run-dir"}
+PRETRAIN_FLAGS = SHARED_FLAGS | {"--num-workers", "--use-gpu", "--cpus-per-worker", "--resources-per-worker",
+                                 "--storage-path", "--max-failures", "--elastic-check-seconds", "--backend-timeout-s",
+                                 "--num-cpus"}
 
 
-def run_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
-    fields = {f.name for f in dataclasses.fields(RunOptions)}
+def run_actions(parser: argparse.ArgumentParser, cls) -> dict[str, argparse.Action]:
+    fields = {f.name for f in dataclasses.fields(cls)}
     return {a.dest: a for a in parser._actions if a.dest in fields}
 
 
 def test_both_clis_have_the_same_flag_for_the_same_field_and_the_flags_users_type():
-    train, pretrain = run_actions(train_parser()), run_actions(pretrain_parser())
+    train, pretrain = run_actions(train_parser(), LocalOptions), run_actions(pretrain_parser(), RayOptions)
     assert {s for a in train.values() for s in a.option_strings} == TRAIN_FLAGS
     assert {s for a in pretrain.values() for s in a.option_strings} == PRETRAIN_FLAGS
     shared = set(train) & set(pretrain)
-    assert shared == {"data", "name", "resume", "keep_checkpoints", "exit_after_steps", "exit_after_minutes",
-                      "val_samples", "eval_every", "collective_timeout_s", "tracker"}
+    assert shared == {f.name for f in dataclasses.fields(RunOptions) if f.metadata.get("help")}
+    # the Ray-only options live in ray_jobs/, minilm.train's own in minilm/train.py
+    assert not {f.name for f in dataclasses.fields(RayOptions)} & {"tokens", "random_tokens"}
+    assert not {f.name for f in dataclasses.fields(RunOptions)} & {"num_workers", "storage_path", "data_dir"}
+    assert {"--val-samples", "--eval-every"} <= {s for a in train_parser()._actions for s in a.option_strings} & \
+        {s for a in pretrain_parser()._actions for s in a.option_strings}  # training config: TrainConfig's
     for dest in shared:
         a, b = train[dest], pretrain[dest]
         assert (a.option_strings[0], a.type, a.choices, a.nargs, a.default, type(a)) == \
                (b.option_strings[0], b.type, b.choices, b.nargs, b.default, type(b)), dest
     # A field filled in by the entry point has no flag in either.
-    for name in ("run_id", "data_dir", "storage_dir", "resume_path", "trackers", "tracker_options", "test_hooks"):
+    for name in ("run_id", "data_dir", "storage_dir", "resume_path", "trackers", "started_at", "test_hooks"):
         assert name not in train and name not in pretrain
 
 
@@ -55,16 +60,17 @@ def test_flags_win_over_yaml_and_values_arrive_typed():
     yaml_values = {"keep_checkpoints": 5, "num_workers": "2-4", "cpus_per_worker": "auto",
                    "resources_per_worker": {"slot": 1}, "val_samples": 8}
     args = pretrain_parser().parse_args(["--keep-checkpoints", "7", "--cpus-per-worker", "2.5"])
-    run = build_configs(args, yaml_values, PRETRAIN).run
+    configs = build_configs(args, yaml_values, RayOptions)
+    run = configs.run
     assert (run.keep_checkpoints, run.cpus_per_worker, run.resources_per_worker) == (7, 2.5, {"slot": 1.0})
-    assert (run.workers, run.val_samples, run.storage_path, run.max_failures) == ((2, 4), 8, "./runs", 0)
+    assert (run.workers, configs.train.val_samples, run.storage_path, run.max_failures) == ((2, 4), 8, "./runs", 0)
     assert build_configs(pretrain_parser().parse_args(["--resources-per-worker", "a=1,b=2"]), {},
-                         PRETRAIN).run.resources_per_worker == {"a": 1.0, "b": 2.0}
-    assert build_configs(pretrain_parser().parse_args([]), {"use_gpu": True}, PRETRAIN).run.use_gpu == "true"
+                         RayOptions).run.resources_per_worker == {"a": 1.0, "b": 2.0}
+    assert build_configs(pretrain_parser().parse_args([]), {"use_gpu": True}, RayOptions).run.use_gpu == "true"
     with pytest.raises(UsageError, match="^--use-gpu must be one of auto, true, false, got 'maybe'$"):
-        build_configs(pretrain_parser().parse_args([]), {"use_gpu": "maybe"}, PRETRAIN)
+        build_configs(pretrain_parser().parse_args([]), {"use_gpu": "maybe"}, RayOptions)
     with pytest.raises(UsageError, match="unknown option.*num_workers"):  # a pretrain option in a minilm.train file
-        build_configs(train_parser().parse_args([]), {"num_workers": 2}, TRAIN)
+        build_configs(train_parser().parse_args([]), {"num_workers": 2}, LocalOptions)
 
 
 @pytest.mark.parametrize("values,message", [
@@ -73,13 +79,14 @@ def test_flags_win_over_yaml_and_values_arrive_typed():
     ({"max_failures": -1}, "--max-failures must be an integer >= 0, got -1"),
     ({"exit_after_minutes": 0.0}, "--exit-after-minutes must be > 0, got 0.0"),
     ({"collective_timeout_s": float("nan")}, "--collective-timeout-s must be > 0, got nan"),
-    ({"eval_every": True}, "--eval-every must be an integer >= 1, got True"),
 ])
 def test_a_bad_option_value_is_one_line_naming_its_flag(values, message):
     with pytest.raises(UsageError) as e:
-        RunOptions(**values).validate()
+        RayOptions(**values).validate()
     assert str(e.value) == message
-    assert RunOptions().validate() == RunOptions()
+    assert RayOptions().validate() == RayOptions()
+    with pytest.raises(ConfigError, match="eval_every must be an integer >= 1, got True"):
+        TrainConfig(eval_every=True).validate()
 
 
 def test_plan_steps_matches_the_arithmetic_on_a_grid():
@@ -99,21 +106,21 @@ def test_plan_steps_matches_the_arithmetic_on_a_grid():
         elif warmup >= total:
             expected = ConfigError
         else:
-            plan = plan_steps(cfg, n, val, (world,))
+            plan = plan_steps(dataclasses.replace(cfg, val_samples=val), n, (world,))
             assert (plan.steps_per_epoch, plan.total_steps) == (per_epoch, total)
             checked += 1
             continue
         with pytest.raises(expected):
-            plan_steps(cfg, n, val, (world,))
+            plan_steps(dataclasses.replace(cfg, val_samples=val), n, (world,))
     assert checked > 500
 
 
 def test_plan_steps_names_what_does_not_fit():
     cfg = TrainConfig(global_batch_size=8, micro_batch_size=2)
     with pytest.raises(D.DataError, match="^data/x: 7 training sequences do not fill one global batch of 8$"):
-        plan_steps(cfg, 10, 3, where="data/x: ")
+        plan_steps(dataclasses.replace(cfg, val_samples=3), 10, where="data/x: ")
     with pytest.raises(UsageError, match="world size[(]s[)] 3 cannot keep .* valid world sizes: 1, 2, 4$"):
-        plan_steps(cfg, 100, 0, (2, 3))
+        plan_steps(cfg, 100, (2, 3))
     with pytest.raises(ConfigError, match=r"warmup_steps \(3\) must be smaller than the total optimizer steps \(3\)"):
         plan_steps(dataclasses.replace(cfg, warmup_steps=3, epochs=1), 24)
 
@@ -144,7 +151,7 @@ def test_the_driver_start_line_shows_the_storage_without_its_secrets(monkeypatch
 
     from ray_jobs import pretrain
 
-    opts = RunOptions(name="r1", storage_path="s3://AKIAX:hunter2@bucket/runs?secret_key=hunter2&region=x",
+    opts = RayOptions(name="r1", storage_path="s3://AKIAX:hunter2@bucket/runs?secret_key=hunter2&region=x",
                       data_dir="s3://bucket/data?access_key=AKIAX", cpus_per_worker=1.0)
     plan = pretrain.RunPlan(None, None, opts, SimpleNamespace(num_sequences=64), None)
     plan.steps = SimpleNamespace(steps_per_epoch=4)
@@ -152,6 +159,7 @@ def test_the_driver_start_line_shows_the_storage_without_its_secrets(monkeypatch
     monkeypatch.setattr(pretrain, "make_trainer", lambda config, opts: SimpleNamespace(fit=lambda: None))
     monkeypatch.setattr(pretrain, "quiet_console", lambda plan: SimpleNamespace(installed=False))
     monkeypatch.setattr(pretrain.RunPlan, "config", lambda self: {})
+    monkeypatch.setattr(pretrain.RunPlan, "release", lambda self: None)
     monkeypatch.setattr(pretrain, "summarize", lambda *a: None)
     assert pretrain.run(None) == 0
     line = capsys.readouterr().out.splitlines()[0]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from minilm.checkpoint import Cadence
 from minilm.distributed import AGREEMENT_DELAY, Collectives
 from minilm.policy import DRAIN, EXIT_STEPS, SIGTERM, TIME_UP, LoopPolicy
 
@@ -21,17 +22,27 @@ class Raised(Exception):
     pass
 
 
-def policy(signals: Signals, **kwargs) -> LoopPolicy:
-    def fail(what):
-        def raise_():
-            raise Raised(what)
-        return raise_
+class Checkpoints:
+    """The checkpoint owner as the policy sees it: its cadence (on the test's clock) and a failed save."""
 
-    options = dict(start_step=0, total_steps=20, checkpoint_every=8, log_every=2, eval_every=5,
-                   stop_flags=lambda: (signals.sigterm, signals.drain), checkpoint_failed=lambda: signals.failed,
-                   nonfinite=lambda: signals.tripped, on_nonfinite=fail("nonfinite"),
-                   on_checkpoint_failed=fail("checkpoint failed"), clock=lambda: signals.now)
-    return LoopPolicy(Collectives("cpu"), **{**options, **kwargs})
+    def __init__(self, signals: Signals, every: int, minutes: float | None, rank0: bool):
+        self.signals, self.cadence = signals, Cadence(every, minutes, rank0, clock=lambda: signals.now)
+
+    def failed(self) -> bool:
+        return self.signals.failed
+
+    def raise_failure(self, step: int):
+        raise Raised("checkpoint failed")
+
+
+def policy(signals: Signals, checkpoint_every=8, checkpoint_every_minutes=None, is_rank0=True, **kwargs) -> LoopPolicy:
+    def nonfinite():
+        raise Raised("nonfinite")
+
+    options = dict(total_steps=20, log_every=2, eval_every=5, stop_flags=lambda: (signals.sigterm, signals.drain),
+                   nonfinite=lambda: signals.tripped, on_nonfinite=nonfinite, clock=lambda: signals.now)
+    return LoopPolicy(Collectives("cpu"), Checkpoints(signals, checkpoint_every, checkpoint_every_minutes, is_rank0),
+                      **{**options, **kwargs})
 
 
 def run(p: LoopPolicy, steps, before=lambda step: None):
@@ -69,6 +80,20 @@ def test_exit_after_steps_and_the_time_limit_exit_without_a_preemption():
     signals = Signals()
     d = run(policy(signals, exit_after_minutes=1.0), range(1, 21), before=lambda step: setattr(signals, "now", 25.0 * step))
     assert max(d) == 3 + AGREEMENT_DELAY and d[max(d)].stop == TIME_UP and not d[max(d)].preempt  # 75 s > 60 s
+
+
+def test_exit_after_steps_fires_at_the_first_step_past_it_after_a_resume():
+    d = run(policy(Signals(), exit_after_steps=6), range(9, 21))  # resumed at step 8
+    assert list(d) == [9] and d[9].stop == EXIT_STEPS and d[9].checkpoint
+
+
+def test_the_time_limit_counts_from_the_commands_start_across_restarts():
+    """A worker group restarted 50 s after the command started (`started_at`) has 10 s of its 60 left, not 60."""
+    signals = Signals()
+    signals.now = 50.0
+    d = run(policy(signals, exit_after_minutes=1.0, started_at=0.0), range(1, 21),
+            before=lambda step: setattr(signals, "now", 50.0 + 5.0 * step))
+    assert max(d) == 3 + AGREEMENT_DELAY and d[max(d)].stop == TIME_UP  # 65 s after the start, raised at step 3
 
 
 def test_a_time_based_checkpoint_is_taken_once_per_interval_on_rank_0_only():

@@ -112,16 +112,17 @@ def test_the_zero_argument_preset_trains_in_process(ray_address, tmp_path, monke
     preset on the built-in corpus, a few steps of it through the Trainer in this process."""
     from minilm.cli import DEMO_PRESET
     from minilm.data import open_prepared
-    from minilm.options import PRETRAIN, build_configs
+    from minilm.options import build_configs
     from minilm.train import LocalLauncher
     from minilm.trainer import Dataset, RunOptions, Trainer
+    from ray_jobs.cli import RayOptions
     from ray_jobs.demo_data import demo_data_dir
     from ray_jobs.pretrain import build_parser
 
-    cfgs = build_configs(build_parser().parse_args([]), {}, PRETRAIN, demo=True)
+    cfgs = build_configs(build_parser().parse_args([]), {}, RayOptions, demo=True)
     for key, value in DEMO_PRESET.items():
         assert getattr(cfgs.model if hasattr(cfgs.model, key) else cfgs.train, key) == value, key
-    assert cfgs.explicit == frozenset() and cfgs.train.max_steps == 100
+    assert cfgs.run == RayOptions() and cfgs.train.max_steps == 100
     cfgs.train.max_steps, cfgs.train.dtype = 2, "fp32"
     assert cfgs.train.warmup_steps == 0  # the preset's warmup fits any run, however short
     data = Dataset.prepared(open_prepared(demo_data_dir(cfgs.train.seq_len, cfgs.model.vocab_size)))

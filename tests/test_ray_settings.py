@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minilm.options import RunOptions
+from ray_jobs.cli import RayOptions as RunOptions
 
 POLL = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
 
 
 def build(tmp_path):
-    from minilm.options import RunOptions
+    from ray_jobs.cli import RayOptions as RunOptions
     from ray_jobs.pretrain import make_trainer
 
     opts = RunOptions(use_gpu="false", cpus_per_worker=1.0, storage_path=str(tmp_path), name="poll", num_workers="1")

@@ -153,7 +153,7 @@ def test_a_full_disk_at_a_checkpoint_stops_the_run_and_resume_is_bitwise_equal(r
         run_local(run_data, run_dir, hooks={"disk_full_at_step": 8})
     assert str(e.value).startswith("could not write the checkpoint of optimizer step 8 to ")
     assert "(optimizer.pt): no space left on device" in str(e.value) and "--resume auto" in str(e.value)
-    assert C.latest_complete(C.checkpoint_dirs(run_dir)) == run_dir / "checkpoint_00000004"
+    assert C.RunFolder(run_dir).newest_complete() == "checkpoint_00000004"
     assert not (run_dir / "checkpoint_00000008").exists()
     _, _, lines = run_local(run_data, run_dir)
     assert any("resumed run diskfull at optimizer step 4 " in line for line in lines)
@@ -232,7 +232,7 @@ def test_sigterm_checkpoints_at_the_agreed_step_and_resume_is_bitwise_equal(run_
     assert proc.returncode == 1, out[-3000:]
     expected = step + AGREEMENT_DELAY
     assert f"SIGTERM at optimizer step {expected}: checkpoint written" in out, out[-3000:]
-    assert C.latest_complete(C.checkpoint_dirs(run_dir)) == run_dir / f"checkpoint_{expected:08d}"
+    assert C.RunFolder(run_dir).newest_complete() == f"checkpoint_{expected:08d}"
     _, _, lines = run_local(run_data, run_dir)
     assert any(f"resumed run sigterm at optimizer step {expected} " in line for line in lines)
     assert bitwise_equal(checkpoint_weights(run_dir), uninterrupted["weights"])

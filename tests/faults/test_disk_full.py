@@ -126,35 +126,36 @@ def test_a_full_disk_while_exporting_weights_is_one_clear_error(tmp_path):
         if mounted is None:  # without root: the weights file's bytes are written to a full device
             device = full_device(tmp_path)
             write = C.write_safetensors
-            mp.setattr(C, "write_safetensors", lambda f, tensors, metadata=None: write(device, tensors, metadata))
+            mp.setattr(C.files, "write_safetensors", lambda f, tensors, metadata=None: write(device, tensors, metadata))
         with pytest.raises(C.CheckpointError) as e:  # the weights do not fit
             C.export_weights(disk / "weights", model, model.config, step=8)
-        assert str(e.value).startswith(f"could not write the checkpoint of optimizer step 8 to {disk / 'weights.tmp'} "
+        assert str(e.value).startswith(f"could not write the checkpoint of optimizer step 8 to {disk / 'weights'} "
                                        f"(model.safetensors): no space left on device;")
-        assert not (disk / "weights").exists() and not (disk / "weights.tmp").exists()  # its space given back
+        assert sorted(p.name for p in disk.iterdir()) == []  # nothing left behind: its space given back
 
 
 def test_a_full_disk_during_the_background_write_is_one_clear_error(tmp_path):
-    """The async writer (minilm.async_checkpoint) into a tmpfs with room for one checkpoint and a half: the
-    training thread's start returns, and waiting for the save raises the same one line; the previous checkpoint
-    stays intact. (The run this stops, in-process: tests/test_trainer.py.)"""
-    from minilm.async_checkpoint import CheckpointWriter
+    """The checkpoint manager's background writer into a tmpfs run folder with room for one checkpoint and a half:
+    the training thread's report returns, and waiting for the save raises the same one line naming the folder it was
+    staged in; the previous checkpoint stays intact. (The run this stops, in-process: tests/test_trainer.py.)"""
+    from minilm.checkpoint.resume import staging_dir
 
     model, optimizer, scaler = trained_state()
     probe = save(tmp_path / "probe", 4, model, optimizer, scaler)
     pages = sum(math.ceil(f.stat().st_size / 4096) for f in probe.iterdir())
-    writer = CheckpointWriter("cpu", "async")
     with tiny_tmpfs(tmp_path / "disk", int(pages * 1.5) * 4096) as mounted:
         disk = mounted or tmp_path / "disk"
         if mounted is None:
-            full_from(disk / "checkpoint_00000008", "optimizer.pt", full_device(tmp_path))
+            full_from(staging_dir(disk, "00000008"), "optimizer.pt", full_device(tmp_path))
+        manager = C.CheckpointManager(C.LocalStorage(disk), TrainConfig(), rank=0, device=torch.device("cpu"),
+                                      say=lambda m: None)
         for step in (4, 8):
-            pending = writer.start(disk / f"checkpoint_{step:08d}", step, model=model, optimizer=optimizer,
-                                   scaler=scaler, state={"optimizer_step": step, "note": "unit test"})
+            manager.report(step, {}, model=model, optimizer=optimizer, scaler=scaler,
+                           state={"optimizer_step": step, "note": "unit test"})
             if step == 4:
-                writer.wait()
+                manager.wait()
         with pytest.raises(C.CheckpointError) as e:
-            writer.wait()
-        assert pending.failed() and writer.failed()
-        assert_full_disk_leaves_a_clean_state(e.value, disk / "checkpoint_00000004", disk / "checkpoint_00000008",
+            manager.wait()
+        assert manager.failed()
+        assert_full_disk_leaves_a_clean_state(e.value, disk / "checkpoint_00000004", staging_dir(disk, "00000008"),
                                               model)

@@ -1,0 +1,7 @@
+"""Checkpoints, one owner: `manager` (when, staging, writing, publishing, pruning, loading), `files` (the folder on
+disk, its marker, exports), `resume` (the run folder, its lease, which checkpoint a run continues)."""
+
+from . import files, resume  # noqa: F401
+from .files import *  # noqa: F403
+from .manager import *  # noqa: F403
+from .resume import *  # noqa: F403

@@ -1,0 +1,450 @@
+"""A checkpoint or export folder on disk: each file hashed as it is written and fsynced, COMPLETE.json last.
+
+A resume checkpoint:
+
+    model.safetensors     fp32 master weights (every state-dict key, MiniMind names)
+    optimizer.pt          optimizer state    (torch.save of tensors and numbers: weights_only-loadable)
+    scaler.pt             GradScaler state
+    state.json            optimizer_step, world_size, global_batch_size, configs, fingerprints, run ids, ...
+    COMPLETE.json         written last: the SHA-256 of every file above. No marker, no load.
+
+A weights export (`weights/`, `ray_jobs.export`) is half-precision `model.safetensors` + `config.json`
+(+ `tokenizer.json`, MiniMind's `.pth`), loadable with `minilm.load_pretrained(DIR)`.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import io
+import json
+import os
+import shutil
+import socket
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from ..config import ModelConfig
+from ..data import cache_root, file_sha256
+from ..data.verified import file_key, node_lock
+from ..step import TORCH_DTYPES
+
+MARKER = "COMPLETE.json"
+RESUME_FILES = ("model.safetensors", "optimizer.pt", "scaler.pt", "state.json")
+EXPORT_KINDS = ("weights", "hf")  # a marker's "kind" that `write_export` may replace
+# state.json's format: a change an older reader would misread bumps it (and adds a fixture under tests/fixtures/).
+STATE_FORMAT = 1
+# What a resume reads from state.json (train_config must hold the seed).
+STATE_KEYS = ("optimizer_step", "world_size", "accumulation_steps", "global_batch_size", "model_config",
+              "train_config", "data_fingerprint", "nonfinite_guard")
+STAGING = ".minilm-staging-"  # + host-pid-what: a folder being written, swept once its process is gone
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or corrupt, or cannot be written; the message names the folder and file."""
+
+
+# ---- writing -------------------------------------------------------------------------------------
+
+def write_folder(path: Path, writers: dict[str, Callable[[Path], str]], step: int | None, hooks=None,
+                 kind: str = "checkpoint", shown: Path | None = None) -> None:
+    """Write each file of the folder `path` (a writer returns its SHA-256), fsync them, then the marker.
+
+    A failed write raises one CheckpointError line naming the step, the folder (`shown`, where it is staged) and the
+    file, and leaves no marker.
+    `hooks` is for the fault tests only.
+    """
+    name = path.name
+    try:
+        path.mkdir(mode=0o750, parents=True, exist_ok=True)
+        digests = {}
+        for name, write in writers.items():
+            if hooks:
+                hooks.before_checkpoint_file(step, name)
+            digests[name] = write(path / name)
+        name = MARKER
+        if hooks:
+            hooks.before_marker(path, step)
+        write_marker(path, list(digests), digests, kind)
+    except (OSError, SafetensorError) as e:
+        raise CheckpointError(write_error(shown or path, step, name, e)) from None
+
+
+def write_marker(path: Path, files: list[str] | tuple[str, ...], digests: dict[str, str] | None = None,
+                 kind: str = "checkpoint") -> None:
+    """COMPLETE.json naming `files` with their SHA-256 (`digests`, taken as written; else read here), then the
+    folder fsynced: once the marker exists, so do the bytes it vouches for."""
+    marker = {"kind": kind, "files": {name: (digests or {}).get(name) or file_sha256(path / name) for name in files}}
+    write_bytes(path / (MARKER + ".tmp"), json.dumps(marker, indent=2, sort_keys=True).encode())
+    os.replace(path / (MARKER + ".tmp"), path / MARKER)  # atomic: the marker appears whole or not at all
+    fsync_dir(path)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def is_disk_full(e: BaseException) -> bool:
+    """ENOSPC or EDQUOT, also when safetensors or pyarrow (Ray's checkpoint upload) say it only in the message."""
+    return getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "no space left on device" in str(e).lower()
+
+
+def write_error(path: Path | str, step: int | None, name: str, e: BaseException) -> str:
+    """One line: which checkpoint could not be written where, why, and what is left intact."""
+    why = "no space left on device" if is_disk_full(e) else (getattr(e, "strerror", None) or str(e) or type(e).__name__)
+    if step is None:
+        return f"could not write {path} ({name}): {why}; free space (or fix the storage) and try again"
+    return (f"could not write the checkpoint of optimizer step {step} to {path} ({name}): {why}; earlier "
+            f"checkpoints are intact: free space (or fix the storage), then continue with --resume auto")
+
+
+class _HashingFile(io.RawIOBase):
+    """A file that hashes the bytes written through it and keeps the OSError of a failed write (torch's C++ writer
+    turns ENOSPC into an opaque RuntimeError, so the caller raises the kept error instead)."""
+
+    def __init__(self, raw):
+        self.raw, self.error, self.sha256 = raw, None, hashlib.sha256()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        view = memoryview(b).cast("B")
+        done = 0
+        try:
+            while done < len(view):
+                done += self.raw.write(view[done:])
+        except OSError as e:
+            self.error = e
+            raise
+        self.sha256.update(view)
+        return done
+
+
+def _write(f: Path, fill: Callable[[_HashingFile], None]) -> str:
+    """Create `f` (owner and group may read it), `fill` it, fsync it; its SHA-256."""
+    with open(os.open(f, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640), "wb", buffering=0) as raw:
+        out = _HashingFile(raw)
+        try:
+            fill(out)
+        except RuntimeError:
+            if out.error is not None:
+                raise out.error from None
+            raise
+        os.fsync(raw.fileno())
+        return out.sha256.hexdigest()
+
+
+def torch_save(obj, f: Path) -> str:
+    return _write(f, lambda out: torch.save(obj, out))
+
+
+def write_bytes(f: Path, payload: bytes) -> str:
+    return _write(f, lambda out: out.write(payload))
+
+
+# safetensors lays the tensors out by dtype (this order, widest first), then by name.
+_SAFETENSORS_DTYPES = {torch.int64: "I64", torch.float64: "F64", torch.float32: "F32", torch.int32: "I32",
+                       torch.bfloat16: "BF16", torch.float16: "F16", torch.int16: "I16", torch.int8: "I8",
+                       torch.uint8: "U8", torch.bool: "BOOL"}
+_DTYPE_RANK = {name: rank for rank, name in enumerate(_SAFETENSORS_DTYPES.values())}
+
+
+def write_safetensors(f: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> str:
+    """The file `safetensors.torch.save_file` writes, streamed from the CPU tensors' own memory; its SHA-256.
+    Without metadata it is the same byte for byte; metadata keys go in sorted order (safetensors' is a hash map's)."""
+    order = sorted(tensors, key=lambda k: (_DTYPE_RANK[_SAFETENSORS_DTYPES[tensors[k].dtype]], k))
+    header: dict[str, Any] = {"__metadata__": dict(sorted(metadata.items()))} if metadata else {}
+    offset = 0
+    for k in order:
+        t = tensors[k]
+        end = offset + t.numel() * t.element_size()
+        header[k] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, end]}
+        offset = end
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+
+    def fill(out: _HashingFile) -> None:
+        out.write(struct.pack("<Q", len(text)) + text)
+        for k in order:
+            if tensors[k].numel():
+                out.write(tensors[k].detach().contiguous().view(-1).view(torch.uint8).numpy())
+
+    return _write(f, fill)
+
+
+def model_tensors(state_dict: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The model's state dict as safetensors takes it: on the CPU, each key its own copy (tied weights share
+    storage, which safetensors refuses)."""
+    return {k: (v.detach().to(dtype) if dtype else v.detach()).cpu().contiguous().clone() for k, v in state_dict.items()}
+
+
+def write_resume_state(path: str | os.PathLike, *, model_state: dict[str, torch.Tensor], optimizer_state: dict,
+                       scaler_state: dict, state: dict[str, Any], hooks=None) -> Path:
+    """A complete resume checkpoint in the (new, empty or missing) folder `path`; a failed write leaves no marker."""
+    state = {"format_version": STATE_FORMAT, **state}
+    write_folder(Path(path), {
+        "model.safetensors": lambda f: write_safetensors(f, model_state),
+        "optimizer.pt": lambda f: torch_save(optimizer_state, f),
+        "scaler.pt": lambda f: torch_save(scaler_state, f),
+        "state.json": lambda f: write_bytes(f, json.dumps(state, indent=2, sort_keys=True).encode()),
+    }, state.get("optimizer_step"), hooks)
+    return Path(path)
+
+
+def save_resume_state(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                      scaler: torch.amp.GradScaler, state: dict[str, Any], hooks=None) -> Path:
+    """`write_resume_state` of a live model, optimizer and scaler."""
+    return write_resume_state(path, model_state=model_tensors(model.state_dict()), optimizer_state=optimizer.state_dict(),
+                              scaler_state=scaler.state_dict(), state=state, hooks=hooks)
+
+
+# ---- reading ---------------------------------------------------------------------------------------
+
+def parse_marker(raw: bytes | None, where: Path | str) -> dict[str, str]:
+    """The files a marker vouches for; CheckpointError unless it is a mapping of file names to hashes that names
+    the weights (a hand-edited or foreign marker is "not complete", never taken)."""
+    if raw is None:
+        raise CheckpointError(f"checkpoint {where} is incomplete: {MARKER} is missing (the write did not finish)")
+    try:
+        files = json.loads(raw)["files"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"checkpoint {where}: {MARKER} is unreadable ({type(e).__name__}: {e})") from None
+    if not (isinstance(files, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in files.items())
+            and "model.safetensors" in files):
+        raise CheckpointError(f"checkpoint {where}: {MARKER} does not list its files with their hashes and the "
+                              f"weights (edited, or not written by minilm)")
+    for name in files:
+        if name in ("", ".", "..") or "/" in name or "\\" in name:
+            raise CheckpointError(f"checkpoint {where}: {MARKER} names {name!r}, which is not a file of the folder")
+    return files
+
+
+def read_marker(path: Path) -> dict[str, str]:
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    try:
+        raw = (path / MARKER).read_bytes()
+    except FileNotFoundError:
+        raw = None
+    except OSError as e:
+        raise CheckpointError(f"checkpoint {path}: {MARKER} cannot be read ({e.strerror or e})") from None
+    return parse_marker(raw, path)
+
+
+def verify(path: str | os.PathLike, once_per_node: bool = False) -> None:
+    """Raise CheckpointError unless `path` holds a complete checkpoint whose files match their hashes.
+
+    `once_per_node` (a resume): the node's first process hashes under a lock and leaves a stamp in the node's cache
+    (the marker's SHA-256, each file's size, mtime and inode) that the other ranks trust while nothing changes.
+    """
+    path = Path(path)
+    files = read_marker(path)
+    for name in files:
+        if not (path / name).is_file():
+            raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing")
+    if not once_per_node:
+        return _check_hashes(path, files)
+    key = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:32]
+    stamps = cache_root() / "verified-checkpoints"
+    with node_lock(stamps / f"{key}.lock"):
+        stamp = {"marker_sha256": hashlib.sha256((path / MARKER).read_bytes()).hexdigest(),
+                 "files": {name: file_key(path / name) for name in files}}
+        try:
+            if json.loads((stamps / f"{key}.json").read_text()) == stamp:
+                return
+        except (OSError, ValueError):
+            pass
+        _check_hashes(path, files)
+        try:
+            tmp = stamps / f"{key}.json.tmp-{os.getpid()}"
+            tmp.write_text(json.dumps(stamp))
+            os.replace(tmp, stamps / f"{key}.json")
+        except OSError:
+            pass  # no writable cache: the next process hashes again
+
+
+def _check_hashes(path: Path, files: dict[str, str]) -> None:
+    for name, digest in files.items():
+        if file_sha256(path / name) != digest:
+            raise CheckpointError(f"checkpoint {path} is corrupt: {name} does not match its SHA-256 in {MARKER}")
+
+
+@dataclass
+class ResumeState:
+    model_state: dict[str, torch.Tensor]
+    optimizer_state: dict
+    scaler_state: dict
+    state: dict[str, Any]
+
+
+def load_resume_state(path: str | os.PathLike, map_location: str | torch.device = "cpu",
+                      keys: tuple[str, ...] = (), once_per_node: bool = False) -> ResumeState:
+    """`verify`, then load (weights_only: never arbitrary objects); `keys`: what state.json must hold."""
+    path = Path(path)
+    verify(path, once_per_node)
+    try:
+        return ResumeState(
+            model_state=load_file(str(path / "model.safetensors"), device=str(map_location)),
+            optimizer_state=torch.load(path / "optimizer.pt", map_location=map_location, weights_only=True),
+            scaler_state=torch.load(path / "scaler.pt", map_location="cpu", weights_only=True),
+            state=read_state(path, keys),
+        )
+    except CheckpointError:
+        raise
+    except Exception as e:  # hashes matched, so this is a format problem, not a torn write
+        raise CheckpointError(f"checkpoint {path} could not be loaded: {type(e).__name__}: {e}") from None
+
+
+def read_state(path: str | os.PathLike, keys: tuple[str, ...] = STATE_KEYS) -> dict[str, Any]:
+    try:
+        raw = (Path(path) / "state.json").read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"checkpoint {path}: state.json is unreadable ({e.strerror or e})") from None
+    return parse_state(raw, path, keys)
+
+
+def parse_state(raw: bytes, where, keys: tuple[str, ...] = STATE_KEYS) -> dict[str, Any]:
+    """A checkpoint's state.json in today's spelling, refused with one CheckpointError line when this version cannot
+    use it: unreadable, a newer format, or lacking one of `keys` (never a KeyError later)."""
+    try:
+        state = json.loads(raw)
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint {where}: state.json is unreadable ({e})") from None
+    if not isinstance(state, dict) or not isinstance(state.get("train_config", {}), dict):
+        raise CheckpointError(f"checkpoint {where}: state.json is not a mapping of minilm's fields")
+    version = state.get("format_version", 1)
+    if not isinstance(version, int) or version > STATE_FORMAT or version < 1:
+        raise CheckpointError(f"checkpoint {where} has state.json format {version!r}, and this version of minilm "
+                              f"reads formats 1 to {STATE_FORMAT}: resume it with the minilm that wrote it (or a "
+                              f"newer one)")
+    missing = [k for k in keys if k not in state]
+    if "train_config" in keys and "train_config" in state and "seed" not in state["train_config"]:
+        missing.append("train_config.seed")
+    if missing:
+        raise CheckpointError(f"checkpoint {where}: state.json lacks {', '.join(missing)} (format {version}): "
+                              f"it was not written by minilm, or was edited; resume another checkpoint")
+    train = state.setdefault("train_config", {})
+    if "val_samples" in state:  # written beside train_config before it moved in
+        train.setdefault("val_samples", state["val_samples"])
+    if train.get("dtype") in (None, "auto") and state.get("dtype"):  # torch's spelling, before the flag's
+        train["dtype"] = next((k for k, v in TORCH_DTYPES.items() if str(v) == f"torch.{state['dtype']}"), None)
+    return state
+
+
+# ---- exports ---------------------------------------------------------------------------------------
+
+def check_output(path: Path) -> bool:
+    """May an export be written to `path`? True: it holds exactly an earlier minilm export, to be replaced; False: it
+    is missing or empty. Anything else is refused with one CheckpointError line, the folder untouched."""
+    if not path.exists():
+        return False
+    if not path.is_dir():
+        raise CheckpointError(f"--output {path} is a file, not a folder: choose a new or empty folder")
+    entries = {p.name for p in path.iterdir()}
+    if not entries:
+        return False
+    try:
+        raw = (path / MARKER).read_bytes()
+        files, kind = parse_marker(raw, path), json.loads(raw).get("kind")
+        # an export of an earlier minilm has no kind: weights beside a config, no resume state
+        ours = (kind in EXPORT_KINDS or kind is None and "config.json" in files and "state.json" not in files) \
+            and entries == {MARKER, *files}
+    except (OSError, CheckpointError):
+        ours = False
+    if not ours:
+        raise CheckpointError(f"--output {path} holds other files ({', '.join(sorted(entries)[:3])}"
+                              f"{', ...' if len(entries) > 3 else ''}): an export writes only into a new or empty "
+                              f"folder, or over an earlier minilm export; choose another folder")
+    return True
+
+
+def write_export(path: Path, writers: dict[str, Callable[[Path], str]], kind: str, step: int | None = None) -> Path:
+    """Write an export folder beside `path` and rename it into place, replacing only an earlier export of minilm."""
+    replace = check_output(path)
+    staged = path.with_name(f"{STAGING}{socket.gethostname()}-{os.getpid()}-{path.name}")
+    shutil.rmtree(staged, ignore_errors=True)
+    try:
+        write_folder(staged, writers, step, kind=kind, shown=path)
+        if replace:
+            old = staged.with_name(staged.name + "-old")
+            os.replace(path, old)
+            os.replace(staged, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            if path.exists():
+                path.rmdir()  # empty
+            os.replace(staged, path)
+        fsync_dir(path.parent)
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
+    return path
+
+
+def export_weights(path: str | os.PathLike, model: torch.nn.Module, config: ModelConfig,
+                   tokenizer_path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float16,
+                   step: int | None = None, minimind_pth: bool = False) -> Path:
+    """`write_weights_export` of a model, taken in eval mode as MiniMind's loop does (what inference sees)."""
+    was_training = model.training
+    model.eval()
+    try:
+        state = model_tensors(model.state_dict(), dtype)
+    finally:
+        model.train(was_training)
+    return write_weights_export(path, state, config, tokenizer_path, dtype, step, minimind_pth=minimind_pth)
+
+
+def write_weights_export(path: str | os.PathLike, model_state: dict[str, torch.Tensor], config: ModelConfig,
+                         tokenizer_path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float16,
+                         step: int | None = None, *, in_place: bool = False, minimind_pth: bool = False) -> Path:
+    """Half-precision safetensors + config.json (+ tokenizer.json, + MiniMind's `pretrain_<hidden>[_moe].pth`).
+    `in_place`: into a checkpoint's own (new) `weights/` folder, which needs no staging of its own."""
+    metadata = {"format": "pt", "dtype": str(dtype).removeprefix("torch.")}
+    writers = {
+        "model.safetensors": lambda f: write_safetensors(f, {k: v.to(dtype) for k, v in model_state.items()}, metadata),
+        "config.json": lambda f: write_bytes(f, json.dumps(config.to_dict(), indent=2, sort_keys=True).encode()),
+    }
+    if tokenizer_path is not None:
+        writers["tokenizer.json"] = lambda f: write_bytes(f, Path(tokenizer_path).read_bytes())
+    if minimind_pth:
+        half = {k: v.detach().half().cpu() for k, v in model_state.items()}
+        writers[f"pretrain_{config.hidden_size}{'_moe' if config.use_moe else ''}.pth"] = lambda f: torch_save(half, f)
+    if in_place:
+        write_folder(Path(path), writers, step, kind="weights")
+        return Path(path)
+    return write_export(Path(path), writers, "weights", step)
+
+
+def load_pretrained(path: str | os.PathLike, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """(model in eval mode, tokenizer or None) from a weights export folder."""
+    from ..model import MiniMindForCausalLM
+
+    path = Path(path)
+    verify(path)
+    config = ModelConfig.from_dict(json.loads((path / "config.json").read_text()))
+    model = MiniMindForCausalLM(config)
+    model.load_state_dict(load_file(str(path / "model.safetensors")), strict=True)
+    model.to(device=device, dtype=dtype).eval()
+    tokenizer = None
+    if (path / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    return model, tokenizer
+
+
+__all__ = ["MARKER", "RESUME_FILES", "STATE_FORMAT", "STATE_KEYS", "CheckpointError", "ResumeState", "check_output",
+           "export_weights", "file_sha256", "is_disk_full", "load_pretrained", "load_resume_state", "model_tensors",
+           "read_state", "save_resume_state", "verify", "write_bytes", "write_error", "write_export", "write_marker",
+           "write_resume_state", "write_safetensors", "write_weights_export"]

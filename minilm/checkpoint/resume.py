@@ -1,0 +1,376 @@
+"""Which checkpoint a run continues, and what may be deleted: the rules every entry point follows.
+
+`RunFolder` is a run's folder on any storage (a local path, or s3:// / gs:// through pyarrow): its checkpoints,
+its lease (one live run at a time), the folders moved aside. `plan_resume` applies --resume under the lease
+(`ray_jobs.pretrain`'s driver, `minilm.train`'s rank 0); every (re)started process then continues the newest
+complete checkpoint of the folder, else the one `plan_resume` chose (`CheckpointManager.load`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow.fs as pafs
+
+from ..cli import UsageError
+from ..config import ModelConfig
+from .files import MARKER, STAGING, CheckpointError, fsync_dir, parse_marker, parse_state, verify
+
+LEASE = "lease.json"
+CHECKPOINT_NAME = re.compile(r"checkpoint_\d{8}(_\d+)?")  # not Ray's checkpoint_manager_snapshot.json
+LEASE_HEARTBEAT_S, LEASE_STALE_S = 10.0, 60.0
+
+
+class RunFolder:
+    """STORAGE/NAME on a local or pyarrow filesystem. `download(fs_path)` is a context manager giving a local copy of a
+    remote folder (Ray's, shared by a node's ranks); without one, remote checkpoints are checked but not loaded."""
+
+    def __init__(self, location: str | os.PathLike, filesystem: pafs.FileSystem | None = None, download=None,
+                 display: str | None = None):
+        location = str(location)
+        if filesystem is None and "://" in location:
+            filesystem, location = pafs.FileSystem.from_uri(location)
+        elif filesystem is None:
+            filesystem, location = pafs.LocalFileSystem(), str(Path(location).expanduser().resolve())
+        self.fs, self.root, self.download = filesystem, location.rstrip("/"), download
+        self.local = Path(self.root) if isinstance(filesystem, pafs.LocalFileSystem) else None
+        self.display = display or self.root
+
+    def _path(self, rel: str) -> str:
+        return f"{self.root}/{rel}"
+
+    def names(self) -> list[str]:
+        infos = self.fs.get_file_info(pafs.FileSelector(self.root, allow_not_found=True))
+        return sorted(i.base_name for i in infos)
+
+    def checkpoints(self) -> list[str]:
+        """The checkpoint folders, oldest first (a step redone after a fall-back sorts after: checkpoint_<step>_<k>)."""
+        return [n for n in self.names() if CHECKPOINT_NAME.fullmatch(n)]
+
+    def read(self, rel: str) -> bytes | None:
+        try:
+            with self.fs.open_input_stream(self._path(rel)) as f:
+                return f.read()
+        except (FileNotFoundError, IsADirectoryError):
+            return None
+
+    def write(self, rel: str, data: bytes) -> None:
+        if self.local is not None:  # atomic, readable by owner and group
+            self.local.mkdir(mode=0o750, parents=True, exist_ok=True)
+            tmp = self.local / f"{rel}.tmp-{os.getpid()}"
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640), "wb") as f:
+                f.write(data)
+            os.replace(tmp, self.local / rel)
+            return
+        with self.fs.open_output_stream(self._path(rel)) as f:
+            f.write(data)
+
+    def delete(self, rel: str) -> None:
+        if self.local is not None and (self.local / rel).is_dir():
+            return shutil.rmtree(self.local / rel)
+        info = self.fs.get_file_info(self._path(rel))
+        if info.type == pafs.FileType.Directory:
+            self.fs.delete_dir(self._path(rel))
+        elif info.type == pafs.FileType.File:
+            self.fs.delete_file(self._path(rel))
+
+    def next_name(self, step: int) -> str:
+        """checkpoint_<step>, or checkpoint_<step>_<k> when that folder exists (a step redone after falling back past a
+        corrupt checkpoint must not write into it)."""
+        taken, name, k = set(self.checkpoints()), f"checkpoint_{step:08d}", 0
+        while (f"{name}_{k}" if k else name) in taken:
+            k += 1
+        return f"{name}_{k}" if k else name
+
+    def complete(self, name: str, once_per_node: bool = False) -> None:
+        """CheckpointError unless `name` is complete: hashed when local; on object storage, whose files appear whole,
+        every file its marker names is there."""
+        if self.local is not None:
+            return verify(self.local / name, once_per_node)
+        files = parse_marker(self.read(f"{name}/{MARKER}"), f"{self.display}/{name}")
+        infos = self.fs.get_file_info([self._path(f"{name}/{f}") for f in files])
+        missing = [i.base_name for i in infos if i.type != pafs.FileType.File]
+        if missing:
+            raise CheckpointError(f"checkpoint {self.display}/{name} is incomplete: {missing[0]} is missing")
+
+    def newest_complete(self, say=print, once_per_node: bool = True) -> str | None:
+        """The newest complete checkpoint; says what it skips."""
+        for name in reversed(self.checkpoints()):
+            try:
+                self.complete(name, once_per_node)
+                return name
+            except CheckpointError as e:
+                say(f"skipping checkpoint: {e}")
+        return None
+
+    @contextlib.contextmanager
+    def local_copy(self, name: str):
+        if self.local is not None:
+            yield self.local / name
+        elif self.download is None:
+            raise CheckpointError(f"checkpoint {self.display}/{name} is on remote storage: load it in a Ray worker")
+        else:
+            with self.download(self._path(name)) as path:
+                yield Path(path)
+
+    def state(self, origin: str) -> dict[str, Any]:
+        """state.json of a checkpoint of this folder (a name) or anywhere on this machine (a path)."""
+        if "/" in origin or self.local is not None:
+            folder = Path(origin) if "/" in origin else self.local / origin
+            raw = (folder / "state.json").read_bytes() if (folder / "state.json").is_file() else b""
+            return parse_state(raw, folder)
+        return parse_state(self.read(f"{origin}/state.json") or b"", f"{self.display}/{origin}")
+
+    def sync(self, name: str) -> None:
+        """Local storage: fsync every file of a checkpoint written by another writer (Ray's copy), then its folders."""
+        if self.local is None:
+            return
+        for folder, _, files in os.walk(self.local / name):
+            for f in files:
+                fd = os.open(Path(folder) / f, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            fsync_dir(Path(folder))
+        fsync_dir(self.local)
+
+    def move_aside(self, names: list[str], copies: tuple[str, ...] = ()) -> str:
+        """Move `names` (and copy `copies`) into abandoned-<time>/: nothing is deleted, nothing is continued."""
+        dest = f"abandoned-{time.strftime('%Y%m%d-%H%M%S')}"
+        self.fs.create_dir(self._path(dest))
+        for rel in copies:
+            if self.fs.get_file_info(self._path(rel)).type == pafs.FileType.File:
+                self.fs.copy_file(self._path(rel), self._path(f"{dest}/{rel}"))
+        for rel in names:
+            if self.local is not None:
+                os.replace(self.local / rel, self.local / dest / rel)
+            else:  # object storage has no rename of a folder
+                pafs.copy_files(self._path(rel), self._path(f"{dest}/{rel}"), self.fs, self.fs)
+                self.delete(rel)
+        return f"{self.display}/{dest}"
+
+    def has_marker(self, name: str) -> bool:
+        try:
+            parse_marker(self.read(f"{name}/{MARKER}"), name)
+            return True
+        except (CheckpointError, OSError):
+            return False
+
+
+# ---- one live run per folder ----------------------------------------------------------------------
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's process
+    return True
+
+
+class Lease:
+    """The run folder's `lease.json`: which process runs in it (host, pid, heartbeat every LEASE_HEARTBEAT_S). A lease
+    whose heartbeat is older than LEASE_STALE_S, or whose process on this host is gone, is taken over with a note."""
+
+    def __init__(self, folder: RunFolder, say=print):
+        self.folder, self.say = folder, say
+        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def take(self) -> Lease:
+        local = self.folder.local
+        self.created = [p for p in (local, *local.parents) if not p.exists()] if local is not None else []
+        held = self.holder()
+        if held is not None and (held.get("host"), held.get("pid")) != (self.me["host"], self.me["pid"]):
+            age = time.time() - float(held.get("heartbeat", 0))
+            who = f"pid {held.get('pid')} on {held.get('host')}, heartbeat {age:.0f} s ago"
+            gone = held.get("host") == self.me["host"] and not pid_alive(int(held.get("pid", 0)))
+            if age < LEASE_STALE_S and not gone:
+                raise UsageError(f"run folder {self.folder.display} is in use by a live run ({who}): wait for it to "
+                                 f"end (or stop it), or use another --name")
+            self.say(f"note: taking over run folder {self.folder.display} from a run that is gone ({who})")
+        self._beat()
+        self._thread = threading.Thread(target=self._heartbeat, name="minilm-lease", daemon=True)
+        self._thread.start()
+        return self
+
+    def holder(self) -> dict | None:
+        try:
+            held = json.loads(self.folder.read(LEASE) or b"null")
+        except (ValueError, OSError):
+            return None
+        return held if isinstance(held, dict) else None
+
+    def _beat(self) -> None:
+        self.folder.write(LEASE, json.dumps({**self.me, "heartbeat": time.time()}).encode())
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(LEASE_HEARTBEAT_S):
+            with contextlib.suppress(OSError):
+                self._beat()
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        held = self.holder() or {}
+        if (held.get("host"), held.get("pid")) == (self.me["host"], self.me["pid"]):
+            with contextlib.suppress(OSError):
+                self.folder.delete(LEASE)
+        for folder in self.created:  # a run refused before it wrote anything leaves no folder behind
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+
+
+def sweep_staging(root: Path) -> list[Path]:
+    """Remove the staging folders under `root` left by processes of this host that are gone (a crash mid-write)."""
+    swept, host = [], socket.gethostname()
+    for p in root.glob(f"{STAGING}*") if root.is_dir() else []:
+        parts = p.name[len(STAGING):].split("-")
+        try:
+            pid = int(parts[-2])
+        except (IndexError, ValueError):
+            continue
+        if "-".join(parts[:-2]) == host and not pid_alive(pid):
+            shutil.rmtree(p, ignore_errors=True)
+            swept.append(p)
+    return swept
+
+
+def staging_dir(root: Path, what: str) -> Path:
+    return root / f"{STAGING}{socket.gethostname()}-{os.getpid()}-{what}"
+
+
+# ---- --resume ---------------------------------------------------------------------------------------
+
+def plan_resume(folder: RunFolder | None, resume: str, abandon_newer: bool = False, say=print) -> str | None:
+    """--resume auto|never|PATH against what the run folder holds (under its lease): the checkpoint a fresh start
+    continues (a name of the folder, or a path), or None. Starting fresh, or from a checkpoint older than others of
+    the folder, would leave a branch that pruning and `auto` mix with the new one: refused, unless `abandon_newer`
+    moves those checkpoints (and, starting fresh, the run's logs) into abandoned-<time>/."""
+    if resume == "auto":  # (what it passes over, the loading process says)
+        return folder.newest_complete(lambda _: None) if folder is not None else None
+    names = folder.checkpoints() if folder is not None else []
+    origin = None
+    if resume != "never":
+        path = Path(resume).expanduser().resolve()
+        verify(path, once_per_node=True)  # missing, partial or corrupt: refused before any work starts
+        origin = str(path)
+        if folder is not None and folder.local is not None and path.parent == folder.local:
+            names = [n for n in names if n > path.name]
+    if not names:
+        return origin
+    listed = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    start = "a fresh run" if origin is None else f"a run from {origin}"
+    if not abandon_newer:
+        raise UsageError(f"run folder {folder.display} already holds checkpoint(s) {listed}, which {start} would mix "
+                         f"with its own: continue them with --resume auto, add --abandon-newer to move them into "
+                         f"{folder.display}/abandoned-<time>/, or use another --name")
+    logs = ("metrics.jsonl", "world_size.csv", "last_optimizer_step")
+    fresh = origin is None
+    moved = names + ([n for n in logs if n in folder.names()] if fresh else [])
+    dest = folder.move_aside(moved, copies=() if fresh else logs)
+    say(f"note: --abandon-newer: moved {listed} into {dest}; {start} continues in {folder.display}")
+    return origin
+
+
+# ---- what may change across a resume ---------------------------------------------------------------
+
+# Train-config fields added after checkpoints were first written, and the value every checkpoint that lacks one ran
+# with: a resume continues that value (Trainer.restore), whatever today's default is.
+PREDATED_VALUES = {"schedule": "cosine"}
+# Fields a resume may change without changing the optimisation; any other needs --allow-config-change.
+SAFE_TO_CHANGE = frozenset({"log_every", "checkpoint_every", "checkpoint_every_minutes", "checkpoint_mode",
+                            "export_every", "compile", "activation_checkpointing", "micro_batch_size",
+                            "max_nonfinite_steps", "eval_every"})
+# Always refused: the global batch and the seed fix the data order, the optimizer kind its state.
+FIXED = ("global_batch_size", "seed", "optimizer")
+
+
+@dataclass(frozen=True)
+class ConfigChange:
+    name: str
+    before: Any
+    after: Any
+    safe: bool
+
+    def __str__(self) -> str:
+        return f"{self.name} {self.before} -> {self.after}"
+
+
+def checkpoint_dtype(state: dict[str, Any]) -> str | None:
+    """The precision a checkpoint's run trained in (None for one that left it at auto)."""
+    dtype = state.get("train_config", {}).get("dtype")
+    return None if dtype in (None, "auto") else dtype
+
+
+def config_changes(state: dict[str, Any], train_config) -> list[ConfigChange]:
+    """What a resumed run changes against the checkpoint's train config (the FIXED fields aside)."""
+    saved, changes = state.get("train_config", {}), []
+    for name, after in sorted(train_config.to_dict().items()):
+        before = checkpoint_dtype(state) if name == "dtype" else saved.get(name, after)
+        if name in FIXED or (name == "dtype" and (after == "auto" or before is None)):
+            continue
+        if before != after:
+            changes.append(ConfigChange(name, before, after, name in SAFE_TO_CHANGE))
+    return changes
+
+
+def resume_problems(state: dict[str, Any], model_config: ModelConfig, train_config, data_fingerprint: str) -> list[str]:
+    """Why a run with these configs cannot continue from a checkpoint's state.json (empty: it can)."""
+    problems, saved = [], state["train_config"]
+    before, dtype = checkpoint_dtype(state), train_config.dtype
+    if dtype != "auto" and before and dtype != before and "fp16" in (dtype, before):
+        problems.append(f"dtype {dtype} != {before} in the checkpoint (fp16's GradScaler state has no counterpart "
+                        f"in bf16 or fp32; only fp32 <-> bf16 can change mid-run, with --allow-config-change)")
+    why = {"global_batch_size": " (the global batch is the invariant of a run)",
+           "optimizer": " (its state has no counterpart in the other optimizer)"}
+    for name in FIXED:
+        was = state["global_batch_size"] if name == "global_batch_size" else saved.get(name, "adamw")
+        if was != getattr(train_config, name):
+            problems.append(f"{name} {getattr(train_config, name)} != {was} in the checkpoint{why.get(name, '')}")
+    # A field added to ModelConfig since the checkpoint was written (e.g. document_mask) has its default there.
+    saved_model = {**ModelConfig().to_dict(), **state["model_config"]}
+    if saved_model != model_config.to_dict():
+        changed = sorted(k for k, v in model_config.to_dict().items() if saved_model.get(k) != v)
+        problems.append(f"the model config differs from the checkpoint's ({', '.join(changed)})")
+    if state["data_fingerprint"] != data_fingerprint:
+        problems.append(f"the data fingerprint {data_fingerprint[:12]} differs from the checkpoint's "
+                        f"{state['data_fingerprint'][:12]} (other --data, or data made with another tokenizer)")
+    return problems
+
+
+def check_resume(state: dict[str, Any], where, model_config: ModelConfig, train_config, data_fingerprint: str,
+                 allow_config_change: bool) -> list[ConfigChange]:
+    """Refuse (one CheckpointError line) a resume that cannot work or would silently change the run; the changes
+    it makes (safe ones, and with `allow_config_change` the others)."""
+    problems = resume_problems(state, model_config, train_config, data_fingerprint)
+    if problems:
+        raise CheckpointError(f"cannot resume from {where}: " + "; ".join(problems) + " (use another --name to "
+                              "start a new run)")
+    changes = config_changes(state, train_config)
+    refused = [c for c in changes if not c.safe]
+    if refused and not allow_config_change:
+        raise CheckpointError(f"cannot resume from {where} with other settings: " + "; ".join(map(str, refused)) +
+                              " change the schedule or optimizer mid-run; pass --allow-config-change to continue "
+                              "with the new values, or use another --name")
+    return changes
+
+
+__all__ = ["LEASE", "PREDATED_VALUES", "ConfigChange", "Lease", "RunFolder", "check_resume", "checkpoint_dtype",
+           "config_changes", "plan_resume", "resume_problems", "sweep_staging"]
