@@ -175,25 +175,16 @@ def start(argv: list[str] | None) -> tuple[Trainer, LocalOptions, C.Lease | None
 def take_run_folder(opts: RunOptions, model_cfg: ModelConfig, train_cfg: TrainConfig, fingerprint: str, say):
     """Rank 0, before any work: the run folder's lease, --resume applied to it, and the checkpoint it continues
     checked against this command (the same rules as ray_jobs.pretrain's driver); (lease, its state.json or None)."""
-    if opts.run_dir is None:
-        if opts.resume not in ("auto", "never"):
-            opts.resume_path = C.plan_resume(None, opts.resume)
-        return None, opts.resume_path and check_origin(None, opts, model_cfg, train_cfg, fingerprint, say)
-    folder = C.RunFolder(opts.run_dir)
-    lease = C.Lease(folder, say).take()
+    folder = C.RunFolder(opts.run_dir) if opts.run_dir else None
+    lease = C.Lease(folder, say).take() if folder else None
     try:
         opts.resume_path = C.plan_resume(folder, opts.resume, opts.abandon_newer, say)
-        return lease, opts.resume_path and check_origin(folder, opts, model_cfg, train_cfg, fingerprint, say)
+        return lease, C.check_origin(folder, opts.resume_path, model_cfg, train_cfg, fingerprint,
+                                     opts.allow_config_change, say)
     except BaseException:
-        lease.release()
+        if lease is not None:
+            lease.release()
         raise
-
-
-def check_origin(folder, opts, model_cfg, train_cfg, fingerprint, say) -> dict:
-    state = (folder or C.RunFolder(".")).state(opts.resume_path)
-    for c in C.check_resume(state, opts.resume_path, model_cfg, train_cfg, fingerprint, opts.allow_config_change):
-        say(f"note: resuming with {c}" + ("" if c.safe else " (--allow-config-change)"))
-    return state
 
 
 def run_cli(argv: list[str] | None) -> int:

@@ -118,15 +118,36 @@ def plan_run(args: argparse.Namespace, concurrent_runs: int = 1, reserved_cpus: 
     file_values = load_yaml(args.config) if file_values is None else file_values
     demo = not (args.data or file_values.get("data"))
     model_cfg, train_cfg, opts = build_configs(args, file_values, RayOptions, demo=demo)
-    opts.started_at = started_at
-    hooks = testing.from_env(warn=lambda m: print(m, file=sys.stderr, flush=True))
-    min_w, max_w = check_options(model_cfg, train_cfg, opts)
-    opts.name = opts.name or time.strftime("minilm-%Y%m%d-%H%M%S")
-    local_storage = "://" not in opts.storage_path
-    if local_storage:
+    opts.started_at, opts.name = started_at, opts.name or time.strftime("minilm-%Y%m%d-%H%M%S")
+    check_options(model_cfg, train_cfg, opts)
+    if "://" not in opts.storage_path:
         opts.storage_path = str(Path(opts.storage_path).expanduser().resolve())
         opts.run_dir = str(Path(opts.storage_path) / opts.name)
-        check_storage_writable(Path(opts.storage_path))
+    folder = C.RunFolder(join_uri(opts.storage_path, opts.name),
+                         display=redact_uri(join_uri(opts.storage_path.split("?", 1)[0], opts.name)))
+    say = lambda m: print(m, flush=True)  # noqa: E731
+    lease = C.Lease(folder, say).take()  # one live run per folder, before anything else starts
+    try:
+        opts.resume_path = C.plan_resume(folder, opts.resume, opts.abandon_newer, say)
+        folder.delete(RAY_SNAPSHOT)  # Ray would refuse an index naming a checkpoint minilm pruned or moved aside
+        plan = check_run(model_cfg, train_cfg, opts, demo, concurrent_runs, reserved_cpus)
+        state = C.check_origin(folder, opts.resume_path, model_cfg, train_cfg, plan.prepared.fingerprint,
+                               opts.allow_config_change, say)
+        train_cfg.dtype = run_dtype(train_cfg.dtype, state, opts)
+    except BaseException:
+        lease.release()
+        raise
+    plan.lease = lease
+    return plan
+
+
+RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's list of the checkpoints it registered
+
+
+def check_run(model_cfg: ModelConfig, train_cfg: TrainConfig, opts: RayOptions, demo: bool, concurrent_runs: int,
+              reserved_cpus: float) -> RunPlan:
+    """The data opened and checked against the configs, Ray started or joined, the workers' CPUs and steps planned."""
+    hooks = testing.from_env(warn=lambda m: print(m, file=sys.stderr, flush=True))
     run_dir = Path(opts.run_dir) if opts.run_dir else None
     opts.trackers = check_trackers(opts.tracker, opts.tracker_settings(), run_dir=run_dir)
     prepared = None
@@ -134,9 +155,10 @@ def plan_run(args: argparse.Namespace, concurrent_runs: int = 1, reserved_cpus: 
         opts.data_dir = opts.data if D.is_remote(opts.data) else str(Path(opts.data).expanduser().resolve())
         prepared = D.open_prepared(opts.data_dir)  # a missing, incomplete or damaged --data: refused before Ray
     started_here = ensure_ray(opts.num_cpus)
+    min_w, max_w = opts.workers
     if opts.cpus_per_worker is None:
         opts.cpus_per_worker = auto_cpus_per_worker(max_w * concurrent_runs, started_here, opts, reserved_cpus)
-    missing = nodes_missing_path(Path(opts.storage_path)) if local_storage else []
+    missing = nodes_missing_path(Path(opts.storage_path)) if run_dir else []
     if missing:
         raise UsageError(f"--storage-path {opts.storage_path} is not visible from {len(missing)} node(s) of this "
                          f"cluster ({', '.join(missing)}): {SHARED_STORAGE_HINT}")
@@ -150,45 +172,12 @@ def plan_run(args: argparse.Namespace, concurrent_runs: int = 1, reserved_cpus: 
         prepared = D.open_prepared(opts.data_dir)
     D.check_compatible(prepared, vocab_size=model_cfg.vocab_size, seq_len=train_cfg.seq_len)
     steps = plan_steps(train_cfg, prepared.num_sequences, range(min_w, max_w + 1), where=f"{redact_uri(opts.data_dir)}: ")
-    plan = RunPlan(model_cfg, train_cfg, opts, prepared, steps)
-    plan.lease, state = take_run_folder(opts, model_cfg, train_cfg, prepared.fingerprint)
-    try:
-        train_cfg.dtype = run_dtype(train_cfg.dtype, state, opts)
-    except BaseException:
-        plan.release()
-        raise
     if hooks:
         opts.test_hooks = hooks.to_dict()
         if hooks.record_sample_ids:
             Path(hooks.record_sample_ids).mkdir(parents=True, exist_ok=True)
-    plan.notes = [n for n in [rows_note(prepared.manifest, prepared.location)] if n]
-    return plan
-
-
-def take_run_folder(opts: RayOptions, model_cfg: ModelConfig, train_cfg: TrainConfig, fingerprint: str):
-    """The run folder's lease, --resume applied to it, and the checkpoint it continues checked against this command
-    (the same rules as minilm.train's rank 0); (lease, its state.json or None). Ray's own index of the checkpoints it
-    registered goes: minilm prunes and moves checkpoints aside itself, and Ray refuses an index naming one gone."""
-    folder = C.RunFolder(join_uri(opts.storage_path, opts.name),
-                         display=redact_uri(join_uri(opts.storage_path.split("?", 1)[0], opts.name)))
-    say = lambda m: print(m, flush=True)  # noqa: E731
-    lease = C.Lease(folder, say).take()
-    try:
-        opts.resume_path = C.plan_resume(folder, opts.resume, opts.abandon_newer, say)
-        folder.delete(RAY_SNAPSHOT)
-        if opts.resume_path is None:
-            return lease, None
-        state = folder.state(opts.resume_path)
-        for c in C.check_resume(state, folder.display if "/" not in opts.resume_path else opts.resume_path,
-                                model_cfg, train_cfg, fingerprint, opts.allow_config_change):
-            say(f"note: resuming with {c}" + ("" if c.safe else " (--allow-config-change)"))
-        return lease, state
-    except BaseException:
-        lease.release()
-        raise
-
-
-RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's list of the checkpoints it registered
+    notes = [n for n in [rows_note(prepared.manifest, prepared.location)] if n]
+    return RunPlan(model_cfg, train_cfg, opts, prepared, steps, notes)
 
 
 def auto_cpus_per_worker(workers: int, local: bool, opts: RayOptions, reserved_cpus: float = 0.0) -> float:
@@ -210,25 +199,6 @@ def auto_cpus_per_worker(workers: int, local: bool, opts: RayOptions, reserved_c
         return 1.0
     per_node = -(-workers // len(nodes))
     return float(max(1, int(min(r["CPU"] for r in nodes) - 1 - math.ceil(reserved_cpus)) // per_node))
-
-
-def check_storage_writable(storage: Path) -> None:
-    """A local --storage-path that cannot be written: one error line here, not a traceback from Ray's controller."""
-    created = [p for p in (storage, *storage.parents) if not p.exists()]
-    try:
-        storage.mkdir(parents=True, exist_ok=True)
-        probe = storage / f".minilm-write-test-{os.getpid()}"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as e:
-        raise UsageError(f"--storage-path {storage}: cannot create or write there "
-                         f"({e.strerror or e}); choose a writable folder or an s3:// / gs:// URI") from None
-    finally:
-        for folder in created:  # a check leaves nothing behind: the run creates its folders when it starts
-            try:
-                folder.rmdir()
-            except OSError:
-                break
 
 
 def run_dtype(requested: str, saved: dict | None, opts: RayOptions) -> str:

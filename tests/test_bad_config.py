@@ -115,8 +115,9 @@ def test_a_storage_path_that_cannot_be_written_is_one_line_before_ray(data, tmp_
     storage = where.format(tmp=tmp_path)
     code = pretrain.main(["--data", str(data), *TINY, "--storage-path", storage, "--name", "x"])
     err = capsys.readouterr().err
-    assert code == 2 and err.startswith(f"error: --storage-path {storage}: cannot create or write there (") \
+    assert code == 2 and err.startswith(f"error: run folder {storage}/x: cannot create or write there (") \
         and err.count("\n") == 1, err
+    assert not (tmp_path / "a-file").is_dir()
 
 
 @pytest.mark.parametrize("refusal,message", [

@@ -97,16 +97,14 @@ def test_a_state_json_this_version_cannot_use_is_one_line_and_exit_2(edit, messa
 
 
 def test_the_ray_driver_refuses_such_a_state_json_before_any_worker(tmp_path):
-    """ray_jobs.pretrain reads the checkpoint it will resume with the same check (its main turns the
-    CheckpointError into the one line and exit 2, before Ray starts any worker)."""
-    from ray_jobs.cli import RayOptions
-    from ray_jobs.pretrain import take_run_folder
-
+    """ray_jobs.pretrain's driver reads the checkpoint it will resume with the same rule as minilm.train (its main
+    turns the CheckpointError into the one line and exit 2, before Ray starts any worker)."""
     run_dir, _ = resumable_copy(FORMATS[-1], tmp_path)
     edit_state(run_dir / CHECKPOINT, lambda s: s.pop("global_batch_size"))
+    folder = C.RunFolder(run_dir)
+    origin = C.plan_resume(folder, "auto")  # the driver's choice, made before Ray starts
     with pytest.raises(C.CheckpointError, match="state.json lacks global_batch_size"):
-        take_run_folder(RayOptions(storage_path=str(run_dir.parent), name=run_dir.name), None, None, None)
-    assert not (run_dir / C.LEASE).exists()  # the run folder is free again
+        C.check_origin(folder, origin, None, None, None, False)
 
 
 def test_keep_checkpoints_keeps_the_newest_complete_ones_and_a_failed_delete_only_logs(run_data, tmp_path,

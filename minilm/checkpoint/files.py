@@ -1,15 +1,9 @@
 """A checkpoint or export folder on disk: each file hashed as it is written and fsynced, COMPLETE.json last.
 
-A resume checkpoint:
-
-    model.safetensors     fp32 master weights (every state-dict key, MiniMind names)
-    optimizer.pt          optimizer state    (torch.save of tensors and numbers: weights_only-loadable)
-    scaler.pt             GradScaler state
-    state.json            optimizer_step, world_size, global_batch_size, configs, fingerprints, run ids, ...
-    COMPLETE.json         written last: the SHA-256 of every file above. No marker, no load.
-
-A weights export (`weights/`, `ray_jobs.export`) is half-precision `model.safetensors` + `config.json`
-(+ `tokenizer.json`, MiniMind's `.pth`), loadable with `minilm.load_pretrained(DIR)`.
+A resume checkpoint is `model.safetensors` (fp32 master weights, MiniMind's keys), `optimizer.pt`, `scaler.pt`
+(torch.save of tensors and numbers: weights_only-loadable) and `state.json` (step, world size, configs,
+fingerprints, run ids). A weights export (`weights/`, `ray_jobs.export`) is half-precision `model.safetensors` +
+`config.json` (+ `tokenizer.json`, MiniMind's `.pth`), loadable with `minilm.load_pretrained(DIR)`.
 """
 
 from __future__ import annotations
@@ -32,7 +26,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from ..config import ModelConfig
-from ..data import cache_root, file_sha256
+from ..data import cache_root, file_sha256, fsync_dir
 from ..data.verified import file_key, node_lock
 from ..step import TORCH_DTYPES
 
@@ -55,12 +49,9 @@ class CheckpointError(RuntimeError):
 
 def write_folder(path: Path, writers: dict[str, Callable[[Path], str]], step: int | None, hooks=None,
                  kind: str = "checkpoint", shown: Path | None = None) -> None:
-    """Write each file of the folder `path` (a writer returns its SHA-256), fsync them, then the marker.
-
-    A failed write raises one CheckpointError line naming the step, the folder (`shown`, where it is staged) and the
-    file, and leaves no marker.
-    `hooks` is for the fault tests only.
-    """
+    """Write each file of the folder `path` (a writer returns its SHA-256), then the marker. A failed write raises one
+    CheckpointError line naming the step, the folder (`shown`, if staged elsewhere) and the file, and leaves no marker.
+    `hooks` is for the fault tests only."""
     name = path.name
     try:
         path.mkdir(mode=0o750, parents=True, exist_ok=True)
@@ -85,14 +76,6 @@ def write_marker(path: Path, files: list[str] | tuple[str, ...], digests: dict[s
     write_bytes(path / (MARKER + ".tmp"), json.dumps(marker, indent=2, sort_keys=True).encode())
     os.replace(path / (MARKER + ".tmp"), path / MARKER)  # atomic: the marker appears whole or not at all
     fsync_dir(path)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def is_disk_full(e: BaseException) -> bool:
@@ -231,26 +214,17 @@ def parse_marker(raw: bytes | None, where: Path | str) -> dict[str, str]:
     return files
 
 
-def read_marker(path: Path) -> dict[str, str]:
+def verify(path: str | os.PathLike, once_per_node: bool = False) -> None:
+    """Raise CheckpointError unless `path` holds a complete checkpoint whose files match their hashes.
+    `once_per_node` (a resume): the node's first process hashes under a lock and leaves a stamp in the node's cache
+    (the marker's SHA-256, each file's size, mtime and inode) that the other ranks trust while nothing changes."""
+    path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist")
     try:
-        raw = (path / MARKER).read_bytes()
-    except FileNotFoundError:
-        raw = None
+        files = parse_marker((path / MARKER).read_bytes() if (path / MARKER).exists() else None, path)
     except OSError as e:
         raise CheckpointError(f"checkpoint {path}: {MARKER} cannot be read ({e.strerror or e})") from None
-    return parse_marker(raw, path)
-
-
-def verify(path: str | os.PathLike, once_per_node: bool = False) -> None:
-    """Raise CheckpointError unless `path` holds a complete checkpoint whose files match their hashes.
-
-    `once_per_node` (a resume): the node's first process hashes under a lock and leaves a stamp in the node's cache
-    (the marker's SHA-256, each file's size, mtime and inode) that the other ranks trust while nothing changes.
-    """
-    path = Path(path)
-    files = read_marker(path)
     for name in files:
         if not (path / name).is_file():
             raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing")
@@ -348,12 +322,8 @@ def parse_state(raw: bytes, where, keys: tuple[str, ...] = STATE_KEYS) -> dict[s
 def check_output(path: Path) -> bool:
     """May an export be written to `path`? True: it holds exactly an earlier minilm export, to be replaced; False: it
     is missing or empty. Anything else is refused with one CheckpointError line, the folder untouched."""
-    if not path.exists():
-        return False
-    if not path.is_dir():
-        raise CheckpointError(f"--output {path} is a file, not a folder: choose a new or empty folder")
-    entries = {p.name for p in path.iterdir()}
-    if not entries:
+    entries = {p.name for p in path.iterdir()} if path.is_dir() else set()
+    if not entries and not path.is_file():
         return False
     try:
         raw = (path / MARKER).read_bytes()
@@ -364,6 +334,7 @@ def check_output(path: Path) -> bool:
     except (OSError, CheckpointError):
         ours = False
     if not ours:
+        entries = entries or {path.name}
         raise CheckpointError(f"--output {path} holds other files ({', '.join(sorted(entries)[:3])}"
                               f"{', ...' if len(entries) > 3 else ''}): an export writes only into a new or empty "
                               f"folder, or over an earlier minilm export; choose another folder")
@@ -372,23 +343,18 @@ def check_output(path: Path) -> bool:
 
 def write_export(path: Path, writers: dict[str, Callable[[Path], str]], kind: str, step: int | None = None) -> Path:
     """Write an export folder beside `path` and rename it into place, replacing only an earlier export of minilm."""
-    replace = check_output(path)
-    staged = path.with_name(f"{STAGING}{socket.gethostname()}-{os.getpid()}-{path.name}")
-    shutil.rmtree(staged, ignore_errors=True)
+    old = path.with_name(f"{STAGING}{socket.gethostname()}-{os.getpid()}-{path.name}-old")
+    staged = old.with_name(old.name.removesuffix("-old"))
     try:
+        replace = check_output(path)
         write_folder(staged, writers, step, kind=kind, shown=path)
-        if replace:
-            old = staged.with_name(staged.name + "-old")
-            os.replace(path, old)
-            os.replace(staged, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            if path.exists():
-                path.rmdir()  # empty
-            os.replace(staged, path)
+        if path.exists():
+            os.replace(path, old) if replace else path.rmdir()  # an earlier export, or an empty folder
+        os.replace(staged, path)
         fsync_dir(path.parent)
     finally:
-        shutil.rmtree(staged, ignore_errors=True)
+        for leftover in (staged, old):
+            shutil.rmtree(leftover, ignore_errors=True)
     return path
 
 

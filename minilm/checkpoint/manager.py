@@ -25,11 +25,11 @@ from typing import Any, Protocol
 import torch
 
 from ..config import ModelConfig, TrainConfig
+from ..data import fsync_dir
 from .files import (
     STATE_KEYS,
     CheckpointError,
     ResumeState,
-    fsync_dir,
     load_resume_state,
     model_tensors,
     write_resume_state,

@@ -24,7 +24,8 @@ import pyarrow.fs as pafs
 
 from ..cli import UsageError
 from ..config import ModelConfig
-from .files import MARKER, STAGING, CheckpointError, fsync_dir, parse_marker, parse_state, verify
+from ..data import fsync_dir
+from .files import MARKER, STAGING, CheckpointError, parse_marker, parse_state, verify
 
 LEASE = "lease.json"
 CHECKPOINT_NAME = re.compile(r"checkpoint_\d{8}(_\d+)?")  # not Ray's checkpoint_manager_snapshot.json
@@ -125,10 +126,8 @@ class RunFolder:
 
     def state(self, origin: str) -> dict[str, Any]:
         """state.json of a checkpoint of this folder (a name) or anywhere on this machine (a path)."""
-        if "/" in origin or self.local is not None:
-            folder = Path(origin) if "/" in origin else self.local / origin
-            raw = (folder / "state.json").read_bytes() if (folder / "state.json").is_file() else b""
-            return parse_state(raw, folder)
+        if "/" in origin:
+            return parse_state((Path(origin) / "state.json").read_bytes(), origin)
         return parse_state(self.read(f"{origin}/state.json") or b"", f"{self.display}/{origin}")
 
     def sync(self, name: str) -> None:
@@ -136,13 +135,8 @@ class RunFolder:
         if self.local is None:
             return
         for folder, _, files in os.walk(self.local / name):
-            for f in files:
-                fd = os.open(Path(folder) / f, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-            fsync_dir(Path(folder))
+            for f in [*files, "."]:  # fsync_dir takes a file too
+                fsync_dir(Path(folder) / f)
         fsync_dir(self.local)
 
     def move_aside(self, names: list[str], copies: tuple[str, ...] = ()) -> str:
@@ -161,11 +155,9 @@ class RunFolder:
         return f"{self.display}/{dest}"
 
     def has_marker(self, name: str) -> bool:
-        try:
-            parse_marker(self.read(f"{name}/{MARKER}"), name)
-            return True
-        except (CheckpointError, OSError):
-            return False
+        with contextlib.suppress(CheckpointError, OSError):
+            return bool(parse_marker(self.read(f"{name}/{MARKER}"), name))
+        return False
 
 
 # ---- one live run per folder ----------------------------------------------------------------------
@@ -202,7 +194,12 @@ class Lease:
                 raise UsageError(f"run folder {self.folder.display} is in use by a live run ({who}): wait for it to "
                                  f"end (or stop it), or use another --name")
             self.say(f"note: taking over run folder {self.folder.display} from a run that is gone ({who})")
-        self._beat()
+        try:
+            self._beat()
+        except OSError as e:
+            self.release()
+            raise UsageError(f"run folder {self.folder.display}: cannot create or write there ({e.strerror or e}); "
+                             f"choose a writable folder (--storage-path, --run-dir) or an s3:// / gs:// URI") from None
         self._thread = threading.Thread(target=self._heartbeat, name="minilm-lease", daemon=True)
         self._thread.start()
         return self
@@ -239,14 +236,9 @@ class Lease:
 
 def sweep_staging(root: Path) -> list[Path]:
     """Remove the staging folders under `root` left by processes of this host that are gone (a crash mid-write)."""
-    swept, host = [], socket.gethostname()
+    swept, mine = [], re.compile(re.escape(f"{STAGING}{socket.gethostname()}-") + r"(\d+)-.*")
     for p in root.glob(f"{STAGING}*") if root.is_dir() else []:
-        parts = p.name[len(STAGING):].split("-")
-        try:
-            pid = int(parts[-2])
-        except (IndexError, ValueError):
-            continue
-        if "-".join(parts[:-2]) == host and not pid_alive(pid):
+        if (m := mine.fullmatch(p.name)) and not pid_alive(int(m[1])):
             shutil.rmtree(p, ignore_errors=True)
             swept.append(p)
     return swept
@@ -355,6 +347,18 @@ def resume_problems(state: dict[str, Any], model_config: ModelConfig, train_conf
     return problems
 
 
+def check_origin(folder: RunFolder | None, origin: str | None, model_config: ModelConfig, train_config,
+                 data_fingerprint: str, allow_config_change: bool, say=print) -> dict[str, Any] | None:
+    """The state.json of the checkpoint a fresh start continues (`plan_resume`'s), checked against this command: one
+    CheckpointError line for a resume that cannot work or would silently change the run, a note for each change."""
+    if origin is None:
+        return None
+    state = (folder or RunFolder(".")).state(origin)
+    for c in check_resume(state, origin, model_config, train_config, data_fingerprint, allow_config_change):
+        say(f"note: resuming with {c}" + ("" if c.safe else " (--allow-config-change)"))
+    return state
+
+
 def check_resume(state: dict[str, Any], where, model_config: ModelConfig, train_config, data_fingerprint: str,
                  allow_config_change: bool) -> list[ConfigChange]:
     """Refuse (one CheckpointError line) a resume that cannot work or would silently change the run; the changes
@@ -372,5 +376,5 @@ def check_resume(state: dict[str, Any], where, model_config: ModelConfig, train_
     return changes
 
 
-__all__ = ["LEASE", "PREDATED_VALUES", "ConfigChange", "Lease", "RunFolder", "check_resume", "checkpoint_dtype",
+__all__ = ["LEASE", "PREDATED_VALUES", "ConfigChange", "Lease", "RunFolder", "check_origin", "check_resume", "checkpoint_dtype",
            "config_changes", "plan_resume", "resume_problems", "sweep_staging"]
