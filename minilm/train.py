@@ -112,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    os.umask(0o027)  # run folders and checkpoints: readable by their owner and group only
     try:
         return run_cli(argv)
     finally:

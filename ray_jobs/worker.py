@@ -9,6 +9,7 @@ by Ray), and SIGTERM / node drains in as stop flags. Which checkpoint a (re)star
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import signal
 import tempfile
@@ -29,6 +30,7 @@ from .stream import RankStream
 
 
 def train_func(config: dict) -> None:
+    os.umask(0o027)  # what Ray uploads into the run folder: readable by its owner and group only
     spec = RunSpec.from_dict(config, RayOptions)
     launcher = RayLauncher(spec)
     prepared = D.open_local(spec.options.data_dir)  # a remote --data is copied to this node once

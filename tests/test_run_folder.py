@@ -173,6 +173,8 @@ def test_a_second_live_run_in_the_same_folder_is_refused(run_data, tmp_path):
     finally:
         first.kill()
     assert [r["optimizer_step"] for r in metrics(run_dir)] == [4, 8] and not (run_dir / C.LEASE).exists()
+    others = [p for p in run_dir.rglob("*") if p.stat().st_mode & 0o007]  # other users on the shared storage
+    assert others == [], others
 
 
 def test_a_stale_lease_is_taken_over_with_a_note_and_a_live_one_is_not(tmp_path, capsys):

@@ -1,13 +1,11 @@
-"""The one owner of a run's checkpoints: when to save, where it is staged, how it is written (in the background or
-not), published, verified, pruned, and which one a (re)start loads.
+"""The one owner of a run's checkpoints: when to save, where it is staged, how it is written, published, verified,
+pruned, and which one a (re)start loads. The save path:
 
-    Trainer.fit -> CheckpointManager.report -> files.write_resume_state (writer thread) -> Storage.report (publish)
-                -> CheckpointManager.published (verify, prune)
+    Trainer.fit -> CheckpointManager.report -> (writer thread) files.write_resume_state -> Storage.report (a rename,
+    or Ray's upload) -> CheckpointManager.published (fsync, verify, prune)
 
-The training thread copies the state into reused host buffers (`StateSnapshot`) and goes on; a writer thread
-writes and fsyncs the files, then the storage publishes the folder: a rename into a local run folder
-(`LocalStorage`), or Ray's upload (`ray_jobs/worker.py`). At most one save is in flight, so the buffers are never
-overwritten while read. `--checkpoint-mode sync` writes the live state while the training thread waits.
+The training thread copies the state into reused host buffers (`StateSnapshot`) and goes on; at most one save is in
+flight, so the buffers are never overwritten while read. `--checkpoint-mode sync` writes the live state instead.
 """
 
 from __future__ import annotations
@@ -26,15 +24,7 @@ import torch
 
 from ..config import ModelConfig, TrainConfig
 from ..data import fsync_dir
-from .files import (
-    STATE_KEYS,
-    CheckpointError,
-    ResumeState,
-    load_resume_state,
-    model_tensors,
-    write_resume_state,
-    write_weights_export,
-)
+from . import files as F
 from .resume import RunFolder, staging_dir, sweep_staging
 
 
@@ -84,8 +74,11 @@ class StateSnapshot:
             return type(obj)(self._copy(f"{key}/{i}", v) for i, v in enumerate(obj))
         return copy.deepcopy(obj)
 
-    def take(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler) -> Snapshot:
-        """The state as of now; its tensors are this object's buffers, valid until the next `take`."""
+    def take(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler, live: bool = False) -> Snapshot:
+        """The state as of now: in this object's buffers (valid until the next `take`), or with `live` the state itself
+        (sync mode: the training thread waits while it is written)."""
+        if live:
+            return Snapshot(F.model_tensors(model.state_dict()), optimizer.state_dict(), scaler.state_dict())
         snap = Snapshot(self._copy("model", dict(model.state_dict())), self._copy("optimizer", optimizer.state_dict()),
                         copy.deepcopy(scaler.state_dict()))
         if self.pinned:
@@ -106,11 +99,6 @@ class Snapshot:
             self.event.synchronize()
 
 
-def live_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler) -> Snapshot:
-    """The state itself, not a copy (sync mode: the training thread waits while it is written)."""
-    return Snapshot(model_tensors(model.state_dict()), optimizer.state_dict(), scaler.state_dict())
-
-
 @dataclass(frozen=True)
 class WeightsExport:
     """The half-precision weights export written into `<checkpoint>/weights` with a checkpoint."""
@@ -122,8 +110,7 @@ class WeightsExport:
 
 class PendingSave:
     """A checkpoint being written into its staging folder: `wait()` for it (raises its error); `then(fn)` runs `fn(path)`
-    once it is complete (on the writer's thread, or here if it already is); the storage calls `published(name)` once
-    it is in the run folder."""
+    once it is complete (on the writer's thread, or here if it already is); the storage calls `published(name)`."""
 
     def __init__(self, path: Path, step: int, blocking: bool, on_published: Callable[[str], None]):
         self.path, self.step, self.blocking, self.published = Path(path), step, blocking, on_published
@@ -146,37 +133,31 @@ class PendingSave:
     def then(self, fn: Callable[[Path], None]) -> None:
         with self._lock:
             if self._then is not None:
-                self._then.append(fn)
-                return
-        if self.error is None:
-            try:
-                fn(self.path)
-            except BaseException as e:  # kept for `wait`/`failed`, as on the writer's thread
-                self.error = e
+                return self._then.append(fn)
+        self._run([fn])
 
     def finish(self, error: BaseException | None) -> None:
         with self._lock:
-            then, self._then = self._then, None
+            then, self._then, self.error = self._then, None, error
+        self._run(then)
+        self._done.set()
+
+    def _run(self, then: list[Callable[[Path], None]]) -> None:
         try:
-            for fn in then if error is None else ():
+            for fn in then if self.error is None else ():
                 fn(self.path)
         except BaseException as e:  # publishing failed: the save did
-            error = e
-        finally:
-            self.error = error
-            self._done.set()
+            self.error = e
 
 
 class Storage(Protocol):
-    """Where a launcher keeps a run's checkpoints (the launcher provides it: `LocalStorage`, or Ray's in
-    ray_jobs/worker.py)."""
+    """What a launcher provides: where the run's checkpoints go (`LocalStorage`, ray_jobs/worker.py's `RayStorage`)."""
 
     folder: RunFolder | None  # the run folder; None: no checkpoint is kept
     staging: Path  # this node's root for staging folders (on the run folder's filesystem for a rename)
 
     def report(self, metrics: dict, save: PendingSave | None) -> None:
-        """Every rank at every log step, in the same order; rank 0 hands over a save, to be published once complete
-        and then `save.published(name)`."""
+        """Every rank at every log step; rank 0's save is published once complete, then `save.published(name)`."""
 
 
 class LocalStorage:
@@ -201,13 +182,12 @@ class CheckpointManager:
     """Every rank reports through it at every log step; rank 0 writes. The last save, and every sync-mode save, is
     complete and published when `report` returns; `failed()` says (cheaply) that a background save failed."""
 
-    def __init__(self, storage: Storage, cfg: TrainConfig, *, rank: int, device: torch.device, start_step: int = 0,
-                 keep: int = 3, origin: str | None = None, export: WeightsExport | None = None, hooks=None,
-                 say=print):
+    def __init__(self, storage: Storage, cfg: TrainConfig, *, rank: int, device: torch.device, keep: int = 3,
+                 origin: str | None = None, export: WeightsExport | None = None, hooks=None, say=print):
         self.storage, self.folder, self.rank, self.say = storage, storage.folder, rank, say
         self.keep, self.origin, self.export, self.hooks = keep, origin, export, hooks
         self.mode, self.export_every = cfg.checkpoint_mode, cfg.export_every
-        self.cadence = Cadence(cfg.checkpoint_every, cfg.checkpoint_every_minutes, rank == 0, start_step)
+        self.cadence = Cadence(cfg.checkpoint_every, cfg.checkpoint_every_minutes, rank == 0)
         self.snapshot = StateSnapshot(device) if rank == 0 else None
         self.pending: PendingSave | None = None
         self._thread: threading.Thread | None = None
@@ -218,25 +198,21 @@ class CheckpointManager:
             for path in sweep_staging(storage.staging):
                 say(f"note: removed {path.name}, a checkpoint left half-written by a process that is gone")
 
-    # ---- loading -----------------------------------------------------------------------------------
-
-    def load(self) -> ResumeState | None:
+    def load(self) -> F.ResumeState | None:
         """The newest complete checkpoint of the run folder, else the one the entry point chose (`origin`), else None;
         verified (its hashes read once per node) and loaded, passing over torn or corrupt ones with a message."""
         names = list(reversed(self.folder.checkpoints())) if self.folder is not None else []
         for name in names + ([self.origin] if self.origin and self.origin not in names else []):
             try:
                 with (self.folder.local_copy(name) if name in names else contextlib.nullcontext(Path(name))) as path:
-                    state = load_resume_state(path, keys=STATE_KEYS, once_per_node=True)
+                    state = F.load_resume_state(path, keys=F.STATE_KEYS, once_per_node=True)
                     self.resumed_from = name
                     return state
-            except CheckpointError as e:
+            except F.CheckpointError as e:
                 if name not in names:
                     raise
                 self.say(f"skipping checkpoint: {e}")
         return None
-
-    # ---- saving ------------------------------------------------------------------------------------
 
     def report(self, step: int, metrics: dict, *, model=None, optimizer=None, scaler=None, state: dict | None = None,
                final: bool = False) -> None:
@@ -260,7 +236,7 @@ class CheckpointManager:
         self.wait_s, self.save_s = wait_s, time.perf_counter() - t0 - wait_s
 
     def _start(self, step, model, optimizer, scaler, state, export, blocking) -> PendingSave:
-        snap = live_state(model, optimizer, scaler) if blocking else self.snapshot.take(model, optimizer, scaler)
+        snap = self.snapshot.take(model, optimizer, scaler, live=blocking)
         save = PendingSave(staging_dir(self.storage.staging, f"{step:08d}"), step, blocking, self.published)
         self._thread = threading.Thread(target=self._write, args=(save, snap, state, export),
                                         name=f"minilm-checkpoint-writer-{step}", daemon=True)
@@ -272,10 +248,10 @@ class CheckpointManager:
         error = None
         try:
             snap.ready()
-            write_resume_state(save.path, model_state=snap.model_state, optimizer_state=snap.optimizer_state,
+            F.write_resume_state(save.path, model_state=snap.model_state, optimizer_state=snap.optimizer_state,
                                scaler_state=snap.scaler_state, state=state, hooks=self.hooks)
             if export is not None:
-                write_weights_export(save.path / "weights", snap.model_state, export.config, export.tokenizer_path,
+                F.write_weights_export(save.path / "weights", snap.model_state, export.config, export.tokenizer_path,
                                      export.dtype, step=save.step, in_place=True)
         except BaseException as e:  # handed to whoever waits for this save
             error = e
@@ -317,7 +293,7 @@ class CheckpointManager:
 
     def raise_failure(self, step: int) -> None:
         self.wait()  # rank 0: raises the writer's CheckpointError (the one line naming step, folder and file)
-        raise CheckpointError(f"rank 0 could not write a checkpoint (its error names the step, folder and file); "
+        raise F.CheckpointError(f"rank 0 could not write a checkpoint (its error names the step, folder and file); "
                               f"stopped at optimizer step {step}; earlier checkpoints are intact: fix the storage, "
                               f"then continue with --resume auto")
 

@@ -1,9 +1,9 @@
-"""Which checkpoint a run continues, and what may be deleted: the rules every entry point follows.
+"""Which checkpoint a run continues, and who may write its folder: the rules every entry point follows.
 
-`RunFolder` is a run's folder on any storage (a local path, or s3:// / gs:// through pyarrow): its checkpoints,
-its lease (one live run at a time), the folders moved aside. `plan_resume` applies --resume under the lease
-(`ray_jobs.pretrain`'s driver, `minilm.train`'s rank 0); every (re)started process then continues the newest
-complete checkpoint of the folder, else the one `plan_resume` chose (`CheckpointManager.load`).
+`RunFolder` is a run's folder on any storage (a local path, or s3:// / gs:// through pyarrow). Its `Lease` keeps one
+live run in it; `plan_resume` applies --resume under the lease (`ray_jobs.pretrain`'s driver, `minilm.train`'s rank
+0); every (re)started process then continues the newest complete checkpoint of the folder, else the one
+`plan_resume` chose (`CheckpointManager.load`).
 """
 
 from __future__ import annotations
@@ -51,8 +51,7 @@ class RunFolder:
         return f"{self.root}/{rel}"
 
     def names(self) -> list[str]:
-        infos = self.fs.get_file_info(pafs.FileSelector(self.root, allow_not_found=True))
-        return sorted(i.base_name for i in infos)
+        return sorted(i.base_name for i in self.fs.get_file_info(pafs.FileSelector(self.root, allow_not_found=True)))
 
     def checkpoints(self) -> list[str]:
         """The checkpoint folders, oldest first (a step redone after a fall-back sorts after: checkpoint_<step>_<k>)."""
@@ -79,11 +78,9 @@ class RunFolder:
     def delete(self, rel: str) -> None:
         if self.local is not None and (self.local / rel).is_dir():
             return shutil.rmtree(self.local / rel)
-        info = self.fs.get_file_info(self._path(rel))
-        if info.type == pafs.FileType.Directory:
-            self.fs.delete_dir(self._path(rel))
-        elif info.type == pafs.FileType.File:
-            self.fs.delete_file(self._path(rel))
+        kind = self.fs.get_file_info(self._path(rel)).type
+        if kind != pafs.FileType.NotFound:
+            (self.fs.delete_dir if kind == pafs.FileType.Directory else self.fs.delete_file)(self._path(rel))
 
     def next_name(self, step: int) -> str:
         """checkpoint_<step>, or checkpoint_<step>_<k> when that folder exists (a step redone after falling back past a
@@ -118,11 +115,11 @@ class RunFolder:
     def local_copy(self, name: str):
         if self.local is not None:
             yield self.local / name
-        elif self.download is None:
+            return
+        if self.download is None:
             raise CheckpointError(f"checkpoint {self.display}/{name} is on remote storage: load it in a Ray worker")
-        else:
-            with self.download(self._path(name)) as path:
-                yield Path(path)
+        with self.download(self._path(name)) as path:
+            yield Path(path)
 
     def state(self, origin: str) -> dict[str, Any]:
         """state.json of a checkpoint of this folder (a name) or anywhere on this machine (a path)."""
@@ -167,8 +164,8 @@ def pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        pass  # another user's process
+    except PermissionError:  # another user's process
+        pass
     return True
 
 
@@ -290,8 +287,9 @@ PREDATED_VALUES = {"schedule": "cosine"}
 SAFE_TO_CHANGE = frozenset({"log_every", "checkpoint_every", "checkpoint_every_minutes", "checkpoint_mode",
                             "export_every", "compile", "activation_checkpointing", "micro_batch_size",
                             "max_nonfinite_steps", "eval_every"})
-# Always refused: the global batch and the seed fix the data order, the optimizer kind its state.
-FIXED = ("global_batch_size", "seed", "optimizer")
+# Never changed: the global batch and the seed fix the data order, the optimizer kind its state.
+FIXED = {"global_batch_size": " (the global batch is the invariant of a run)", "seed": "",
+         "optimizer": " (its state has no counterpart in the other optimizer)"}
 
 
 @dataclass(frozen=True)
@@ -316,26 +314,24 @@ def config_changes(state: dict[str, Any], train_config) -> list[ConfigChange]:
     saved, changes = state.get("train_config", {}), []
     for name, after in sorted(train_config.to_dict().items()):
         before = checkpoint_dtype(state) if name == "dtype" else saved.get(name, after)
-        if name in FIXED or (name == "dtype" and (after == "auto" or before is None)):
-            continue
-        if before != after:
+        if name == "dtype" and (after == "auto" or before is None):
+            continue  # the checkpoint's precision goes on
+        if name not in FIXED and before != after:
             changes.append(ConfigChange(name, before, after, name in SAFE_TO_CHANGE))
     return changes
 
 
 def resume_problems(state: dict[str, Any], model_config: ModelConfig, train_config, data_fingerprint: str) -> list[str]:
     """Why a run with these configs cannot continue from a checkpoint's state.json (empty: it can)."""
-    problems, saved = [], state["train_config"]
+    problems = []
     before, dtype = checkpoint_dtype(state), train_config.dtype
     if dtype != "auto" and before and dtype != before and "fp16" in (dtype, before):
         problems.append(f"dtype {dtype} != {before} in the checkpoint (fp16's GradScaler state has no counterpart "
                         f"in bf16 or fp32; only fp32 <-> bf16 can change mid-run, with --allow-config-change)")
-    why = {"global_batch_size": " (the global batch is the invariant of a run)",
-           "optimizer": " (its state has no counterpart in the other optimizer)"}
-    for name in FIXED:
-        was = state["global_batch_size"] if name == "global_batch_size" else saved.get(name, "adamw")
+    for name, why in FIXED.items():
+        was = state["global_batch_size"] if name == "global_batch_size" else state["train_config"].get(name, "adamw")
         if was != getattr(train_config, name):
-            problems.append(f"{name} {getattr(train_config, name)} != {was} in the checkpoint{why.get(name, '')}")
+            problems.append(f"{name} {getattr(train_config, name)} != {was} in the checkpoint{why}")
     # A field added to ModelConfig since the checkpoint was written (e.g. document_mask) has its default there.
     saved_model = {**ModelConfig().to_dict(), **state["model_config"]}
     if saved_model != model_config.to_dict():
@@ -345,18 +341,6 @@ def resume_problems(state: dict[str, Any], model_config: ModelConfig, train_conf
         problems.append(f"the data fingerprint {data_fingerprint[:12]} differs from the checkpoint's "
                         f"{state['data_fingerprint'][:12]} (other --data, or data made with another tokenizer)")
     return problems
-
-
-def check_origin(folder: RunFolder | None, origin: str | None, model_config: ModelConfig, train_config,
-                 data_fingerprint: str, allow_config_change: bool, say=print) -> dict[str, Any] | None:
-    """The state.json of the checkpoint a fresh start continues (`plan_resume`'s), checked against this command: one
-    CheckpointError line for a resume that cannot work or would silently change the run, a note for each change."""
-    if origin is None:
-        return None
-    state = (folder or RunFolder(".")).state(origin)
-    for c in check_resume(state, origin, model_config, train_config, data_fingerprint, allow_config_change):
-        say(f"note: resuming with {c}" + ("" if c.safe else " (--allow-config-change)"))
-    return state
 
 
 def check_resume(state: dict[str, Any], where, model_config: ModelConfig, train_config, data_fingerprint: str,
@@ -374,6 +358,18 @@ def check_resume(state: dict[str, Any], where, model_config: ModelConfig, train_
                               " change the schedule or optimizer mid-run; pass --allow-config-change to continue "
                               "with the new values, or use another --name")
     return changes
+
+
+def check_origin(folder: RunFolder | None, origin: str | None, model_config: ModelConfig, train_config,
+                 data_fingerprint: str, allow_config_change: bool, say=print) -> dict[str, Any] | None:
+    """The state.json of the checkpoint a fresh start continues (`plan_resume`'s), `check_resume`d with a note for
+    each change it makes."""
+    if origin is None:
+        return None
+    state = (folder or RunFolder(".")).state(origin)
+    for c in check_resume(state, origin, model_config, train_config, data_fingerprint, allow_config_change):
+        say(f"note: resuming with {c}" + ("" if c.safe else " (--allow-config-change)"))
+    return state
 
 
 __all__ = ["LEASE", "PREDATED_VALUES", "ConfigChange", "Lease", "RunFolder", "check_origin", "check_resume", "checkpoint_dtype",
