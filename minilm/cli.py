@@ -12,6 +12,7 @@ from pathlib import Path
 import yaml
 
 from .config import CHECKPOINT_MODES, DTYPES, ModelConfig, TrainConfig
+from .safety import redact
 
 EXIT_USAGE = 2  # bad flag, bad config, bad data: nothing was started
 EXIT_FAILED = 1  # training (or a Ray task) started and failed
@@ -36,7 +37,7 @@ class UsageError(Exception):
 
 
 def fail(message: str, code: int = EXIT_USAGE) -> int:
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    print(f"error: {redact(message)}", file=sys.stderr, flush=True)
     return code
 
 

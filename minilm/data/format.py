@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..safety import redact
+
 MANIFEST = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"
 FORMAT = "minilm-packed-v2"
@@ -25,6 +27,9 @@ _URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 
 class DataError(ValueError):
     """Prepared data is missing, incomplete, or does not fit the run; the message says what and where."""
+
+    def __init__(self, message: str):
+        super().__init__(redact(message))  # a --data URI's credentials never reach a log or a terminal
 
 
 def cache_root() -> Path:

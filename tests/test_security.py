@@ -1,0 +1,115 @@
+"""Issue #33: no secret in any output or saved file, no name that leaves its folder, one line for hostile input.
+
+docs/security.md lists what each test here shows. No Ray is started.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import make_prepared
+
+from minilm import data as D
+from minilm.cli import UsageError, fail
+from minilm.rows import rows_note
+from minilm.safety import check_name, redact
+
+SECRET = "hunter2"
+
+
+# ---- one redaction ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, shown", [
+    ("postgresql://u:hunter2@db/mlflow", "postgresql://***@db/mlflow"),
+    ("http://user:hunter2@mlflow:5000", "http://***@mlflow:5000"),
+    ("error: cannot open s3://AKIA:hunter2@bucket/x: refused; retry s3://b/y?secret_key=hunter2&region=eu",
+     "error: cannot open s3://***@bucket/x: refused; retry s3://b/y?secret_key=***&region=eu"),
+    ("s3://b/x?X-Amz-Credential=hunter2&X-Amz-Signature=hunter2&sig=hunter2&password=hunter2",
+     "s3://b/x?X-Amz-Credential=***&X-Amz-Signature=***&sig=***&password=***"),
+    ("s3://AKIA:hun/ter2@bucket/x", "s3://***@bucket/x"),  # a password with a slash
+    ("DataError('gs://b/x?token=hunter2')", "DataError('gs://b/x?token=***')"),
+    ("plain text, /a/path and s3://bucket/key?region=eu-west-1", "plain text, /a/path and s3://bucket/key?region=eu-west-1"),
+])
+def test_redact_removes_credentials_from_any_text(text, shown):
+    assert redact(text) == shown
+    from ray_jobs.cli import redact_uri
+
+    assert redact_uri is redact and redact(None) is None
+
+
+def test_every_error_line_is_redacted(capsys):
+    assert fail(f"cannot reach http://user:{SECRET}@host/x") == 2
+    assert capsys.readouterr().err == "error: cannot reach http://***@host/x\n"
+
+
+def test_data_errors_the_rows_note_and_check_compatible_carry_no_credentials(tmp_path):
+    with pytest.raises(D.DataError) as e:  # pyarrow's own message repeats the URI
+        D.open_prepared(f"file://user:{SECRET}@/nonexistent/data")
+    assert SECRET not in str(e.value) and "file://***@/nonexistent/data" in str(e.value)
+    local = D.open_prepared(make_prepared(tmp_path / "d", num_sequences=8, seq_len=16, vocab_size=256))
+    remote = D.PreparedData(None, local.manifest, uri=f"s3://bucket/d?secret_key={SECRET}")
+    with pytest.raises(D.DataError) as e:
+        D.check_compatible(remote, vocab_size=128, seq_len=16)
+    assert SECRET not in str(e.value) and "s3://bucket/d?secret_key=***" in str(e.value)
+    assert SECRET not in rows_note({"rows": "packed"}, f"s3://AKIA:{SECRET}@bucket/d")
+
+
+def mlflow_store(monkeypatch, tmp_path):
+    """MLflow's client pointed at a SQLite file whatever URI minilm gives it: a password URI without a server."""
+    pytest.importorskip("mlflow")
+    import mlflow.tracking
+
+    real = mlflow.tracking.MlflowClient
+    db = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setattr(mlflow.tracking, "MlflowClient", lambda tracking_uri: real(tracking_uri=db))
+
+
+def test_an_mlflow_password_is_in_no_checkpoint_state_sidecar_or_resume_line(monkeypatch, tmp_path):
+    from minilm import trackers as T
+
+    mlflow_store(monkeypatch, tmp_path)
+    opts = {"mlflow_uri": f"http://user:{SECRET}@mlflow.internal:5000"}
+    run = tmp_path / "run"
+    run.mkdir()
+    first = T.open_trackers(["mlflow"], run_dir=run, run_name="r", hparams={"a": 1}, options=opts)
+    first.log({"loss": 1.0}, 1)
+    state = first.state_dict()
+    first.close()
+    assert state["mlflow"]["tracking_uri"] == "http://***@mlflow.internal:5000"
+    assert state["mlflow"]["tracking_uri_redacted"] is True
+    assert SECRET not in json.dumps(state) and SECRET not in (run / "trackers.json").read_text()
+    said: list[str] = []
+    again = T.open_trackers(["mlflow"], run_dir=run, run_name="r", resume_state=state, options=opts,
+                            say=said.append)  # the resume gets the password from its flag again
+    assert again.state_dict()["mlflow"]["run_id"] == state["mlflow"]["run_id"] and not again.backends[0].new_run
+    assert SECRET not in again.describe() and said and not any(SECRET in line for line in said)
+    again.close()
+
+
+def test_a_tracker_error_names_the_store_without_its_password(monkeypatch, tmp_path):
+    pytest.importorskip("mlflow")
+    from minilm import trackers as T
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    with pytest.raises(T.TrackerError) as e:  # nothing listens on port 9: MLflow's message repeats the URI
+        T.open_trackers(["mlflow"], run_dir=tmp_path, run_name="r",
+                        options={"mlflow_uri": f"http://user:{SECRET}@127.0.0.1:9/"})
+    assert SECRET not in str(e.value) and "http://***@127.0.0.1:9/" in str(e.value)
+
+
+# ---- one rule for names that become paths ------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["run1", "sweep-2024.05_a", "a" * 128, "0123456789abcdef" * 4, "A.b-c_d"])
+def test_safe_names_pass(name):
+    assert check_name(name, "--name") == name
+
+
+@pytest.mark.parametrize("name", ["", ".", "..", "../x", ".hidden", "a/b", "a\\b", "a\x00b", "a b", "a\nb",
+                                  "a" * 129, 123, None, "s3://u:hunter2@b"])
+def test_unsafe_names_are_one_line_naming_what(name):
+    with pytest.raises(UsageError) as e:
+        check_name(name, "--name")
+    message = str(e.value)
+    assert message.startswith("--name ") and "is not a safe name" in message
+    assert "\n" not in message and SECRET not in message and len(message) < 250
