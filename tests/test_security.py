@@ -113,3 +113,14 @@ def test_unsafe_names_are_one_line_naming_what(name):
     message = str(e.value)
     assert message.startswith("--name ") and "is not a safe name" in message
     assert "\n" not in message and SECRET not in message and len(message) < 250
+
+
+def test_a_manifest_fingerprint_cannot_move_the_node_local_copy_out_of_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINILM_CACHE", str(tmp_path / "home" / ".cache" / "minilm"))
+    src = make_prepared(tmp_path / "src", num_sequences=8, seq_len=16, vocab_size=256)
+    manifest = json.loads((src / "manifest.json").read_text())
+    manifest["fingerprint"] = "../../../.ssh"
+    (src / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(D.DataError, match=r"fingerprint '\.\./\.\./\.\./\.ssh' is not a safe name"):
+        D.open_local(f"file://{src}")
+    assert not (tmp_path / "home" / ".ssh").exists()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..safety import redact
+from ..safety import check_name, redact
 
 MANIFEST = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"
@@ -130,11 +130,12 @@ def check_manifest(manifest, where: str) -> None:
         _check_layout(manifest, where)
     except DataError:
         raise
-    except (KeyError, TypeError, ValueError) as e:  # a field of the wrong type, a shard without a key
-        raise DataError(f"{where}: malformed ({type(e).__name__}: {e})") from None
+    except (KeyError, TypeError, ValueError, OverflowError) as e:  # a field of the wrong type, a shard without a key
+        raise DataError(f"{where}: malformed ({type(e).__name__}: {e})"[:500]) from None
 
 
 def _check_layout(manifest: dict, where: str) -> None:
+    check_name(manifest["fingerprint"], f"{where}: fingerprint", DataError)  # it names the node-local copy's folder
     dtype_name = manifest["token_dtype"]
     if dtype_name not in TOKEN_DTYPES:
         raise DataError(f"{where}: token_dtype {dtype_name!r} is not one of {', '.join(TOKEN_DTYPES)}")
@@ -144,9 +145,7 @@ def _check_layout(manifest: dict, where: str) -> None:
     row_bytes = (int(manifest["seq_len"]) + 1) * TOKEN_DTYPES[dtype_name].itemsize
     expected_first = 0
     for shard in manifest["shards"]:
-        name = str(shard["file"])
-        if "/" in name or "\\" in name or name.startswith("."):
-            raise DataError(f"{where}: shard file name {name!r} is not a plain file name")
+        name = check_name(shard["file"], f"{where}: shard file name", DataError)
         if int(shard["first_sample_id"]) != expected_first:
             raise DataError(f"{where}: shard {name} starts at sample {shard['first_sample_id']}, expected "
                             f"{expected_first} (sample ids must be contiguous across shards)")
@@ -179,7 +178,7 @@ def open_prepared(path: str | os.PathLike, *, verify: bool = True) -> PreparedDa
         raise DataError(f"{path} has no {MANIFEST}: not a prepared dataset, or its prepare did not finish")
     try:
         manifest = json.loads(mpath.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # also an integer of > 4300 digits, nesting past the stack
         raise DataError(f"{mpath} is not valid JSON ({e})") from None
     check_manifest(manifest, str(mpath))
     data = PreparedData(path, manifest)
