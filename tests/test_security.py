@@ -5,8 +5,12 @@ docs/security.md lists what each test here shows. No Ray is started.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+from pathlib import Path
 
+import numpy as np
 import pytest
 from helpers import make_prepared
 
@@ -124,3 +128,35 @@ def test_a_manifest_fingerprint_cannot_move_the_node_local_copy_out_of_the_cache
     with pytest.raises(D.DataError, match=r"fingerprint '\.\./\.\./\.\./\.ssh' is not a safe name"):
         D.open_local(f"file://{src}")
     assert not (tmp_path / "home" / ".ssh").exists()
+
+
+# ---- hostile input: one line ------------------------------------------------------------------------
+
+def retoken(path: Path, shard: int, ids: np.ndarray) -> None:
+    """Hand-edit a token file and its manifest entry (the hash matches: only the range check can tell)."""
+    manifest = json.loads((path / "manifest.json").read_text())
+    entry = manifest["shards"][shard]
+    (path / entry["file"]).write_bytes(ids.astype("<u2").tobytes())
+    entry["sha256"] = hashlib.sha256(ids.astype("<u2").tobytes()).hexdigest()
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    for f in path.iterdir():  # written long ago: old enough for a verification stamp
+        os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns - 10**10))
+
+
+def test_token_ids_at_or_above_the_vocabulary_are_refused_once_per_shard_when_opened(tmp_path, monkeypatch):
+    path = make_prepared(tmp_path / "d", num_sequences=8, seq_len=15, vocab_size=256, rows_per_shard=4)
+    ids = np.full(4 * 16, 7)
+    ids[37] = 256
+    retoken(path, 1, ids)
+    with pytest.raises(D.DataError) as e:
+        D.open_prepared(path)
+    assert str(e.value).startswith(f"{path / 'shard-00001.bin'}: token id 256 is not below the vocabulary size 256")
+    retoken(path, 1, np.full(4 * 16, 255))
+    from minilm.data import verified
+
+    reads = []
+    real = verified._top_id
+    monkeypatch.setattr(verified, "_top_id", lambda p, dtype: reads.append(p.name) or real(p, dtype))
+    for _ in range(3):
+        D.open_prepared(path)  # the largest id is stamped with the hash: read once
+    assert sorted(reads) == ["shard-00000.bin", "shard-00001.bin", "tokenizer.json"]
