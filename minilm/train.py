@@ -198,15 +198,22 @@ def run_cli(argv: list[str] | None) -> int:
 
 def load_data(opts: RunOptions, model_cfg: ModelConfig, train_cfg: TrainConfig, notes: list) -> Dataset:
     if opts.data:
-        prepared = D.open_prepared(opts.data)
+        prepared = D.open_local(opts.data)  # a remote URI is copied to this node once, as for ray_jobs.pretrain
         D.check_compatible(prepared, vocab_size=model_cfg.vocab_size, seq_len=train_cfg.seq_len)
-        notes.append(rows_note(prepared.manifest, prepared.location))
+        notes.append(rows_note(prepared.manifest, opts.data))
         return Dataset.prepared(prepared)
     if opts.tokens:
         path = Path(opts.tokens)
         if not path.is_file():
             raise UsageError(f"--tokens {path}: file not found")
-        rows = sequences_from_tokens(np.load(path), train_cfg.seq_len)
+        ids = np.load(path)  # allow_pickle is off: never code from the file
+        if not isinstance(ids, np.ndarray) or ids.ndim != 1 or ids.dtype.kind not in "iu":
+            raise UsageError(f"--tokens {path}: expected a .npy file of a 1-D array of integer token ids")
+        lo, hi = (int(ids.min()), int(ids.max())) if ids.size else (0, 0)  # checked once here, not per batch
+        if lo < 0 or hi >= model_cfg.vocab_size:
+            raise UsageError(f"--tokens {path}: token id {lo if lo < 0 else hi} is outside the vocabulary "
+                             f"[0, {model_cfg.vocab_size})")
+        rows = sequences_from_tokens(ids, train_cfg.seq_len)
     else:
         rng = np.random.default_rng(train_cfg.seed)
         rows = sequences_from_tokens(rng.integers(0, model_cfg.vocab_size, opts.random_tokens), train_cfg.seq_len)

@@ -16,6 +16,8 @@ from helpers import make_prepared
 
 from minilm import data as D
 from minilm.cli import UsageError, fail
+from minilm.config import ModelConfig, TrainConfig
+from minilm.options import RunOptions
 from minilm.rows import rows_note
 from minilm.safety import check_name, redact
 
@@ -130,6 +132,16 @@ def test_a_manifest_fingerprint_cannot_move_the_node_local_copy_out_of_the_cache
     assert not (tmp_path / "home" / ".ssh").exists()
 
 
+def test_minilm_train_reads_remote_data_through_a_node_local_copy(tmp_path):
+    from minilm.train import load_data
+
+    src = make_prepared(tmp_path / "src", num_sequences=8, seq_len=16, vocab_size=256)
+    notes: list = []
+    data = load_data(RunOptions(data=f"file://{src}"), ModelConfig(vocab_size=256), TrainConfig(seq_len=16), notes)
+    assert data.num_sequences == 8 and data.store.take(np.arange(8)).shape == (8, 17)
+    assert data.store.data.path != src  # the copy under MINILM_CACHE
+
+
 # ---- hostile input: one line ------------------------------------------------------------------------
 
 def retoken(path: Path, shard: int, ids: np.ndarray) -> None:
@@ -160,3 +172,15 @@ def test_token_ids_at_or_above_the_vocabulary_are_refused_once_per_shard_when_op
     for _ in range(3):
         D.open_prepared(path)  # the largest id is stamped with the hash: read once
     assert sorted(reads) == ["shard-00000.bin", "shard-00001.bin", "tokenizer.json"]
+
+
+def test_tokens_file_with_ids_outside_the_vocabulary_is_one_line(tmp_path, capsys):
+    from minilm import train
+
+    ids = tmp_path / "ids.npy"
+    np.save(ids, np.array([1, 2, 300, 4] * 100, dtype=np.int64))
+    assert train.main(["--tokens", str(ids), "--vocab-size", "256", "--seq-len", "16", "--max-steps", "1"]) == 2
+    assert capsys.readouterr().err == (f"error: --tokens {ids}: token id 300 is outside the vocabulary [0, 256)\n")
+    np.save(ids, np.zeros((4, 4)))
+    assert train.main(["--tokens", str(ids), "--vocab-size", "256", "--seq-len", "16", "--max-steps", "1"]) == 2
+    assert "1-D array of integer token ids" in capsys.readouterr().err
