@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import types as types_
 import typing
 from pathlib import Path
 
@@ -83,8 +84,35 @@ def load_yaml(path: str | None) -> dict:
         raise UsageError(f"--config {path}: file not found")
     try:
         data = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise UsageError(f"--config {path}: not valid YAML ({e})") from None
+    except (OSError, yaml.YAMLError, ValueError, RecursionError) as e:  # ValueError: a bad date, bytes not UTF-8
+        raise UsageError(f"--config {path}: not valid YAML ({' '.join(str(e).split())[:300]})") from None
     if not isinstance(data, dict):
         raise UsageError(f"--config {path}: expected a mapping of option: value, got {type(data).__name__}")
-    return {k.replace("-", "_"): v for k, v in data.items()}
+    bad = [k for k in data if not isinstance(k, str)]
+    if bad:
+        raise UsageError(f"--config {path}: option names must be strings, got {bad[0]!r}")
+    data = {k.replace("-", "_"): v for k, v in data.items()}
+    return {k: yaml_value(k, v, path) for k, v in data.items()}
+
+
+def yaml_value(key: str, value, path: str):
+    """A YAML value as its flag would give it: PyYAML reads `lr: 5e-4` and `rope_theta: 1e6` as strings, and a
+    number where a string goes (`name: 123`) is that number's text; anything else a flag cannot give is refused."""
+    from .options import RunOptions  # options builds on this module
+
+    types = set()
+    for cls in (ModelConfig, TrainConfig, RunOptions):
+        f = cls.__dataclass_fields__.get(key)
+        if f is not None and not f.metadata.get("convert"):  # a field with a convert parses any value itself
+            hint = typing.get_type_hints(cls)[key]
+            types = set(typing.get_args(hint)) if isinstance(hint, types_.UnionType) else {hint}
+    if isinstance(value, str) and types & {int, float} and str not in types:
+        try:
+            return float(value) if float in types else int(value)
+        except ValueError:
+            return value  # the config's own check names it
+    if str in types and value is not None and not isinstance(value, str):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise UsageError(f"--config {path}: {key} must be a string, got {value!r}"[:300])
+    return value

@@ -9,15 +9,16 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from helpers import make_prepared
 
 from minilm import data as D
-from minilm.cli import UsageError, fail
+from minilm.cli import UsageError, fail, load_yaml
 from minilm.config import ModelConfig, TrainConfig
-from minilm.options import RunOptions
+from minilm.options import PRETRAIN, RunOptions, build_configs, check_configs
 from minilm.rows import rows_note
 from minilm.safety import check_name, redact
 
@@ -184,3 +185,42 @@ def test_tokens_file_with_ids_outside_the_vocabulary_is_one_line(tmp_path, capsy
     np.save(ids, np.zeros((4, 4)))
     assert train.main(["--tokens", str(ids), "--vocab-size", "256", "--seq-len", "16", "--max-steps", "1"]) == 2
     assert "1-D array of integer token ids" in capsys.readouterr().err
+
+
+def test_a_negative_seed_is_refused_before_any_worker_starts(capsys):
+    from minilm import train
+    from ray_jobs.pretrain import build_parser, check_options
+
+    assert "seed must be an integer >= 0" in " ".join(TrainConfig(seed=-1).problems())
+    assert train.main(["--random-tokens", "5000", "--seed", "-1", "--max-steps", "1"]) == 2
+    assert "seed must be an integer >= 0" in capsys.readouterr().err
+    from minilm.config import ConfigError
+
+    with pytest.raises(ConfigError, match="seed must be"):  # pretrain's driver-side check
+        check_options(*build_configs(build_parser().parse_args(["--seed", "-1"]), {}, PRETRAIN, demo=True))
+
+
+def test_yaml_numbers_as_people_write_them(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("lr: 5e-4\nrope_theta: 1e6\nwarmup-steps: '10'\nname: 123\nnum_workers: 4\nmax_steps: 100\n")
+    values = load_yaml(str(cfg))
+    assert values == {"lr": 5e-4, "rope_theta": 1e6, "warmup_steps": 10, "name": "123", "num_workers": "4",
+                      "max_steps": 100}
+    model, train_cfg, run = build_configs(SimpleNamespace(), values, PRETRAIN)
+    check_configs(model, train_cfg, run)
+    assert (train_cfg.lr, model.rope_theta, run.name, run.workers) == (5e-4, 1e6, "123", (4, 4))
+
+
+@pytest.mark.parametrize("text, message", [
+    ("storage_path: [1, 2]\n", "storage_path must be a string, got [1, 2]"),
+    ("name: true\n", "name must be a string, got True"),
+    ("1: 2\n", "option names must be strings, got 1"),
+    ("when: 2024-13-45\n", "not valid YAML"),  # PyYAML's date raises ValueError
+    ("lr: " + "[" * 3000 + "]" * 3000 + "\n", "not valid YAML"),
+])
+def test_yaml_values_a_flag_cannot_give_are_one_line(tmp_path, text, message):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(text)
+    with pytest.raises(UsageError) as e:
+        load_yaml(str(cfg))
+    assert message in str(e.value) and "\n" not in str(e.value)
