@@ -175,6 +175,37 @@ def test_token_ids_at_or_above_the_vocabulary_are_refused_once_per_shard_when_op
     assert sorted(reads) == ["shard-00000.bin", "shard-00001.bin", "tokenizer.json"]
 
 
+HOSTILE_LINES = {  # what each JSONL line is, for prepare
+    b'{"text": "a", "n": ' + b"9" * 5000 + b"}": "bad",  # an integer past Python's 4,300-digit limit
+    b'{"text": "a", "n": ' + b"[" * 5000 + b"]" * 5000 + b"}": "bad",  # nesting past the stack
+    b'{"text": "\\ud800"}': "bad",  # a lone surrogate
+    b'{"text": "a\x00b"}': "bad",  # a raw NUL: a control character JSON does not allow
+    b'{"text": "a\\u0000b"}': "ok",  # an escaped NUL is text
+    b'{"' + b"k" * (10 << 20) + b'": 1}': "bad",  # a 10 MB line without "text": its message stays short
+    b'{"text": "' + b"x" * (10 << 20) + b'"}': "ok",  # a 10 MB document
+}
+
+
+@pytest.mark.parametrize("mode", ["skip", "error"])
+def test_prepare_reads_hostile_jsonl_lines_as_bad_records(tmp_path, mode):
+    from ray_jobs.prepare_inputs import RecordReader, Source
+
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(b"\n".join(HOSTILE_LINES) + b"\n")
+    warned: list[str] = []
+    reader = RecordReader([Source(src, "in.jsonl", "jsonl", src.stat().st_size)], "text", mode,
+                          warn=lambda where, detail: warned.append(f"{where}: {detail}"))
+    if mode == "error":
+        with pytest.raises(UsageError) as e:
+            list(reader)
+        assert str(e.value).startswith("in.jsonl:1: JSON that Python refuses to read (Exceeds the limit")
+        return
+    kept = [text for text, _ in reader]
+    assert len(kept) == list(HOSTILE_LINES.values()).count("ok") and kept[0] == "a\x00b"
+    assert reader.documents_skipped == list(HOSTILE_LINES.values()).count("bad") == len(warned)
+    assert all("\n" not in w and len(w) < 300 for w in warned), [w[:300] for w in warned]
+
+
 def test_tokens_file_with_ids_outside_the_vocabulary_is_one_line(tmp_path, capsys):
     from minilm import train
 
