@@ -28,6 +28,7 @@ from minilm import checkpoint as C
 from minilm import data as D
 from minilm.config import ConfigError, ModelConfig, TrainConfig
 from minilm.options import plan_steps
+from minilm.safety import check_name, join_uri
 from minilm.trackers import TrackerError
 
 from .cli import UsageError, fail, load_yaml, redact_uri
@@ -136,8 +137,9 @@ def trial(params: dict, plan: RunPlan, sweep_dir: str) -> None:
     from .pretrain import make_trainer
 
     m, t = apply_params(plan.model_cfg, plan.train_cfg, params)
-    name = tune.get_context().get_trial_name()
-    opts = dataclasses.replace(plan.opts, name=name, storage_path=f"{plan.opts.storage_path}/{plan.opts.name}/trials",
+    name = check_name(tune.get_context().get_trial_name(), "trial name")  # it names the trial's folder
+    opts = dataclasses.replace(plan.opts, name=name,
+                               storage_path=join_uri(plan.opts.storage_path, plan.opts.name, "trials"),
                                run_dir=str(Path(sweep_dir) / "trials" / name) if plan.run_dir else None)
     config = dataclasses.replace(plan, model_cfg=m, train_cfg=t).config(opts)
     make_trainer(config, opts, callbacks=[TuneReportCallback()]).fit()
@@ -308,7 +310,7 @@ def sweep(plan: RunPlan, dims, num_samples, concurrent, scheduler, grace, metric
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler
 
-    sweep_path = f"{plan.opts.storage_path}/{plan.opts.name}"
+    sweep_path = join_uri(plan.opts.storage_path, plan.opts.name)  # before a URI's ?query
     trainable = tune.with_resources(tune.with_parameters(trial, plan=plan, sweep_dir=sweep_path),
                                     {"CPU": TRIAL_CPUS})
     if resume and not tune.Tuner.can_restore(sweep_path):

@@ -20,7 +20,7 @@ from minilm.cli import UsageError, fail, load_yaml
 from minilm.config import ModelConfig, TrainConfig
 from minilm.options import PRETRAIN, RunOptions, build_configs, check_configs
 from minilm.rows import rows_note
-from minilm.safety import check_name, redact
+from minilm.safety import check_name, join_uri, redact
 
 SECRET = "hunter2"
 
@@ -143,6 +143,24 @@ def test_minilm_train_reads_remote_data_through_a_node_local_copy(tmp_path):
     assert data.store.data.path != src  # the copy under MINILM_CACHE
 
 
+def test_tune_joins_the_sweep_name_before_a_query(monkeypatch):
+    """s3://bucket/x?endpoint_override=... + sweep1: the name goes into the path, not after the `?`."""
+    import ray.tune
+
+    from ray_jobs import tune
+
+    seen = []
+    monkeypatch.setattr(ray.tune, "with_parameters", lambda f, **kw: f)
+    monkeypatch.setattr(ray.tune, "with_resources", lambda f, res: f)
+    monkeypatch.setattr(ray.tune.Tuner, "can_restore", staticmethod(lambda path: seen.append(path) or True))
+    plan = SimpleNamespace(opts=SimpleNamespace(storage_path="s3://bucket/x?endpoint_override=http://minio:9000",
+                                                name="sweep1"))
+    with pytest.raises(UsageError, match="already exists"):
+        tune.sweep(plan, {}, 1, 1, "none", 1, "loss", resume=False)
+    assert seen == ["s3://bucket/x/sweep1?endpoint_override=http://minio:9000"]
+    assert join_uri("/local/runs/", "a", "trials") == "/local/runs/a/trials"
+
+
 # ---- hostile input: one line ------------------------------------------------------------------------
 
 def retoken(path: Path, shard: int, ids: np.ndarray) -> None:
@@ -255,3 +273,19 @@ def test_yaml_values_a_flag_cannot_give_are_one_line(tmp_path, text, message):
     with pytest.raises(UsageError) as e:
         load_yaml(str(cfg))
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_sample_with_a_bad_weights_folder_is_one_line(tmp_path, capsys):
+    from minilm import checkpoint as C
+    from minilm import sample
+    from minilm.model import MiniMindForCausalLM
+
+    cfg = ModelConfig(vocab_size=256, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2)
+    weights = C.export_weights(tmp_path / "w", MiniMindForCausalLM(cfg), cfg)
+    for config in ({**cfg.to_dict(), "hidden_size": "64"}, {**cfg.to_dict(), "hidden_size": 128}, [1]):
+        (weights / "config.json").write_text(json.dumps(config))
+        C.write_marker(weights, ["model.safetensors", "config.json"])  # consistent, as a hand-made folder is
+        assert sample.main(["--weights", str(weights)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1, err
