@@ -13,7 +13,9 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from helpers import make_prepared
+import tomllib
+import torch
+from helpers import ROOT, make_prepared
 
 from minilm import data as D
 from minilm.cli import UsageError, fail, load_yaml
@@ -289,3 +291,12 @@ def test_sample_with_a_bad_weights_folder_is_one_line(tmp_path, capsys):
         assert sample.main(["--weights", str(weights)]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1, err
+
+
+# ---- dependencies --------------------------------------------------------------------------------------
+
+def test_torch_floor_is_the_release_that_fixed_the_weights_only_bypass():
+    """CVE-2025-32434: torch.load(weights_only=True) could run code before 2.6; resume safety rests on it."""
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert "torch>=2.6" in deps
+    assert tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 6)
