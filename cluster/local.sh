@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # A local Ray head node for trying `ray job submit` on one machine, started the way Ray's docs
 # describe (`ray start --head`), with token authentication on and every port on 127.0.0.1 only
-# (--node-ip-address 127.0.0.1: the GCS, the raylet and the metrics port; --dashboard-host 127.0.0.1).
+# (the GCS, the raylet, the agents and the metrics port: Ray's one-machine mode; the dashboard:
+# --dashboard-host 127.0.0.1).
 #
 #   cluster/local.sh start            # start the head (generates ~/.ray/auth_token once if needed)
-#   eval "$(cluster/local.sh env)"    # RAY_API_SERVER_ADDRESS, RAY_AUTH_MODE (+ token path) for this shell
+#   eval "$(cluster/local.sh env)"    # RAY_API_SERVER_ADDRESS, RAY_AUTH_MODE (+ token path), one-machine mode
 #   ray job submit --working-dir . -- python -m ray_jobs.pretrain --name run1 ...
 #   cluster/local.sh status
 #   cluster/local.sh stop             # stops THIS head only; other local Ray instances keep running
@@ -132,6 +133,10 @@ cmd_start() {
     # The marker scopes `stop`; RAY_ADDRESS makes Ray's own processes (Train's state actor, jobs)
     # find this head even when other local Ray instances run; state tracking feeds the Train runs API.
     export MINILM_RAY_HEAD="$DIR" RAY_ADDRESS="127.0.0.1:$port"
+    # Ray's one-machine mode (its default on macOS and Windows): the node's address is 127.0.0.1. Without
+    # it `ray start` turns --node-ip-address 127.0.0.1 into the machine's routable address, and the GCS,
+    # the raylet and the metrics port listen on every interface.
+    export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
     export RAY_TRAIN_ENABLE_STATE_TRACKING="${RAY_TRAIN_ENABLE_STATE_TRACKING:-1}"
     "$ray_bin" "${args[@]}"
     (umask 077 && {
@@ -155,6 +160,7 @@ cmd_env() {
         esac
     done <<<"$state"
     echo "export RAY_AUTH_MODE=token"
+    echo "export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0"  # a driver run here joins the head's one-machine mode
 }
 
 cmd_status() {

@@ -301,11 +301,15 @@ def local_sh(verb: str, tmp_path, **env) -> subprocess.CompletedProcess:
     """cluster/local.sh with a stand-in `ray` that records its arguments (no Ray is started)."""
     fake = tmp_path / "bin" / "ray"
     fake.parent.mkdir(exist_ok=True)
-    fake.write_text('#!/bin/sh\necho "$@" > "$(dirname "$0")/args"\n')
+    fake.write_text('#!/bin/sh\necho "$@" > "$(dirname "$0")/args"\nenv > "$(dirname "$0")/env"\n')
     fake.chmod(0o755)
     base = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path / "home"), "RAY": str(fake), "RAY_AUTH_TOKEN": "t"}
     return subprocess.run(["bash", str(CLUSTER / "local.sh"), verb], env={**base, **env}, capture_output=True,
                           text=True, timeout=60)
+
+
+def env_of_ray(tmp_path) -> list[str]:
+    return (tmp_path / "bin" / "env").read_text().splitlines()
 
 
 def test_local_head_binds_every_port_to_loopback_and_keeps_its_state_private(tmp_path):
@@ -313,6 +317,7 @@ def test_local_head_binds_every_port_to_loopback_and_keeps_its_state_private(tmp
     assert started.returncode == 0, started.stderr
     args = (tmp_path / "bin" / "args").read_text().split()
     assert args[args.index("--node-ip-address") + 1] == "127.0.0.1"  # GCS, raylet and metrics port: loopback
+    assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0" in env_of_ray(tmp_path)  # else Ray resolves it to the routable IP
     assert args[args.index("--dashboard-host") + 1] == "127.0.0.1"
     state_dir = tmp_path / "home" / ".cache" / "minilm" / "ray"  # no XDG_RUNTIME_DIR: under the home
     assert args[args.index("--temp-dir") + 1] == str(state_dir / "ray")
@@ -343,7 +348,8 @@ def test_local_sh_env_prints_only_checked_values_and_nothing_runs_from_the_state
     env = local_sh("env", tmp_path, MINILM_RAY_DIR=str(state))
     assert env.returncode == 0, env.stderr
     assert env.stdout.splitlines() == ["export RAY_API_SERVER_ADDRESS=http://127.0.0.1:8265",
-                                       "export RAY_AUTH_TOKEN_PATH=/home/u/.ray/tok", "export RAY_AUTH_MODE=token"]
+                                       "export RAY_AUTH_TOKEN_PATH=/home/u/.ray/tok", "export RAY_AUTH_MODE=token",
+                                       "export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0"]
     evaluated = subprocess.run(["bash", "-c", f'eval "$(cat)"; echo "$RAY_API_SERVER_ADDRESS"'], input=env.stdout,
                                capture_output=True, text=True)
     assert evaluated.stdout.strip() == "http://127.0.0.1:8265" and not planted.exists()
