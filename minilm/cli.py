@@ -101,7 +101,7 @@ def yaml_value(key: str, value, path: str):
     from .options import RunOptions  # options builds on this module
 
     types = set()
-    for cls in (ModelConfig, TrainConfig, RunOptions):
+    for cls in (ModelConfig, TrainConfig, RunOptions, *RunOptions.__subclasses__()):  # an entry point's own flags
         f = cls.__dataclass_fields__.get(key)
         if f is not None and not f.metadata.get("convert"):  # a field with a convert parses any value itself
             hint = typing.get_type_hints(cls)[key]

@@ -59,7 +59,7 @@ def parse_kinds(kinds: str | Iterable[str] | None) -> list[str]:
     """`--tracker` values (each may be comma-separated) -> tracker kinds, in order, without repeats."""
     if kinds is None:
         return []
-    if isinstance(kinds, str):
+    if isinstance(kinds, str) or not isinstance(kinds, Iterable):  # a YAML `tracker: 1.5` is one value too
         kinds = [kinds]
     names = [part.strip().lower() for value in kinds for part in str(value).split(",") if part.strip()]
     unknown = [n for n in names if n not in (*KINDS, "none")]

@@ -215,6 +215,8 @@ def load_data(opts: RunOptions, model_cfg: ModelConfig, train_cfg: TrainConfig, 
                              f"[0, {model_cfg.vocab_size})")
         rows = sequences_from_tokens(ids, train_cfg.seq_len)
     else:
+        if not 0 < opts.random_tokens <= 1 << 30:  # held in memory as int64: past 8 GB it is a typo
+            raise UsageError(f"--random-tokens must be in [1, 2**30], got {opts.random_tokens}")
         rng = np.random.default_rng(train_cfg.seed)
         rows = sequences_from_tokens(rng.integers(0, model_cfg.vocab_size, opts.random_tokens), train_cfg.seq_len)
     return Dataset.in_memory(rows.numpy())

@@ -112,8 +112,8 @@ class PreparedData:
 
 def _files(manifest: dict) -> list[tuple[str, int | None, str]]:
     """(name, bytes or None, sha256) of every file the manifest lists: the tokenizer, then the shards."""
-    return [(TOKENIZER_FILE, None, manifest["tokenizer"]["sha256"])] + [
-        (s["file"], int(s["bytes"]), s["sha256"]) for s in manifest["shards"]]
+    return [(TOKENIZER_FILE, None, str(manifest["tokenizer"]["sha256"]))] + [
+        (s["file"], int(s["bytes"]), str(s["sha256"])) for s in manifest["shards"]]
 
 
 def check_manifest(manifest, where: str) -> None:
@@ -157,6 +157,7 @@ def _check_layout(manifest: dict, where: str) -> None:
         expected_first += n
     if expected_first != int(manifest["num_sequences"]):
         raise DataError(f"{where}: shard sizes do not add up to num_sequences {manifest['num_sequences']}")
+    _files(manifest)  # a missing hash is "malformed" here, not a KeyError later
 
 
 def open_prepared(path: str | os.PathLike, *, verify: bool = True) -> PreparedData:
