@@ -5,6 +5,7 @@ docs/security.md lists what each test here shows. No Ray is started.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -20,7 +21,6 @@ from helpers import ROOT, make_prepared
 from minilm import data as D
 from minilm.cli import UsageError, fail, load_yaml
 from minilm.config import ModelConfig, TrainConfig
-from minilm.options import PRETRAIN, RunOptions, build_configs, check_configs
 from minilm.rows import rows_note
 from minilm.safety import check_name, join_uri, redact
 
@@ -135,14 +135,17 @@ def test_a_manifest_fingerprint_cannot_move_the_node_local_copy_out_of_the_cache
     assert not (tmp_path / "home" / ".ssh").exists()
 
 
-def test_minilm_train_reads_remote_data_through_a_node_local_copy(tmp_path):
-    from minilm.train import load_data
+def test_minilm_train_reads_remote_data_through_a_node_local_copy(tmp_path, capsys, monkeypatch):
+    from minilm import train
 
+    monkeypatch.setenv("MINILM_CACHE", str(tmp_path / "cache"))
     src = make_prepared(tmp_path / "src", num_sequences=8, seq_len=16, vocab_size=256)
-    notes: list = []
-    data = load_data(RunOptions(data=f"file://{src}"), ModelConfig(vocab_size=256), TrainConfig(seq_len=16), notes)
-    assert data.num_sequences == 8 and data.store.take(np.arange(8)).shape == (8, 17)
-    assert data.store.data.path != src  # the copy under MINILM_CACHE
+    tiny = ["--vocab-size", "256", "--seq-len", "16", "--hidden-size", "32", "--num-hidden-layers", "1",
+            "--num-attention-heads", "2", "--num-key-value-heads", "1", "--micro-batch-size", "4",
+            "--global-batch-size", "4", "--max-steps", "1", "--dtype", "fp32", "--log-every", "1"]
+    assert train.main(["--data", f"file://{src}", *tiny]) == 0, capsys.readouterr().err
+    copy = tmp_path / "cache" / "data" / json.loads((src / "manifest.json").read_text())["fingerprint"][:32]
+    assert D.open_prepared(copy).num_sequences == 8  # the node's copy, which the run read
 
 
 def test_tune_joins_the_sweep_name_before_a_query(monkeypatch):
@@ -151,12 +154,16 @@ def test_tune_joins_the_sweep_name_before_a_query(monkeypatch):
 
     from ray_jobs import tune
 
+    @dataclasses.dataclass
+    class Plan:  # what sweep() reads of a RunPlan before it asks Tune
+        opts: object
+        lease: object = None
+
     seen = []
     monkeypatch.setattr(ray.tune, "with_parameters", lambda f, **kw: f)
     monkeypatch.setattr(ray.tune, "with_resources", lambda f, res: f)
     monkeypatch.setattr(ray.tune.Tuner, "can_restore", staticmethod(lambda path: seen.append(path) or True))
-    plan = SimpleNamespace(opts=SimpleNamespace(storage_path="s3://bucket/x?endpoint_override=http://minio:9000",
-                                                name="sweep1"))
+    plan = Plan(SimpleNamespace(storage_path="s3://bucket/x?endpoint_override=http://minio:9000", name="sweep1"))
     with pytest.raises(UsageError, match="already exists"):
         tune.sweep(plan, {}, 1, 1, "none", 1, "loss", resume=False)
     assert seen == ["s3://bucket/x/sweep1?endpoint_override=http://minio:9000"]
@@ -239,27 +246,26 @@ def test_tokens_file_with_ids_outside_the_vocabulary_is_one_line(tmp_path, capsy
 
 
 def test_a_negative_seed_is_refused_before_any_worker_starts(capsys):
+    import ray
+
     from minilm import train
-    from ray_jobs.pretrain import build_parser, check_options
+    from ray_jobs import pretrain
 
     assert "seed must be an integer >= 0" in " ".join(TrainConfig(seed=-1).problems())
     assert train.main(["--random-tokens", "5000", "--seed", "-1", "--max-steps", "1"]) == 2
     assert "seed must be an integer >= 0" in capsys.readouterr().err
-    from minilm.config import ConfigError
-
-    with pytest.raises(ConfigError, match="seed must be"):  # pretrain's driver-side check
-        check_options(*build_configs(build_parser().parse_args(["--seed", "-1"]), {}, PRETRAIN, demo=True))
+    assert pretrain.main(["--seed", "-1"]) == 2 and not ray.is_initialized()  # the driver's check, before Ray
+    assert "seed must be an integer >= 0" in capsys.readouterr().err
 
 
 def test_yaml_numbers_as_people_write_them(tmp_path):
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("lr: 5e-4\nrope_theta: 1e6\nwarmup-steps: '10'\nname: 123\nnum_workers: 4\nmax_steps: 100\n")
+    cfg.write_text("lr: 5e-4\nrope_theta: 1e6\nwarmup-steps: '10'\nname: 123\nmax_steps: 100\ngrad_clip: 1\n")
     values = load_yaml(str(cfg))
-    assert values == {"lr": 5e-4, "rope_theta": 1e6, "warmup_steps": 10, "name": "123", "num_workers": "4",
-                      "max_steps": 100}
-    model, train_cfg, run = build_configs(SimpleNamespace(), values, PRETRAIN)
-    check_configs(model, train_cfg, run)
-    assert (train_cfg.lr, model.rope_theta, run.name, run.workers) == (5e-4, 1e6, "123", (4, 4))
+    assert values == {"lr": 5e-4, "rope_theta": 1e6, "warmup_steps": 10, "name": "123", "max_steps": 100,
+                      "grad_clip": 1}
+    ModelConfig(rope_theta=values["rope_theta"]).validate()
+    TrainConfig(**{k: v for k, v in values.items() if k != "rope_theta" and k != "name"}).validate()
 
 
 @pytest.mark.parametrize("text, message", [
