@@ -350,7 +350,7 @@ def test_local_sh_env_prints_only_checked_values_and_nothing_runs_from_the_state
     assert env.stdout.splitlines() == ["export RAY_API_SERVER_ADDRESS=http://127.0.0.1:8265",
                                        "export RAY_AUTH_TOKEN_PATH=/home/u/.ray/tok", "export RAY_AUTH_MODE=token",
                                        "export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0"]
-    evaluated = subprocess.run(["bash", "-c", f'eval "$(cat)"; echo "$RAY_API_SERVER_ADDRESS"'], input=env.stdout,
+    evaluated = subprocess.run(["bash", "-c", 'eval "$(cat)"; echo "$RAY_API_SERVER_ADDRESS"'], input=env.stdout,
                                capture_output=True, text=True)
     assert evaluated.stdout.strip() == "http://127.0.0.1:8265" and not planted.exists()
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .format import MANIFEST, TOKENIZER_FILE, DataError, PreparedData, _files, _hash_mismatch, cache_root, file_sha256
+from .format import TOKENIZER_FILE, DataError, PreparedData, _files, _hash_mismatch, cache_root, file_sha256
 
 RACY_NS = 2_000_000_000  # a file modified this recently when hashed is hashed again next time
 
@@ -104,7 +104,7 @@ def verify_hashes(data: PreparedData) -> None:
                 entry = [*entry[:4], _top_id(path, dtype)]
             if entry[4] >= data.vocab_size:  # an id the model's embedding has no row for
                 raise DataError(f"{path}: token id {entry[4]} is not below the vocabulary size {data.vocab_size} of "
-                                f"the tokenizer in {MANIFEST} (a file edited by hand?); prepare the dataset again")
+                                f"the tokenizer in manifest.json (a file edited by hand?); prepare the dataset again")
             if not racy:
                 fresh[name] = entry
         if fresh != known:
