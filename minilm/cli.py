@@ -6,13 +6,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-import types as types_
 import typing
 from pathlib import Path
 
 import yaml
 
-from .config import CHECKPOINT_MODES, DTYPES, ModelConfig, TrainConfig
+from .config import CHECKPOINT_MODES, DTYPES, ModelConfig, TrainConfig, field_kinds
 from .safety import redact
 
 EXIT_USAGE = 2  # bad flag, bad config, bad data: nothing was started
@@ -104,8 +103,7 @@ def yaml_value(key: str, value, path: str):
     for cls in (ModelConfig, TrainConfig, RunOptions, *RunOptions.__subclasses__()):  # an entry point's own flags
         f = cls.__dataclass_fields__.get(key)
         if f is not None and not f.metadata.get("convert"):  # a field with a convert parses any value itself
-            hint = typing.get_type_hints(cls)[key]
-            types = set(typing.get_args(hint)) if isinstance(hint, types_.UnionType) else {hint}
+            types = field_kinds(cls)[key]
     if isinstance(value, str) and types & {int, float} and str not in types:
         try:
             return float(value) if float in types else int(value)

@@ -256,13 +256,18 @@ _KINDS = {bool: ("true or false", lambda v: isinstance(v, bool)),
           float: ("a number", lambda v: isinstance(v, float) or _is_int(v) and abs(v) < 1e300)}  # math.* takes it
 
 
+def field_kinds(cls) -> dict[str, set]:
+    """Each dataclass field's types: {int, NoneType} for `int | None`, {str} for `str`."""
+    return {name: set(typing.get_args(hint)) if isinstance(hint, types.UnionType) else {hint}
+            for name, hint in typing.get_type_hints(cls).items()}
+
+
 def _type_problems(cfg) -> list[str]:
     """A float or bool field of the wrong type (a YAML string, a list), named once: the value checks after it
     compare and do arithmetic. The int, str and tuple fields' own checks take a value of any type."""
     p = []
-    for name, hint in typing.get_type_hints(type(cfg)).items():
+    for name, kinds in field_kinds(type(cfg)).items():
         value = getattr(cfg, name)
-        kinds = set(typing.get_args(hint)) if isinstance(hint, types.UnionType) else {hint}
         if value is None and type(None) in kinds or not kinds & _KINDS.keys():
             continue
         word, ok = _KINDS[float if float in kinds else bool]
