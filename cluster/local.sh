@@ -1,15 +1,22 @@
 #!/usr/bin/env bash
 # A local Ray head node for trying `ray job submit` on one machine, started the way Ray's docs
-# describe (`ray start --head`), with token authentication on and the dashboard on 127.0.0.1 only.
+# describe (`ray start --head`), with token authentication on and every port on 127.0.0.1 only
+# (the GCS, the raylet, the agents and the metrics port: Ray's one-machine mode; the dashboard:
+# --dashboard-host 127.0.0.1).
 #
 #   cluster/local.sh start            # start the head (generates ~/.ray/auth_token once if needed)
-#   eval "$(cluster/local.sh env)"    # RAY_API_SERVER_ADDRESS, RAY_AUTH_MODE (+ token path) for this shell
+#   eval "$(cluster/local.sh env)"    # RAY_API_SERVER_ADDRESS, RAY_AUTH_MODE (+ token path), one-machine mode
 #   ray job submit --working-dir . -- python -m ray_jobs.pretrain --name run1 ...
 #   cluster/local.sh status
 #   cluster/local.sh stop             # stops THIS head only; other local Ray instances keep running
 #
+# `env` prints only values it has checked (an http://127.0.0.1:PORT address, an absolute token path of
+# plain characters), shell-quoted, so evaluating its output runs nothing that the state file could hold.
+#
 # Settings, from the environment (defaults in brackets):
-#   MINILM_RAY_DIR  state file + Ray temp dir [/tmp/minilm-ray]; keep it short (unix socket paths)
+#   MINILM_RAY_DIR  state file + Ray temp dir, a folder only you can enter (created 0700; refused when
+#                   another user owns it or others may write to it) [$XDG_RUNTIME_DIR/minilm-ray, else
+#                   ~/.cache/minilm/ray]; keep it short (unix socket paths under it)
 #   RAY_PORT [6379]  DASHBOARD_PORT [8265]  METRICS_PORT [8080]  NUM_CPUS [max(8, 2 x cores)]
 #   DASHBOARD_AGENT_PORT, DASHBOARD_AGENT_GRPC_PORT, RUNTIME_ENV_AGENT_PORT, CLIENT_PORT: optional
 #   RAY  the ray CLI [ray on PATH, else .venv/bin/ray]; its folder goes first on PATH, so a job's
@@ -23,9 +30,36 @@
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-DIR="${MINILM_RAY_DIR:-/tmp/minilm-ray}"
+if [ -n "${XDG_RUNTIME_DIR:-}" ]; then DEFAULT_DIR="$XDG_RUNTIME_DIR/minilm-ray"; else DEFAULT_DIR="$HOME/.cache/minilm/ray"; fi
+DIR="${MINILM_RAY_DIR:-$DEFAULT_DIR}"
 STATE="$DIR/head.env"
 MARKER="MINILM_RAY_HEAD=$DIR"
+
+# The state folder, private: a predictable shared path (/tmp/...) could be made, or replaced by a link,
+# by another user who would then feed this script's output to your shell.
+private_dir() {
+    (umask 077 && mkdir -p "$DIR")
+    if [ -L "$DIR" ] || [ ! -O "$DIR" ] || [ -n "$(find "$DIR" -maxdepth 0 -perm /022)" ]; then
+        echo "error: $DIR must be a folder of yours that no one else can write to (set MINILM_RAY_DIR)" >&2
+        exit 2
+    fi
+    chmod 700 "$DIR"
+}
+
+# The state file's lines that pass their check, as KEY=VALUE: nothing else is ever printed or evaluated.
+checked_state() {
+    [ -f "$STATE" ] || { echo "error: no head state in $STATE; cluster/local.sh start first" >&2; exit 1; }
+    local line
+    while IFS= read -r line; do
+        case "$line" in
+            RAY_API_SERVER_ADDRESS=*|RAY_GCS_ADDRESS=*|METRICS_URL=*)
+                [[ "${line#*=}" =~ ^(http://)?127\.0\.0\.1:[0-9]{1,5}(/metrics)?$ ]] && echo "$line" ;;
+            RAY_AUTH_TOKEN_PATH=*)
+                [[ "${line#*=}" =~ ^/[A-Za-z0-9._/+-]+$ ]] && echo "$line" ;;
+        esac
+    done <"$STATE"
+    return 0
+}
 
 find_ray() {
     if [ -n "${RAY:-}" ]; then echo "$RAY"
@@ -67,7 +101,7 @@ cmd_start() {
         echo "error: a head from $DIR is already running; cluster/local.sh stop first" >&2
         exit 1
     fi
-    mkdir -p "$DIR"
+    private_dir
     local bin_dir
     bin_dir="$(cd "$(dirname "$ray_bin")" && pwd)"
     export PATH="$bin_dir:$PATH"
@@ -85,7 +119,7 @@ cmd_start() {
     local cores
     cores="$(nproc 2>/dev/null || echo 2)"
     local cpus="${NUM_CPUS:-$(( 2 * cores > 8 ? 2 * cores : 8 ))}"
-    local args=(start --head --port "$port"
+    local args=(start --head --port "$port" --node-ip-address 127.0.0.1
                 --dashboard-host 127.0.0.1 --dashboard-port "$dport" --metrics-export-port "$mport"
                 --num-cpus "$cpus" --temp-dir "$DIR/ray" --disable-usage-stats)
     local flag var
@@ -99,14 +133,18 @@ cmd_start() {
     # The marker scopes `stop`; RAY_ADDRESS makes Ray's own processes (Train's state actor, jobs)
     # find this head even when other local Ray instances run; state tracking feeds the Train runs API.
     export MINILM_RAY_HEAD="$DIR" RAY_ADDRESS="127.0.0.1:$port"
+    # Ray's one-machine mode (its default on macOS and Windows): the node's address is 127.0.0.1. Without
+    # it `ray start` turns --node-ip-address 127.0.0.1 into the machine's routable address, and the GCS,
+    # the raylet and the metrics port listen on every interface.
+    export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
     export RAY_TRAIN_ENABLE_STATE_TRACKING="${RAY_TRAIN_ENABLE_STATE_TRACKING:-1}"
     "$ray_bin" "${args[@]}"
-    {
+    (umask 077 && {
         echo "RAY_API_SERVER_ADDRESS=http://127.0.0.1:$dport"
         echo "RAY_GCS_ADDRESS=127.0.0.1:$port"
         echo "METRICS_URL=http://127.0.0.1:$mport/metrics"
         if [ -n "${RAY_AUTH_TOKEN_PATH:-}" ]; then echo "RAY_AUTH_TOKEN_PATH=$RAY_AUTH_TOKEN_PATH"; fi
-    } >"$STATE"
+    } >"$STATE")
     echo
     echo "head started: dashboard http://127.0.0.1:$dport (token required)," \
          "metrics http://127.0.0.1:$mport/metrics"
@@ -114,14 +152,15 @@ cmd_start() {
 }
 
 cmd_env() {
-    [ -f "$STATE" ] || { echo "error: no head state in $STATE; cluster/local.sh start first" >&2; exit 1; }
-    local line
+    local state line
+    state="$(checked_state)"
     while IFS= read -r line; do
         case "$line" in
-            RAY_API_SERVER_ADDRESS=*|RAY_AUTH_TOKEN_PATH=*) echo "export $line" ;;
+            RAY_API_SERVER_ADDRESS=*|RAY_AUTH_TOKEN_PATH=*) printf 'export %s=%q\n' "${line%%=*}" "${line#*=}" ;;
         esac
-    done <"$STATE"
+    done <<<"$state"
     echo "export RAY_AUTH_MODE=token"
+    echo "export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0"  # a driver run here joins the head's one-machine mode
 }
 
 cmd_status() {
@@ -129,7 +168,7 @@ cmd_status() {
     pids="$(head_pids)"
     if [ -z "$pids" ]; then echo "no head from $DIR is running"; return 1; fi
     echo "head from $DIR: $(echo "$pids" | wc -l) processes"
-    if [ -f "$STATE" ]; then cat "$STATE"; fi
+    if [ -f "$STATE" ]; then checked_state; fi
 }
 
 # Live (not zombie) PIDs among the arguments.

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import yaml
 
-from .config import CHECKPOINT_MODES, DTYPES, ModelConfig, TrainConfig
+from .config import CHECKPOINT_MODES, DTYPES, ModelConfig, TrainConfig, field_kinds
+from .safety import redact
 
 EXIT_USAGE = 2  # bad flag, bad config, bad data: nothing was started
 EXIT_FAILED = 1  # training (or a Ray task) started and failed
@@ -36,7 +37,7 @@ class UsageError(Exception):
 
 
 def fail(message: str, code: int = EXIT_USAGE) -> int:
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    print(f"error: {redact(message)}", file=sys.stderr, flush=True)
     return code
 
 
@@ -82,8 +83,34 @@ def load_yaml(path: str | None) -> dict:
         raise UsageError(f"--config {path}: file not found")
     try:
         data = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise UsageError(f"--config {path}: not valid YAML ({e})") from None
+    except (OSError, yaml.YAMLError, ValueError, RecursionError) as e:  # ValueError: a bad date, bytes not UTF-8
+        raise UsageError(f"--config {path}: not valid YAML ({' '.join(str(e).split())[:300]})") from None
     if not isinstance(data, dict):
         raise UsageError(f"--config {path}: expected a mapping of option: value, got {type(data).__name__}")
-    return {k.replace("-", "_"): v for k, v in data.items()}
+    bad = [k for k in data if not isinstance(k, str)]
+    if bad:
+        raise UsageError(f"--config {path}: option names must be strings, got {bad[0]!r}")
+    data = {k.replace("-", "_"): v for k, v in data.items()}
+    return {k: yaml_value(k, v, path) for k, v in data.items()}
+
+
+def yaml_value(key: str, value, path: str):
+    """A YAML value as its flag would give it: PyYAML reads `lr: 5e-4` and `rope_theta: 1e6` as strings, and a
+    number where a string goes (`name: 123`) is that number's text; anything else a flag cannot give is refused."""
+    from .options import RunOptions  # options builds on this module
+
+    types = set()
+    for cls in (ModelConfig, TrainConfig, RunOptions, *RunOptions.__subclasses__()):  # an entry point's own flags
+        f = cls.__dataclass_fields__.get(key)
+        if f is not None and not f.metadata.get("convert"):  # a field with a convert parses any value itself
+            types = field_kinds(cls)[key]
+    if isinstance(value, str) and types & {int, float} and str not in types:
+        try:
+            return float(value) if float in types else int(value)
+        except ValueError:
+            return value  # the config's own check names it
+    if str in types and value is not None and not isinstance(value, str):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise UsageError(f"--config {path}: {key} must be a string, got {value!r}"[:300])
+    return value

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
+import typing
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,7 +67,9 @@ class ModelConfig:
         return self.hidden_size // self.num_attention_heads
 
     def problems(self) -> list[str]:
-        p: list[str] = []
+        p = _type_problems(self)
+        if p:
+            return p  # the checks below compare values, which a value of the wrong type cannot
         for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                      "vocab_size", "intermediate_size", "max_position_embeddings"):
             v = getattr(self, name)
@@ -80,6 +84,9 @@ class ModelConfig:
             if self.num_attention_heads % self.num_key_value_heads:
                 p.append(f"num_key_value_heads ({self.num_key_value_heads}) must divide num_attention_heads "
                          f"({self.num_attention_heads})")
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 0:
+                p.append(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
         if not self.rope_theta > 0:
             p.append(f"rope_theta must be > 0, got {self.rope_theta!r}")
         if not self.rms_norm_eps > 0:
@@ -94,8 +101,6 @@ class ModelConfig:
                          f"got {self.num_experts_per_tok!r}")
         if self.router_aux_loss_coef < 0:
             p.append(f"router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef!r}")
-        if not isinstance(self.document_mask, bool):
-            p.append(f"document_mask must be true or false, got {self.document_mask!r}")
         return p
 
     def validate(self) -> ModelConfig:
@@ -144,7 +149,11 @@ class TrainConfig:
     muon_momentum: float = 0.95
 
     def problems(self, world_size: int | None = None, total_steps: int | None = None) -> list[str]:
-        p: list[str] = []
+        p = _type_problems(self)
+        if p:
+            return p
+        if not _is_int(self.seed) or not 0 <= self.seed < 1 << 32:
+            p.append(f"seed must be an integer >= 0 (and < 2**32), got {self.seed!r}")
         for name in ("lr", "muon_lr"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
@@ -189,9 +198,6 @@ class TrainConfig:
             p.append(f"checkpoint_every_minutes must be a positive number, got {minutes!r}")
         if not (isinstance(self.muon_momentum, (int, float)) and 0.0 <= self.muon_momentum < 1.0):
             p.append(f"muon_momentum must be in [0, 1), got {self.muon_momentum!r}")
-        for name in ("compile", "activation_checkpointing"):
-            if not isinstance(getattr(self, name), bool):
-                p.append(f"{name} must be true or false, got {getattr(self, name)!r}")
         return p + self.steps_problems(total_steps if total_steps is not None else self.max_steps)
 
     def steps_problems(self, total_steps: int | None) -> list[str]:
@@ -248,6 +254,30 @@ def valid_world_sizes(global_batch_size: int, micro_batch_size: int, limit: int 
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+_KINDS = {bool: ("true or false", lambda v: isinstance(v, bool)),
+          float: ("a number", lambda v: isinstance(v, float) or _is_int(v) and abs(v) < 1e300)}  # math.* takes it
+
+
+def field_kinds(cls) -> dict[str, set]:
+    """Each dataclass field's types: {int, NoneType} for `int | None`, {str} for `str`."""
+    return {name: set(typing.get_args(hint)) if isinstance(hint, types.UnionType) else {hint}
+            for name, hint in typing.get_type_hints(cls).items()}
+
+
+def _type_problems(cfg) -> list[str]:
+    """A float or bool field of the wrong type (a YAML string, a list), named once: the value checks after it
+    compare and do arithmetic. The int, str and tuple fields' own checks take a value of any type."""
+    p = []
+    for name, kinds in field_kinds(type(cfg)).items():
+        value = getattr(cfg, name)
+        if value is None and type(None) in kinds or not kinds & _KINDS.keys():
+            continue
+        word, ok = _KINDS[float if float in kinds else bool]
+        if not ok(value):
+            p.append(f"{name} must be {word}, got {value!r}"[:200])
+    return p
 
 
 def _from_dict(cls, d: dict[str, Any], what: str):

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .packing import pack_documents
+from .safety import redact
 from .tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 
@@ -172,7 +173,7 @@ def rows_note(manifest: dict, where: str) -> str | None:
     rows = manifest.get("rows", "packed")
     if rows != "packed":
         return None
-    return (f"note: {where} was prepared with --rows packed: no document starts with BOS, as the model is prompted; "
+    return (f"note: {redact(where)} was prepared with --rows packed: no document starts with BOS, as the model is prompted; "
             f"it trains, but `python -m ray_jobs.prepare` (--rows best-fit, the default) is the recommended "
             f"format (docs/quality.md)")
 

@@ -12,6 +12,7 @@ import torch
 
 from .checkpoint import CheckpointError, load_pretrained
 from .cli import fail
+from .config import ConfigError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
         model, tokenizer = load_pretrained(args.weights)
     except CheckpointError as e:
         return fail(str(e))
+    except (ConfigError, OSError, ValueError, TypeError, RuntimeError) as e:  # a config.json or weights that do not fit
+        return fail(f"{args.weights}: cannot load these weights ({type(e).__name__}: {' '.join(str(e).split())[:300]})")
     if tokenizer is None:
         return fail(f"{args.weights} has no tokenizer.json")
     ids = [model.config.bos_token_id] + tokenizer.encode(args.prompt).ids

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .safety import redact
 from .trackers import (
     MLFLOW_SQL,
     REQUIRED,
@@ -125,7 +126,7 @@ class MLflow(Backend):
         try:
             run = self.client.get_run(run_id)
         except MlflowException:
-            say(f"mlflow: run {run_id} of the checkpoint is not in {self.uri}; starting a new MLflow run")
+            say(f"mlflow: run {run_id} of the checkpoint is not in {redact(self.uri)}; starting a new MLflow run")
             return None
         if run.info.lifecycle_stage != "active":
             say(f"mlflow: run {run_id} of the checkpoint was deleted; starting a new MLflow run")
@@ -174,10 +175,14 @@ class MLflow(Backend):
             self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
 
     def state(self) -> dict[str, Any]:
-        return {"run_id": self.run_id, "tracking_uri": self.uri}
+        # state.json and trackers.json keep the URI without its password: a resume gets it from its flag again
+        state = {"run_id": self.run_id, "tracking_uri": redact(self.uri)}
+        if state["tracking_uri"] != self.uri:
+            state["tracking_uri_redacted"] = True
+        return state
 
     def describe(self) -> str:
-        return f"mlflow run {self.run_id} in {self.uri}"
+        return f"mlflow run {self.run_id} in {redact(self.uri)}"
 
     def close(self, outcome: str) -> None:
         self.client.set_terminated(self.run_id, status=self.STATUS.get(outcome, "FINISHED"))

@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
+from .safety import redact
+
 if TYPE_CHECKING:
     from .tracker_backends import Backend
 
@@ -47,6 +49,9 @@ LIST_LEVELS = {"expert_load": ("layer", "expert")}
 class TrackerError(ValueError):
     """A tracker cannot be used as asked; the message is one line that says what to do."""
 
+    def __init__(self, message: str):
+        super().__init__(redact(message))  # a tracking URI's password is in no message
+
 
 # ---- checks before any work ---------------------------------------------------------------------
 
@@ -54,7 +59,7 @@ def parse_kinds(kinds: str | Iterable[str] | None) -> list[str]:
     """`--tracker` values (each may be comma-separated) -> tracker kinds, in order, without repeats."""
     if kinds is None:
         return []
-    if isinstance(kinds, str):
+    if isinstance(kinds, str) or not isinstance(kinds, Iterable):  # a YAML `tracker: 1.5` is one value too
         kinds = [kinds]
     names = [part.strip().lower() for value in kinds for part in str(value).split(",") if part.strip()]
     unknown = [n for n in names if n not in (*KINDS, "none")]
@@ -261,8 +266,8 @@ class Trackers:
             except Exception as e:  # a tracker server hiccup must not stop a long training run
                 n = self._failures[backend.kind] = self._failures.get(backend.kind, 0) + 1
                 if n == 1 or n % 50 == 0:
-                    self.say(f"warning: {backend.kind} could not log step {step} ({n} failure(s) so far): "
-                             f"{type(e).__name__}: {e}")
+                    self.say(redact(f"warning: {backend.kind} could not log step {step} ({n} failure(s) so far): "
+                                    f"{type(e).__name__}: {e}"))
                 continue
             backend.high_water = step
             advanced = True
@@ -285,7 +290,7 @@ class Trackers:
             try:
                 backend.close(outcome)
             except Exception as e:
-                self.say(f"warning: closing {backend.kind} failed: {type(e).__name__}: {e}")
+                self.say(redact(f"warning: closing {backend.kind} failed: {type(e).__name__}: {e}"))
         self.backends = []
 
     def __enter__(self) -> Trackers:

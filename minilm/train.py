@@ -38,6 +38,7 @@ from .distributed import (
 from .model import MiniMindForCausalLM
 from .options import RunOptions, add_run_flags, build_configs, check_configs, option, plan_steps
 from .rows import rows_note
+from .safety import check_name
 from .step import TORCH_DTYPES, NonFiniteLossError, resolve_dtype_name
 from .testing import FaultHooks
 from .testing import from_env as hooks_from_env
@@ -50,7 +51,7 @@ class LocalOptions(RunOptions):
     """minilm.train's own flags: data without Ray Data, and where the run folder is."""
 
     tokens: str | None = option(help="a .npy file of 1-D token ids")
-    random_tokens: int | None = option(help="train on this many uniformly random token ids")
+    random_tokens: int | None = option(help="train on this many uniformly random token ids", minimum=1)
     run_dir: str | None = option(help="checkpoints, metrics.jsonl and world_size.csv go here (default: none kept)")
 
 
@@ -133,6 +134,8 @@ def start(argv: list[str] | None) -> tuple[Trainer, LocalOptions, C.Lease | None
     if sum(x is not None for x in (opts.data, opts.tokens, opts.random_tokens)) != 1:
         raise UsageError("give the data to train on: one of --data DIR, --tokens FILE.npy or --random-tokens N")
     check_configs(model_cfg, train_cfg, opts)
+    if opts.name is not None:
+        check_name(opts.name, "--name")
     hooks = hooks_from_env(warn=lambda m: print(m, file=sys.stderr))
     rank, world_size, device = init_from_torchrun(timeout_s=opts.collective_timeout_s)
     notes: list[str | None] = []  # shown under the start line (rank 0)
@@ -196,6 +199,10 @@ def run_cli(argv: list[str] | None) -> int:
         return EXIT_USAGE
     except (UsageError, ConfigError, D.DataError, C.CheckpointError, TrackerError, ValueError, FileNotFoundError) as e:
         return fail(str(e))
+    except (MemoryError, RuntimeError) as e:  # a config that checks out but whose model does not fit here
+        if not isinstance(e, MemoryError) and "alloc" not in str(e):
+            raise
+        return fail(f"the run does not fit in this machine's memory: {type(e).__name__}: {str(e).strip()[:160]}")
     outcome, t0 = "failed", time.time()
     rank, world_size, device = trainer.rank, trainer.world_size, trainer.device
     try:
@@ -223,16 +230,25 @@ def run_cli(argv: list[str] | None) -> int:
 
 def load_data(opts: RunOptions, model_cfg: ModelConfig, train_cfg: TrainConfig, notes: list) -> Dataset:
     if opts.data:
-        prepared = D.open_prepared(opts.data)
+        prepared = D.open_local(opts.data)  # a remote URI is copied to this node once, as for ray_jobs.pretrain
         D.check_compatible(prepared, vocab_size=model_cfg.vocab_size, seq_len=train_cfg.seq_len)
-        notes.append(rows_note(prepared.manifest, prepared.location))
+        notes.append(rows_note(prepared.manifest, opts.data))
         return Dataset.prepared(prepared)
     if opts.tokens:
         path = Path(opts.tokens)
         if not path.is_file():
             raise UsageError(f"--tokens {path}: file not found")
-        rows = sequences_from_tokens(np.load(path), train_cfg.seq_len)
+        ids = np.load(path)  # allow_pickle is off: never code from the file
+        if not isinstance(ids, np.ndarray) or ids.ndim != 1 or ids.dtype.kind not in "iu":
+            raise UsageError(f"--tokens {path}: expected a .npy file of a 1-D array of integer token ids")
+        lo, hi = (int(ids.min()), int(ids.max())) if ids.size else (0, 0)  # checked once here, not per batch
+        if lo < 0 or hi >= model_cfg.vocab_size:
+            raise UsageError(f"--tokens {path}: token id {lo if lo < 0 else hi} is outside the vocabulary "
+                             f"[0, {model_cfg.vocab_size})")
+        rows = sequences_from_tokens(ids, train_cfg.seq_len)
     else:
+        if not 0 < opts.random_tokens <= 1 << 30:  # held in memory as int64: past 8 GB it is a typo
+            raise UsageError(f"--random-tokens must be in [1, 2**30], got {opts.random_tokens}")
         rng = np.random.default_rng(train_cfg.seed)
         rows = sequences_from_tokens(rng.integers(0, model_cfg.vocab_size, opts.random_tokens), train_cfg.seq_len)
     return Dataset.in_memory(rows.numpy())

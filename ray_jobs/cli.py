@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import os
-import re
-import urllib.parse
 from dataclasses import dataclass
 
 from minilm.cli import DEMO_PRESET, UsageError, fail, load_yaml  # noqa: F401  (re-exported)
 from minilm.options import TIMEOUT_HELP, RunOptions, option
+from minilm.safety import redact
 
 from .ray_compat import quiet_token_auth_notice
 
@@ -54,8 +53,6 @@ def parse_resources(spec) -> dict[str, float]:  # 'slot=1,disk=2' or a YAML mapp
     return resources
 
 
-
-
 @dataclass
 class RayOptions(RunOptions):
     """ray_jobs.pretrain's own flags (a Ray cluster's), and what its driver fills in for the workers."""
@@ -87,19 +84,7 @@ class RayOptions(RunOptions):
         return parse_num_workers(self.num_workers)
 
 
-def redact_uri(uri: str | None) -> str | None:
-    """A storage or data URI fit to print: the values of its query's secret keys and any user:password@ as ***."""
-    if not uri or "://" not in uri:
-        return uri
-    parts = urllib.parse.urlsplit(uri)
-    netloc = ("***@" + parts.netloc.rpartition("@")[2]) if "@" in parts.netloc else parts.netloc
-    query = [(k, "***" if SECRET_KEY.search(k) else redact_uri(v) if "://" in v else v)
-             for k, v in urllib.parse.parse_qsl(parts.query, keep_blank_values=True)]
-    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, urllib.parse.urlencode(query, safe="/:*@"),
-                                    parts.fragment))
-
-
-SECRET_KEY = re.compile(r"key|secret|token|password|credential|signature", re.I)
+redact_uri = redact  # the old name: minilm.safety.redact is the one redaction
 
 
 def available_cores() -> int:

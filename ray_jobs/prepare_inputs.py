@@ -183,10 +183,12 @@ def _jsonl_record(line: bytes, text_field: str) -> str | Bad:
         return Bad("invalid_utf8", _utf8_detail(line, e)[1])
     except json.JSONDecodeError as e:
         return Bad("malformed_json", f"malformed JSON ({e.msg} at column {e.colno})")
+    except (ValueError, RecursionError) as e:  # an integer of > 4300 digits; nesting deeper than the stack
+        return Bad("malformed_json", f"JSON that Python refuses to read ({str(e).split(':')[0]})")
     if not isinstance(obj, dict):
         return Bad("not_an_object", f"a JSON {type(obj).__name__}, not an object with {text_field!r}")
     if text_field not in obj:
-        keys = ", ".join(list(obj)[:5]) or "none"
+        keys = ", ".join(repr(k)[1:-1][:40] for k in list(obj)[:5]) or "none"  # escaped: one short line
         return Bad("missing_text_field", f"no {text_field!r} field (keys: {keys})")
     return _check_text(obj[text_field], text_field)
 

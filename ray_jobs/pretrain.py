@@ -38,6 +38,7 @@ from minilm.options import (
 )
 from minilm.progress import MetricsLog, format_duration
 from minilm.rows import rows_note
+from minilm.safety import check_name, join_uri
 from minilm.timeline import TIMELINE, WorldSizeTimeline, format_timeline
 from minilm.trackers import TrackerError, check_trackers
 
@@ -94,12 +95,6 @@ class RunPlan:
             self.lease.release()
 
 
-def join_uri(base: str, *names: str) -> str:
-    """A child of a local path or a URI, before the URI's query (s3://b/runs?endpoint=x -> s3://b/runs/NAME?endpoint=x)."""
-    path, query = base.split("?", 1) if "?" in base else (base, "")
-    return "/".join([path.rstrip("/"), *names]) + (f"?{query}" if query else "")
-
-
 def check_options(model_cfg: ModelConfig, train_cfg: TrainConfig, opts: RayOptions) -> tuple[int, int]:
     """Every check that needs no data and no Ray; returns the (min, max) world size."""
     check_configs(model_cfg, train_cfg, opts)
@@ -119,7 +114,8 @@ def plan_run(args: argparse.Namespace, concurrent_runs: int = 1, reserved_cpus: 
     file_values = load_yaml(args.config) if file_values is None else file_values
     demo = not (args.data or file_values.get("data"))
     model_cfg, train_cfg, opts = build_configs(args, file_values, RayOptions, demo=demo)
-    opts.started_at, opts.name = started_at, opts.name or time.strftime("minilm-%Y%m%d-%H%M%S")
+    opts.started_at = started_at
+    opts.name = check_name(opts.name or time.strftime("minilm-%Y%m%d-%H%M%S"), "--name")  # STORAGE/NAME
     check_options(model_cfg, train_cfg, opts)
     if "://" not in opts.storage_path:
         opts.storage_path = str(Path(opts.storage_path).expanduser().resolve())

@@ -28,6 +28,7 @@ from minilm import checkpoint as C
 from minilm import data as D
 from minilm.config import ConfigError, ModelConfig, TrainConfig
 from minilm.options import plan_steps
+from minilm.safety import check_name, join_uri
 from minilm.trackers import TrackerError
 
 from .cli import UsageError, fail, load_yaml, redact_uri
@@ -133,11 +134,12 @@ def trial(params: dict, plan: RunPlan, sweep_dir: str) -> None:
     from ray import tune
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    from .pretrain import RAY_SNAPSHOT, join_uri, make_trainer
+    from .pretrain import RAY_SNAPSHOT, make_trainer
 
     m, t = apply_params(plan.model_cfg, plan.train_cfg, params)
-    name = tune.get_context().get_trial_name()
-    opts = dataclasses.replace(plan.opts, name=name, storage_path=f"{plan.opts.storage_path}/{plan.opts.name}/trials",
+    name = check_name(tune.get_context().get_trial_name(), "trial name")  # it names the trial's folder
+    opts = dataclasses.replace(plan.opts, name=name,
+                               storage_path=join_uri(plan.opts.storage_path, plan.opts.name, "trials"),
                                run_dir=str(Path(sweep_dir) / "trials" / name) if plan.run_dir else None)
     C.RunFolder(join_uri(opts.storage_path, name)).delete(RAY_SNAPSHOT)  # a restored trial: minilm's rules, not Ray's
     config = dataclasses.replace(plan, model_cfg=m, train_cfg=t).config(opts)
@@ -181,7 +183,7 @@ def write_results(rows: list[dict], dims: dict[str, SearchDim], plan: RunPlan, o
     best = next((r for r in rows if r["status"] != "ERROR"), None)
     if best is not None:
         m, t = apply_params(plan.model_cfg, plan.train_cfg, {d: best[d] for d in dims})
-        best_cfg = {**m.to_dict(), **t.to_dict(), "data": plan.opts.data_dir}
+        best_cfg = {**m.to_dict(), **t.to_dict(), "data": redact_uri(plan.opts.data_dir)}  # give --data's secret again
         (out / "best.yaml").write_text(f"# best trial {best['trial']} of sweep {plan.opts.name} by {metric}\n"
                                        + yaml.safe_dump(best_cfg, sort_keys=True))
         print(f"best: {best['trial']} -> {out / 'best.yaml'}  (python -m ray_jobs.pretrain --config {out / 'best.yaml'})")
@@ -259,9 +261,12 @@ def run(args: argparse.Namespace) -> int:
     dims = search_space(args.search, file_values.pop("search", None))
     sweep_opts = {k: file_values.pop(k, None) for k in TUNE_KEYS - {"search"}}
     sweep_opts.update({k: getattr(args, k) for k in sweep_opts if getattr(args, k) is not None})
-    num_samples = sweep_opts["num_samples"] or 4
-    concurrent = sweep_opts["max_concurrent_trials"] or 1
-    workers = sweep_opts["workers_per_trial"] or 1
+    counts = [sweep_opts[k] or default for k, default in (("num_samples", 4), ("max_concurrent_trials", 1),
+                                                            ("workers_per_trial", 1), ("grace_steps", 1))]
+    if not all(isinstance(n, int) and not isinstance(n, bool) for n in counts):  # a YAML "4", or 2.5
+        raise UsageError(f"--num-samples, --max-concurrent-trials, --workers-per-trial, --grace-steps: whole numbers, "
+                         f"got {', '.join(map(repr, counts))}")
+    num_samples, concurrent, workers = counts[:3]
     scheduler = sweep_opts["scheduler"] or "asha"
     if num_samples < 1 or concurrent < 1 or workers < 1:
         raise UsageError("--num-samples, --max-concurrent-trials and --workers-per-trial must be >= 1")
@@ -312,7 +317,7 @@ def sweep(plan: RunPlan, dims, num_samples, concurrent, scheduler, grace, metric
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler
 
-    sweep_path = f"{plan.opts.storage_path}/{plan.opts.name}"
+    sweep_path = join_uri(plan.opts.storage_path, plan.opts.name)  # before a URI's ?query
     shipped = dataclasses.replace(plan, lease=None)  # the lease stays with this driver
     trainable = tune.with_resources(tune.with_parameters(trial, plan=shipped, sweep_dir=sweep_path),
                                     {"CPU": TRIAL_CPUS})

@@ -283,6 +283,79 @@ def test_no_config_or_doc_opens_the_dashboard_to_all_interfaces_without_auth():
             assert kind not in text, (name, kind)
 
 
+PRIVATE_PORTS = ("6379", "8265", "10001", "8080")
+
+
+@pytest.mark.parametrize("name", ["aws.yaml", *sorted(KUBERAY_CLUSTERS)])
+def test_each_cluster_config_says_which_ports_stay_private_and_keeps_token_auth(name):
+    text = (CLUSTER / name).read_text()
+    header = " ".join(line.lstrip("# ") for line in text.splitlines() if line.startswith("#"))
+    said = header[header.index("Ports that stay private"):]
+    assert all(port in said.split("Reach")[0] for port in PRIVATE_PORTS), said
+    if name == "aws.yaml":
+        assert "RAY_AUTH_MODE=token" in " ".join(load(name)["head_start_ray_commands"])
+    else:
+        assert KUBERAY_CLUSTERS[name](load(name))["authOptions"] == {"mode": "token"}
+
+
+def local_sh(verb: str, tmp_path, **env) -> subprocess.CompletedProcess:
+    """cluster/local.sh with a stand-in `ray` that records its arguments (no Ray is started)."""
+    fake = tmp_path / "bin" / "ray"
+    fake.parent.mkdir(exist_ok=True)
+    fake.write_text('#!/bin/sh\necho "$@" > "$(dirname "$0")/args"\nenv > "$(dirname "$0")/env"\n')
+    fake.chmod(0o755)
+    base = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path / "home"), "RAY": str(fake), "RAY_AUTH_TOKEN": "t"}
+    return subprocess.run(["bash", str(CLUSTER / "local.sh"), verb], env={**base, **env}, capture_output=True,
+                          text=True, timeout=60)
+
+
+def env_of_ray(tmp_path) -> list[str]:
+    return (tmp_path / "bin" / "env").read_text().splitlines()
+
+
+def test_local_head_binds_every_port_to_loopback_and_keeps_its_state_private(tmp_path):
+    started = local_sh("start", tmp_path)
+    assert started.returncode == 0, started.stderr
+    args = (tmp_path / "bin" / "args").read_text().split()
+    assert args[args.index("--node-ip-address") + 1] == "127.0.0.1"  # GCS, raylet and metrics port: loopback
+    assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0" in env_of_ray(tmp_path)  # else Ray resolves it to the routable IP
+    assert args[args.index("--dashboard-host") + 1] == "127.0.0.1"
+    state_dir = tmp_path / "home" / ".cache" / "minilm" / "ray"  # no XDG_RUNTIME_DIR: under the home
+    assert args[args.index("--temp-dir") + 1] == str(state_dir / "ray")
+    assert oct(state_dir.stat().st_mode & 0o777) == "0o700"
+    assert oct((state_dir / "head.env").stat().st_mode & 0o777) == "0o600"
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    assert local_sh("start", tmp_path, XDG_RUNTIME_DIR=str(runtime)).returncode == 0
+    assert (runtime / "minilm-ray" / "head.env").is_file()
+
+
+def test_local_sh_refuses_a_state_folder_others_can_write(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    refused = local_sh("start", tmp_path, MINILM_RAY_DIR=str(shared))
+    assert refused.returncode == 2 and "no one else can write to" in refused.stderr
+    assert not (tmp_path / "bin" / "args").exists()  # nothing was started
+
+
+def test_local_sh_env_prints_only_checked_values_and_nothing_runs_from_the_state_file(tmp_path):
+    state = tmp_path / "head"
+    assert local_sh("start", tmp_path, MINILM_RAY_DIR=str(state), RAY_AUTH_TOKEN_PATH="/home/u/.ray/tok").returncode == 0
+    planted = tmp_path / "pwned"
+    with open(state / "head.env", "a") as f:  # what a state file another user could write would hold
+        f.write(f"RAY_API_SERVER_ADDRESS=http://127.0.0.1:1; touch {planted}\n"
+                f"RAY_AUTH_TOKEN_PATH=/x$(touch {planted})\nRAY_API_SERVER_ADDRESS=`touch {planted}`\n")
+    env = local_sh("env", tmp_path, MINILM_RAY_DIR=str(state))
+    assert env.returncode == 0, env.stderr
+    assert env.stdout.splitlines() == ["export RAY_API_SERVER_ADDRESS=http://127.0.0.1:8265",
+                                       "export RAY_AUTH_TOKEN_PATH=/home/u/.ray/tok", "export RAY_AUTH_MODE=token",
+                                       "export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0"]
+    evaluated = subprocess.run(["bash", "-c", 'eval "$(cat)"; echo "$RAY_API_SERVER_ADDRESS"'], input=env.stdout,
+                               capture_output=True, text=True)
+    assert evaluated.stdout.strip() == "http://127.0.0.1:8265" and not planted.exists()
+
+
 def test_local_sh_is_valid_bash_and_explains_itself():
     assert subprocess.run(["bash", "-n", str(CLUSTER / "local.sh")]).returncode == 0
     usage = subprocess.run(["bash", str(CLUSTER / "local.sh")], capture_output=True, text=True)

@@ -88,7 +88,8 @@ class Head:
 
     def env(self, token: str | None = "file") -> dict:
         """Environment of a client: the head's token file, a literal token, or (None) no token at all."""
-        env = clean_env(HOME=str(self.home), PYTHONUNBUFFERED="1")
+        # Ray's one-machine mode, as `eval "$(cluster/local.sh env)"` sets it (a driver here has the head's IP)
+        env = clean_env(HOME=str(self.home), PYTHONUNBUFFERED="1", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
         if token == "file":
             env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(self.token_path))
         elif token is not None:
@@ -234,6 +235,18 @@ def test_dashboard_listens_on_localhost_only_and_refuses_requests_without_the_to
     assert head.api("/api/jobs/", token="")[0] == 401
     assert head.api("/api/jobs/", token="not-the-token")[0] == 403
     assert head.api("/api/jobs/")[0] == 200
+
+
+def test_every_port_of_the_local_head_listens_on_loopback_only(head):
+    """local.sh starts the head in Ray's one-machine mode: the GCS, raylet, agents and metrics port on loopback too."""
+    import psutil
+
+    ours = {p.pid for p in psutil.process_iter(["cmdline"]) if str(head.dir) in " ".join(p.info["cmdline"] or [])}
+    ports = {int(head.gcs_address.rsplit(":", 1)[1]), head.dashboard_port, int(head.metrics_url.split(":")[2][:-8])}
+    listeners = {(c.laddr.ip, c.laddr.port) for c in psutil.net_connections(kind="inet")
+                 if c.status == psutil.CONN_LISTEN and (c.pid in ours or c.laddr.port in ports)}
+    assert ports <= {port for _, port in listeners} and len(listeners) > len(ports), listeners
+    assert {ip for ip, _ in listeners} <= {"127.0.0.1", "::1", "::ffff:127.0.0.1"}, listeners
 
 
 GCS_CONNECT = """

@@ -28,6 +28,7 @@ from safetensors.torch import load_file
 from ..config import ModelConfig
 from ..data import cache_root, file_sha256, fsync_dir
 from ..data.verified import file_key, node_lock
+from ..safety import check_name
 from ..step import TORCH_DTYPES
 
 MARKER = "COMPLETE.json"
@@ -202,15 +203,14 @@ def parse_marker(raw: bytes | None, where: Path | str) -> dict[str, str]:
         raise CheckpointError(f"checkpoint {where} is incomplete: {MARKER} is missing (the write did not finish)")
     try:
         files = json.loads(raw)["files"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"checkpoint {where}: {MARKER} is unreadable ({type(e).__name__}: {e})") from None
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
+        raise CheckpointError(f"checkpoint {where}: {MARKER} is unreadable ({type(e).__name__}: {str(e)[:80]})") from None
     if not (isinstance(files, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in files.items())
             and "model.safetensors" in files):
         raise CheckpointError(f"checkpoint {where}: {MARKER} does not list its files with their hashes and the "
                               f"weights (edited, or not written by minilm)")
-    for name in files:
-        if name in ("", ".", "..") or "/" in name or "\\" in name:
-            raise CheckpointError(f"checkpoint {where}: {MARKER} names {name!r}, which is not a file of the folder")
+    for name in files:  # the one rule for names that become paths
+        check_name(name, f"checkpoint {where}: {MARKER} names", CheckpointError)
     return files
 
 
@@ -294,7 +294,7 @@ def parse_state(raw: bytes, where, keys: tuple[str, ...] = STATE_KEYS) -> dict[s
     use it: unreadable, a newer format, or lacking one of `keys` (never a KeyError later)."""
     try:
         state = json.loads(raw)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise CheckpointError(f"checkpoint {where}: state.json is unreadable ({e})") from None
     if not isinstance(state, dict) or not isinstance(state.get("train_config", {}), dict):
         raise CheckpointError(f"checkpoint {where}: state.json is not a mapping of minilm's fields")
@@ -398,9 +398,13 @@ def load_pretrained(path: str | os.PathLike, device: str = "cpu", dtype: torch.d
 
     path = Path(path)
     verify(path)
-    config = ModelConfig.from_dict(json.loads((path / "config.json").read_text()))
-    model = MiniMindForCausalLM(config)
-    model.load_state_dict(load_file(str(path / "model.safetensors")), strict=True)
+    try:
+        config = ModelConfig.from_dict(json.loads((path / "config.json").read_text())).validate()
+        model = MiniMindForCausalLM(config)
+        model.load_state_dict(load_file(str(path / "model.safetensors")), strict=True)
+    except Exception as e:  # its hashes match: a config or weights this version cannot use
+        why = " ".join(str(e).split())[:200]  # one line, whatever the error's own layout
+        raise CheckpointError(f"weights {path} could not be loaded: {type(e).__name__}: {why}") from None
     model.to(device=device, dtype=dtype).eval()
     tokenizer = None
     if (path / "tokenizer.json").is_file():

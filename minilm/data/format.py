@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..safety import check_name, redact
+
 MANIFEST = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"
 FORMAT = "minilm-packed-v2"
@@ -25,6 +27,9 @@ _URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 
 class DataError(ValueError):
     """Prepared data is missing, incomplete, or does not fit the run; the message says what and where."""
+
+    def __init__(self, message: str):
+        super().__init__(redact(message))  # a --data URI's credentials never reach a log or a terminal
 
 
 def cache_root() -> Path:
@@ -107,8 +112,8 @@ class PreparedData:
 
 def _files(manifest: dict) -> list[tuple[str, int | None, str]]:
     """(name, bytes or None, sha256) of every file the manifest lists: the tokenizer, then the shards."""
-    return [(TOKENIZER_FILE, None, manifest["tokenizer"]["sha256"])] + [
-        (s["file"], int(s["bytes"]), s["sha256"]) for s in manifest["shards"]]
+    return [(TOKENIZER_FILE, None, str(manifest["tokenizer"]["sha256"]))] + [
+        (s["file"], int(s["bytes"]), str(s["sha256"])) for s in manifest["shards"]]
 
 
 def check_manifest(manifest, where: str) -> None:
@@ -125,11 +130,12 @@ def check_manifest(manifest, where: str) -> None:
         _check_layout(manifest, where)
     except DataError:
         raise
-    except (KeyError, TypeError, ValueError) as e:  # a field of the wrong type, a shard without a key
-        raise DataError(f"{where}: malformed ({type(e).__name__}: {e})") from None
+    except (KeyError, TypeError, ValueError, OverflowError) as e:  # a field of the wrong type, a shard without a key
+        raise DataError(f"{where}: malformed ({type(e).__name__}: {e})"[:500]) from None
 
 
 def _check_layout(manifest: dict, where: str) -> None:
+    check_name(manifest["fingerprint"], f"{where}: fingerprint", DataError)  # it names the node-local copy's folder
     dtype_name = manifest["token_dtype"]
     if dtype_name not in TOKEN_DTYPES:
         raise DataError(f"{where}: token_dtype {dtype_name!r} is not one of {', '.join(TOKEN_DTYPES)}")
@@ -139,9 +145,7 @@ def _check_layout(manifest: dict, where: str) -> None:
     row_bytes = (int(manifest["seq_len"]) + 1) * TOKEN_DTYPES[dtype_name].itemsize
     expected_first = 0
     for shard in manifest["shards"]:
-        name = str(shard["file"])
-        if "/" in name or "\\" in name or name.startswith("."):
-            raise DataError(f"{where}: shard file name {name!r} is not a plain file name")
+        name = check_name(shard["file"], f"{where}: shard file name", DataError)
         if int(shard["first_sample_id"]) != expected_first:
             raise DataError(f"{where}: shard {name} starts at sample {shard['first_sample_id']}, expected "
                             f"{expected_first} (sample ids must be contiguous across shards)")
@@ -153,6 +157,7 @@ def _check_layout(manifest: dict, where: str) -> None:
         expected_first += n
     if expected_first != int(manifest["num_sequences"]):
         raise DataError(f"{where}: shard sizes do not add up to num_sequences {manifest['num_sequences']}")
+    _files(manifest)  # a missing hash is "malformed" here, not a KeyError later
 
 
 def open_prepared(path: str | os.PathLike, *, verify: bool = True) -> PreparedData:
@@ -174,7 +179,7 @@ def open_prepared(path: str | os.PathLike, *, verify: bool = True) -> PreparedDa
         raise DataError(f"{path} has no {MANIFEST}: not a prepared dataset, or its prepare did not finish")
     try:
         manifest = json.loads(mpath.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # also an integer of > 4300 digits, nesting past the stack
         raise DataError(f"{mpath} is not valid JSON ({e})") from None
     check_manifest(manifest, str(mpath))
     data = PreparedData(path, manifest)

@@ -8,6 +8,7 @@ import os
 import shutil
 from pathlib import Path
 
+from ..safety import join_uri
 from .format import (
     MANIFEST,
     DataError,
@@ -45,12 +46,13 @@ def _open_remote(uri: str) -> PreparedData:
             raise DataError(f"{uri} has no {MANIFEST}: not a prepared dataset, or its prepare did not finish")
         with fs.open_input_stream(f"{root}/{MANIFEST}") as f:
             raw = f.read()
-        manifest = json.loads(raw.decode("utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DataError(f"{uri}/{MANIFEST} is not valid JSON ({e})") from None
     except OSError as e:
-        raise DataError(f"cannot read {uri}/{MANIFEST}: {e}") from None
-    check_manifest(manifest, f"{uri}/{MANIFEST}")
+        raise DataError(f"cannot read {join_uri(uri, MANIFEST)}: {e}") from None
+    try:
+        manifest = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as e:  # JSON, UTF-8, an integer of > 4300 digits, nesting past the stack
+        raise DataError(f"{join_uri(uri, MANIFEST)} is not valid JSON ({e})") from None
+    check_manifest(manifest, join_uri(uri, MANIFEST))
     files = _files(manifest)
     try:
         infos = fs.get_file_info([f"{root}/{name}" for name, _, _ in files])
@@ -60,7 +62,7 @@ def _open_remote(uri: str) -> PreparedData:
         if info.type == pafs.FileType.NotFound:
             raise DataError(f"{uri}: {name} listed in {MANIFEST} is missing")
         if size is not None and info.size != size:
-            raise DataError(_size_message(f"{uri}/{name}", info.size, size))
+            raise DataError(_size_message(join_uri(uri, name), info.size, size))
     return PreparedData(None, manifest, uri=uri)
 
 
@@ -96,7 +98,7 @@ def materialise(remote: PreparedData, cache: Path | None = None) -> PreparedData
         try:
             fs, root = _remote_fs(remote.uri)
             for name, size, sha in _files(remote.manifest):
-                _copy_verified(fs, f"{root}/{name}", tmp / name, size, sha, f"{remote.uri}/{name}")
+                _copy_verified(fs, f"{root}/{name}", tmp / name, size, sha, join_uri(remote.uri, name))
             _write_synced(tmp / MANIFEST, json.dumps(remote.manifest, indent=2).encode())
             fsync_dir(tmp)
             os.rename(tmp, target)

@@ -11,7 +11,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .format import DataError, PreparedData, _files, _hash_mismatch, cache_root, file_sha256
+import numpy as np
+
+from .format import TOKENIZER_FILE, DataError, PreparedData, _files, _hash_mismatch, cache_root, file_sha256
 
 RACY_NS = 2_000_000_000  # a file modified this recently when hashed is hashed again next time
 
@@ -45,7 +47,7 @@ def file_key(path: Path) -> list[int]:
 def _read_stamp(stamp: Path, data: PreparedData) -> dict:
     try:
         saved = json.loads(stamp.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return {}
     if not isinstance(saved, dict) or saved.get("fingerprint") != data.fingerprint:
         return {}
@@ -77,12 +79,13 @@ def _prune_stamps(folder: Path) -> None:
 
 
 def verify_hashes(data: PreparedData) -> None:
-    """Check every file's sha256 against the manifest, once per file on this machine.
+    """Check every file's sha256 against the manifest, and every token id against the vocabulary, once per file
+    on this machine.
 
-    A file whose (size, mtime, inode) were stamped with the right hash is not read again, so later
-    opens by every rank and restart only stat the files; one rank of a node hashes under the lock
-    while the others wait. As in git's index, a file modified less than RACY_NS before it was
-    hashed is not stamped. The check is against a wrong, partial or replaced file, not bit rot.
+    A file whose (size, mtime, inode) were stamped with the right hash (and its largest token id) is not read
+    again, so later opens by every rank and restart only stat the files; one rank of a node reads under the lock
+    while the others wait. As in git's index, a file modified less than RACY_NS before it was hashed is not
+    stamped. The check is against a wrong, partial, replaced or hand-edited file, not bit rot.
     """
     folder = data._local()
     stamp = _stamp_path(folder)
@@ -90,16 +93,29 @@ def verify_hashes(data: PreparedData) -> None:
         known = _read_stamp(stamp, data)
         fresh = {}
         for name, _, sha in _files(data.manifest):
-            key = file_key(folder / name)
-            if known.get(name) != [*key, sha]:
-                got = file_sha256(folder / name)
+            path, dtype = folder / name, None if name == TOKENIZER_FILE else data.token_dtype
+            key, entry, racy = file_key(path), known.get(name, []), False
+            if entry[:4] != [*key, sha]:
+                got = file_sha256(path)
                 if got != sha:
-                    raise DataError(_hash_mismatch(str(folder / name), got, sha))
-                if key[1] > time.time_ns() - RACY_NS:
-                    continue  # hashed, but too fresh to vouch for later
-            fresh[name] = [*key, sha]
+                    raise DataError(_hash_mismatch(str(path), got, sha))
+                entry, racy = [*key, sha], key[1] > time.time_ns() - RACY_NS  # hashed, but too fresh to vouch for
+            if len(entry) < 5:  # a stamp from a writer, which hashed the bytes but did not range-check them
+                entry = [*entry[:4], _top_id(path, dtype)]
+            if entry[4] >= data.vocab_size:  # an id the model's embedding has no row for
+                raise DataError(f"{path}: token id {entry[4]} is not below the vocabulary size {data.vocab_size} of "
+                                f"the tokenizer in manifest.json (a file edited by hand?); prepare the dataset again")
+            if not racy:
+                fresh[name] = entry
         if fresh != known:
             _write_stamp(stamp, data, fresh)
+
+
+def _top_id(path: Path, dtype) -> int:
+    """The largest token id of a token file (-1 for the tokenizer, or no ids): one read, through the page cache."""
+    if dtype is None or path.stat().st_size < dtype.itemsize:
+        return -1
+    return int(np.memmap(path, dtype, mode="r").max())
 
 
 def record_verified(data: PreparedData) -> None:

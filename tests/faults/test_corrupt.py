@@ -7,6 +7,7 @@ passed over by --resume auto: tests/test_trainer.py.
 
 from __future__ import annotations
 
+import os
 import pickle
 import shutil
 
@@ -55,16 +56,28 @@ def test_the_driver_skips_a_checkpoint_torn_mid_upload(tmp_path, capsys, baselin
 class RunsCode:
     """A pickle that runs code when unpickled (here it would only create a file)."""
 
-    def __init__(self, flag):
-        self.flag = str(flag)
+    def __init__(self, flag, shell=False):
+        self.flag, self.shell = str(flag), shell
 
     def __reduce__(self):
-        return (open, (self.flag, "w"))
+        return (os.system, (f"touch {self.flag}",)) if self.shell else (open, (self.flag, "w"))
 
 
-def test_a_checkpoint_with_a_code_running_pickle_is_refused_unrun(tmp_path):
+def torch_save(obj, path):
+    import torch
+
+    torch.save(obj, path)
+
+
+def legacy_pickle(obj, path):
+    path.write_bytes(pickle.dumps(obj, protocol=2))
+
+
+@pytest.mark.parametrize("shell, write", [(False, legacy_pickle), (True, torch_save)], ids=["open-raw", "system-zip"])
+def test_a_checkpoint_with_a_code_running_pickle_is_refused_unrun(tmp_path, shell, write):
     """Whoever can write a checkpoint folder can also rewrite its COMPLETE.json: the hashes match, and loading
-    must still never unpickle arbitrary objects (torch.load(weights_only=True))."""
+    must still never unpickle arbitrary objects (torch.load(weights_only=True), safe since torch 2.6:
+    CVE-2025-32434), whether the file is a raw pickle or torch.save's zip calling os.system."""
     import torch
 
     from minilm.config import ModelConfig, TrainConfig
@@ -77,7 +90,7 @@ def test_a_checkpoint_with_a_code_running_pickle_is_refused_unrun(tmp_path):
                                scaler=make_grad_scaler(torch.float32, "cpu"), state={"optimizer_step": 1})
     C.load_resume_state(ckpt)  # loads as written
     flag = tmp_path / "payload-ran"
-    (ckpt / "optimizer.pt").write_bytes(pickle.dumps({"state": RunsCode(flag)}, protocol=2))
+    write({"state": RunsCode(flag, shell)}, ckpt / "optimizer.pt")
     C.write_marker(ckpt, C.RESUME_FILES)
     C.verify(ckpt)  # the hashes match the new files
     with pytest.raises(C.CheckpointError, match="could not be loaded: UnpicklingError"):

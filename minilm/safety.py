@@ -1,0 +1,48 @@
+"""What may be printed or saved, and what may name a path: one redaction of secrets, one rule for names."""
+
+from __future__ import annotations
+
+import re
+from urllib.parse import quote, unquote_plus
+
+SECRET_KEY = re.compile(r"key|secret|token|passw|pwd|credential|signature|^sig$|auth", re.I)
+_URI = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>]+")
+_USERINFO = re.compile(r"^([^:]+://)[^#]*@")  # up to the last @ before the query: a password may hold / or @
+NAME = re.compile(r"[A-Za-z0-9_\-][A-Za-z0-9._\-]{0,127}")
+
+
+def redact(text: str | None) -> str | None:
+    """`text` fit to print or save: in each URI in it, user:password@ and the values of secret query keys as ***."""
+    return _URI.sub(lambda m: _redact_uri(m.group(0)), text) if text and "://" in text else text
+
+
+def _redact_uri(uri: str) -> str:
+    head, sep, query = uri.partition("?")
+    return _USERINFO.sub(r"\1***@", head) + sep + "&".join(map(_redact_pair, query.split("&")) if sep else ())
+
+
+def _redact_pair(pair: str) -> str:
+    key, eq, value = pair.partition("=")
+    if eq and SECRET_KEY.search(unquote_plus(key)):
+        return f"{key}=***"
+    inner = unquote_plus(value)  # a URI in a value (endpoint_override=http://user:pw@host) is redacted too
+    shown = _redact_uri(inner) if "://" in inner else inner
+    return pair if shown == inner else f"{key}={quote(shown, safe='/:*@')}"
+
+
+def check_name(value, what: str, error: type[Exception] | None = None) -> str:
+    """`value` if it may name a file or folder: 1-128 letters, digits, '.', '_' or '-', not starting with '.'
+    (so never '..', a '/' or a NUL); else one line naming `what` (a UsageError unless `error` is given)."""
+    if isinstance(value, str) and NAME.fullmatch(value):
+        return value
+    from .cli import UsageError  # cli prints through redact: imported here, not at the top
+
+    shown = repr(redact(value) if isinstance(value, str) else value)
+    raise (error or UsageError)(f"{what} {shown[:80]}{'...' if len(shown) > 80 else ''} is not a safe name: "
+                                f"use 1-128 letters, digits, '.', '_' or '-', not starting with '.'")
+
+
+def join_uri(base: str, *names: str) -> str:
+    """`base`/names, put before a URI's query: s3://b/runs?region=x + run1 -> s3://b/runs/run1?region=x."""
+    path, sep, query = base.partition("?") if "://" in base else (base, "", "")
+    return "/".join([path.rstrip("/"), *names]) + sep + query
