@@ -274,6 +274,14 @@ def test_a_run_name_that_would_leave_its_storage_is_refused_before_anything_is_w
     assert not tmp_path.joinpath("runs").exists() and not Path(tmp_path.parent / "escape").exists()
 
 
+def test_a_model_too_big_for_this_machine_is_one_line(capsys):
+    from minilm import train
+
+    assert train.main(["--random-tokens", "5000", "--hidden-size", "100000000", "--max-steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: the run does not fit in this machine's memory: ") and err.count("\n") == 1, err
+
+
 def test_a_sweep_count_in_yaml_that_is_not_a_whole_number_is_one_line(tmp_path, capsys):
     from ray_jobs import tune
 
