@@ -6,6 +6,7 @@
     python -m bench.step --compile                         # add torch.compile'd rows (minilm.step.prepare_model)
     python -m bench.step --device cuda --dtype bf16 --compile --hidden-size 768 --num-hidden-layers 16 --seq-len 1024
     python -m bench.step --no-moe ...                      # the dense model only (bench/gpu_check.sh)
+    python -m bench.step --ab positions --dtype bf16       # one change of the GPU step, before vs after (below)
 
 For each dtype it measures, in this process: the matmul peak (n^3, best of 10, before and after the
 steps; the larger counts; n = 2048 on CPU, 8192 on GPU) and `minilm.step.optimizer_step`
@@ -15,20 +16,29 @@ alternate step by step, so background load hits them alike; warm-up steps (which
 compilation) are excluded. MFU = flops_per_token(seq_len) * tokens/s / measured peak; on a GPU listed in
 minilm.progress.GPU_PEAK_BF16 also against its data-sheet peak (the figure the training loop's MFU uses).
 Writes step.json to bench/results/ (or $MINILM_BENCH_RESULTS).
+
+--ab CHANGE: the step as it is ("after") against the same step with that one change undone ("before", the
+code it replaced, kept below), the two models built alike and alternating step by step on the same batches,
+dense, accumulation 1: the ratio of their median steps (> 1: the change is faster) and the largest relative
+difference of their losses. CHANGE is one of AB_CHANGES:
+  positions    seq_len positions fed and scored (before: the row's seq_len + 1, the last output dropped)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 
 import torch
 
+from minilm import model as M
 from minilm.config import ModelConfig, TrainConfig
-from minilm.model import MiniMindForCausalLM
+from minilm.model import CausalLMOutput, MiniMindForCausalLM
 from minilm.progress import datasheet_peak, measured_matmul_peak
 from minilm.step import (
+    DTYPE_NAMES,
     TORCH_DTYPES,
     configure_backends,
     make_grad_scaler,
@@ -41,7 +51,7 @@ from .common import add_model_args, alternate, environment, write_json
 
 
 def build(args, use_moe: bool, compile_: bool) -> MiniMindForCausalLM:
-    # A micro-batch row is seq_len + 1 ids (input and shifted labels), all of them through the model.
+    # A micro-batch row is seq_len + 1 ids: row[:, :-1] fed, row[:, 1:] scored.
     torch.manual_seed(0)
     cfg = ModelConfig(hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers,
                       num_attention_heads=args.num_attention_heads, num_key_value_heads=args.num_key_value_heads,
@@ -120,6 +130,83 @@ def bench_dtype(args, dtype_name: str) -> dict:
             "peak_flops_datasheet": sheet, "rows": rows, **ratios}
 
 
+# ---- --ab: one change of the GPU step, before vs after ------------------------------------------------------------
+
+AB_CHANGES = ("positions",)
+
+
+def forward_whole_rows(self, input_ids, labels=None, past_key_values=None, use_cache=False, targets=None,
+                       reduction="mean"):
+    """Before `positions`: the whole row (seq_len + 1 ids) through the model, the last position's output dropped."""
+    hidden, _ = self.model(torch.cat([input_ids, targets[:, -1:]], dim=1))
+    return CausalLMOutput(None, M.head_loss(hidden[:, :-1], self.lm_head.weight, targets, reduction),
+                          self.aux_loss())
+
+
+@contextlib.contextmanager
+def patched(obj, name: str, value):
+    saved = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, saved)
+
+
+# What undoes a change for the "before" arm's steps
+UNDO = {
+    "positions": lambda: patched(MiniMindForCausalLM, "forward", forward_whole_rows),
+}
+
+
+def ab_arms(change: str, args):
+    """{"before": (model, optimizer, context), "after": ...}: the same weights; the context undoes the change
+    for the "before" arm's steps only."""
+    train_cfg = TrainConfig(lr=1e-4, optimizer=args.optimizer)
+    arms = {}
+    for arm in ("before", "after"):
+        model = build(args, use_moe=False, compile_=False)
+        optimizer = make_optimizer(model, train_cfg)
+        context = UNDO.get(change, contextlib.nullcontext) if arm == "before" else contextlib.nullcontext
+        arms[arm] = (model, optimizer, context)
+    return arms
+
+
+def ab_main(args) -> int:
+    dtype = TORCH_DTYPES["bf16" if args.dtype == "both" else args.dtype]
+    device = torch.device(args.device)
+    arms = ab_arms(args.ab, args)
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_len + 1), generator=gen)
+               .to(device) for _ in range(args.warmup + args.steps)]
+    losses: dict[str, list[float]] = {arm: [] for arm in arms}
+
+    def step_fn(arm):
+        model, optimizer, context = arms[arm]
+        scaler = make_grad_scaler(dtype, device.type)
+
+        def step(i: int) -> None:
+            with context():
+                m = optimizer_step(model, optimizer, scaler, [batches[i]], lr=1e-4, grad_clip=1.0, dtype=dtype)
+            losses[arm].append(float(m.loss))
+        return step
+
+    times = alternate({arm: step_fn(arm) for arm in arms}, args.steps, args.warmup, device)
+    before, after = (statistics.median(times[a]) for a in ("before", "after"))
+    worst = max(abs(a - b) / abs(b) for a, b in zip(losses["before"], losses["after"], strict=True))
+    result = {"change": args.ab, "dtype": DTYPE_NAMES[dtype], "optimizer": args.optimizer,
+              "step_s": {k: statistics.median(v) for k, v in times.items()}, "step_s_all": times,
+              "before_over_after": before / after, "before_over_after_min": min(times["before"]) / min(times["after"]),
+              "losses": losses, "max_relative_loss_difference": worst}
+    print(f"--ab {args.ab} ({result['dtype']}, {result['optimizer']}): before {before:.4f} s, after {after:.4f} s "
+          f"median step; before / after {before / after:.3f}x median, {result['before_over_after_min']:.3f}x best "
+          f"(> 1: the change is faster); losses {losses['after'][0]:.5f} -> {losses['after'][-1]:.5f}, the arms "
+          f"within {worst:.1e} (relative) over {len(losses['after'])} steps")
+    path = write_json(f"step-ab-{args.ab}.json", {"args": vars(args), "environment": environment(), **result})
+    print(f"wrote {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.step", description=__doc__.split("\n")[0])
     add_model_args(p)
@@ -132,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-moe", action="store_true", help="the dense model only (no MoE rows)")
     p.add_argument("--peak-size", type=int, default=None, help="n of the n^3 matmul peak (default 2048 CPU, 8192 GPU)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    p.add_argument("--ab", choices=AB_CHANGES, default=None, help="one change of the GPU step, before vs after")
+    p.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw", help="--ab's optimizer")
     args = p.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")
@@ -144,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     configure_backends(device)  # TF32 on Ampere+ GPUs; nothing on CPU
+    if args.ab:
+        return ab_main(args)
 
     env = environment()
     where = env.get("gpu", "") if device.type == "cuda" else f"{env['cpu']}, {env['torch_threads']} torch threads"

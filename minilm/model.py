@@ -20,8 +20,8 @@ from .config import ModelConfig
 
 @dataclass
 class CausalLMOutput:
-    logits: torch.Tensor
-    loss: torch.Tensor | None  # next-token cross entropy (labels shifted inside)
+    logits: torch.Tensor | None  # None when the loss came from `targets` (`head_loss`: no logits kept)
+    loss: torch.Tensor | None  # next-token cross entropy: `labels` shifted inside, or `targets` as given
     aux_loss: torch.Tensor  # MoE load-balancing loss summed over layers; 0 for dense or in eval
     past_key_values: list | None = None
 
@@ -285,6 +285,14 @@ def keep_experts_eager() -> None:
         MoEFeedForward._dispatch = torch.compiler.disable(MoEFeedForward._dispatch)
 
 
+def head_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"):
+    """Cross entropy of the logits `hidden @ weight.T` (in autocast's dtype, then fp32) against `targets` (-100:
+    none): the mean over the targets, or (reduction "none") the nats of each position."""
+    nats = F.cross_entropy(F.linear(hidden, weight).float().flatten(0, 1), targets.flatten(), ignore_index=-100,
+                           reduction=reduction)
+    return nats.view(targets.shape) if reduction == "none" else nats
+
+
 class MiniMindBlock(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -362,12 +370,18 @@ class MiniMindForCausalLM(nn.Module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, input_ids, labels=None, past_key_values=None, use_cache=False) -> CausalLMOutput:
+    def forward(self, input_ids, labels=None, past_key_values=None, use_cache=False, targets=None,
+                reduction: str = "mean") -> CausalLMOutput:
+        """`labels` (MiniMind's): the same positions as input_ids, shifted inside. `targets`: position t's next
+        token, as given (the training step's row[:, 1:] for input row[:, :-1]); the loss then comes from `head_loss`
+        and no logits come back. -100 marks a position without a target in either."""
         hidden, presents = self.model(input_ids, past_key_values, use_cache)
+        if targets is not None:
+            loss = head_loss(hidden, self.lm_head.weight, targets, reduction)
+            return CausalLMOutput(None, loss, self.aux_loss(), presents if use_cache else None)
         logits = self.lm_head(hidden)
         loss = None
         if labels is not None:
-            # Position t predicts token t+1; -100 marks positions without a target.
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
         return CausalLMOutput(logits, loss, self.aux_loss(), presents if use_cache else None)
 

@@ -18,7 +18,6 @@ from typing import Protocol
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from . import checkpoint as C
 from . import data as D
@@ -367,10 +366,9 @@ class Trainer:
         for start in range(0, len(self.val_ids), m):
             rows = torch.from_numpy(np.ascontiguousarray(self.data.store.take(self.val_ids[start:start + m])))
             rows = rows.to(self.device).long()
-            with autocast(self.device.type, self.dtype):
-                logits = model(rows).logits[:, :-1]
+            with autocast(self.device.type, self.dtype):  # seq_len positions fed and scored, the head in chunks
+                nats = model(rows[:, :-1], targets=rows[:, 1:], reduction="none").loss.flatten()
             targets = rows[:, 1:].reshape(-1)
-            nats = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets, reduction="none")
             total[0] += nats.sum()
             total[1] += nats.numel()
             if self.token_bytes is not False:

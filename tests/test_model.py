@@ -128,6 +128,32 @@ def test_model_uses_its_rope_tables():
     assert torch.equal(model.model.freqs_cos, cos) and torch.equal(model.model.freqs_sin, sin)
 
 
+# ---- the step built for a GPU: the head and loss on targets -------------------------------------------------
+
+def test_targets_give_the_labels_loss_and_gradients():
+    # Rows of seq_len + 1 ids: row[:, :-1] fed, row[:, 1:] scored (-100 ignored): the loss and every gradient of
+    # the whole-row labels path, and the nats of each position (validation, bits per byte).
+    model = make_model(tie_word_embeddings=False).train()
+    rows = torch.randint(0, 256, (4, 33), generator=torch.Generator().manual_seed(3))
+    labels = rows.clone()
+    labels[1, 5:9] = -100
+    grads = {}
+    for path in ("labels", "targets"):
+        out = model(rows, labels=labels) if path == "labels" else model(rows[:, :-1], targets=labels[:, 1:])
+        out.loss.backward()
+        grads[path] = (out.loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters()})
+        model.zero_grad()
+    (loss_a, grad_a), (loss_b, grad_b) = grads["labels"], grads["targets"]
+    torch.testing.assert_close(loss_b, loss_a, rtol=1e-6, atol=1e-6)
+    for k in grad_a:
+        torch.testing.assert_close(grad_b[k], grad_a[k], rtol=1e-5, atol=1e-7)
+    with torch.no_grad():
+        nats = model(rows[:, :-1], targets=rows[:, 1:], reduction="none").loss
+    assert nats.shape == (4, 32)
+    want = F.cross_entropy(model(rows).logits[:, :-1].flatten(0, 1), rows[:, 1:].flatten(), reduction="none")
+    torch.testing.assert_close(nats.flatten(), want, rtol=1e-5, atol=1e-6)
+
+
 # ---- MoE ------------------------------------------------------------------------------------------
 
 def routed_moe(coef: float = 0.1, norm_topk_prob: bool = True):

@@ -218,8 +218,8 @@ class InfLoss(torch.nn.Module):
         super().__init__()
         self.inner = inner
 
-    def forward(self, input_ids, labels=None):
-        out = self.inner(input_ids, labels=labels)
+    def forward(self, input_ids, **kwargs):
+        out = self.inner(input_ids, **kwargs)
         return CausalLMOutput(out.logits, out.loss * float("inf"), out.aux_loss)
 
 
@@ -371,6 +371,21 @@ def test_collectives_are_identity_without_distributed():
     v = torch.tensor([1.0, 2.0])
     c = Collectives("cpu")
     assert torch.equal(c.mean(v), v) and torch.equal(c.sum(v), v) and c.world_size == 1
+
+
+# ---- the step built for a GPU: seq_len positions -------------------------------------------------------------
+
+def test_a_row_of_seq_len_plus_one_feeds_and_scores_seq_len_positions():
+    # row[:, :-1] fed, row[:, 1:] scored: the model runs SEQ positions, not SEQ + 1 with the last output dropped,
+    # and the loss is the whole-row labels path's (a causal model's first SEQ outputs do not see the last id).
+    model, rows = make_model(), batch(4, seed=5)
+    fed = []
+    model.model.register_forward_pre_hook(lambda mod, args: fed.append(tuple(args[0].shape)))
+    m = optimizer_step(model, make_optimizer(model, TrainConfig(lr=0.0)), fp32_scaler(), [rows], lr=0.0,
+                       grad_clip=1.0)
+    assert fed == [(4, SEQ)] and m.tokens == 4 * SEQ
+    with torch.no_grad():
+        torch.testing.assert_close(m.lm_loss, model(rows, labels=rows).loss, rtol=1e-6, atol=1e-6)
 
 
 # ---- no_sync, prepare_model, configure_backends -----------------------------------------------------
