@@ -22,6 +22,7 @@ code it replaced, kept below), the two models built alike and alternating step b
 dense, accumulation 1: the ratio of their median steps (> 1: the change is faster) and the largest relative
 difference of their losses. CHANGE is one of AB_CHANGES:
   positions    seq_len positions fed and scored (before: the row's seq_len + 1, the last output dropped)
+  chunked-ce   the head and loss chunk by chunk, gradients in the forward (before: fp32 logits of the batch)
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import statistics
 import sys
 
 import torch
+import torch.nn.functional as F
 
 from minilm import model as M
 from minilm.config import ModelConfig, TrainConfig
@@ -132,7 +134,7 @@ def bench_dtype(args, dtype_name: str) -> dict:
 
 # ---- --ab: one change of the GPU step, before vs after ------------------------------------------------------------
 
-AB_CHANGES = ("positions",)
+AB_CHANGES = ("positions", "chunked-ce")
 
 
 def forward_whole_rows(self, input_ids, labels=None, past_key_values=None, use_cache=False, targets=None,
@@ -141,6 +143,13 @@ def forward_whole_rows(self, input_ids, labels=None, past_key_values=None, use_c
     hidden, _ = self.model(torch.cat([input_ids, targets[:, -1:]], dim=1))
     return CausalLMOutput(None, M.head_loss(hidden[:, :-1], self.lm_head.weight, targets, reduction),
                           self.aux_loss())
+
+
+def head_loss_eager(hidden, weight, targets, reduction="mean"):
+    """Before `chunked-ce`: the head over the whole batch, its logits in fp32, torch's cross entropy."""
+    logits = F.linear(hidden, weight).float()
+    nats = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction=reduction)
+    return nats.view(targets.shape) if reduction == "none" else nats
 
 
 @contextlib.contextmanager
@@ -156,6 +165,7 @@ def patched(obj, name: str, value):
 # What undoes a change for the "before" arm's steps
 UNDO = {
     "positions": lambda: patched(MiniMindForCausalLM, "forward", forward_whole_rows),
+    "chunked-ce": lambda: patched(M, "head_loss", head_loss_eager),
 }
 
 

@@ -8,7 +8,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from minilm import model as M
 from minilm.config import ModelConfig
 from minilm.model import Attention, MiniMindForCausalLM, MoEFeedForward, rope_tables
 
@@ -128,28 +130,49 @@ def test_model_uses_its_rope_tables():
     assert torch.equal(model.model.freqs_cos, cos) and torch.equal(model.model.freqs_sin, sin)
 
 
-# ---- the step built for a GPU: the head and loss on targets -------------------------------------------------
+# ---- the step built for a GPU: chunked head and loss --------------------------------------------------------
 
-def test_targets_give_the_labels_loss_and_gradients():
-    # Rows of seq_len + 1 ids: row[:, :-1] fed, row[:, 1:] scored (-100 ignored): the loss and every gradient of
-    # the whole-row labels path, and the nats of each position (validation, bits per byte).
-    model = make_model(tie_word_embeddings=False).train()
-    rows = torch.randint(0, 256, (4, 33), generator=torch.Generator().manual_seed(3))
+class LargestLogits(TorchDispatchMode):
+    """The most elements of any fp32 tensor over the vocabulary (logits, their softmax or gradient) an op made,
+    forward and backward, while active."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab, self.numel = vocab, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.dim() and t.shape[-1] == self.vocab:
+                self.numel = max(self.numel, t.numel())
+        return out
+
+
+def test_targets_give_the_labels_loss_and_gradients_without_the_batch_logits(monkeypatch):
+    V = 320  # a vocabulary unlike any other width of the model
+    # Rows of seq_len + 1 ids: row[:, :-1] fed, row[:, 1:] scored (-100 ignored), the head in chunks of 10
+    # positions with its gradients computed in the forward: the loss and every gradient of the whole-row labels path,
+    # and no fp32 tensor as large as the batch's logits (4 x 32 positions x V) ever exists.
+    monkeypatch.setattr(M, "HEAD_CHUNK_LOGITS", 10 * V)
+    model = make_model(vocab_size=V, tie_word_embeddings=False).train()
+    rows = torch.randint(0, V, (4, 33), generator=torch.Generator().manual_seed(3))
     labels = rows.clone()
     labels[1, 5:9] = -100
     grads = {}
     for path in ("labels", "targets"):
-        out = model(rows, labels=labels) if path == "labels" else model(rows[:, :-1], targets=labels[:, 1:])
-        out.loss.backward()
-        grads[path] = (out.loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters()})
+        with LargestLogits(V) as largest:
+            out = model(rows, labels=labels) if path == "labels" else model(rows[:, :-1], targets=labels[:, 1:])
+            out.loss.backward()
+        grads[path] = (out.loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}, largest.numel)
         model.zero_grad()
-    (loss_a, grad_a), (loss_b, grad_b) = grads["labels"], grads["targets"]
+    (loss_a, grad_a, big_a), (loss_b, grad_b, big_b) = grads["labels"], grads["targets"]
     torch.testing.assert_close(loss_b, loss_a, rtol=1e-6, atol=1e-6)
     for k in grad_a:
         torch.testing.assert_close(grad_b[k], grad_a[k], rtol=1e-5, atol=1e-7)
-    with torch.no_grad():
+    assert big_a >= 4 * 32 * V > big_b
+    with torch.no_grad(), LargestLogits(V) as largest:  # per-position nats (validation, bits per byte), also chunked
         nats = model(rows[:, :-1], targets=rows[:, 1:], reduction="none").loss
-    assert nats.shape == (4, 32)
+    assert nats.shape == (4, 32) and largest.numel < 4 * 32 * V
     want = F.cross_entropy(model(rows).logits[:, :-1].flatten(0, 1), rows[:, 1:].flatten(), reduction="none")
     torch.testing.assert_close(nats.flatten(), want, rtol=1e-5, atol=1e-6)
 
