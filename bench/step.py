@@ -23,6 +23,7 @@ dense, accumulation 1: the ratio of their median steps (> 1: the change is faste
 difference of their losses. CHANGE is one of AB_CHANGES:
   positions    seq_len positions fed and scored (before: the row's seq_len + 1, the last output dropped)
   chunked-ce   the head and loss chunk by chunk, gradients in the forward (before: fp32 logits of the batch)
+  residual     the residual stream in autocast's dtype (before: fp32, the embedding's output dtype)
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ def bench_dtype(args, dtype_name: str) -> dict:
 
 # ---- --ab: one change of the GPU step, before vs after ------------------------------------------------------------
 
-AB_CHANGES = ("positions", "chunked-ce")
+AB_CHANGES = ("positions", "chunked-ce", "residual")
 
 
 def forward_whole_rows(self, input_ids, labels=None, past_key_values=None, use_cache=False, targets=None,
@@ -152,6 +153,17 @@ def head_loss_eager(hidden, weight, targets, reduction="mean"):
     return nats.view(targets.shape) if reduction == "none" else nats
 
 
+def model_forward_fp32_residual(self, input_ids, past_key_values=None, use_cache=False):
+    """Before `residual`: MiniMindModel.forward with the embedding's fp32 output as the residual stream."""
+    t = input_ids.shape[1]
+    cos, sin = self.freqs_cos[:t], self.freqs_sin[:t]
+    x = self.dropout(self.embed_tokens(input_ids))
+    mask = self.attention_mask(input_ids) if self.document_mask else None
+    for layer in self.layers:
+        x, _ = layer(x, cos, sin, None, False, mask)
+    return self.norm(x), [None] * len(self.layers)
+
+
 @contextlib.contextmanager
 def patched(obj, name: str, value):
     saved = getattr(obj, name)
@@ -166,6 +178,7 @@ def patched(obj, name: str, value):
 UNDO = {
     "positions": lambda: patched(MiniMindForCausalLM, "forward", forward_whole_rows),
     "chunked-ce": lambda: patched(M, "head_loss", head_loss_eager),
+    "residual": lambda: patched(M.MiniMindModel, "forward", model_forward_fp32_residual),
 }
 
 

@@ -384,6 +384,7 @@ class MiniMindModel(nn.Module):
         t = input_ids.shape[1]
         cos, sin = self.freqs_cos[start:start + t], self.freqs_sin[start:start + t]
         x = self.dropout(self.embed_tokens(input_ids))
+        x = x.to(compute_dtype(x))  # the residual stream in autocast's dtype (an embedding's output is fp32)
         # Generation with a cache reads one document: the plain causal mask is the document mask there.
         mask = self.attention_mask(input_ids) if self.document_mask and not past_key_values else None
         presents = []

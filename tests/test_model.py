@@ -130,7 +130,7 @@ def test_model_uses_its_rope_tables():
     assert torch.equal(model.model.freqs_cos, cos) and torch.equal(model.model.freqs_sin, sin)
 
 
-# ---- the step built for a GPU: chunked head and loss --------------------------------------------------------
+# ---- the step built for a GPU: chunked head and loss, residual dtype ----------------------------------------
 
 class LargestLogits(TorchDispatchMode):
     """The most elements of any fp32 tensor over the vocabulary (logits, their softmax or gradient) an op made,
@@ -175,6 +175,23 @@ def test_targets_give_the_labels_loss_and_gradients_without_the_batch_logits(mon
     assert nats.shape == (4, 32) and largest.numel < 4 * 32 * V
     want = F.cross_entropy(model(rows).logits[:, :-1].flatten(0, 1), rows[:, 1:].flatten(), reduction="none")
     torch.testing.assert_close(nats.flatten(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_residual_stream_is_in_autocast_dtype():
+    # Under bf16 autocast every block reads and writes a bf16 residual stream (the embedding's fp32 output is cast
+    # once); without autocast it stays fp32. The loss moves by bf16 rounding only.
+    model = make_model().train()
+    seen = []
+    for layer in model.model.layers:
+        layer.register_forward_pre_hook(lambda mod, args: seen.append(args[0].dtype))
+    ids = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(4))
+    fp32 = model(ids[:, :-1], targets=ids[:, 1:]).loss
+    assert seen == [torch.float32] * 2
+    seen.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16 = model(ids[:, :-1], targets=ids[:, 1:]).loss
+    assert seen == [torch.bfloat16] * 2
+    torch.testing.assert_close(bf16, fp32, rtol=1e-2, atol=0)
 
 
 # ---- MoE ------------------------------------------------------------------------------------------
