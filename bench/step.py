@@ -24,6 +24,7 @@ difference of their losses. CHANGE is one of AB_CHANGES:
   positions    seq_len positions fed and scored (before: the row's seq_len + 1, the last output dropped)
   chunked-ce   the head and loss chunk by chunk, gradients in the forward (before: fp32 logits of the batch)
   residual     the residual stream in autocast's dtype (before: fp32, the embedding's output dtype)
+  gqa          SDPA's own GQA (before: K and V repeated to every query head)
 """
 
 from __future__ import annotations
@@ -135,7 +136,7 @@ def bench_dtype(args, dtype_name: str) -> dict:
 
 # ---- --ab: one change of the GPU step, before vs after ------------------------------------------------------------
 
-AB_CHANGES = ("positions", "chunked-ce", "residual")
+AB_CHANGES = ("positions", "chunked-ce", "residual", "gqa")
 
 
 def forward_whole_rows(self, input_ids, labels=None, past_key_values=None, use_cache=False, targets=None,
@@ -179,6 +180,7 @@ UNDO = {
     "positions": lambda: patched(MiniMindForCausalLM, "forward", forward_whole_rows),
     "chunked-ce": lambda: patched(M, "head_loss", head_loss_eager),
     "residual": lambda: patched(M.MiniMindModel, "forward", model_forward_fp32_residual),
+    "gqa": lambda: patched(M, "SDPA_GQA", False),
 }
 
 

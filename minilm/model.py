@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
 
+SDPA_GQA = torch.__version__ >= "2.5"  # scaled_dot_product_attention(..., enable_gqa=True)
 # Positions whose fp32 logits exist at once in the chunked head and loss (`head_loss`): ~128 MB at vocab 6400.
 HEAD_CHUNK_LOGITS = 2**25
 
@@ -79,21 +80,20 @@ class Attention(nn.Module):
             k = torch.cat([past_key_value[0], k], dim=1)
             v = torch.cat([past_key_value[1], v], dim=1)
         present = (k, v) if use_cache else None
-        # GQA: each kv head serves num_heads / num_kv_heads query heads.
-        rep = self.num_heads // self.num_kv_heads
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if rep > 1:
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        dropout_p = self.dropout if self.training else 0.0
-        if attn_mask is not None:  # causal and within one document (document_mask)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
-        elif past_key_value is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
-        elif t == 1:  # one new token attends to every cached position
-            y = F.scaled_dot_product_attention(q, k, v)
-        else:  # several new tokens after a cache: causal, offset by the cache length
+        mask = attn_mask  # causal and within one document (document_mask)
+        if past_key_value is not None and t > 1:  # several new tokens after a cache: causal, offset by the cache
             mask = torch.ones(t, k.shape[2], dtype=torch.bool, device=x.device).tril(k.shape[2] - t)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        # GQA: each kv head serves num_heads / num_kv_heads query heads. Without a mask, SDPA's own GQA (flash
+        # reads the shared heads in place); with one, copies of K and V (the masked kernels of some torch
+        # versions refuse GQA, and SDPA would fall back to its slow math path).
+        rep = self.num_heads // self.num_kv_heads
+        gqa = {"enable_gqa": True} if rep > 1 and SDPA_GQA and mask is None else {}
+        if rep > 1 and not gqa:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        causal = mask is None and past_key_value is None  # one new token after a cache attends to all of it
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                           dropout_p=self.dropout if self.training else 0.0, **gqa)
         y = y.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)
         return self.resid_dropout(self.o_proj(y)), present
 

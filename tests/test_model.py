@@ -130,7 +130,7 @@ def test_model_uses_its_rope_tables():
     assert torch.equal(model.model.freqs_cos, cos) and torch.equal(model.model.freqs_sin, sin)
 
 
-# ---- the step built for a GPU: chunked head and loss, residual dtype ----------------------------------------
+# ---- the step built for a GPU: chunked head and loss, residual dtype, SDPA's GQA ----------------------------
 
 class LargestLogits(TorchDispatchMode):
     """The most elements of any fp32 tensor over the vocabulary (logits, their softmax or gradient) an op made,
@@ -192,6 +192,26 @@ def test_the_residual_stream_is_in_autocast_dtype():
         bf16 = model(ids[:, :-1], targets=ids[:, 1:]).loss
     assert seen == [torch.bfloat16] * 2
     torch.testing.assert_close(bf16, fp32, rtol=1e-2, atol=0)
+
+
+@pytest.mark.parametrize("document_mask", [False, True])
+def test_grouped_query_heads_are_read_in_place_by_sdpa(monkeypatch, document_mask):
+    # 8 query heads on 2 kv heads: without a mask SDPA's enable_gqa reads the shared heads (no copy of K and V);
+    # with the document mask K and V are still repeated (some torch versions' masked kernels refuse GQA). The
+    # output is the repeated path's either way.
+    calls = []
+    repeat = torch.Tensor.repeat_interleave
+    monkeypatch.setattr(torch.Tensor, "repeat_interleave", lambda *a, **k: calls.append(1) or repeat(*a, **k))
+    model = make_model(num_attention_heads=8, num_key_value_heads=2, document_mask=document_mask).eval()
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(5))
+    ids[:, 7] = model.config.eos_token_id
+    with torch.no_grad():
+        native = model(ids).logits
+        assert len(calls) == (4 if document_mask else 0) and M.SDPA_GQA  # K and V in each of 2 layers
+        monkeypatch.setattr(M, "SDPA_GQA", False)
+        copied = model(ids).logits
+    assert len(calls) == 8 if document_mask else len(calls) == 4
+    torch.testing.assert_close(native, copied, rtol=1e-5, atol=1e-6)
 
 
 # ---- MoE ------------------------------------------------------------------------------------------
