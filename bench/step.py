@@ -25,14 +25,17 @@ difference of their losses. CHANGE is one of AB_CHANGES:
   chunked-ce   the head and loss chunk by chunk, gradients in the forward (before: fp32 logits of the batch)
   residual     the residual stream in autocast's dtype (before: fp32, the embedding's output dtype)
   gqa          SDPA's own GQA (before: K and V repeated to every query head)
+  bucket-view  DDP's gradient_as_bucket_view (a 1-rank gloo group; before: gradients copied to the buckets)
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import statistics
 import sys
+import tempfile
 
 import torch
 import torch.nn.functional as F
@@ -136,7 +139,7 @@ def bench_dtype(args, dtype_name: str) -> dict:
 
 # ---- --ab: one change of the GPU step, before vs after ------------------------------------------------------------
 
-AB_CHANGES = ("positions", "chunked-ce", "residual", "gqa")
+AB_CHANGES = ("positions", "chunked-ce", "residual", "gqa", "bucket-view")
 
 
 def forward_whole_rows(self, input_ids, labels=None, past_key_values=None, use_cache=False, targets=None,
@@ -165,6 +168,15 @@ def model_forward_fp32_residual(self, input_ids, past_key_values=None, use_cache
     return self.norm(x), [None] * len(self.layers)
 
 
+class NoBucketView(torch.nn.parallel.DistributedDataParallel):
+    """Before `bucket-view`: DDP copying each gradient into its bucket and back (what wrap_ddp asks for, less that)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **{**kwargs, "gradient_as_bucket_view": False})
+
+    __init__.__signature__ = inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__)
+
+
 @contextlib.contextmanager
 def patched(obj, name: str, value):
     saved = getattr(obj, name)
@@ -175,7 +187,7 @@ def patched(obj, name: str, value):
         setattr(obj, name, saved)
 
 
-# What undoes a change for the "before" arm's steps
+# What undoes a change for the "before" arm's steps (bucket-view: another DDP instead)
 UNDO = {
     "positions": lambda: patched(MiniMindForCausalLM, "forward", forward_whole_rows),
     "chunked-ce": lambda: patched(M, "head_loss", head_loss_eager),
@@ -187,36 +199,52 @@ UNDO = {
 def ab_arms(change: str, args):
     """{"before": (model, optimizer, context), "after": ...}: the same weights; the context undoes the change
     for the "before" arm's steps only."""
+    from minilm.trainer import wrap_ddp
+
     train_cfg = TrainConfig(lr=1e-4, optimizer=args.optimizer)
     arms = {}
     for arm in ("before", "after"):
         model = build(args, use_moe=False, compile_=False)
         optimizer = make_optimizer(model, train_cfg)
         context = UNDO.get(change, contextlib.nullcontext) if arm == "before" else contextlib.nullcontext
+        if change == "bucket-view":
+            ddp = NoBucketView if arm == "before" else torch.nn.parallel.DistributedDataParallel
+            with patched(torch.nn.parallel, "DistributedDataParallel", ddp):
+                model = wrap_ddp(model, torch.device(args.device))
         arms[arm] = (model, optimizer, context)
     return arms
 
 
 def ab_main(args) -> int:
+    import torch.distributed as dist
+
     dtype = TORCH_DTYPES["bf16" if args.dtype == "both" else args.dtype]
     device = torch.device(args.device)
-    arms = ab_arms(args.ab, args)
-    gen = torch.Generator().manual_seed(1)
-    batches = [torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_len + 1), generator=gen)
-               .to(device) for _ in range(args.warmup + args.steps)]
-    losses: dict[str, list[float]] = {arm: [] for arm in arms}
+    group = tempfile.TemporaryDirectory() if args.ab == "bucket-view" else None
+    if group:
+        dist.init_process_group("gloo", init_method=f"file://{group.name}/rendezvous", rank=0, world_size=1)
+    try:
+        arms = ab_arms(args.ab, args)
+        gen = torch.Generator().manual_seed(1)
+        batches = [torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_len + 1), generator=gen)
+                   .to(device) for _ in range(args.warmup + args.steps)]
+        losses: dict[str, list[float]] = {arm: [] for arm in arms}
 
-    def step_fn(arm):
-        model, optimizer, context = arms[arm]
-        scaler = make_grad_scaler(dtype, device.type)
+        def step_fn(arm):
+            model, optimizer, context = arms[arm]
+            scaler = make_grad_scaler(dtype, device.type)
 
-        def step(i: int) -> None:
-            with context():
-                m = optimizer_step(model, optimizer, scaler, [batches[i]], lr=1e-4, grad_clip=1.0, dtype=dtype)
-            losses[arm].append(float(m.loss))
-        return step
+            def step(i: int) -> None:
+                with context():
+                    m = optimizer_step(model, optimizer, scaler, [batches[i]], lr=1e-4, grad_clip=1.0, dtype=dtype)
+                losses[arm].append(float(m.loss))
+            return step
 
-    times = alternate({arm: step_fn(arm) for arm in arms}, args.steps, args.warmup, device)
+        times = alternate({arm: step_fn(arm) for arm in arms}, args.steps, args.warmup, device)
+    finally:
+        if group:
+            dist.destroy_process_group()
+            group.cleanup()
     before, after = (statistics.median(times[a]) for a in ("before", "after"))
     worst = max(abs(a - b) / abs(b) for a, b in zip(losses["before"], losses["after"], strict=True))
     result = {"change": args.ab, "dtype": DTYPE_NAMES[dtype], "optimizer": args.optimizer,

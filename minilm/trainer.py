@@ -407,13 +407,15 @@ class Trainer:
 
 def wrap_ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     """DDP without per-forward buffer broadcasts: the only buffers are the RoPE tables (the same on every rank)
-    and MoE routing statistics (per-rank by nature)."""
+    and MoE routing statistics (per-rank by nature). The gradients are views into DDP's buckets, which saves a
+    copy of every gradient into its bucket and back per step, and the memory of one gradient copy."""
     import inspect
 
     ddp = torch.nn.parallel.DistributedDataParallel
     no_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(ddp.__init__).parameters
                else {"broadcast_buffers": False})  # torch < 2.13
-    return ddp(model, device_ids=[device] if device.type == "cuda" else None, **no_sync)
+    return ddp(model, device_ids=[device] if device.type == "cuda" else None, gradient_as_bucket_view=True,
+               **no_sync)
 
 
 __all__ = ["Trainer", "RunOptions", "Dataset", "Launcher", "Preempted"]

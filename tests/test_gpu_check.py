@@ -217,7 +217,7 @@ def test_table_without_ray():
 @pytest.mark.parametrize("flag", ["forward_sync_buffers", "broadcast_buffers"])
 def test_wrap_ddp_buffer_flag_by_torch_version(monkeypatch, flag):
     # torch 2.13 names DDP's per-forward buffer broadcast forward_sync_buffers; torch 2.11 (the lent image's) only
-    # broadcast_buffers: wrap_ddp turns it off under whichever name this torch has.
+    # broadcast_buffers: wrap_ddp turns it off under whichever name this torch has (and asks for bucket views).
     from minilm import trainer
 
     seen = {}
@@ -233,4 +233,4 @@ def test_wrap_ddp_buffer_flag_by_torch_version(monkeypatch, flag):
     fake = type("FakeDDP", (), {"__init__": fake_init})
     monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel", fake)
     trainer.wrap_ddp(torch.nn.Linear(2, 2), torch.device("cpu"))
-    assert seen == {flag: False}
+    assert seen == {flag: False, "gradient_as_bucket_view": True}
