@@ -26,6 +26,7 @@ difference of their losses. CHANGE is one of AB_CHANGES:
   residual     the residual stream in autocast's dtype (before: fp32, the embedding's output dtype)
   gqa          SDPA's own GQA (before: K and V repeated to every query head)
   bucket-view  DDP's gradient_as_bucket_view (a 1-rank gloo group; before: gradients copied to the buckets)
+  muon         Muon's update stacked by shape (before: a loop over the parameters); --optimizer muon
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ import torch.nn.functional as F
 from minilm import model as M
 from minilm.config import ModelConfig, TrainConfig
 from minilm.model import CausalLMOutput, MiniMindForCausalLM
+from minilm.muon import NS_COEFFICIENTS
 from minilm.progress import datasheet_peak, measured_matmul_peak
 from minilm.step import (
     DTYPE_NAMES,
@@ -139,7 +141,7 @@ def bench_dtype(args, dtype_name: str) -> dict:
 
 # ---- --ab: one change of the GPU step, before vs after ------------------------------------------------------------
 
-AB_CHANGES = ("positions", "chunked-ce", "residual", "gqa", "bucket-view")
+AB_CHANGES = ("positions", "chunked-ce", "residual", "gqa", "bucket-view", "muon")
 
 
 def forward_whole_rows(self, input_ids, labels=None, past_key_values=None, use_cache=False, targets=None,
@@ -168,6 +170,64 @@ def model_forward_fp32_residual(self, input_ids, past_key_values=None, use_cache
     return self.norm(x), [None] * len(self.layers)
 
 
+class LoopMuon(torch.optim.Optimizer):
+    """Before `muon`: minilm.muon.Muon as it was, one parameter at a time (the same arithmetic)."""
+
+    _step_supports_amp_scaling = True
+
+    def __init__(self, params, lr, *, momentum=0.95, nesterov=True, ns_steps=5, betas=(0.9, 0.95), eps=1e-8,
+                 weight_decay=0.0):
+        super().__init__(params, {"lr": lr, "lr_ratio": 1.0, "weight_decay": weight_decay, "use_muon": False,
+                                  "momentum": momentum, "nesterov": nesterov, "ns_steps": ns_steps,
+                                  "betas": tuple(betas), "eps": eps})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        skip = getattr(self, "found_inf", None)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    (self._muon if group["use_muon"] else self._adamw)(p, group, skip)
+
+    def _muon(self, p, group, skip):
+        state = self.state[p]
+        if not state:
+            state["momentum_buffer"] = torch.zeros_like(p)
+        buf, g, beta, lr = state["momentum_buffer"], p.grad, group["momentum"], group["lr"]
+        new_buf = buf.lerp(g, 1 - beta)
+        direction = g.lerp(new_buf, beta) if group["nesterov"] else new_buf
+        a, b, c = NS_COEFFICIENTS
+        x = direction.to(torch.bfloat16)
+        wide = x.shape[0] > x.shape[1]
+        x = x.T if wide else x
+        x = x / (x.norm() + 1e-7)
+        for _ in range(group["ns_steps"]):
+            gram = x @ x.T
+            x = a * x + (b * gram + c * gram @ gram) @ x
+        update = (x.T if wide else x).to(p.dtype) * max(1.0, p.shape[0] / p.shape[1]) ** 0.5
+        self._commit(buf, new_buf, skip)
+        self._commit(p, p * (1 - lr * group["weight_decay"]) - lr * update, skip)
+
+    def _adamw(self, p, group, skip):
+        state = self.state[p]
+        if not state:
+            state.update(step=torch.zeros((), device=p.device), exp_avg=torch.zeros_like(p),
+                         exp_avg_sq=torch.zeros_like(p))
+        (beta1, beta2), lr, g = group["betas"], group["lr"], p.grad
+        step = state["step"] + 1
+        exp_avg = state["exp_avg"].lerp(g, 1 - beta1)
+        exp_avg_sq = state["exp_avg_sq"] * beta2 + (1 - beta2) * g * g
+        denom = (exp_avg_sq / (1 - beta2 ** step)).sqrt() + group["eps"]
+        new_p = p * (1 - lr * group["weight_decay"]) - lr * (exp_avg / (1 - beta1 ** step)) / denom
+        for old, new in ((state["step"], step), (state["exp_avg"], exp_avg), (state["exp_avg_sq"], exp_avg_sq),
+                         (p, new_p)):
+            self._commit(old, new, skip)
+
+    @staticmethod
+    def _commit(old, new, skip):
+        old.copy_(new if skip is None else torch.where(skip > 0, old, new))
+
+
 class NoBucketView(torch.nn.parallel.DistributedDataParallel):
     """Before `bucket-view`: DDP copying each gradient into its bucket and back (what wrap_ddp asks for, less that)."""
 
@@ -187,7 +247,7 @@ def patched(obj, name: str, value):
         setattr(obj, name, saved)
 
 
-# What undoes a change for the "before" arm's steps (bucket-view: another DDP instead)
+# What undoes a change for the "before" arm's steps (bucket-view and muon: another DDP, another optimizer instead)
 UNDO = {
     "positions": lambda: patched(MiniMindForCausalLM, "forward", forward_whole_rows),
     "chunked-ce": lambda: patched(M, "head_loss", head_loss_eager),
@@ -206,6 +266,8 @@ def ab_arms(change: str, args):
     for arm in ("before", "after"):
         model = build(args, use_moe=False, compile_=False)
         optimizer = make_optimizer(model, train_cfg)
+        if arm == "before" and change == "muon":
+            optimizer = LoopMuon(optimizer.param_groups, lr=train_cfg.lr)
         context = UNDO.get(change, contextlib.nullcontext) if arm == "before" else contextlib.nullcontext
         if change == "bucket-view":
             ddp = NoBucketView if arm == "before" else torch.nn.parallel.DistributedDataParallel
@@ -287,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     configure_backends(device)  # TF32 on Ampere+ GPUs; nothing on CPU
     if args.ab:
+        args.optimizer = "muon" if args.ab == "muon" else args.optimizer
         return ab_main(args)
 
     env = environment()
