@@ -7,6 +7,7 @@
     python -m bench.step --device cuda --dtype bf16 --compile --hidden-size 768 --num-hidden-layers 16 --seq-len 1024
     python -m bench.step --no-moe ...                      # the dense model only (bench/gpu_check.sh)
     python -m bench.step --ab positions --dtype bf16       # one change of the GPU step, before vs after (below)
+    python -m bench.step --estimate h200                   # the roofline of each phase and the predicted MFU
 
 For each dtype it measures, in this process: the matmul peak (n^3, best of 10, before and after the
 steps; the larger counts; n = 2048 on CPU, 8192 on GPU) and `minilm.step.optimizer_step`
@@ -26,7 +27,14 @@ difference of their losses. CHANGE is one of AB_CHANGES:
   residual     the residual stream in autocast's dtype (before: fp32, the embedding's output dtype)
   gqa          SDPA's own GQA (before: K and V repeated to every query head)
   bucket-view  DDP's gradient_as_bucket_view (a 1-rank gloo group; before: gradients copied to the buckets)
-  muon         Muon's update stacked by shape (before: a loop over the parameters); --optimizer muon
+  muon         Muon's update batched by shape (before: a loop over the parameters); --optimizer muon
+
+--estimate h200: nothing runs. For the GPU check's 26M and 104M rows (seq 512, vocab 6400, the heads of
+--num-attention-heads / --num-key-value-heads), the FLOPs and bytes of each phase of a compiled bf16 step, each
+phase's roofline time against the H200's ceilings (KINDS.md's measured 790 TFLOP/s and 4.3 TB/s; flash attention
+at ATTENTION_EFFICIENCY of the matmul rate), their sum as the predicted step, and the predicted MFU (minilm's
+6N + 12LHT FLOPs per token over the 989.5 TFLOP/s data sheet): the first GPU run compares its rows and its
+profiled step's kernels against these, phase by phase. Writes step-estimate.json.
 """
 
 from __future__ import annotations
@@ -57,6 +65,7 @@ from minilm.step import (
 )
 
 from .common import add_model_args, alternate, environment, write_json
+from .gpu_check import MFU_GOALS
 
 
 def build(args, use_moe: bool, compile_: bool) -> MiniMindForCausalLM:
@@ -322,6 +331,97 @@ def ab_main(args) -> int:
     return 0
 
 
+# ---- --estimate: the roofline of each phase on a GPU, and the MFU it predicts -------------------------------------
+
+# The ceilings: H200 SXM, dense bf16 (fp32 accumulation) and HBM3e, from the data sheet and as KINDS.md measured them on
+# the lent machine (an 8192^3 bf16 matmul: 769-798 TFLOP/s; a device-to-device copy: ~4.3 TB/s, reads + writes).
+# PyTorch's flash attention (FlashAttention-2's kernels) at head dim 64 reaches about a third of the dense peak on
+# Hopper (its authors' figures for the H100: ~330 TFLOP/s forward, less backward): ATTENTION_EFFICIENCY.
+HARDWARE = {"h200": {"name": "NVIDIA H200", "bf16_datasheet": 989.5e12, "bf16_measured": 790e12,
+                     "hbm_datasheet": 4.8e12, "hbm_measured": 4.3e12, "launch_s": 5e-6}}
+ATTENTION_EFFICIENCY = 0.35
+# The GPU check's two shapes (bench/gpu_check.py GPU): (name, hidden, layers, micro-batch), seq 512, vocab 6400
+ESTIMATE_SIZES = (("26m", 512, 8, 32), ("104m", 768, 16, 128))
+
+
+def estimate_phases(cfg: ModelConfig, batch: int, seq: int, hw: dict) -> list[dict]:
+    """FLOPs and bytes of each phase of one compiled bf16 optimizer step (`prepare_model(compile=True)`: the
+    blocks' elementwise work fused, the head chunked, fused AdamW), and each one's roofline time against the
+    measured ceilings: max(FLOPs / matmul rate, bytes / bandwidth)."""
+    n, h, i, v, layers = batch * seq, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_hidden_layers
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    block_params = h * (h + 2 * kv) + h * h + 3 * h * i  # q, k, v, o, gate, up, down
+    params = layers * (block_params + 2 * h + 2 * cfg.head_dim) + v * h + h
+    bf16, f32 = 2, 4
+    # Each matmul reads its input and writes its output in the forward; the backward reads the output's gradient
+    # and the input again and writes the input's gradient: ~3x the forward's activation bytes.
+    matmul_bytes = 3 * bf16 * n * layers * (h + (h + 2 * kv) + h + h + h + 2 * i + i + h)
+    # Fused elementwise work per layer and token (values read + written, bf16): the two RMSNorms, the q/k norms and
+    # RoPE, the two residual adds, SwiGLU's silu * up; the backward about twice the forward.
+    elementwise = 3 * bf16 * n * layers * (2 * h + 2 * h + 2 * (h + 2 * kv) + 2 * 3 * h + 3 * i)
+    attention_flops = layers * 3.5 * 2 * batch * cfg.num_attention_heads * seq * seq * cfg.head_dim  # causal
+    # The chunked head: the logits in bf16, their fp32 copy, logsumexp, softmax - one-hot, its bf16 copy (~34 bytes
+    # per logit over forward and gradient); its three matmuls are counted as FLOPs.
+    head_bytes = 34 * n * v + 3 * bf16 * n * h
+    # Per parameter: autocast's bf16 copy (read fp32, write bf16), the gradient's cast and accumulation, the clip's
+    # norm and scaling, fused AdamW (param, grad, two moments read; param and moments written).
+    weight_bytes = params * (f32 + bf16 + bf16 + f32 + 2 * f32 + 3 * f32 + 4 * f32 + 3 * f32)
+    phases = [
+        ("block matmuls (q, k, v, o, gate, up, down), fwd + bwd", 6 * n * layers * block_params, matmul_bytes, 1.0),
+        ("attention (flash, causal), fwd + bwd", attention_flops, 4 * bf16 * n * layers * (h + 2 * kv) * 3,
+         ATTENTION_EFFICIENCY),
+        ("norms, RoPE, SwiGLU, residual (fused), fwd + bwd", 0, elementwise, 1.0),
+        ("head matmul + chunked cross entropy", 6 * n * h * v, head_bytes, 1.0),
+        ("embedding lookup + its gradient", 0, n * h * (f32 + bf16 + f32) + v * h * f32, 1.0),
+        ("weights: bf16 casts, grad, clip, fused AdamW", 0, weight_bytes, 1.0),
+    ]
+    out = []
+    for name, flops, nbytes, efficiency in phases:
+        t_flops = flops / (hw["bf16_measured"] * efficiency)
+        t_bytes = nbytes / hw["hbm_measured"]
+        out.append({"phase": name, "flops": flops, "bytes": nbytes, "compute_s": t_flops, "memory_s": t_bytes,
+                    "time_s": max(t_flops, t_bytes), "bound": "compute" if t_flops >= t_bytes else "memory"})
+    # Kernel launches: the host queues them while the GPU works, so they cost time only if they outrun it.
+    kernels = layers * 50 + 15 * -(-n * v // M.HEAD_CHUNK_LOGITS) + 40
+    out.append({"phase": f"host: ~{kernels} kernel launches (overlap the device's work)", "flops": 0, "bytes": 0,
+                "compute_s": 0.0, "memory_s": 0.0, "time_s": kernels * hw["launch_s"], "bound": "host"})
+    return out
+
+
+def estimate_main(args) -> int:
+    hw = HARDWARE[args.estimate]
+    print(f"# {hw['name']}: bf16 {hw['bf16_datasheet'] / 1e12:.0f} TFLOP/s data sheet, {hw['bf16_measured'] / 1e12:.0f} "
+          f"measured; HBM {hw['hbm_datasheet'] / 1e12:.1f} TB/s data sheet, {hw['hbm_measured'] / 1e12:.1f} measured "
+          f"(the roofline uses the measured); flash attention at {ATTENTION_EFFICIENCY:.0%} of the matmul rate")
+    results = []
+    for name, hidden, layers, batch in ESTIMATE_SIZES:
+        cfg = ModelConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=args.num_attention_heads,
+                          num_key_value_heads=args.num_key_value_heads, vocab_size=args.vocab_size,
+                          max_position_embeddings=args.seq_len + 1)
+        model = MiniMindForCausalLM(cfg)
+        phases = estimate_phases(cfg, batch, args.seq_len, hw)
+        device_s = sum(p["time_s"] for p in phases if p["bound"] != "host")
+        step_s = max(device_s, phases[-1]["time_s"])
+        tokens = batch * args.seq_len
+        mfu = model.estimate_mfu(tokens / step_s, args.seq_len, hw["bf16_datasheet"])
+        print(f"\n{name}: hidden {hidden}, {layers} layers, {cfg.num_attention_heads}/{cfg.num_key_value_heads} heads, "
+              f"vocab {cfg.vocab_size}, {model.num_params() / 1e6:.1f}M parameters; micro-batch {batch} x seq "
+              f"{args.seq_len} = {tokens:,} tokens; compiled bf16 step")
+        print(f"  {'phase':<52} {'TFLOP':>8} {'GB':>8} {'compute ms':>10} {'memory ms':>9} {'time ms':>8}  bound")
+        for p in phases:
+            print(f"  {p['phase']:<52} {p['flops'] / 1e12:>8.2f} {p['bytes'] / 1e9:>8.2f} {p['compute_s'] * 1e3:>10.2f} "
+                  f"{p['memory_s'] * 1e3:>9.2f} {p['time_s'] * 1e3:>8.2f}  {p['bound']}")
+        print(f"  predicted step {step_s * 1e3:.1f} ms, {tokens / step_s:,.0f} tokens/s; model FLOPs "
+              f"{model.flops_per_token(args.seq_len) * tokens / 1e12:.1f} TFLOP (minilm's 6N + 12LHT per token); "
+              f"predicted MFU {mfu:.1%} of the data sheet (goal {MFU_GOALS[name]:.0%}; every phase at its "
+              f"ceiling, back to back: an upper bound the measured row is held against)")
+        results.append({"size": name, "hidden": hidden, "layers": layers, "micro_batch": batch, "seq_len": args.seq_len,
+                        "params": model.num_params(), "phases": phases, "step_s": step_s, "tokens_per_s": tokens / step_s,
+                        "mfu_datasheet": mfu})
+    print(f"\nwrote {write_json('step-estimate.json', {'hardware': hw, 'sizes': results})}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.step", description=__doc__.split("\n")[0])
     add_model_args(p)
@@ -336,7 +436,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--ab", choices=AB_CHANGES, default=None, help="one change of the GPU step, before vs after")
     p.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw", help="--ab's optimizer")
+    p.add_argument("--estimate", choices=sorted(HARDWARE), default=None,
+                   help="print the roofline of each phase and the predicted MFU on that GPU (nothing is run)")
     args = p.parse_args(argv)
+    if args.estimate:
+        args.seq_len = 512 if "--seq-len" not in (argv or sys.argv) else args.seq_len  # the GPU check's
+        return estimate_main(args)
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")
     device = torch.device(args.device)
