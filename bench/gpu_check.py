@@ -69,6 +69,10 @@ in flight, writes the three files and stops the Ray this check started; at exit 
 killed. Exit status 1 if a part failed or timed out or a correctness check (fp16, resume, export, sample)
 failed; a goal missed is marked in the table.
 
+The CUDA rules the CPU dry run never meets (an indexed device for torch.cuda.set_device, NCCL's device tensors,
+pinned memory for non-blocking copies) are enforced on CPU by tests/cuda_standin.py, under which
+tests/test_cuda_rules.py runs the ddp1, trainer-ddp1, row and checkpoint-stall parts with --device cuda.
+
 Code paths that differ on the lent image's torch 2.11 (this machine runs 2.13), each covered by a test:
   - minilm.trainer.wrap_ddp: DDP's `broadcast_buffers=False` (torch < 2.13) instead of `forward_sync_buffers`
     (tests/test_gpu_check.py, test_wrap_ddp_buffer_flag_by_torch_version: both signatures)
@@ -714,6 +718,18 @@ def row(argv: list[str]) -> int:
     return 0
 
 
+def training_device(name: str):
+    """The device a part trains on, made this thread's current one. CUDA: with an index, the current device's when
+    `name` has none (torch.cuda.set_device refuses a device without one; NCCL and the allocator use the current)."""
+    import torch
+
+    device = torch.device(name)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+        torch.cuda.set_device(device)
+    return device
+
+
 def ddp1(argv: list[str]) -> int:
     """DDP in a 1-rank process group (NCCL on CUDA, gloo on CPU) against the same model without DDP, step by step:
     the group's start, DDP's gradient reducer (over compiled blocks with --compile) with no_sync accumulation, and
@@ -739,9 +755,7 @@ def ddp1(argv: list[str]) -> int:
     )
     from minilm.trainer import wrap_ddp
 
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    device = training_device(args.device)
     configure_backends(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     with tempfile.TemporaryDirectory() as tmp:
@@ -833,9 +847,7 @@ def trainer_ddp1(argv: list[str]) -> int:
             super().start()
             self.model = wrap_ddp(self.raw_model, self.device)
 
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    device = training_device(args.device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     cfg = ModelConfig(hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers,
                       num_attention_heads=args.num_attention_heads, num_key_value_heads=args.num_key_value_heads,
@@ -1011,7 +1023,7 @@ def tiny_compiled_step(device) -> float:
     ids = torch.randint(0, 256, (2, 65), device=device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda"):
-        out = model(ids, labels=ids)
+        out = model(ids[:, :-1], targets=ids[:, 1:])
     out.loss.backward()
     if not torch.isfinite(out.loss):
         raise RuntimeError(f"non-finite loss {float(out.loss)}")
