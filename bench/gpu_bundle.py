@@ -67,6 +67,12 @@ def image_packages(path: Path = IMAGE_PACKAGES) -> set[str]:
     return {canonical(w) for w in words}
 
 
+def image_versions(path: Path = IMAGE_PACKAGES) -> dict[str, str]:
+    """The image's versions where they are known (the list's `# versions:` line): {name: version}."""
+    lines = [line.split(":", 1)[1] for line in path.read_text().splitlines() if line.startswith("# versions:")]
+    return dict(word.split("==", 1) for line in lines for word in line.split())
+
+
 def pip_target_flags(python_version: str) -> list[str]:
     return ["--only-binary=:all:", "--python-version", python_version, "--implementation", "cp",
             *[x for p in PLATFORMS for x in ("--platform", p)]]

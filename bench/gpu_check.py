@@ -1,73 +1,78 @@
-"""The GPU check: what minilm does on one GPU, in one run of under 8 minutes, as one table.
+"""The GPU check: what minilm does on one GPU, in one command that a cold, slow lent machine fits, as one table.
 
     bash bench/gpu_check.sh --bundle gpu-bundle  # on the lent GPU machine (bench/gpu_bundle.sh built the bundle)
     bash bench/gpu_check.sh --device cpu         # the dry run: CI-sized configs through the same commands
-    python -m bench.gpu_check --device cuda      # what the shell script runs
+    python -m bench.gpu_check --plan             # the plan alone: every part in order, its limit, the total
+    python -m bench.gpu_check --only ray-job,export   # a rerun of some parts (what they need is added)
 
-Each part is a subprocess in its own process group with a hard time limit, and the whole stays within --budget
-seconds (a part that would start past it is reported as skipped). In this order (cheap and independent first,
-Ray last, so that a time-out loses the least):
+The lent machine's rules (/work/.library/device/README.md): one H200, 15 minutes of device time per task including
+its cold start, 10 minutes per command, Python 3.12 with torch 2.11 and no Ray (the bundle carries it). The budget
+(`BUDGET`) is what one command leaves after the bundle's install and the results; the plan, printed first, takes
+the parts in order of value while their limits fit within 80% of it (`SPARE`), and says which it leaves for a
+rerun (`--only`). Each limit is `MARGIN` x (process start + the part's work + its compilation + a Ray Train
+start), from the cold-start assumptions `ASSUME` (GPU: issue #34's reading of a cold preflight; CPU: this
+rehearsal's cold start, measured); the first compilation of each block graph is counted cold, later ones from
+Inductor's cache. After the preflight (itself the cold start, measured) every later limit is rescaled by how much
+slower than assumed it was, and a part that no longer fits is left for a rerun.
 
-  preflight            versions (torch, CUDA, driver, Triton, Ray), `import ray.train.torch, ray.data`, a tiny
-                       compiled forward+backward and SDPA's flash kernel at the check's shape (both CUDA only),
-                       the TF32 state as both the legacy and the new getters see it; if it fails, the check stops
-                       with its one line
-  step-26m-eager, step-104m-eager
-                       one optimizer step (`minilm.step.optimizer_step`, bf16, dense) timed alone in its own
-                       process, MiniMind-26M (hidden 512, 8 layers, micro-batch 32: MiniMind's batch) and
-                       MiniMind-104M (hidden 768, 16 layers, micro-batch 128: nanochat's 64k tokens per step),
-                       seq 512: tokens/s, MFU, peak memory
-  trainer              `python -m minilm.train` on random tokens at the 26M shape: the Trainer alone, no Ray,
-                       with --val-samples (validation on the device)
-  ddp1-26m             `python -m bench.gpu_check ddp1`: the 26M model under DDP in a 1-rank NCCL process group
-                       (compiled blocks, no_sync accumulation, an all-reduce on the device) against the same
-                       model without DDP, step by step: the losses must agree (gloo and eager on CPU)
-  trainer-ddp1-26m     `python -m bench.gpu_check trainer-ddp1`: minilm's Trainer at the 26M shape (compiled on
-                       the GPU), plain, then in a 1-rank NCCL process group with the model DDP-wrapped and the
-                       loop's collectives (metric means, the per-step flag agreement) through the group: its
-                       tokens/s against the plain Trainer's, and the losses must agree (gloo and eager on CPU)
+Each part is a subprocess in its own process group with its hard limit. In order of value: the parts never run
+on a GPU first, then the headline rows, then the refinements (`SPECS`):
+
+  preflight            versions (torch, CUDA, driver, Triton, Ray, numpy, pyarrow), the cold start's phases, and three
+                       gates: `import ray.train.torch, ray.data` (a failure skips the Ray parts only), the TF32 getters
+                       and a tiny compiled forward+backward (CUDA; a failure skips the compiled rows only), SDPA's
+                       flash kernel at the check's shape (CUDA). Only "no CUDA device" stops the check, before any part.
+  step-26m-eager       one optimizer step (`minilm.step.optimizer_step`, bf16, dense) timed alone in its own process:
+                       MiniMind-26M (hidden 512, 8 layers, micro-batch 32), seq 512: the Trainer's and the Ray job's
+                       reference
+  ddp1-26m             `python -m bench.gpu_check ddp1`: the 26M model under DDP in a 1-rank NCCL process group (eager,
+                       no_sync accumulation, an all-reduce on the device) against the same model without DDP, step by
+                       step: the losses must agree (gloo on CPU)
+  trainer-ddp1-26m     `python -m bench.gpu_check trainer-ddp1`: minilm's Trainer at the 26M shape (compiled on the GPU),
+                       plain, then in a 1-rank NCCL process group with the model DDP-wrapped and the loop's collectives
+                       through the group: its tokens/s against the plain Trainer's, and the losses must agree
+  moe-26m-compiled     the 26M shape with 4 experts, top-1, compiled: on an sm90 GPU in bf16 the grouped dispatch (no
+                       host sync: its graph breaks and recompiles are the dispatch's); the CPU dry run compiles it too
+  checkpoint-stall-104m `bench.checkpoint --mode stall` at 104M: the training thread's stall per checkpoint, sync vs
+                       async (pinned snapshot buffers on CUDA)
+  prepare              the demo corpus through `python -m ray_jobs.prepare` at seq 512
+  ray-job, ray-job-resume
+                       `python -m ray_jobs.pretrain --use-gpu true --num-workers 1` at the 26M shape, stopped halfway
+                       by --exit-after-steps and run again to continue (--resume auto)
+  export, sample       `python -m ray_jobs.export` of the last checkpoint, `python -m minilm.sample` from it
+  step-104m-compiled, step-26m-compiled
+                       the headline rows: MiniMind-104M (hidden 768, 16 layers, micro-batch 128: nanochat's 64k tokens
+                       per step) and 26M with `--compile`, plus compile seconds, graph breaks and recompiles (the 26M
+                       row adds one step under torch.profiler: its top kernels, flash or not)
   fp16                 `bench.fp16_check`: 50 steps of fp16 with the GradScaler, an overflow injected
-  step-26m-compiled, step-104m-compiled
-                       the same rows with `--compile` (one process each: an Inductor failure or time-out loses
-                       that row only), plus compile seconds, graph breaks and recompiles
-                       (the compiled 26M row adds one step under torch.profiler: its top kernels, flash or not)
-  moe-26m-eager, moe-26m-compiled
-                       the 26M shape with 4 experts, top-1 (the same active width); the row names the MoE
-                       dispatch that ran (on an sm90/sm100 GPU in bf16 "auto" is the grouped one: no host sync,
-                       so the compiled row's graph breaks and recompiles are the dispatch's); the CPU dry run
-                       compiles the grouped dispatch (--moe-dispatch grouped), CPU's "auto" being the split one
   docmask-26m-compiled, muon-26m-compiled, ac-104m-compiled
                        --document-mask, Muon, activation checkpointing at 104M: the paths a run switches on
+  step-104m-eager, moe-26m-eager
+                       the eager rows
+  trainer              `python -m minilm.train` on random tokens at the 26M shape (--val-samples: validation)
   checkpoint-104m      `bench.checkpoint` at 104M: save and restore, their share of wall time at the default
-                       checkpoint_every against the compiled 104M step
-  checkpoint-stall-104m `bench.checkpoint --mode stall` at 104M on the device: the training thread's stall
-                       per checkpoint, sync vs async (pinned snapshot buffers on CUDA)
-  prepare              the demo corpus through `python -m ray_jobs.prepare` at seq 512
-  ray-job              `python -m ray_jobs.pretrain --use-gpu true --num-workers 1` at the 26M shape, stopped
-                       halfway by --exit-after-steps and run again to continue (--resume auto); the first half
-                       with RAY_TRAIN_HEALTH_CHECK_INTERVAL_S=2 (Ray's default), the second with the job's 0.1 s
-  export, sample       `python -m ray_jobs.export` of the last checkpoint, `python -m minilm.sample` from it
-  stream               the Ray Data stream's delivery rate to the device at seq 512, micro-batch 32: one
-                       rank's `ray_jobs.stream.RankStream` (the job's pipeline, pinned async copies) driven alone
+                       checkpoint_every against the 104M step
+  stream               the Ray Data stream's delivery rate to the device at seq 512, micro-batch 32: one rank's
+                       `ray_jobs.stream.RankStream` (the job's pipeline, pinned async copies) driven alone
 
-The rows from moe-26m-eager on start only while 150 s of the budget stay for the Ray parts (on the GPU; their
-compilations are what the budget cannot always hold). The Ray parts share one local Ray that this check starts (or the cluster in RAY_ADDRESS) and stops at exit. The
-Trainer and the Ray job are compared with the eager 26M row (the same shape, dtype and batch, no compile):
-tokens/s from wall time per step between their metrics records, log steps included.
-Goals (H100/H200-class GPU): 104M compiled >= 45% MFU, 26M compiled >= 30% (MFU against the data-sheet
-peak where minilm.progress lists the GPU, as the training loop's MFU; the measured matmul peak
-otherwise), the Ray job within 3% of the eager step, the Trainer under DDP in a 1-rank group within 3% of
-the plain Trainer; the stream must feed at least the 26M step's tokens/s.
-Without ray (or pyarrow, tokenizers, yaml) the Ray parts are skipped with one line saying what to install.
+The Ray parts share one local Ray that this check starts (or the cluster in RAY_ADDRESS) at its first Ray part
+and stops after its last: on 127.0.0.1 (the lent machine has no network to find its address with), a fixed
+object store (Ray would size it from the starting MemTotal of a VM whose memory grows as it is used), its
+memory monitor off (likewise), as many CPUs as cores, the job's worker 4 of them (`RAY_*` below). The Trainer and
+the Ray job are compared with the eager 26M row (same shape, dtype and batch): tokens/s from wall time per step
+between their metrics records. Goals (H100/H200-class GPU): 104M compiled >= 45% MFU, 26M compiled >= 30% (MFU
+against the data-sheet peak where minilm.progress lists the GPU; `python -m bench.step --estimate h200` predicts
+each), the Ray job within 3% of the eager step, the Trainer under DDP in a 1-rank group within 3% of the plain
+Trainer; the stream must feed at least the 26M step's tokens/s.
 
 Results: into $OUT when it is set (the lent machine's output folder), else $MINILM_BENCH_RESULTS, else
 bench/results/gpu: exactly three files, each rewritten after every part (so a kill loses only the part in
-flight): gpu_check.json (the table, every part's status and figures, every row), gpu_check-summary.txt (the
-table as printed) and gpu_check-logs.tar.gz (logs/<part>.log and results/<part>.json of every part). Each row
-is printed the moment its part ends. SIGTERM, SIGINT or SIGHUP (`timeout` in the shell script) stops the part
-in flight, writes the three files and stops the Ray this check started; at exit every part's process group is
-killed. Exit status 1 if a part failed or timed out or a correctness check (fp16, resume, export, sample)
-failed; a goal missed is marked in the table.
+flight): gpu_check.json (the plan, the table, every part's status, limit, wall time and figures),
+gpu_check-summary.txt (the table as printed) and gpu_check-logs.tar.gz (logs/<part>.log and results/<part>.json
+of every part). Each row is printed the moment its part ends. SIGTERM, SIGINT or SIGHUP (`timeout` in the shell
+script) stops the part in flight, writes the three files and stops the Ray this check started; at exit every
+part's process group is killed. Exit status 1 if a part failed or timed out or a correctness check (fp16,
+resume, export, sample) failed; a goal missed is marked in the table; a part left for a rerun is not a failure.
 
 Code paths that differ on the lent image's torch 2.11 (this machine runs 2.13), each covered by a test:
   - minilm.trainer.wrap_ddp: DDP's `broadcast_buffers=False` (torch < 2.13) instead of `forward_sync_buffers`
@@ -80,11 +85,16 @@ Code paths that differ on the lent image's torch 2.11 (this machine runs 2.13), 
     split dispatch (tests/test_moe_dispatch.py, test_a_torch_without_grouped_mm_takes_the_split_dispatch). Its
     backward is minilm's own (minilm.model.GroupedMM): the op's derivative (which fails on CPU in 2.13 for a
     zero-stride gradient) is never used
+  - minilm.model.Attention: SDPA's `enable_gqa` (torch >= 2.5) on the unmasked path only
+The CUDA rules the CPU dry run never meets (an indexed device for torch.cuda.set_device, NCCL's device tensors,
+pinned memory for non-blocking copies) are enforced on CPU by tests/cuda_standin.py, under which
+tests/test_cuda_rules.py runs the ddp1, trainer-ddp1, row and checkpoint-stall parts with --device cuda.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import io
 import json
@@ -124,6 +134,164 @@ ROWS = {
 }
 ROW_PARTS = tuple(ROWS)
 
+# ---- the plan ---------------------------------------------------------------------------------------------------
+
+# The lent machine (/work/.library/device/README.md): device time per task including its cold start, one command's
+# limit. One command runs the bundle's install, the check and the writing of its results; what the device time
+# leaves after the machine's start and that command is a rerun's (`--only`) of what the plan left out.
+DEVICE_S, COMMAND_S = 900, 600
+MACHINE_START_S, INSTALL_S, RESULTS_S = 150, 30, 30  # "a minute or more" to start; pip of ~40 MB of wheels
+# Seconds for the parts. The CPU dry run's is a cap only (it takes ~3 minutes): room for a CI box 2x slower than
+# this one, whose slower cold start rescales every limit (`replan`), with every part still in the plan.
+BUDGET = {"cuda": COMMAND_S - INSTALL_S - RESULTS_S, "cpu": 2400}
+SPARE = 0.2  # of the budget no plan uses: the limits are estimates, and the machine may be slower still
+
+
+@dataclass(frozen=True)
+class Assume:
+    """Seconds a part's limit is made of (each limit: margin x the sum of those it needs)."""
+
+    cold_start: float  # the first process: the preflight on a cold disk (its measured wall rescales the plan)
+    start: float  # a later process: python, torch from the page cache, the device's context, the matmul peak
+    compile_cold: float  # Inductor's first compilation of a block graph (forward + backward)
+    compile_warm: float  # the same graph again, from Inductor's on-disk cache
+    train_start: float  # a Ray Train run's start: controller, worker, process group, Ray Data pipeline
+    margin: float
+
+
+ASSUME = {
+    # GPU: issue #34's reading (30 s: torch cu130 from a cold disk, the CUDA context, Ray Train/Data, a first
+    # compiled forward+backward, flash attention); estimates until a first run measures them (its JSON has each
+    # part's wall time), with margin.
+    "cuda": Assume(cold_start=30, start=8, compile_cold=30, compile_warm=8, train_start=20, margin=1.5),
+    # CPU dry run: this rehearsal from a cold start (empty Inductor cache) on the 2-core machine, measured
+    # 2026-12-01 (bench/RESULTS.md: preflight 3-6 s, eager parts 2-4 s, a cold compiled row 20-27 s, a warm one
+    # 6-7 s, a Ray Train half 16-29 s); margin for CI's shared 2-core box.
+    "cpu": Assume(cold_start=6, start=3, compile_cold=20, compile_warm=6, train_start=18, margin=3.0),
+}
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One part of the check, in the plan's order (value: never run on a GPU first, refinements last)."""
+
+    name: str
+    work: tuple[float, float]  # seconds once started (GPU, CPU dry run): steps, saves, reads
+    graph: str | None = None  # the compiled block graph it compiles; the first part of each compiles it cold
+    ray: bool = False  # its driver joins the local Ray
+    train: bool = False  # it starts a Ray Train run
+    needs: tuple[str, ...] = ()  # parts whose results it takes
+    what: str = ""
+
+
+SPECS = (
+    Spec("preflight", (0, 0), graph="tiny", what="versions, cold start; gates: Ray import, compile, flash"),
+    Spec("step-26m-eager", (4, 2), what="the 26M step: the Trainer's and the Ray job's reference"),
+    Spec("ddp1-26m", (5, 3), what="never run: DDP over NCCL, an all-reduce on the device"),
+    Spec("trainer-ddp1-26m", (8, 4), graph="26m", what="never run: the Trainer DDP-wrapped in an NCCL group"),
+    Spec("moe-26m-compiled", (3, 2), graph="26m-moe", what="never run: the grouped MoE dispatch, compiled"),
+    Spec("checkpoint-stall-104m", (15, 6), what="never run: the async checkpoint's stall on the device"),
+    Spec("prepare", (8, 8), ray=True, what="the demo corpus through Ray Data"),
+    Spec("ray-job", (6, 3), ray=True, train=True, needs=("prepare",), what="never run: the 1-GPU Ray job, half"),
+    Spec("ray-job-resume", (6, 3), ray=True, train=True, needs=("ray-job",), what="never run: ... resumed to the end"),
+    Spec("export", (3, 2), needs=("ray-job-resume",), what="the last checkpoint exported"),
+    Spec("sample", (3, 1), needs=("export",), what="text sampled from the export"),
+    Spec("step-104m-compiled", (5, 2), graph="104m", what="headline: 104M compiled, MFU goal 45%"),
+    Spec("step-26m-compiled", (4, 3), graph="26m", what="headline: 26M compiled, MFU goal 30%; a profiled step"),
+    Spec("fp16", (10, 6), what="fp16 with the GradScaler: an overflow skipped"),
+    Spec("docmask-26m-compiled", (3, 2), graph="26m-docmask", what="--document-mask, compiled"),
+    Spec("muon-26m-compiled", (4, 2), graph="26m", what="Muon, compiled"),
+    Spec("ac-104m-compiled", (6, 2), graph="104m-ac", what="activation checkpointing at 104M, compiled"),
+    Spec("step-104m-eager", (5, 2), what="104M eager"),
+    Spec("moe-26m-eager", (3, 2), what="MoE eager (split dispatch on CPU)"),
+    Spec("trainer", (10, 3), what="minilm.train in-process, validation on the device"),
+    Spec("checkpoint-104m", (15, 5), what="checkpoint save + restore at 104M"),
+    Spec("stream", (8, 6), ray=True, needs=("prepare",), what="Ray Data stream delivery to the device"),
+)
+SPEC = {s.name: s for s in SPECS}
+RAY_PARTS = tuple(s.name for s in SPECS if s.ray)
+
+
+def part_limit(spec: Spec, a: Assume, device: str, cold_graphs: set[str], scale: float = 1.0) -> float:
+    """The part's limit: margin x (its process start + work + compilation + Ray Train start), x `scale` (how much
+    slower than assumed the measured cold start was), rounded up to 5 s. `cold_graphs`: graphs not compiled yet."""
+    work = spec.work[0 if device == "cuda" else 1]
+    start = a.cold_start if spec.name == "preflight" else a.start
+    compiling = 0.0 if spec.graph is None or spec.name == "preflight" else (
+        a.compile_cold if spec.graph in cold_graphs else a.compile_warm)
+    seconds = a.margin * (start + work + compiling + (a.train_start if spec.train else 0.0)) * scale
+    return float(-(-seconds // 5) * 5)
+
+
+@dataclass
+class Plan:
+    device: str
+    budget: float
+    parts: list[tuple[str, float]]  # (part, limit) in the order they run
+    left: list[tuple[str, float]]  # parts that did not fit, with their limits
+    added: list[str]  # parts --only did not name but a named one needs
+    scale: float = 1.0
+
+    @property
+    def total(self) -> float:
+        return sum(limit for _, limit in self.parts)
+
+    def limit(self, name: str) -> float:
+        return dict(self.parts)[name]
+
+    def lines(self) -> list[str]:
+        a = ASSUME[self.device]
+        head = [f"# plan ({'the lent GPU' if self.device == 'cuda' else 'the CPU dry run'}): parts in order of value, "
+                f"each limit = {a.margin:g} x (start + work + compile + Ray Train start), within {1 - SPARE:.0%} of "
+                f"the {self.budget:.0f} s budget",
+                f"#   assumed: cold start {a.cold_start:g} s, a start {a.start:g} s, a new block graph's compile "
+                f"{a.compile_cold:g} s, from the cache {a.compile_warm:g} s, a Ray Train start {a.train_start:g} s"
+                + (f"; rescaled x{self.scale:.2f} from the measured cold start" if self.scale != 1.0 else "")]
+        if self.device == "cuda":
+            head.append(f"#   device time {DEVICE_S} s = machine start {MACHINE_START_S} + one command {COMMAND_S} "
+                        f"(bundle install {INSTALL_S}, the check {self.budget:.0f}, results {RESULTS_S}) + "
+                        f"{DEVICE_S - MACHINE_START_S - COMMAND_S} s for a rerun of what is left")
+        body = [f"  {i:2d}. {name:<22} {limit:5.0f} s  {SPEC[name].what}" for i, (name, limit) in
+                enumerate(self.parts, 1)]
+        tail = [f"  added for --only: {', '.join(self.added)} (needed by the parts named)"] if self.added else []
+        if self.left:
+            tail.append(f"  left for a rerun (over the budget): {', '.join(f'{n} {lim:.0f} s' for n, lim in self.left)}"
+                        f"; python -m bench.gpu_check --only {','.join(n for n, _ in self.left)}")
+        return [*head, *body, *tail, f"total {self.total:.0f} s of {self.budget:.0f} s"]
+
+
+def with_needs(names: set[str]) -> set[str]:
+    out, todo = set(), list(names)
+    while todo:
+        name = todo.pop()
+        if name not in out:
+            out.add(name)
+            todo.extend(SPEC[name].needs)
+    return out
+
+
+def make_plan(device: str, budget: float, only: set[str] | None = None, done: tuple[str, ...] = (),
+              scale: float = 1.0, compiled: set[str] = frozenset()) -> Plan:
+    """The parts (all, or `only` and what they need), in SPECS order, while their limits fit (1 - SPARE) x budget;
+    a part that does not fit is left for a rerun, and so is every part that needs it. `done` parts (already run:
+    a re-plan after the preflight) keep their place and count nothing; `compiled`: graphs already compiled."""
+    a = ASSUME[device]
+    wanted = with_needs(only) if only else set(SPEC)
+    cold_graphs = {s.graph for s in SPECS if s.graph} - set(compiled)
+    parts, left, total = [], [], 0.0
+    for spec in SPECS:
+        if spec.name not in wanted or spec.name in done:
+            continue
+        limit = part_limit(spec, a, device, cold_graphs, scale)
+        if total + limit > (1 - SPARE) * budget or any(n in dict(left) for n in spec.needs):
+            left.append((spec.name, limit))
+            continue
+        parts.append((spec.name, limit))
+        total += limit
+        cold_graphs.discard(spec.graph)
+    added = sorted(wanted - set(only)) if only else []
+    return Plan(device, budget, parts, left, added, scale)
+
 
 @dataclass
 class Shapes:
@@ -137,37 +305,27 @@ class Shapes:
     fp16_args: list[str]
     corpus_bytes: int | None  # the demo corpus, cut to this size (None: whole)
     stream_steps: int
-    limits: dict = field(default_factory=dict)  # seconds per part
-    ray_reserve_s: float = 0.0  # the budget the extra rows leave to the Ray parts
     ddp_args: list[str] = field(default_factory=list)
     trainer_ddp_args: list[str] = field(default_factory=list)
     row_extra: dict = field(default_factory=dict)  # more flags for one row on this device
+    cpus_per_worker: int = 4  # the Ray job's worker: 4 of the lent machine's 16 cores, the rest for Ray Data
+    object_store_bytes: int = 2 << 30  # the local Ray's, fixed (RAY_* above)
 
 
 GPU = Shapes(
     small={"hidden_size": 512, "num_hidden_layers": 8, "vocab_size": 6400, "seq_len": 512, "micro_batch_size": 32},
     large={"hidden_size": 768, "num_hidden_layers": 16, "vocab_size": 6400, "seq_len": 512, "micro_batch_size": 128},
-    job_steps=300, trainer_steps=200, row_args=["--steps", "20", "--warmup", "5"], fp16_args=[],
-    corpus_bytes=None, stream_steps=400,
-    limits={"preflight": 30, "step-26m-eager": 40, "step-104m-eager": 50, "step-26m-compiled": 80,
-            "step-104m-compiled": 90, "moe-26m-eager": 40, "moe-26m-compiled": 80, "row": 70, "fp16": 60,
-            "trainer": 60, "trainer-ddp1-26m": 90,
-            "prepare": 60, "ray-job": 80, "ray-job-resume": 80, "export": 30, "sample": 30, "stream": 60},
-    ray_reserve_s=150, ddp_args=["--compile", "--steps", "10"], trainer_ddp_args=["--compile", "--steps", "40"])
+    job_steps=200, trainer_steps=200, row_args=["--steps", "20", "--warmup", "5"], fp16_args=[],
+    corpus_bytes=None, stream_steps=400, ddp_args=["--steps", "10"], trainer_ddp_args=["--compile", "--steps", "40"])
 CPU = Shapes(
     small={"hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 512, "seq_len": 64, "micro_batch_size": 4},
     large={"hidden_size": 64, "num_hidden_layers": 3, "vocab_size": 512, "seq_len": 64, "micro_batch_size": 4},
     job_steps=8, trainer_steps=12, row_args=["--steps", "2", "--warmup", "1", "--peak-size", "256"],
     fp16_args=["--micro-batch-size", "2", "--seq-len", "32", "--hidden-size", "64", "--num-hidden-layers", "2",
                "--vocab-size", "1024"],
-    corpus_bytes=200_000, stream_steps=20,
-    limits={"preflight": 180, "step-26m-eager": 120, "step-104m-eager": 120, "step-26m-compiled": 300,
-            "step-104m-compiled": 300, "moe-26m-eager": 120, "moe-26m-compiled": 300, "row": 300, "fp16": 180,
-            "trainer": 120, "prepare": 120, "ray-job": 180, "ray-job-resume": 180, "export": 60, "sample": 60,
-            "stream": 120},
-    ddp_args=["--steps", "4"], trainer_ddp_args=["--steps", "6"],
+    corpus_bytes=200_000, stream_steps=20, ddp_args=["--steps", "4"], trainer_ddp_args=["--steps", "6"],
     # CPU has no sync-free grouped_mm, so "auto" splits there: the rehearsal compiles the grouped dispatch itself
-    row_extra={"moe-26m-compiled": ["--moe-dispatch", "grouped"]})
+    row_extra={"moe-26m-compiled": ["--moe-dispatch", "grouped"]}, cpus_per_worker=1, object_store_bytes=256 << 20)
 
 
 # ---- running a part ---------------------------------------------------------------------------------------
@@ -190,15 +348,16 @@ class Part:
 
 
 class Runner:
-    """Runs each part as a subprocess in its own process group with a hard limit inside the overall budget; its
-    output goes to work/logs/<part>.log, and `after_part` runs after every part (the results are rewritten)."""
+    """Runs each part as a subprocess in its own process group with its limit (`limits`, the plan's), never past
+    the overall budget; its output goes to work/logs/<part>.log, and `after_part` runs after every part (the
+    results are rewritten)."""
 
     def __init__(self, python: str, budget_s: float, work: Path, env: dict, after_part=None):
         self.python, self.deadline, self.work, self.env = python, time.monotonic() + budget_s, work, env
         self.logs, self.results = work / "logs", work / "results"
         self.parts: dict[str, Part] = {}
+        self.limits: dict[str, float] = {}
         self.groups: list[int] = []  # every part's process group, killed again at exit
-        self.reserve_s = 0.0  # seconds of the budget a part may not use (kept for the parts after it)
         self.after_part = after_part or (lambda: None)
         self.logs.mkdir(parents=True, exist_ok=True)
         self.results.mkdir(parents=True, exist_ok=True)
@@ -208,12 +367,11 @@ class Runner:
         print(f"[{name}] skipped: {why}", flush=True)
         return part
 
-    def run(self, name: str, args: list[str], limit: float, env: dict | None = None) -> Part:
-        left = self.deadline - time.monotonic() - self.reserve_s
+    def run(self, name: str, args: list[str], env: dict | None = None) -> Part:
+        left = self.deadline - time.monotonic()
         if left < 5:
-            kept = f"; {self.reserve_s:.0f} s kept for the Ray parts" if self.reserve_s else ""
-            return self.skip(name, f"out of time (--budget{kept})")
-        timeout = min(limit, left)
+            return self.skip(name, "out of time (--budget)")
+        timeout = min(self.limits[name], left)
         print(f"[{name}] {' '.join(args)}  (limit {timeout:.0f} s)", flush=True)
         t0 = time.monotonic()
         proc = subprocess.Popen([self.python, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -291,21 +449,40 @@ def missing_modules(names) -> list[str]:
 SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "vocab_size", "seq_len", "micro_batch_size")
 
 
-def row_part(r: Runner, name: str, s: Shapes, device: str, rows: dict) -> dict | None:
+@dataclass
+class Check:
+    """What the parts share: the runner, the configs, the device, the work folder, the figures, the gates."""
+
+    r: Runner
+    s: Shapes
+    device: str
+    work: Path
+    fig: dict
+    gates: dict = field(default_factory=dict)  # "ray" | "compile" -> why it is closed
+    data: Path | None = None  # what `prepare` wrote
+
+    def json_part(self, name: str, args: list[str], path: Path, env: dict | None = None) -> dict | None:
+        """Run a part whose subcommand writes `path`; its JSON, or None if it did not finish."""
+        part = self.r.run(name, args, env)
+        if part.status != "ok" or not path.is_file():
+            return None
+        self.r.after_part()
+        return json.loads(path.read_text())
+
+
+def row_part(c: Check, name: str) -> None:
     """One row (`python -m bench.gpu_check row`) in its own process; printed and kept the moment it ends."""
     which, extra, _ = ROWS[name]
-    shape = s.large if which == "large" else s.small
-    path = r.results / f"{name}.json"
-    args = ["-m", "bench.gpu_check", "row", "--name", name, "--json", str(path), "--device", device,
-            "--dtype", "bf16", *s.row_args, *flags(shape, *SHAPE_KEYS), *extra, *s.row_extra.get(name, [])]
-    part = r.run(name, args, s.limits.get(name, s.limits["row"]))
-    if part.status != "ok" or not path.is_file():
-        return None
-    row = rows[name] = json.loads(path.read_text())
-    part.note = describe_row(row)
-    print(f"[{name}] row: {part.note}", flush=True)
-    r.after_part()
-    return row
+    shape = c.s.large if which == "large" else c.s.small
+    path = c.r.results / f"{name}.json"
+    args = ["-m", "bench.gpu_check", "row", "--name", name, "--json", str(path), "--device", c.device,
+            "--dtype", "bf16", *c.s.row_args, *flags(shape, *SHAPE_KEYS), *extra, *c.s.row_extra.get(name, [])]
+    row = c.json_part(name, args, path)
+    if row is not None:
+        c.fig.setdefault("rows", {})[name] = row
+        c.r.parts[name].note = describe_row(row)
+        print(f"[{name}] row: {c.r.parts[name].note}", flush=True)
+        c.r.after_part()
 
 
 def describe_row(row: dict) -> str:
@@ -325,213 +502,222 @@ def describe_row(row: dict) -> str:
     return text
 
 
-def preflight_part(r: Runner, s: Shapes, device: str) -> dict | None:
-    path = r.results / "preflight.json"
-    part = r.run("preflight", ["-m", "bench.gpu_check", "preflight", "--device", device, "--json", str(path)],
-                 s.limits["preflight"])
-    if part.status != "ok" or not path.is_file():
-        return None
-    found = json.loads(path.read_text())
-    part.note = found["line"]
-    r.after_part()
-    return found
+def preflight_part(c: Check) -> None:
+    """The preflight's versions, cold start and gates: a closed gate skips the parts behind it, nothing else."""
+    path = c.r.results / "preflight.json"
+    found = c.json_part("preflight", ["-m", "bench.gpu_check", "preflight", "--device", c.device, "--json",
+                                      str(path)], path)
+    c.fig["preflight"] = found
+    if found is None:
+        return  # no gates known: every part runs and fails on its own if it must
+    c.gates.update({k: v for k, v in found["gates"].items() if v and k in ("ray", "compile")})
+    c.r.parts["preflight"].note = found["line"] + "".join(f"; {k} gate closed: {v}" for k, v in found["gates"].items()
+                                                          if v)
+    c.r.after_part()
 
 
-def ddp1_part(r: Runner, s: Shapes, device: str) -> dict | None:
-    path = r.results / "ddp1-26m.json"
-    part = r.run("ddp1-26m", ["-m", "bench.gpu_check", "ddp1", "--device", device, "--json", str(path),
-                              *flags(s.small, *SHAPE_KEYS), *s.ddp_args], s.limits.get("ddp1-26m", s.limits["row"]))
-    if part.status != "ok" or not path.is_file():
-        return None
-    r.after_part()
-    return json.loads(path.read_text())
+def ddp1_part(c: Check) -> None:
+    path = c.r.results / "ddp1-26m.json"
+    c.fig["ddp1"] = c.json_part("ddp1-26m", ["-m", "bench.gpu_check", "ddp1", "--device", c.device, "--json", str(path),
+                                             *flags(c.s.small, *SHAPE_KEYS), *c.s.ddp_args], path)
 
 
-def trainer_ddp1_part(r: Runner, s: Shapes, device: str) -> dict | None:
-    path = r.results / "trainer-ddp1-26m.json"
-    part = r.run("trainer-ddp1-26m", ["-m", "bench.gpu_check", "trainer-ddp1", "--device", device, "--json", str(path),
-                                      *flags(s.small, *SHAPE_KEYS), *s.trainer_ddp_args],
-                 s.limits.get("trainer-ddp1-26m", s.limits["row"]))
-    if part.status != "ok" or not path.is_file():
-        return None
-    r.after_part()
-    return json.loads(path.read_text())
+def trainer_ddp1_part(c: Check) -> None:
+    path = c.r.results / "trainer-ddp1-26m.json"
+    extra = [a for a in c.s.trainer_ddp_args if not (a == "--compile" and "compile" in c.gates)]  # eager, then
+    c.fig["trainer_ddp1"] = c.json_part("trainer-ddp1-26m", ["-m", "bench.gpu_check", "trainer-ddp1", "--device",
+                                                             c.device, "--json", str(path),
+                                                             *flags(c.s.small, *SHAPE_KEYS), *extra], path)
 
 
-def fp16_part(r: Runner, s: Shapes, device: str) -> dict | None:
-    part = r.run("fp16", ["-m", "bench.fp16_check", "--device", device, *s.fp16_args], s.limits["fp16"],
-                 env={"MINILM_BENCH_RESULTS": str(r.results / "fp16")})
-    path = r.results / "fp16" / "fp16_check.json"
-    if part.status not in ("ok", "failed") or not path.is_file():
-        return None
-    return json.loads(path.read_text())
+def fp16_part(c: Check) -> None:
+    part = c.r.run("fp16", ["-m", "bench.fp16_check", "--device", c.device, *c.s.fp16_args],
+                   env={"MINILM_BENCH_RESULTS": str(c.r.results / "fp16")})
+    path = c.r.results / "fp16" / "fp16_check.json"
+    if part.status in ("ok", "failed") and path.is_file():
+        c.fig["fp16"] = json.loads(path.read_text())
 
 
-def trainer_part(r: Runner, s: Shapes, device_flags: dict, work: Path) -> dict | None:
+def trainer_part(c: Check) -> None:
     """`python -m minilm.train` at the small shape on random ids: the Trainer's wall time per step."""
     from .overhead import read_metrics, steady_step_s
 
-    shape, steps = s.small, s.trainer_steps
-    run_dir = work / "trainer"
+    shape, steps = c.s.small, c.s.trainer_steps
+    run_dir = c.work / "trainer"
     sequences = 4 * shape["micro_batch_size"]
     args = ["-m", "minilm.train", "--random-tokens", str(sequences * (shape["seq_len"] + 1)), "--run-dir", str(run_dir),
             *flags(shape, *SHAPE_KEYS),
-            "--global-batch-size", str(shape["micro_batch_size"]), "--dtype", device_flags["dtype"],
+            "--global-batch-size", str(shape["micro_batch_size"]), "--dtype", "bf16",
             "--max-steps", str(steps), "--warmup-steps", "1", "--log-every", str(max(1, steps // 20)),
             "--checkpoint-every", str(steps), "--val-samples", str(shape["micro_batch_size"])]
-    part = r.run("trainer", args, s.limits["trainer"])
+    part = c.r.run("trainer", args)
     if part.status != "ok":
-        return None
+        return
     records = read_metrics(run_dir / "metrics.jsonl")
     step_s, counted = steady_step_s(records, steps)
     shutil.rmtree(run_dir, ignore_errors=True)
     val = [rec["val_loss"] for rec in records if "val_loss" in rec]
     if not val:
         part.status, part.note = "failed", "no val_loss (--val-samples) in its metrics"
-    return {"step_s": step_s, "steps_counted": counted, "val_loss": val[-1] if val else None,
-            "tokens_per_s": shape["micro_batch_size"] * shape["seq_len"] / step_s}
+    c.fig["trainer"] = {"step_s": step_s, "steps_counted": counted, "val_loss": val[-1] if val else None,
+                        "tokens_per_s": shape["micro_batch_size"] * shape["seq_len"] / step_s}
 
 
-def checkpoint_part(r: Runner, s: Shapes, work: Path) -> dict | None:
+def checkpoint_part(c: Check) -> None:
     """`bench.checkpoint` at the 104M size (save = resume state + export, restore with its hash check) on this
-    machine's disk; the table puts the save against the compiled 104M row's step at the default cadence."""
-    shape = s.large
-    part = r.run("checkpoint-104m", ["-m", "bench.checkpoint", "--sizes",
-                                     f"{shape['hidden_size']}x{shape['num_hidden_layers']}", "--vocab-size",
-                                     str(shape["vocab_size"]), "--repeats", "1", "--dir", str(work)],
-                 s.limits.get("checkpoint-104m", s.limits["row"]),
-                 env={"MINILM_BENCH_RESULTS": str(r.results / "checkpoint-104m")})
-    path = r.results / "checkpoint-104m" / "checkpoint.json"
-    if part.status != "ok" or not path.is_file():
-        return None
-    found = json.loads(path.read_text())["rows"][0]
-    return {k: found[k] for k in ("params", "save_s", "restore_s", "resume_bytes", "export_bytes")}
+    machine's disk; the table puts the save against the 104M row's step at the default cadence."""
+    shape, out = c.s.large, c.r.results / "checkpoint-104m"
+    found = c.json_part("checkpoint-104m", ["-m", "bench.checkpoint", "--sizes",
+                                            f"{shape['hidden_size']}x{shape['num_hidden_layers']}", "--vocab-size",
+                                            str(shape["vocab_size"]), "--repeats", "1", "--dir", str(c.work)],
+                        out / "checkpoint.json", env={"MINILM_BENCH_RESULTS": str(out)})
+    if found:
+        row = found["rows"][0]
+        c.fig["checkpoint"] = {k: row[k] for k in ("params", "save_s", "restore_s", "resume_bytes", "export_bytes")}
 
 
-def checkpoint_stall_part(r: Runner, s: Shapes, work: Path, device: str) -> dict | None:
+def checkpoint_stall_part(c: Check) -> None:
     """`bench.checkpoint --mode stall` at the 104M size on this device: what the training thread loses per
     checkpoint, sync against async (on CUDA the snapshot goes to pinned buffers reused between saves)."""
-    shape = s.large
-    part = r.run("checkpoint-stall-104m", ["-m", "bench.checkpoint", "--mode", "stall", "--device", device,
-                                           "--sizes", f"{shape['hidden_size']}x{shape['num_hidden_layers']}",
-                                           "--vocab-size", str(shape["vocab_size"]), "--seq-len", str(shape["seq_len"]),
-                                           "--repeats", "1", "--dir", str(work)],
-                 s.limits.get("checkpoint-stall-104m", s.limits["row"]),
-                 env={"MINILM_BENCH_RESULTS": str(r.results / "checkpoint-stall-104m")})
-    path = r.results / "checkpoint-stall-104m" / "checkpoint_stall.json"
-    if part.status != "ok" or not path.is_file():
-        return None
-    found = json.loads(path.read_text())["rows"][0]
-    return {k: found[k] for k in ("sync_stall_s", "async_stall_s", "async_write_s")}
+    shape, out = c.s.large, c.r.results / "checkpoint-stall-104m"
+    found = c.json_part("checkpoint-stall-104m", ["-m", "bench.checkpoint", "--mode", "stall", "--device", c.device,
+                                                  "--sizes", f"{shape['hidden_size']}x{shape['num_hidden_layers']}",
+                                                  "--vocab-size", str(shape["vocab_size"]), "--seq-len",
+                                                  str(shape["seq_len"]), "--repeats", "1", "--dir", str(c.work)],
+                        out / "checkpoint_stall.json", env={"MINILM_BENCH_RESULTS": str(out)})
+    if found:
+        row = found["rows"][0]
+        c.fig["checkpoint_stall"] = {k: row[k] for k in ("sync_stall_s", "async_stall_s", "async_write_s")}
 
 
-def prepare_part(r: Runner, s: Shapes, work: Path) -> Path | None:
+def prepare_part(c: Check) -> None:
     from minilm.corpus import write_demo_corpus
 
-    corpus = work / "demo-corpus.jsonl"
-    if s.corpus_bytes:
-        write_demo_corpus(corpus, max_bytes=s.corpus_bytes)
+    corpus = c.work / "demo-corpus.jsonl"
+    if c.s.corpus_bytes:
+        write_demo_corpus(corpus, max_bytes=c.s.corpus_bytes)
     else:
         write_demo_corpus(corpus)
-    data = work / "data"
-    part = r.run("prepare", ["-m", "ray_jobs.prepare", "--input", str(corpus), "--output", str(data), "--seq-len",
-                             str(s.small["seq_len"]), "--vocab-size", str(s.small["vocab_size"]), "--overwrite"],
-                 s.limits["prepare"])
+    data = c.work / "data"
+    part = c.r.run("prepare", ["-m", "ray_jobs.prepare", "--input", str(corpus), "--output", str(data), "--seq-len",
+                               str(c.s.small["seq_len"]), "--vocab-size", str(c.s.small["vocab_size"]), "--overwrite"])
     if part.status == "ok":
         found = re.search(r"[\d,]+ sequences of \d+\+1 tokens", part.output)
         part.note = found.group(0) if found else "prepared"
-        return data
-    return None
+        c.data = data
 
 
-RAY_DEFAULT_POLL = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "2"}  # the first half: Ray's default, which the job overrides
+def job_args(c: Check) -> list[str]:
+    shape = c.s.small
+    return ["-m", "ray_jobs.pretrain", "--data", str(c.data), "--use-gpu", "true" if c.device == "cuda" else "false",
+            "--num-workers", "1", "--cpus-per-worker", str(c.s.cpus_per_worker), "--storage-path",
+            str(c.work / "runs"), "--name", "gpu-check", *flags(shape, *SHAPE_KEYS),
+            "--global-batch-size", str(shape["micro_batch_size"]), "--dtype", "bf16", "--max-steps",
+            str(c.s.job_steps), "--warmup-steps", "1", "--log-every", str(max(1, c.s.job_steps // 30)),
+            "--checkpoint-every", str(c.s.job_steps)]
 
 
-def ray_job_part(r: Runner, s: Shapes, data: Path, use_gpu: str, work: Path) -> dict | None:
-    """Train to half the steps (--exit-after-steps), then the same command again continues to the end. The first
-    half runs with Ray Train's controller polling every 2 s (Ray's default; `bench.overhead --mode report`: a loop
-    that reports more often than the controller polls waits in ray.train.report), the resumed half with the job's
-    0.1 s, so the two halves compare them at this machine's step time."""
+def ray_job_part(c: Check) -> None:
+    """Train to half the steps (--exit-after-steps); `ray_job_resume_part` continues to the end."""
+    c.r.run("ray-job", [*job_args(c), "--exit-after-steps", str(c.s.job_steps // 2)])
+
+
+def ray_job_resume_part(c: Check) -> None:
+    """The same command again: it must continue from the first half's checkpoint. Tokens/s of each half."""
     from .overhead import read_metrics, steady_step_s
 
-    shape, steps = s.small, s.job_steps
-    storage, name, half = work / "runs", "gpu-check", s.job_steps // 2
-    args = ["-m", "ray_jobs.pretrain", "--data", str(data), "--use-gpu", use_gpu, "--num-workers", "1",
-            "--storage-path", str(storage), "--name", name, *flags(shape, *SHAPE_KEYS),
-            "--global-batch-size", str(shape["micro_batch_size"]), "--dtype", "bf16", "--max-steps", str(steps),
-            "--warmup-steps", "1", "--log-every", str(max(1, steps // 30)), "--checkpoint-every", str(steps)]
-    first = r.run("ray-job", [*args, "--exit-after-steps", str(half)], s.limits["ray-job"], env=RAY_DEFAULT_POLL)
-    if first.status != "ok":
-        return None
-    second = r.run("ray-job-resume", args, s.limits["ray-job-resume"])
+    second = c.r.run("ray-job-resume", job_args(c))
     if second.status != "ok":
-        return None
-    records = read_metrics(storage / name / "metrics.jsonl")
-    resumed = f"resumed run {name} at optimizer step {half}" in second.output
+        return
+    half, steps, run = c.s.job_steps // 2, c.s.job_steps, c.work / "runs" / "gpu-check"
+    records = read_metrics(run / "metrics.jsonl")
+    resumed = f"resumed run gpu-check at optimizer step {half}" in second.output
     second.note = f"continued from step {half}" if resumed else "did not report resuming"
     if not resumed:
         second.status = "failed"
-    tokens = shape["micro_batch_size"] * shape["seq_len"]
+    tokens = c.s.small["micro_batch_size"] * c.s.small["seq_len"]
     halves = {}
-    for key, part in (("poll_2s", [rec for rec in records if rec["optimizer_step"] <= half]),
-                      ("poll_0.1s", [rec for rec in records if rec["optimizer_step"] > half])):
+    for key, part in (("first", [rec for rec in records if rec["optimizer_step"] <= half]),
+                      ("resumed", [rec for rec in records if rec["optimizer_step"] > half])):
         step_s, counted = steady_step_s(part, steps)
         halves[key] = {"step_s": step_s, "steps_counted": counted, "tokens_per_s": tokens / step_s}
-    checkpoints = sorted(p for p in (storage / name).glob("checkpoint_*") if p.is_dir())
-    return {"halves": halves, "tokens_per_s": halves["poll_0.1s"]["tokens_per_s"],
-            "last_step": records[-1]["optimizer_step"], "resumed": resumed,
-            "checkpoint": str(checkpoints[-1]) if checkpoints else None,
-            "data_wait_frac": [rec["data_wait_frac"] for rec in records]}
+    checkpoints = sorted(p for p in run.glob("checkpoint_*") if p.is_dir())
+    c.fig["ray_job"] = {"halves": halves, "tokens_per_s": halves["resumed"]["tokens_per_s"],
+                        "last_step": records[-1]["optimizer_step"], "resumed": resumed,
+                        "checkpoint": str(checkpoints[-1]) if checkpoints else None,
+                        "data_wait_frac": [rec["data_wait_frac"] for rec in records]}
 
 
-def export_and_sample(r: Runner, s: Shapes, checkpoint: str, work: Path) -> str | None:
-    out = work / "export"
-    if r.run("export", ["-m", "ray_jobs.export", "--checkpoint", checkpoint, "--output", str(out)],
-             s.limits["export"]).status != "ok":
-        return None
-    part = r.run("sample", ["-m", "minilm.sample", "--weights", str(out), "--prompt", "Return the",
-                            "--max-new-tokens", "24"], s.limits["sample"])
-    if part.status != "ok":
-        return None
-    text = " ".join(part.output.split())
-    if not text:
+def export_part(c: Check) -> None:
+    if not (c.fig.get("ray_job") or {}).get("checkpoint"):
+        c.r.skip("export", "no checkpoint from the Ray job")
+        return
+    c.r.run("export", ["-m", "ray_jobs.export", "--checkpoint", c.fig["ray_job"]["checkpoint"], "--output",
+                       str(c.work / "export")])
+
+
+def sample_part(c: Check) -> None:
+    part = c.r.run("sample", ["-m", "minilm.sample", "--weights", str(c.work / "export"), "--prompt", "Return the",
+                              "--max-new-tokens", "24"])
+    text = " ".join(part.output.split()) if part.status == "ok" else ""
+    if part.status == "ok" and not text:
         part.status, part.note = "failed", "sampled nothing"
-        return None
-    return text
+    c.fig["sample"] = text or None
 
 
-def stream_part(r: Runner, s: Shapes, data: Path, device: str) -> dict | None:
+def stream_part(c: Check) -> None:
     """One rank's `RankStream` (the job's own pipeline) driven alone on the prepared data: `stream_rate`.
     (`bench.data --mode stream` measures the same on a synthetic dataset of its own, too big for this budget.)"""
-    shape = s.small
-    part = r.run("stream", ["-m", "bench.gpu_check", "stream-rate", "--data", str(data), "--seq-len",
-                            str(shape["seq_len"]), "--vocab-size", str(shape["vocab_size"]), "--micro-batch-size",
-                            str(shape["micro_batch_size"]), "--steps", str(s.stream_steps), "--global-batch-size",
-                            str(shape["micro_batch_size"]), "--device", device], s.limits["stream"])
-    if part.status != "ok":
-        return None
-    found = re.search(r"stream delivery rate: ([\d,]+) tokens/s", part.output)
-    return {"tokens_per_s": float(found.group(1).replace(",", "")), "by": "ray_jobs.stream.RankStream",
-            "to": device} if found else None
+    shape = c.s.small
+    part = c.r.run("stream", ["-m", "bench.gpu_check", "stream-rate", "--data", str(c.data), "--seq-len",
+                              str(shape["seq_len"]), "--vocab-size", str(shape["vocab_size"]), "--micro-batch-size",
+                              str(shape["micro_batch_size"]), "--steps", str(c.s.stream_steps), "--global-batch-size",
+                              str(shape["micro_batch_size"]), "--device", c.device])
+    found = re.search(r"stream delivery rate: ([\d,]+) tokens/s", part.output) if part.status == "ok" else None
+    if found:
+        c.fig["stream"] = {"tokens_per_s": float(found.group(1).replace(",", "")), "by": "ray_jobs.stream.RankStream",
+                           "to": c.device}
+
+
+PART_RUNS = {"preflight": preflight_part, "ddp1-26m": ddp1_part, "trainer-ddp1-26m": trainer_ddp1_part,
+             "fp16": fp16_part, "trainer": trainer_part, "checkpoint-104m": checkpoint_part,
+             "checkpoint-stall-104m": checkpoint_stall_part, "prepare": prepare_part, "ray-job": ray_job_part,
+             "ray-job-resume": ray_job_resume_part, "export": export_part, "sample": sample_part,
+             "stream": stream_part, **{name: functools.partial(row_part, name=name) for name in ROW_PARTS}}
+# ray-job-resume, export and sample need the last one's outcome, not only its figures
+NEEDS_OK = {"ray-job-resume": "ray-job", "export": "ray-job-resume", "sample": "export", "stream": "prepare",
+            "ray-job": "prepare"}
 
 
 class LocalRay:
-    """One local Ray for every Ray part (each part's driver joins it through RAY_ADDRESS), stopped at exit; none
-    when RAY_ADDRESS names a cluster already."""
+    """One local Ray for every Ray part (each part's driver joins it through RAY_ADDRESS), stopped after the last;
+    none when RAY_ADDRESS names a cluster already. On 127.0.0.1: the lent machine has no network, and Ray finds a
+    node's address by routing towards one. A fixed object store and no memory monitor: Ray would size both from
+    the MemTotal of a VM whose memory starts small and grows as it is used. As many CPUs as cores."""
 
-    def __init__(self):
-        self.started = False
+    def __init__(self, object_store_bytes: int):
+        self.started, self.object_store_bytes, self.info = False, object_store_bytes, {}
 
     def address(self, gpu: bool) -> str:
         if os.environ.get("RAY_ADDRESS"):
             return os.environ["RAY_ADDRESS"]
+        # Read by the raylet this init starts and by the drivers and workers after it: no memory monitor, and
+        # 127.0.0.1 for this node (Ray's own choice when it is not meant to form a cluster; otherwise it probes a
+        # route to 8.8.8.8 and, unreachable, falls back to resolving the host name: ray._private.services).
+        os.environ.update(RAY_memory_monitor_refresh_ms="0", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
         import ray
 
         cores = os.cpu_count() or 2
-        # More logical CPUs than cores, as ray_jobs.cli.ensure_ray: workers must not starve Ray Data's tasks.
-        ray.init(address="local", num_cpus=max(8, 2 * cores), num_gpus=1 if gpu else 0, include_dashboard=False,
+        # The lent machine's 16 cores as they are; the CPU dry run's 2 as ray_jobs.cli.ensure_ray counts them (more
+        # logical CPUs than cores: a worker must leave Ray Data some).
+        ray.init(address="local", num_cpus=cores if gpu else max(8, 2 * cores), num_gpus=1 if gpu else 0,
+                 object_store_memory=self.object_store_bytes, _node_ip_address="127.0.0.1", include_dashboard=False,
                  log_to_driver=False, logging_level="ERROR")
         self.started = True
+        node = ray.nodes()[0]
+        self.info = {"node_ip": node["NodeManagerAddress"], "num_cpus": node["Resources"].get("CPU"),
+                     "object_store_bytes": int(node["Resources"].get("object_store_memory", 0)),
+                     "memory_monitor_refresh_ms": os.environ["RAY_memory_monitor_refresh_ms"]}
         return ray.get_runtime_context().gcs_address
 
     def stop(self) -> None:
@@ -714,6 +900,18 @@ def row(argv: list[str]) -> int:
     return 0
 
 
+def training_device(name: str):
+    """The device a part trains on, made this thread's current one. CUDA: with an index, the current device's when
+    `name` has none (torch.cuda.set_device refuses a device without one; NCCL and the allocator use the current)."""
+    import torch
+
+    device = torch.device(name)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+        torch.cuda.set_device(device)
+    return device
+
+
 def ddp1(argv: list[str]) -> int:
     """DDP in a 1-rank process group (NCCL on CUDA, gloo on CPU) against the same model without DDP, step by step:
     the group's start, DDP's gradient reducer (over compiled blocks with --compile) with no_sync accumulation, and
@@ -739,9 +937,7 @@ def ddp1(argv: list[str]) -> int:
     )
     from minilm.trainer import wrap_ddp
 
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    device = training_device(args.device)
     configure_backends(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     with tempfile.TemporaryDirectory() as tmp:
@@ -833,9 +1029,7 @@ def trainer_ddp1(argv: list[str]) -> int:
             super().start()
             self.model = wrap_ddp(self.raw_model, self.device)
 
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    device = training_device(args.device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     cfg = ModelConfig(hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers,
                       num_attention_heads=args.num_attention_heads, num_key_value_heads=args.num_key_value_heads,
@@ -928,62 +1122,85 @@ def tf32_state() -> dict:
     return state
 
 
+def process_age() -> float | None:
+    """Seconds since this process started (python, then the imports of torch and minilm), from /proc."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            return float(f.read().split()[0]) - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def preflight(argv: list[str]) -> int:
-    """The check's first part (under 20 s on the GPU): what the rest needs, or one `error: preflight: ...` line."""
+    """The check's first part and its cold start, measured: versions, the start's phases, and the gates. A closed
+    gate is a result ("gates": what it closes and why), not a failure: the check skips what is behind it."""
     p = argparse.ArgumentParser(prog="python -m bench.gpu_check preflight")
     p.add_argument("--device", default="cuda")
     p.add_argument("--json", required=True)
     args = p.parse_args(argv)
+    started_s = process_age()
     import torch
 
     from minilm.step import configure_backends
 
     device = torch.device(args.device)
-    found: dict = {"torch": torch.__version__, "python": sys.version.split()[0], "cuda": torch.version.cuda}
-    failures = []
+    found: dict = {"torch": torch.__version__, "python": sys.version.split()[0], "cuda": torch.version.cuda,
+                   "phases_s": {"process_start": started_s}}
+    gates: dict[str, str | None] = {"ray": None, "compile": None, "flash": None}
+
+    def timed(phase: str, fn):
+        t0 = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            found["phases_s"][phase] = time.perf_counter() - t0
+
     if device.type == "cuda":
-        if not torch.cuda.is_available():
-            failures.append("torch sees no CUDA device")
-        else:
-            found["gpu"] = torch.cuda.get_device_name(device)
-            found["capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
-            found["driver"] = nvidia_driver()
-    for name in ("triton", "ray"):
-        spec = importlib.util.find_spec(name)
-        found[name] = __import__(name).__version__ if spec else None
-    if found["ray"]:
+        timed("cuda_context", lambda: torch.ones(1, device=device).add_(1).item())
+        found["gpu"] = torch.cuda.get_device_name(device)
+        found["capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
+        found["driver"] = nvidia_driver()
+    for name in ("triton", "ray", "numpy", "pyarrow", "tokenizers"):
+        found[name] = __import__(name).__version__ if importlib.util.find_spec(name) else None
+    if found["ray"] is None:
+        gates["ray"] = "no ray in this python (bash bench/gpu_bundle.sh, then bench/gpu_check.sh --bundle DIR)"
+    else:
         try:
-            import ray.data  # noqa: F401
-            import ray.train.torch  # noqa: F401
+            timed("import_ray", lambda: (importlib.import_module("ray.data"), importlib.import_module("ray.train.torch")))
         except Exception as e:  # noqa: BLE001  (a broken bundle shows up as any import error)
-            failures.append(f"import ray.train.torch, ray.data: {type(e).__name__}: {e}")
-    if not failures:
-        configure_backends(device)
-        found["tf32"] = tf32_state()
-        failures += [f"{k} {v}" for k, v in found["tf32"].items() if str(v).startswith("raises")]
-    if not failures and device.type == "cuda":  # on CPU the compiled rows are the first compilations anyway
+            gates["ray"] = f"import ray.train.torch, ray.data: {type(e).__name__}: {str(e)[:200]}"
+    configure_backends(device)
+    found["tf32"] = tf32_state()
+    raising = [f"{k} {v}" for k, v in found["tf32"].items() if str(v).startswith("raises")]
+    if raising:  # Inductor's autotuning reads these getters
+        gates["compile"] = "; ".join(raising)
+    elif device.type == "cuda":  # Triton's first compilation; on CPU (C++) the compiled rows are the first anyway
         try:
-            found["compile_s"] = tiny_compiled_step(device)
+            found["compile_s"] = timed("compile", lambda: tiny_compiled_step(device))
         except Exception as e:  # noqa: BLE001
-            failures.append(f"compiled forward+backward on {device.type}: {type(e).__name__}: {str(e)[:200]}")
-    if not failures and device.type == "cuda":
+            gates["compile"] = f"compiled forward+backward on {device.type}: {type(e).__name__}: {str(e)[:200]}"
+    if device.type == "cuda":
         try:
-            flash_at_check_shape(device)
+            timed("flash", lambda: flash_at_check_shape(device))
             found["sdpa_flash"] = "runs at (32, 8, 512, 64) bf16 causal"
         except Exception as e:  # noqa: BLE001
-            failures.append(f"SDPA's flash kernel at the check's shape: {type(e).__name__}: {str(e)[:200]}")
-    found["failures"] = failures
+            gates["flash"] = f"SDPA's flash kernel at the check's shape: {type(e).__name__}: {str(e)[:200]}"
+    found["gates"] = gates
     parts = [f"torch {found['torch']}", f"python {found['python']}"]
-    parts += [f"{k} {found[k]}" for k in ("gpu", "capability", "cuda", "driver", "triton", "ray") if found.get(k)]
+    parts += [f"{k} {found[k]}" for k in ("gpu", "capability", "cuda", "driver", "triton", "ray", "numpy", "pyarrow")
+              if found.get(k)]
     parts += [f"compile {found['compile_s']:.1f} s"] if "compile_s" in found else []
     found["line"] = ", ".join(parts)
     Path(args.json).write_text(json.dumps(found, indent=2) + "\n")
     print(f"preflight: {found['line']}")
-    for name, value in (found.get("tf32") or {}).items():
+    print("  cold start: " + ", ".join(f"{k} {v:.1f} s" for k, v in found["phases_s"].items() if v is not None))
+    for name, value in found["tf32"].items():
         print(f"  {name}: {value}")
-    if failures:
-        print(f"error: preflight: {'; '.join(failures)}")
-        return 1
+    for name, why in gates.items():
+        if why:
+            print(f"  gate {name} closed: {why}")
     return 0
 
 
@@ -1011,7 +1228,7 @@ def tiny_compiled_step(device) -> float:
     ids = torch.randint(0, 256, (2, 65), device=device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda"):
-        out = model(ids, labels=ids)
+        out = model(ids[:, :-1], targets=ids[:, 1:])
     out.loss.backward()
     if not torch.isfinite(out.loss):
         raise RuntimeError(f"non-finite loss {float(out.loss)}")
@@ -1041,7 +1258,7 @@ def table_rows(parts: dict[str, Part], fig: dict, gpu: bool) -> list[dict]:
     rows = []
 
     def add(check: str, part: str, result: str, goal: str = "-", ok: bool | None = None) -> None:
-        done = parts.get(part, Part(part))
+        done = parts.get(part, Part(part, note="not in this run's plan"))
         if done.status != "ok":
             result, status = done.note or "not run", done.status.upper()
         elif ok is None:
@@ -1101,8 +1318,8 @@ def table_rows(parts: dict[str, Part], fig: dict, gpu: bool) -> list[dict]:
     eager = measured.get("step-26m-eager")
     job = fig.get("ray_job") or {"halves": {}}
     for run, check, part in ((fig.get("trainer"), "Trainer in-process (minilm.train), 26M", "trainer"),
-                             (job["halves"].get("poll_2s"), "Ray job 1 worker, 26M, Train polling every 2 s", "ray-job"),
-                             (job["halves"].get("poll_0.1s"), "  resumed with the job's 0.1 s polling", "ray-job-resume")):
+                             (job["halves"].get("first"), "Ray job 1 worker, 26M, to half its steps", "ray-job"),
+                             (job["halves"].get("resumed"), "  resumed to the end", "ray-job-resume")):
         ratio = run["tokens_per_s"] / eager["tokens_per_s"] if run and eager else None
         result = "" if not run else f"{run['tokens_per_s']:,.0f} tok/s" + (
             f" = {ratio:.3f}x the eager step" if ratio else "")
@@ -1140,8 +1357,12 @@ def save_results(dest: Path, runner: Runner, fig: dict, head: dict, gpu: bool, f
     """Rewrite the three result files from what is known now (after every part, and at the end)."""
     dest.mkdir(parents=True, exist_ok=True)
     rows = table_rows(runner.parts, fig, gpu)
-    parts = {k: {"status": v.status, "wall_s": v.wall_s, "note": v.note} for k, v in runner.parts.items()}
-    payload = {**head, "table": rows, "figures": fig, "parts": parts, "finished": final}
+    parts = {k: {"status": v.status, "wall_s": v.wall_s, "limit_s": runner.limits.get(k), "note": v.note}
+             for k, v in runner.parts.items()}
+    plan = head["plan"]
+    payload = {**head, "plan": {"budget_s": plan.budget, "total_s": plan.total, "scale": plan.scale,
+                                "parts": plan.parts, "left": plan.left, "added": plan.added},
+               "table": rows, "figures": fig, "parts": parts, "finished": final}
     write_atomic(dest / FILES[0], (json.dumps(payload, indent=2, default=str) + "\n").encode())
     failed = failed_parts(runner, fig)
     summary = [head["title"], "", format_table(rows), ""]
@@ -1157,98 +1378,115 @@ def save_results(dest: Path, runner: Runner, fig: dict, head: dict, gpu: bool, f
 
 
 def failed_parts(runner: Runner, fig: dict) -> list[str]:
-    failed = [p.name for p in runner.parts.values() if p.status in ("failed", "timeout", "stopped")]
+    failed = [p.name for p in runner.parts.values() if p.status in ("failed", "timeout", "stopped")]  # not: left
     failed += [] if not fig.get("fp16") or fig["fp16"]["passed"] else ["fp16"]
     return list(dict.fromkeys(failed))
 
 
 # ---- main ---------------------------------------------------------------------------------------------------
 
-def run_parts(runner: Runner, s: Shapes, device: str, fig: dict, work: Path, only: set[str] | None,
-              ray: LocalRay) -> None:
-    gpu = device == "cuda"
+def blocked(c: Check, spec: Spec) -> str | None:
+    """Why a part cannot run now (a closed gate, a part it needs that did not succeed), or None."""
+    if spec.ray and "ray" in c.gates:
+        return f"Ray gate closed: {c.gates['ray']}"
+    if spec.name in ROWS and "--compile" in ROWS[spec.name][1] and "compile" in c.gates:
+        return f"compile gate closed: {c.gates['compile']}"
+    for need in spec.needs:
+        done = c.r.parts.get(need)
+        if done is None or done.status != "ok":
+            return f"needs {need}, which {'did not run' if done is None else done.status}"
+    return None
 
-    def wanted(name: str) -> bool:
-        return only is None or name in only
 
-    if wanted("preflight"):
-        fig["preflight"] = preflight_part(runner, s, device)
-        if runner.parts["preflight"].status != "ok":
-            print(f"error: the preflight failed, the check stops: {runner.parts['preflight'].note}", flush=True)
-            return
-    fig["rows"] = {}
-    for name in ("step-26m-eager", "step-104m-eager"):
-        if wanted(name):
-            row_part(runner, name, s, device, fig["rows"])
-    if wanted("trainer"):
-        fig["trainer"] = trainer_part(runner, s, {"dtype": "bf16"}, work)
-    if wanted("ddp1-26m"):
-        fig["ddp1"] = ddp1_part(runner, s, device)
-    if wanted("trainer-ddp1-26m"):
-        fig["trainer_ddp1"] = trainer_ddp1_part(runner, s, device)
-    if wanted("fp16"):
-        fig["fp16"] = fp16_part(runner, s, device)
-    for name in ROW_PARTS[2:4]:
-        if wanted(name):
-            row_part(runner, name, s, device, fig["rows"])
-    runner.reserve_s = s.ray_reserve_s  # the paths never run before come next, as far as the Ray parts allow
-    for name in ROW_PARTS[4:]:
-        if wanted(name):
-            row_part(runner, name, s, device, fig["rows"])
-    if wanted("checkpoint-104m"):
-        fig["checkpoint"] = checkpoint_part(runner, s, work)
-    if wanted("checkpoint-stall-104m"):
-        fig["checkpoint_stall"] = checkpoint_stall_part(runner, s, work, device)
-    runner.reserve_s = 0.0
-    ray_parts = ("prepare", "ray-job", "ray-job-resume", "export", "sample", "stream")
-    if only is not None and not only & set(ray_parts):
-        return
+def join_ray(c: Check, ray: LocalRay) -> None:
+    """Start (or join) the one Ray of the Ray parts; a failure closes the Ray gate."""
     missing = missing_modules(RAY_MODULES)
     if missing:
-        why = (f"needs {', '.join(missing)} in this python: build the bundle (bash bench/gpu_bundle.sh) and run "
-               f"bash bench/gpu_check.sh --bundle gpu-bundle, or pip install 'ray[train,data]>=2.60' pyarrow "
-               f"tokenizers pyyaml")
-        for name in ray_parts:
-            runner.skip(name, why)
+        c.gates["ray"] = (f"needs {', '.join(missing)} in this python: build the bundle (bash bench/gpu_bundle.sh) "
+                          f"and run bash bench/gpu_check.sh --bundle gpu-bundle")
         return
     try:
-        runner.env["RAY_ADDRESS"] = ray.address(gpu)
+        c.r.env["RAY_ADDRESS"] = ray.address(c.device == "cuda")
     except Exception as e:  # noqa: BLE001  (whatever ray.init raises, the Ray parts cannot run)
-        why = f"could not start a local Ray: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
-        print(f"[prepare] failed: {why}", flush=True)
-        runner.parts["prepare"] = Part("prepare", "failed", note=why)
-        for name in ray_parts[1:]:
-            runner.skip(name, why)
+        c.gates["ray"] = f"could not start a local Ray: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
         return
-    # ray.init turns token auth on for the Ray it starts and says so in this process's environment only
-    runner.env.update({k: v for k, v in os.environ.items() if k.startswith("RAY_AUTH")})
-    data = prepare_part(runner, s, work)
-    if data is not None:
-        fig["ray_job"] = ray_job_part(runner, s, data, "true" if gpu else "false", work)
-        if fig["ray_job"] and fig["ray_job"]["checkpoint"]:
-            fig["sample"] = export_and_sample(runner, s, fig["ray_job"]["checkpoint"], work)
-        fig["stream"] = stream_part(runner, s, data, device)
+    c.fig["ray"] = ray.info
+    # ray.init turns token auth on for the Ray it starts and says so in this process's environment only; the parts'
+    # drivers also take LocalRay's settings
+    c.r.env.update({k: v for k, v in os.environ.items()
+                    if k.startswith(("RAY_AUTH", "RAY_memory_monitor", "RAY_ENABLE_WINDOWS_OR_OSX"))})
+
+
+def replan(c: Check, plan: Plan, queue: list[tuple[str, float]], only: set[str] | None) -> list[tuple[str, float]]:
+    """After the preflight (the cold start, measured): if it took longer than assumed, every later limit grows by
+    as much (up to 2x) and the rest is planned again within the time left; what no longer fits is left."""
+    part = c.r.parts.get("preflight")
+    scale = part.wall_s / ASSUME[c.device].cold_start if part is not None and part.status == "ok" else 1.0
+    if scale <= 1.1:
+        return queue
+    left_s = c.r.deadline - time.monotonic()
+    new = make_plan(c.device, left_s, only, done=tuple(c.r.parts), scale=min(scale, 2.0), compiled={"tiny"})
+    print(f"[plan] the cold start took {part.wall_s:.0f} s, {scale:.1f}x the {ASSUME[c.device].cold_start:g} s "
+          f"assumed: the rest re-planned within the {left_s:.0f} s left", flush=True)
+    print("\n".join(new.lines()[2:]), flush=True)
+    plan.scale, plan.parts, plan.left = new.scale, [*plan.parts[:1], *new.parts], [*plan.left, *new.left]
+    mark_left(c, new)
+    c.r.limits.update(dict(new.parts))
+    return list(new.parts)
+
+
+def mark_left(c: Check, plan: Plan) -> None:
+    for name, limit in plan.left:
+        c.r.parts[name] = Part(name, "left", note=f"left for a rerun (its {limit:.0f} s limit did not fit): --only {name}")
+
+
+def run_parts(c: Check, plan: Plan, ray: LocalRay, only: set[str] | None) -> None:
+    """The plan's parts in order, each as its gates and needs allow; the local Ray from the first Ray part to the
+    last."""
+    queue = list(plan.parts)
+    c.r.limits.update(dict(queue))
+    mark_left(c, plan)
+    while queue:
+        name, _ = queue.pop(0)
+        spec = SPEC[name]
+        if spec.ray and "ray" not in c.gates and "RAY_ADDRESS" not in c.r.env:
+            join_ray(c, ray)
+        why = blocked(c, spec)
+        if why:
+            c.r.skip(name, why)
+        else:
+            PART_RUNS[name](c)
+        if name == "preflight":
+            queue = replan(c, plan, queue, only)
+        if ray.started and not any(SPEC[n].ray for n, _ in queue):
+            ray.stop()  # the rest runs without Ray's processes beside it
+            c.r.env.pop("RAY_ADDRESS", None)
 
 
 def check(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: the dry run (tiny configs)")
-    p.add_argument("--budget", type=float, default=450, help="seconds for every part together (default 450)")
-    p.add_argument("--only", default=None, help="comma-separated part names: run these alone (a rerun)")
+    p.add_argument("--budget", type=float, default=None,
+                   help=f"seconds for the parts (default {BUDGET['cuda']} on the GPU, {BUDGET['cpu']} for the dry run)")
+    p.add_argument("--only", default=None, help="comma-separated part names: run these (and what they need) alone")
+    p.add_argument("--plan", action="store_true", help="print the plan (the parts, their limits, the total) and exit")
     p.add_argument("--keep-work", action="store_true", help="keep the data, runs, logs and export (a temporary folder)")
     args = p.parse_args(argv)
+    only = set(args.only.split(",")) if args.only else None
+    if only and only - set(SPEC):
+        print(f"error: --only: unknown part(s) {', '.join(sorted(only - set(SPEC)))}; parts: {', '.join(SPEC)}",
+              file=sys.stderr)
+        return 2
+    budget = args.budget or BUDGET[args.device]
+    plan = make_plan(args.device, budget, only)
+    if args.plan:
+        print("\n".join(plan.lines()))
+        return 0
     import torch
 
     gpu = args.device == "cuda"
     if gpu and not torch.cuda.is_available():
         print("error: torch sees no CUDA device (a CPU-only torch build, or no GPU); --device cpu is the dry run",
-              file=sys.stderr)
-        return 2
-    only = set(args.only.split(",")) if args.only else None
-    known = {"preflight", "trainer", "ddp1-26m", "trainer-ddp1-26m", "fp16", *ROW_PARTS, "checkpoint-104m", "checkpoint-stall-104m", "prepare", "ray-job", "ray-job-resume", "export", "sample",
-             "stream"}
-    if only and only - known:
-        print(f"error: --only: unknown part(s) {', '.join(sorted(only - known))}; parts: {', '.join(sorted(known))}",
               file=sys.stderr)
         return 2
     s = GPU if gpu else CPU
@@ -1257,17 +1495,18 @@ def check(argv: list[str]) -> int:
     title = (f"# GPU check on {env.get('gpu', 'no GPU') if gpu else env['cpu'] + ' (CPU dry run)'}, {env['cpus']} "
              f"CPUs, torch {env['torch']}, python {env['python']}, {env['time']}")
     print(title, flush=True)
-    head = {"title": title, "environment": env, "device": args.device}
+    print("\n".join(plan.lines()), flush=True)
+    head = {"title": title, "environment": env, "device": args.device, "plan": plan}
     work = Path(tempfile.mkdtemp(prefix="minilm-gpu-check-"))
-    fig: dict = {}
-    ray = LocalRay()
-    runner = Runner(sys.executable, args.budget, work, {**os.environ, "PYTHONUNBUFFERED": "1"})
-    runner.after_part = lambda: save_results(dest, runner, fig, head, gpu)
+    ray = LocalRay(s.object_store_bytes)
+    runner = Runner(sys.executable, budget, work, {**os.environ, "PYTHONUNBUFFERED": "1"})
+    c = Check(runner, s, args.device, work, {})
+    runner.after_part = lambda: save_results(dest, runner, c.fig, head, gpu)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, on_signal)
     final = "finished"
     try:
-        run_parts(runner, s, args.device, fig, work, only, ray)
+        run_parts(c, plan, ray, only)
     except Stopped as e:
         final = f"stopped by {e} during {next(reversed(runner.parts), 'the start')}"
         print(f"\n{final}", flush=True)
@@ -1276,17 +1515,19 @@ def check(argv: list[str]) -> int:
             signal.signal(sig, signal.SIG_IGN)  # the results are written once, whatever comes next
         runner.kill_all()
         ray.stop()
-        rows = save_results(dest, runner, fig, head, gpu, final)
+        rows = save_results(dest, runner, c.fig, head, gpu, final)
         if args.keep_work:
             print(f"work folder kept: {work}")
         else:
             shutil.rmtree(work, ignore_errors=True)
     print()
     print(format_table(rows))
-    failed = failed_parts(runner, fig)
+    failed = failed_parts(runner, c.fig)
     print(f"wrote {', '.join(str(dest / f) for f in FILES)}")
     if failed:
         print(f"failed: {', '.join(failed)}")
+    if plan.left:
+        print(f"left for a rerun: python -m bench.gpu_check --only {','.join(n for n, _ in plan.left)}")
     return 1 if failed or final != "finished" else 0
 
 

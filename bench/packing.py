@@ -68,7 +68,7 @@ def make_step(model, optimizer, batches: list[tuple[torch.Tensor, torch.Tensor]]
     def step(i: int) -> None:
         ids, labels = batches[i]
         with autocast("cpu", dtype):
-            out = model(ids, labels=labels)
+            out = model(ids[:, :-1], targets=labels[:, 1:])  # seq_len positions fed and scored, as the step does
         (out.loss + out.aux_loss).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()

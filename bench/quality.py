@@ -193,7 +193,7 @@ def train_recipe(recipe: Recipe, model_cfg: ModelConfig, docs: list[list[int]], 
         set_lr(optimizer, lr)
         idx = order[step * args.batch_size:(step + 1) * args.batch_size]
         with autocast("cpu", dtype):
-            out = model(rows[idx], labels=labels[idx])
+            out = model(rows[idx][:, :-1], targets=labels[idx][:, 1:])  # seq_len positions, as the training step
         (out.loss + out.aux_loss).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -233,7 +233,7 @@ def warm_up(model_cfg: ModelConfig, args) -> None:
     ids = torch.randint(3, model_cfg.vocab_size, (args.batch_size, args.seq_len + 1))
     for _ in range(2):
         with autocast("cpu", TORCH_DTYPES[args.dtype]):
-            model(ids, labels=ids).loss.backward()
+            model(ids[:, :-1], targets=ids[:, 1:]).loss.backward()
 
 
 def step_times(model_cfg: ModelConfig, args, steps: int = 4) -> dict[str, float]:

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 
 @lru_cache(maxsize=1)
@@ -81,9 +80,8 @@ def _targets_nats(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.T
     ctx = (torch.autocast(inputs.device.type, dtype=autocast_dtype) if autocast_dtype not in (None, torch.float32)
            else torch.autocast(inputs.device.type, enabled=False))
     with ctx:
-        logits = model(inputs).logits
-    ce = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")
-    return (ce * weights.flatten()).sum()
+        nats = model(inputs, targets=targets, reduction="none").loss  # the head chunk by chunk, fp32 nats
+    return (nats * weights).sum()
 
 
 @torch.no_grad()

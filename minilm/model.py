@@ -17,11 +17,15 @@ from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
 
+SDPA_GQA = torch.__version__ >= "2.5"  # scaled_dot_product_attention(..., enable_gqa=True)
+# Positions whose fp32 logits exist at once in the chunked head and loss (`head_loss`): ~128 MB at vocab 6400.
+HEAD_CHUNK_LOGITS = 2**25
+
 
 @dataclass
 class CausalLMOutput:
-    logits: torch.Tensor
-    loss: torch.Tensor | None  # next-token cross entropy (labels shifted inside)
+    logits: torch.Tensor | None  # None when the loss came from `targets` (`head_loss`: no logits kept)
+    loss: torch.Tensor | None  # next-token cross entropy: `labels` shifted inside, or `targets` as given
     aux_loss: torch.Tensor  # MoE load-balancing loss summed over layers; 0 for dense or in eval
     past_key_values: list | None = None
 
@@ -76,21 +80,20 @@ class Attention(nn.Module):
             k = torch.cat([past_key_value[0], k], dim=1)
             v = torch.cat([past_key_value[1], v], dim=1)
         present = (k, v) if use_cache else None
-        # GQA: each kv head serves num_heads / num_kv_heads query heads.
-        rep = self.num_heads // self.num_kv_heads
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if rep > 1:
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        dropout_p = self.dropout if self.training else 0.0
-        if attn_mask is not None:  # causal and within one document (document_mask)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
-        elif past_key_value is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
-        elif t == 1:  # one new token attends to every cached position
-            y = F.scaled_dot_product_attention(q, k, v)
-        else:  # several new tokens after a cache: causal, offset by the cache length
+        mask = attn_mask  # causal and within one document (document_mask)
+        if past_key_value is not None and t > 1:  # several new tokens after a cache: causal, offset by the cache
             mask = torch.ones(t, k.shape[2], dtype=torch.bool, device=x.device).tril(k.shape[2] - t)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        # GQA: each kv head serves num_heads / num_kv_heads query heads. Without a mask, SDPA's own GQA (flash
+        # reads the shared heads in place); with one, copies of K and V (the masked kernels of some torch
+        # versions refuse GQA, and SDPA would fall back to its slow math path).
+        rep = self.num_heads // self.num_kv_heads
+        gqa = {"enable_gqa": True} if rep > 1 and SDPA_GQA and mask is None else {}
+        if rep > 1 and not gqa:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        causal = mask is None and past_key_value is None  # one new token after a cache attends to all of it
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                           dropout_p=self.dropout if self.training else 0.0, **gqa)
         y = y.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)
         return self.resid_dropout(self.o_proj(y)), present
 
@@ -285,6 +288,55 @@ def keep_experts_eager() -> None:
         MoEFeedForward._dispatch = torch.compiler.disable(MoEFeedForward._dispatch)
 
 
+def head_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"):
+    """Cross entropy of the logits `hidden @ weight.T` (in autocast's dtype, then fp32) against `targets` (-100:
+    none), over chunks of positions, so that the whole batch's fp32 logits never exist at once: the mean over the
+    targets, or (reduction "none") the nats of each position. With gradients, `HeadLoss` computes them chunk by
+    chunk in the forward; the same matmuls as the eager head, none recomputed."""
+    h, t = hidden.flatten(0, 1), targets.flatten()
+    rows = max(1, HEAD_CHUNK_LOGITS // weight.shape[0])
+    if reduction == "mean" and torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
+        return HeadLoss.apply(h, weight, t, rows)
+    nats = torch.cat([F.cross_entropy(F.linear(hc, weight).float(), tc, ignore_index=-100, reduction="none")
+                      for hc, tc in zip(h.split(rows), t.split(rows), strict=True)])
+    return nats.view(targets.shape) if reduction == "none" else nats.sum() / (t != -100).sum()
+
+
+class HeadLoss(torch.autograd.Function):
+    """The mean next-token loss of the head over chunks of `rows` positions; the gradients (softmax - one-hot,
+    through the head's two matmuls) are computed in the forward, chunk by chunk, and only scaled in backward."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, rows):
+        dtype = compute_dtype(h)
+        w = weight.to(dtype)  # as autocast casts the head's weight
+        grad_h = torch.empty(h.shape, dtype=dtype, device=h.device)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device)
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        for hc, tc, gc in zip(h.split(rows), targets.split(rows), grad_h.split(rows), strict=True):
+            hc = hc.to(dtype)
+            logits = (hc @ w.T).float()
+            keep = tc != -100
+            safe = tc.masked_fill(~keep, 0)[:, None]
+            lse = logits.logsumexp(-1)
+            total += ((lse - logits.gather(1, safe)[:, 0]) * keep).sum()
+            # softmax - one-hot; a row without a target gets exp(-inf) = 0 everywhere
+            g = (logits - lse.masked_fill(~keep, float("inf"))[:, None]).exp_()
+            g = g.scatter_add_(1, safe, -keep[:, None].float()).to(dtype)
+            gc.copy_(g @ w)
+            grad_w += (g.T @ hc).float()
+        count = (targets != -100).sum()
+        ctx.save_for_backward(grad_h, grad_w, count)
+        ctx.h_dtype, ctx.w_dtype = h.dtype, weight.dtype
+        return total / count
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_h, grad_w, count = ctx.saved_tensors
+        scale = grad / count
+        return (grad_h.float() * scale).to(ctx.h_dtype), (grad_w * scale).to(ctx.w_dtype), None, None
+
+
 class MiniMindBlock(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -332,6 +384,7 @@ class MiniMindModel(nn.Module):
         t = input_ids.shape[1]
         cos, sin = self.freqs_cos[start:start + t], self.freqs_sin[start:start + t]
         x = self.dropout(self.embed_tokens(input_ids))
+        x = x.to(compute_dtype(x))  # the residual stream in autocast's dtype (an embedding's output is fp32)
         # Generation with a cache reads one document: the plain causal mask is the document mask there.
         mask = self.attention_mask(input_ids) if self.document_mask and not past_key_values else None
         presents = []
@@ -362,12 +415,18 @@ class MiniMindForCausalLM(nn.Module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, input_ids, labels=None, past_key_values=None, use_cache=False) -> CausalLMOutput:
+    def forward(self, input_ids, labels=None, past_key_values=None, use_cache=False, targets=None,
+                reduction: str = "mean") -> CausalLMOutput:
+        """`labels` (MiniMind's): the same positions as input_ids, shifted inside. `targets`: position t's next
+        token, as given (the training step's row[:, 1:] for input row[:, :-1]); the loss then comes from `head_loss`
+        and no logits come back. -100 marks a position without a target in either."""
         hidden, presents = self.model(input_ids, past_key_values, use_cache)
+        if targets is not None:
+            loss = head_loss(hidden, self.lm_head.weight, targets, reduction)
+            return CausalLMOutput(None, loss, self.aux_loss(), presents if use_cache else None)
         logits = self.lm_head(hidden)
         loss = None
         if labels is not None:
-            # Position t predicts token t+1; -100 marks positions without a target.
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
         return CausalLMOutput(logits, loss, self.aux_loss(), presents if use_cache else None)
 

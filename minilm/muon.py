@@ -7,7 +7,7 @@ group (`group["use_muon"]`) keeps a checkpoint to one `optimizer.pt`.
 
 The update is deterministic (a fixed bf16 Newton-Schulz), so every DDP rank computes the same one;
 `optimizer.found_inf` (1.0 = skip), as GradScaler sets it for fused AdamW, skips a step with
-`torch.where`, bitwise and without a host sync.
+`torch.where` (and fused AdamW's own check), bitwise and without a host sync.
 """
 
 from __future__ import annotations
@@ -20,21 +20,22 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 
 def orthogonalize(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
-    """Approximately U V^T of g = U S V^T (g 2-D), by `steps` Newton-Schulz iterations.
+    """Approximately U V^T of each matrix g = U S V^T (g 2-D, or a stack of same-shape matrices), by `steps`
+    Newton-Schulz iterations.
 
     In bf16 on every device: precise enough for a direction, these matmuls are Muon's whole cost, and
     one dtype everywhere keeps every rank's update the same.
     """
     a, b, c = NS_COEFFICIENTS
     x = g.to(torch.bfloat16)
-    wide = x.shape[0] > x.shape[1]
+    wide = x.shape[-2] > x.shape[-1]
     if wide:  # iterate on the smaller Gram matrix
-        x = x.T
-    x = x / (x.norm() + 1e-7)  # spectral norm <= Frobenius norm <= 1: inside the iteration's basin
+        x = x.mT
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # spectral norm <= Frobenius norm <= 1: in the basin
     for _ in range(steps):
-        gram = x @ x.T
+        gram = x @ x.mT
         x = a * x + (b * gram + c * gram @ gram) @ x
-    return (x.T if wide else x).to(g.dtype)
+    return (x.mT if wide else x).to(g.dtype)
 
 
 class Muon(torch.optim.Optimizer):
@@ -74,56 +75,67 @@ class Muon(torch.optim.Optimizer):
             raise RuntimeError("Muon takes unscaled gradients: call scaler.unscale_(optimizer) before the step")
         skip = getattr(self, "found_inf", None)
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if group["use_muon"]:
-                    self._muon_step(p, group, skip)
-                else:
-                    self._adamw_step(p, group, skip)
+            params = [p for p in group["params"] if p.grad is not None]
+            if not group["use_muon"]:
+                self._adamw_step(params, group, skip)
+                continue
+            # One kind of matrix over all layers at a time: its Newton-Schulz matmuls batched, the rest foreach.
+            by_shape: dict[torch.Size, list[torch.Tensor]] = {}
+            for p in params:
+                by_shape.setdefault(p.shape, []).append(p)
+            for same in by_shape.values():
+                self._muon_step(same, group, skip)
         return loss
 
-    def _muon_step(self, p: torch.Tensor, group: dict, skip: torch.Tensor | None) -> None:
-        state = self.state[p]
-        if not state:
-            state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        buf, g, beta, lr = state["momentum_buffer"], p.grad, group["momentum"], group["lr"]
-        new_buf = buf.lerp(g, 1 - beta)  # EMA of the gradient
-        direction = g.lerp(new_buf, beta) if group["nesterov"] else new_buf
-        update = orthogonalize(direction, group["ns_steps"])
+    def _muon_step(self, params: list[torch.Tensor], group: dict, skip: torch.Tensor | None) -> None:
+        """Muon on same-shape matrices: the arithmetic of one matrix, by foreach ops and batched matmuls."""
+        for p in params:
+            if "momentum_buffer" not in self.state[p]:
+                self.state[p]["momentum_buffer"] = torch.zeros_like(p)
+        bufs, grads = [self.state[p]["momentum_buffer"] for p in params], [p.grad for p in params]
+        beta, lr = group["momentum"], group["lr"]
+        new_bufs = torch._foreach_lerp(bufs, grads, 1 - beta)  # EMA of the gradient
+        directions = torch._foreach_lerp(grads, new_bufs, beta) if group["nesterov"] else new_bufs
+        update = list(orthogonalize(torch.stack(directions), group["ns_steps"]).unbind(0))
         # A tall matrix's orthogonal update has entries ~1/sqrt(cols): scale it up so tall and wide
         # matrices move their outputs alike.
-        update = update * max(1.0, p.shape[0] / p.shape[1]) ** 0.5
-        new_p = p * (1 - lr * group["weight_decay"]) - lr * update
-        _commit(buf, new_buf, skip)
-        _commit(p, new_p, skip)
+        update = torch._foreach_mul(update, max(1.0, params[0].shape[0] / params[0].shape[1]) ** 0.5)
+        new_p = torch._foreach_sub(torch._foreach_mul(params, 1 - lr * group["weight_decay"]),
+                                   torch._foreach_mul(update, lr))
+        _commit(bufs, new_bufs, skip)
+        _commit(params, new_p, skip)
 
-    def _adamw_step(self, p: torch.Tensor, group: dict, skip: torch.Tensor | None) -> None:
-        state = self.state[p]
-        if not state:
-            # A tensor step (like torch's AdamW with capturable/fused): it counts without a host sync.
-            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        (beta1, beta2), lr, g = group["betas"], group["lr"], p.grad
-        step = state["step"] + 1
-        exp_avg = state["exp_avg"].lerp(g, 1 - beta1)
-        exp_avg_sq = state["exp_avg_sq"] * beta2 + (1 - beta2) * g * g
-        bias1, bias2 = 1 - beta1 ** step, 1 - beta2 ** step
-        denom = (exp_avg_sq / bias2).sqrt() + group["eps"]
-        new_p = p * (1 - lr * group["weight_decay"]) - lr * (exp_avg / bias1) / denom
-        _commit(state["step"], step, skip)
-        _commit(state["exp_avg"], exp_avg, skip)
-        _commit(state["exp_avg_sq"], exp_avg_sq, skip)
-        _commit(p, new_p, skip)
+    def _adamw_step(self, params: list[torch.Tensor], group: dict, skip: torch.Tensor | None) -> None:
+        """torch's fused AdamW kernel (minilm.step's AdamW), decoupled decay; `skip` leaves everything as it was."""
+        for p in params:
+            state = self.state[p]
+            if not state:
+                # A tensor step (like torch's AdamW with capturable/fused): it counts without a host sync.
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        if not params:
+            return
+        states = [self.state[p] for p in params]
+        steps = [s["step"] for s in states]
+        torch._foreach_add_(steps, 1)
+        (beta1, beta2), lr = group["betas"], group["lr"]
+        torch._fused_adamw_(params, [p.grad for p in params], [s["exp_avg"] for s in states],
+                            [s["exp_avg_sq"] for s in states], [], steps, lr=lr, beta1=beta1, beta2=beta2,
+                            weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False, maximize=False,
+                            found_inf=skip)
+        if skip is not None:
+            torch._foreach_sub_(steps, [skip] * len(steps))
 
 
-def _commit(old: torch.Tensor, new: torch.Tensor, skip: torch.Tensor | None) -> None:
-    """old <- new, or old unchanged where skip is 1 (selected, not blended: NaN in `new` cannot leak)."""
+def _commit(olds: list[torch.Tensor], news: list[torch.Tensor], skip: torch.Tensor | None) -> None:
+    """olds <- news, or unchanged where skip is 1 (selected, not blended: NaN in `news` cannot leak)."""
     if skip is None:
-        old.copy_(new)
-    else:
-        old.copy_(torch.where(skip > 0, old, new))
+        torch._foreach_copy_(olds, news)
+        return
+    keep = skip > 0
+    for old, new in zip(olds, news, strict=True):
+        torch.where(keep, old, new, out=old)
 
 
 def muon_param_groups(model: torch.nn.Module, *, lr: float, muon_lr: float, weight_decay: float) -> list[dict]:

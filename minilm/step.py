@@ -184,7 +184,7 @@ def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sca
     """Run len(micro_batches) micro-steps and one optimizer step.
 
     Each micro-batch is a (micro_batch_size, seq_len + 1) tensor of token ids already on the
-    model's device; it is both input and labels (the model shifts the labels).
+    model's device: row[:, :-1] is fed and row[:, 1:] scored (two views, seq_len positions each).
     """
     accumulation_steps = len(micro_batches)
     device_type = micro_batches[0].device.type
@@ -197,7 +197,7 @@ def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sca
         sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
         with sync:
             with autocast(device_type, dtype):
-                out = model(input_ids, labels=input_ids)
+                out = model(input_ids[:, :-1], targets=input_ids[:, 1:])
             # Divide before backward so the accumulated gradient is the mean over the window,
             # the same gradient one big batch would give.
             loss = (out.loss + out.aux_loss) / accumulation_steps

@@ -18,7 +18,6 @@ from typing import Protocol
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from . import checkpoint as C
 from . import data as D
@@ -317,10 +316,9 @@ class Trainer:
         for start in range(0, len(self.val_ids), m):
             rows = torch.from_numpy(np.ascontiguousarray(self.data.store.take(self.val_ids[start:start + m])))
             rows = rows.to(self.device).long()
-            with autocast(self.device.type, self.dtype):
-                logits = model(rows).logits[:, :-1]
+            with autocast(self.device.type, self.dtype):  # seq_len positions fed and scored, the head in chunks
+                nats = model(rows[:, :-1], targets=rows[:, 1:], reduction="none").loss.flatten()
             targets = rows[:, 1:].reshape(-1)
-            nats = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets, reduction="none")
             total[0] += nats.sum()
             total[1] += nats.numel()
             if self.token_bytes is not False:
@@ -359,13 +357,15 @@ class Trainer:
 
 def wrap_ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     """DDP without per-forward buffer broadcasts: the only buffers are the RoPE tables (the same on every rank)
-    and MoE routing statistics (per-rank by nature)."""
+    and MoE routing statistics (per-rank by nature). The gradients are views into DDP's buckets, which saves a
+    copy of every gradient into its bucket and back per step, and the memory of one gradient copy."""
     import inspect
 
     ddp = torch.nn.parallel.DistributedDataParallel
     no_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(ddp.__init__).parameters
                else {"broadcast_buffers": False})  # torch < 2.13
-    return ddp(model, device_ids=[device] if device.type == "cuda" else None, **no_sync)
+    return ddp(model, device_ids=[device] if device.type == "cuda" else None, gradient_as_bucket_view=True,
+               **no_sync)
 
 
 __all__ = ["Trainer", "RunOptions", "Dataset", "Launcher", "Preempted"]

@@ -1,6 +1,8 @@
-"""bench/gpu_check.sh off a GPU: the rehearsal of the lent machine (a clean venv of the image's packages, no Ray,
-the bundle installed by its own line, then the CPU dry run), the results it leaves under $OUT when stopped, the
-table without Ray, and the code paths that differ on the lent image's torch 2.11."""
+"""bench/gpu_check.sh off a GPU: the rehearsal of the lent machine (a clean venv of the image's packages at the
+image's versions where this python can take them, no Ray, the bundle installed by its own line, empty compiler and
+pip caches, then the CPU dry run), the plan (in order of value, within 80% of the budget, re-planned after a slow
+cold start), the gates, the results it leaves under $OUT when stopped, the table without Ray, and the code paths
+that differ on the lent image's torch 2.11."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import importlib.metadata as md
 import inspect
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,33 +23,55 @@ import pytest
 import torch
 from helpers import ROOT
 
-from bench.gpu_bundle import canonical, image_packages
-from bench.gpu_check import FILES, Part, Runner, table_rows
+from bench import gpu_check as G
+from bench.gpu_bundle import canonical, image_packages, image_versions
+from bench.gpu_check import FILES, SPECS, Part, Runner, make_plan, table_rows
 
-PARTS = ["preflight", "step-26m-eager", "step-104m-eager", "trainer", "ddp1-26m", "trainer-ddp1-26m", "fp16", "step-26m-compiled",
-         "step-104m-compiled", "moe-26m-eager", "moe-26m-compiled", "docmask-26m-compiled", "muon-26m-compiled",
-         "ac-104m-compiled", "checkpoint-104m", "checkpoint-stall-104m", "prepare", "ray-job", "ray-job-resume", "export", "sample", "stream"]
+PARTS = [spec.name for spec in SPECS]  # every part, in the plan's order
+# No CPU build of the image's torch 2.11 is on PyPI (its Linux wheel is the CUDA 13.0 build: 530 MB, and GBs of
+# CUDA wheels it requires), and triton comes with a CUDA torch: the rehearsal keeps this machine's torch 2.13 CPU.
+NOT_FROM_PYPI = {"torch", "triton"}
 
 
-def image_venv(dest: Path) -> Path:
+def image_venv(dest: Path) -> tuple[Path, dict[str, str]]:
     """A venv holding only what the lent image holds: every package of this project's venv that the image's list
-    names (torch 2.13 CPU, numpy, pyarrow, tokenizers, pyyaml, safetensors, pip, ...), linked in, no Ray."""
+    names (torch 2.13 CPU, numpy, pyarrow, tokenizers, pyyaml, safetensors, pip, ...), linked in, no Ray; where the
+    image's version is known and differs, that version from PyPI instead if this python has a wheel of it. Returns
+    the python and {package: "this version (image's: that one)"} for what still differs."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(dest)], check=True)
     site = next(dest.glob("lib/python*/site-packages"))
-    image = image_packages()
+    image, differ, installed = image_packages(), {}, set()
+    for name, version in image_versions().items():
+        try:
+            have = md.version(name)
+        except md.PackageNotFoundError:
+            continue
+        wheels = dest / "wheels" / name
+        if have == version or (name not in NOT_FROM_PYPI and subprocess.run(
+                [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--no-cache-dir",
+                 "-d", str(wheels), f"{name}=={version}"], capture_output=True, env=bare_env()).returncode == 0):
+            if have != version:
+                subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
+                                "--no-compile", "--target", str(site), *map(str, wheels.glob("*.whl"))],
+                               check=True, env=bare_env())
+                installed.add(canonical(name))
+        else:
+            differ[name] = f"{have} (image's: {version})"
     for dist in md.distributions():
-        if canonical(dist.metadata["Name"]) not in image:
+        if canonical(dist.metadata["Name"]) not in image or canonical(dist.metadata["Name"]) in installed:
             continue
         for top in {Path(str(f)).parts[0] for f in dist.files or [] if not str(f).startswith("..")}:
             src = Path(dist.locate_file(top))
             if src.exists() and not (site / top).exists():
                 (site / top).symlink_to(src)
-    return dest / "bin" / "python"
+    differ["python"] = f"{sys.version.split()[0]} (image's: 3.12.3; the torch here is built for this one)"
+    return dest / "bin" / "python", differ
 
 
 def bare_env(**extra: str) -> dict:
-    """This environment without the venv, the pip settings and any Ray or PYTHONPATH: as on the lent machine."""
-    drop = ("PIP_", "RAY_", "VIRTUAL_ENV", "PYTHONPATH", "MINILM_BENCH_RESULTS", "OUT")
+    """This environment without the venv, the pip settings and any Ray, PYTHONPATH or compiler cache settings: as on
+    the lent machine."""
+    drop = ("PIP_", "RAY_", "VIRTUAL_ENV", "PYTHONPATH", "MINILM_BENCH_RESULTS", "OUT", "TORCHINDUCTOR_", "TRITON_")
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
     env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if ".venv" not in p)
     return {**env, "PIP_CONFIG_FILE": os.devnull, "PYTHONUNBUFFERED": "1", **extra}
@@ -67,28 +92,48 @@ def gpu_bundle(tmp_path_factory) -> Path:
 @pytest.mark.ray
 def test_rehearsal_on_the_image_packages_and_the_bundle(gpu_bundle, tmp_path):
     # The proof that the GPU run lacks nothing: bench/gpu_check.sh --bundle in a venv of the image's packages, Ray
-    # and its missing needs only from the bundle, every part of the dry run ok. Its own local Ray (one for all the
-    # Ray parts), so this test never joins the session's.
+    # and its missing needs only from the bundle, from a cold start (empty Inductor, Triton and pip caches), every
+    # part of the dry run ok and none left out of the plan. Its own local Ray (one for all the Ray parts, on
+    # 127.0.0.1, a fixed object store), so this test never joins the session's.
     manifest = json.loads((gpu_bundle / "bundle.json").read_text())
     assert manifest["total_bytes"] < 60 * 2**20
-    python = image_venv(tmp_path / "venv")
+    python, differ = image_venv(tmp_path / "venv")
+    print(f"rehearsal: versions that differ from the image's: {differ}")
     no_ray = subprocess.run([python, "-c", "import ray"], capture_output=True, text=True, env=bare_env())
     assert no_ray.returncode == 1 and "No module named 'ray'" in no_ray.stderr
-    out, site = tmp_path / "out", tmp_path / "site"
+    out, site, cache = tmp_path / "out", tmp_path / "site", tmp_path / "cache"
+    env = bare_env(PYTHON=str(python), OUT=str(out), MINILM_BUNDLE_SITE=str(site), PIP_NO_CACHE_DIR="1",
+                   TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"), TRITON_CACHE_DIR=str(cache / "triton"))
+    t0 = time.monotonic()
     proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--device", "cpu", "--bundle", str(gpu_bundle)],
-                          env=bare_env(PYTHON=str(python), OUT=str(out), MINILM_BUNDLE_SITE=str(site)),
-                          capture_output=True, text=True, timeout=1600)
+                          env=env, capture_output=True, text=True, timeout=2500)
+    print(f"rehearsal: {time.monotonic() - t0:.0f} s; " + ", ".join(
+        " ".join(m.groups()) for m in re.finditer(r"^\[([\w-]+)\] \w+ in (\d+) s", proc.stdout, re.M)))
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-4000:]
     assert (site / "ray" / "__init__.py").is_file() and not (site / "ray" / "jars").exists()
+    assert any((cache / "inductor").iterdir())  # compiled from the empty cache it was given
+    # The plan first: every part, in order, within 80% of the budget
+    lines = proc.stdout.splitlines()
+    first_part = next(i for i, line in enumerate(lines) if line.startswith("[preflight]"))
+    total = next(line for line in lines[:first_part] if line.startswith("total "))
+    used, budget = (float(x) for x in re.fullmatch(r"total (\d+) s of (\d+) s", total).groups())
+    assert used <= 0.8 * budget
     assert sorted(p.name for p in out.rglob("*")) == sorted(FILES)  # 3 files, no folder: within the 8 that return
     result = json.loads((out / "gpu_check.json").read_text())
+    assert [name for name, _ in result["plan"]["parts"]] == PARTS and result["plan"]["left"] == []
     assert {name: part["status"] for name, part in result["parts"].items()} == dict.fromkeys(PARTS, "ok")
+    assert all(part["wall_s"] <= part["limit_s"] for part in result["parts"].values())
     assert result["finished"] == "finished"
     table = {row["check"]: row for row in result["table"]}
     assert table["step 104M bf16 compiled"]["goal"] == ">= 45% MFU"
     assert {row["status"] for name, row in table.items() if not name.startswith("fp16")} == {"dry run"}
     assert table["preflight"]["result"].startswith(f"torch {torch.__version__}") and "ray 2.60.0" in table["preflight"]["result"]
     figures = result["figures"]
+    pre = figures["preflight"]
+    assert pre["gates"] == {"ray": None, "compile": None, "flash": None} and "compile_s" not in pre  # CUDA's
+    assert pre["phases_s"]["process_start"] > 0 and pre["phases_s"]["import_ray"] > 0
+    assert figures["ray"]["node_ip"] == "127.0.0.1" and figures["ray"]["object_store_bytes"] == G.CPU.object_store_bytes
+    assert figures["ray"]["memory_monitor_refresh_ms"] == "0"
     rows = figures["rows"]
     assert set(rows) == {p for p in PARTS if p.endswith(("-eager", "-compiled"))}
     for name, row in rows.items():
@@ -134,7 +179,8 @@ def test_stopped_check_keeps_its_results_and_kills_the_part(tmp_path):
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
     first = proc.stdout.readline()
     assert first.startswith("# GPU check on"), first
-    assert proc.stdout.readline().startswith("[step-26m-compiled] -m bench.gpu_check row")
+    plan = [proc.stdout.readline() for _ in range(4)]
+    assert plan[-1].startswith("total ") and proc.stdout.readline().startswith("[step-26m-compiled] -m bench.gpu_check row")
     deadline = time.monotonic() + 30
     while not psutil.Process(proc.pid).children() and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -155,13 +201,100 @@ def test_stopped_check_keeps_its_results_and_kills_the_part(tmp_path):
         assert "logs/step-26m-compiled.log" in tar.getnames()
 
 
-def test_a_part_never_eats_the_time_kept_for_later_parts(tmp_path):
+def test_a_part_never_runs_past_its_limit_or_the_budget(tmp_path):
     runner = Runner(sys.executable, budget_s=60, work=tmp_path, env=dict(os.environ))
-    runner.reserve_s = 58  # 2 s of the budget left to this part: it does not start
-    part = runner.run("moe-26m-compiled", ["-c", "raise SystemExit(3)"], limit=30)
-    assert (part.status, part.note) == ("skipped", "out of time (--budget; 58 s kept for the Ray parts)")
-    runner.reserve_s = 0
-    assert runner.run("prepare", ["-c", "raise SystemExit(3)"], limit=30).status == "failed"  # it does start
+    runner.limits.update({"fp16": 1, "prepare": 30})
+    part = runner.run("fp16", ["-c", "import time; time.sleep(30)"])
+    assert (part.status, part.note) == ("timeout", "stopped at its 1 s limit") and part.wall_s < 10
+    runner.deadline = time.monotonic() + 2  # 2 s of the budget left: the part does not start
+    assert runner.run("prepare", ["-c", "raise SystemExit(3)"]).note == "out of time (--budget)"
+
+
+# ---- the plan --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_the_plan_fits_the_budget_with_a_fifth_to_spare(device):
+    plan = make_plan(device, G.BUDGET[device])
+    assert plan.total <= 0.8 * G.BUDGET[device] and plan.parts[0][0] == "preflight"
+    assert [n for n, _ in plan.parts] == [n for n in PARTS if n not in dict(plan.left)]  # in the order of value
+    if device == "cpu":
+        assert plan.left == []  # the dry run runs every part
+    # the lent GPU: one command of 600 s, the bundle's install and the results inside it
+    assert device == "cpu" or G.BUDGET["cuda"] + G.INSTALL_S + G.RESULTS_S <= G.COMMAND_S <= G.DEVICE_S - G.MACHINE_START_S
+
+
+def test_the_parts_never_run_on_a_gpu_come_before_the_refinements():
+    plan = make_plan("cuda", G.BUDGET["cuda"])
+    planned = [n for n, _ in plan.parts]
+    never_run = ["ddp1-26m", "trainer-ddp1-26m", "moe-26m-compiled", "checkpoint-stall-104m", "ray-job",
+                 "ray-job-resume"]
+    refinements = ["fp16", "docmask-26m-compiled", "muon-26m-compiled", "ac-104m-compiled", "step-104m-eager",
+                   "moe-26m-eager", "trainer", "checkpoint-104m", "stream"]
+    assert set(never_run) <= set(planned)  # all of them fit the first command
+    assert max(PARTS.index(n) for n in never_run) < min(PARTS.index(n) for n in refinements)
+    # the first compiled part of a block graph pays the compilation, a later one reads Inductor's cache
+    everything = dict(make_plan("cuda", 10_000).parts)
+    assert everything["trainer-ddp1-26m"] > everything["muon-26m-compiled"]
+
+
+def test_plan_prints_alone_and_ends_with_its_total():
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--plan"], capture_output=True, text=True,
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    plan = make_plan("cuda", G.BUDGET["cuda"])
+    assert lines[-1] == f"total {plan.total:.0f} s of {G.BUDGET['cuda']} s"
+    assert [line.split()[1] for line in lines if re.match(r"\s+\d+\. ", line)] == [n for n, _ in plan.parts]
+    assert any(line.startswith("  left for a rerun") and "--only step-104m-compiled," in line for line in lines)
+
+
+def test_only_adds_what_the_named_parts_need():
+    plan = make_plan("cpu", G.BUDGET["cpu"], only={"sample", "step-26m-eager"})
+    assert [n for n, _ in plan.parts] == ["step-26m-eager", "prepare", "ray-job", "ray-job-resume", "export", "sample"]
+    assert plan.added == ["export", "prepare", "ray-job", "ray-job-resume"]
+
+
+def fake_parts(monkeypatch, preflight) -> list[str]:
+    """Every part a stand-in that says ok (and records its name), the preflight `preflight`; no Ray started."""
+    ran = []
+    monkeypatch.setattr(G, "PART_RUNS", {n: (lambda c, n=n: ran.append(n) or c.r.parts.setdefault(n, Part(n, "ok")))
+                                         for n in PARTS})
+    G.PART_RUNS["preflight"] = lambda c: ran.append("preflight") or preflight(c)
+    monkeypatch.setattr(G, "join_ray", lambda c, ray: c.r.env.update(RAY_ADDRESS="stand-in"))
+    return ran
+
+
+def test_a_slow_cold_start_leaves_the_least_valuable_parts(tmp_path, monkeypatch):
+    # The preflight took 2x the cold start assumed: every later limit doubles, the rest is planned again within the
+    # time left, and what no longer fits is left for a rerun, marked so, never failed.
+    cold = 2 * G.ASSUME["cuda"].cold_start
+    ran = fake_parts(monkeypatch, lambda c: c.r.parts.setdefault("preflight", Part("preflight", "ok", wall_s=cold)))
+    runner = Runner(sys.executable, budget_s=G.BUDGET["cuda"], work=tmp_path, env={})
+    plan = make_plan("cuda", G.BUDGET["cuda"])
+    G.run_parts(G.Check(runner, G.GPU, "cuda", tmp_path, {}), plan, G.LocalRay(0), None)
+    planned_first = [n for n, _ in make_plan("cuda", G.BUDGET["cuda"]).parts]
+    assert plan.scale == 2.0 and ran == [n for n, _ in plan.parts] == planned_first[:len(ran)]
+    assert len(ran) < len(planned_first) and all(runner.parts[n].status == "left" for n, _ in plan.left)
+    unscaled = dict(make_plan("cuda", 10_000, compiled={"tiny"}).parts)
+    assert all(runner.limits[n] >= 2 * unscaled[n] - 5 for n in ran[1:])
+
+
+@pytest.mark.parametrize("gate", ["ray", "compile"])
+def test_a_closed_gate_skips_only_what_is_behind_it(tmp_path, monkeypatch, gate):
+    def preflight(c):
+        c.r.parts["preflight"] = Part("preflight", "ok", wall_s=1)
+        c.gates[gate] = "import ray.train.torch, ray.data: ModuleNotFoundError" if gate == "ray" else "no compiler"
+
+    ran = fake_parts(monkeypatch, preflight)
+    runner = Runner(sys.executable, budget_s=10_000, work=tmp_path, env={})
+    G.run_parts(G.Check(runner, G.CPU, "cpu", tmp_path, {}), make_plan("cpu", 10_000), G.LocalRay(0), None)
+    skipped = {n for n, p in runner.parts.items() if p.status == "skipped"}
+    if gate == "ray":  # and what needs their results
+        assert skipped == {"prepare", "ray-job", "ray-job-resume", "export", "sample", "stream"}
+    else:
+        assert skipped == {n for n in G.ROWS if n.endswith("-compiled")}
+        assert "trainer-ddp1-26m" in ran  # it runs, eager
+    assert set(ran) | skipped == set(PARTS) and all(runner.parts[n].status == "ok" for n in ran)
 
 
 @pytest.mark.parametrize("where, says", [("missing", "no folder"), ("empty", "has no install.sh")])
@@ -191,6 +324,7 @@ def test_table_without_ray():
     parts["moe-26m-compiled"] = Part("moe-26m-compiled", "stopped", note="stopped by a signal")
     parts.update({name: Part(name, "skipped", note=why) for name in ("prepare", "ray-job", "ray-job-resume",
                                                                      "export", "sample", "stream")})
+    parts["checkpoint-104m"] = Part("checkpoint-104m", "left", note="left for a rerun (its 35 s limit did not fit)")
     row = {"tokens_per_s": 1000.0, "mfu": 0.5, "mfu_datasheet": 0.46, "compile": False, "peak_memory_bytes": 2**30,
            "peak_memory_of": "torch.cuda.max_memory_allocated"}
     compiled = {**row, "compile": True, "compile_s": 31.0, "graph_breaks": 0, "recompiles": 1}
@@ -204,9 +338,10 @@ def test_table_without_ray():
         "1,000 tok/s, MFU 46.0% (of the measured matmul peak: 50.0%), peak memory 1.00 GiB "
         "(torch.cuda.max_memory_allocated), compile 31.0 s, 0 graph break(s), 1 recompile(s)")
     assert table["Trainer in-process (minilm.train), 26M"]["status"] == "BELOW GOAL"  # 0.96x < 0.97x
-    for check in ("Ray job 1 worker, 26M, Train polling every 2 s", "  resumed with the job's 0.1 s polling",
-                  "export + sample", "Ray Data stream delivery"):
+    for check in ("Ray job 1 worker, 26M, to half its steps", "  resumed to the end", "export + sample",
+                  "Ray Data stream delivery"):
         assert table[check]["status"] == "SKIPPED" and table[check]["result"] == why
+    assert table["checkpoint save + restore, 104M"]["status"] == "LEFT"
     assert table["fp16 + GradScaler"]["status"] == "TIMEOUT"
     assert table["step 26M MoE 4x top-1 bf16 compiled"]["status"] == "STOPPED"
     assert table["step 26M MoE 4x top-1 bf16 eager"]["status"] == "SKIPPED"  # never started
@@ -217,7 +352,7 @@ def test_table_without_ray():
 @pytest.mark.parametrize("flag", ["forward_sync_buffers", "broadcast_buffers"])
 def test_wrap_ddp_buffer_flag_by_torch_version(monkeypatch, flag):
     # torch 2.13 names DDP's per-forward buffer broadcast forward_sync_buffers; torch 2.11 (the lent image's) only
-    # broadcast_buffers: wrap_ddp turns it off under whichever name this torch has.
+    # broadcast_buffers: wrap_ddp turns it off under whichever name this torch has (and asks for bucket views).
     from minilm import trainer
 
     seen = {}
@@ -233,4 +368,4 @@ def test_wrap_ddp_buffer_flag_by_torch_version(monkeypatch, flag):
     fake = type("FakeDDP", (), {"__init__": fake_init})
     monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel", fake)
     trainer.wrap_ddp(torch.nn.Linear(2, 2), torch.device("cpu"))
-    assert seen == {flag: False}
+    assert seen == {flag: False, "gradient_as_bucket_view": True}

@@ -8,7 +8,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from minilm import model as M
 from minilm.config import ModelConfig
 from minilm.model import Attention, MiniMindForCausalLM, MoEFeedForward, rope_tables
 
@@ -126,6 +128,90 @@ def test_model_uses_its_rope_tables():
     model = make_model(rope_theta=10000.0)
     cos, sin = rope_tables(8, 512, 10000.0)
     assert torch.equal(model.model.freqs_cos, cos) and torch.equal(model.model.freqs_sin, sin)
+
+
+# ---- the step built for a GPU: chunked head and loss, residual dtype, SDPA's GQA ----------------------------
+
+class LargestLogits(TorchDispatchMode):
+    """The most elements of any fp32 tensor over the vocabulary (logits, their softmax or gradient) an op made,
+    forward and backward, while active."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab, self.numel = vocab, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.dim() and t.shape[-1] == self.vocab:
+                self.numel = max(self.numel, t.numel())
+        return out
+
+
+def test_targets_give_the_labels_loss_and_gradients_without_the_batch_logits(monkeypatch):
+    V = 320  # a vocabulary unlike any other width of the model
+    # Rows of seq_len + 1 ids: row[:, :-1] fed, row[:, 1:] scored (-100 ignored), the head in chunks of 10
+    # positions with its gradients computed in the forward: the loss and every gradient of the whole-row labels path,
+    # and no fp32 tensor as large as the batch's logits (4 x 32 positions x V) ever exists.
+    monkeypatch.setattr(M, "HEAD_CHUNK_LOGITS", 10 * V)
+    model = make_model(vocab_size=V, tie_word_embeddings=False).train()
+    rows = torch.randint(0, V, (4, 33), generator=torch.Generator().manual_seed(3))
+    labels = rows.clone()
+    labels[1, 5:9] = -100
+    grads = {}
+    for path in ("labels", "targets"):
+        with LargestLogits(V) as largest:
+            out = model(rows, labels=labels) if path == "labels" else model(rows[:, :-1], targets=labels[:, 1:])
+            out.loss.backward()
+        grads[path] = (out.loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}, largest.numel)
+        model.zero_grad()
+    (loss_a, grad_a, big_a), (loss_b, grad_b, big_b) = grads["labels"], grads["targets"]
+    torch.testing.assert_close(loss_b, loss_a, rtol=1e-6, atol=1e-6)
+    for k in grad_a:
+        torch.testing.assert_close(grad_b[k], grad_a[k], rtol=1e-5, atol=1e-7)
+    assert big_a >= 4 * 32 * V > big_b
+    with torch.no_grad(), LargestLogits(V) as largest:  # per-position nats (validation, bits per byte), also chunked
+        nats = model(rows[:, :-1], targets=rows[:, 1:], reduction="none").loss
+    assert nats.shape == (4, 32) and largest.numel < 4 * 32 * V
+    want = F.cross_entropy(model(rows).logits[:, :-1].flatten(0, 1), rows[:, 1:].flatten(), reduction="none")
+    torch.testing.assert_close(nats.flatten(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_residual_stream_is_in_autocast_dtype():
+    # Under bf16 autocast every block reads and writes a bf16 residual stream (the embedding's fp32 output is cast
+    # once); without autocast it stays fp32. The loss moves by bf16 rounding only.
+    model = make_model().train()
+    seen = []
+    for layer in model.model.layers:
+        layer.register_forward_pre_hook(lambda mod, args: seen.append(args[0].dtype))
+    ids = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(4))
+    fp32 = model(ids[:, :-1], targets=ids[:, 1:]).loss
+    assert seen == [torch.float32] * 2
+    seen.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16 = model(ids[:, :-1], targets=ids[:, 1:]).loss
+    assert seen == [torch.bfloat16] * 2
+    torch.testing.assert_close(bf16, fp32, rtol=1e-2, atol=0)
+
+
+@pytest.mark.parametrize("document_mask", [False, True])
+def test_grouped_query_heads_are_read_in_place_by_sdpa(monkeypatch, document_mask):
+    # 8 query heads on 2 kv heads: without a mask SDPA's enable_gqa reads the shared heads (no copy of K and V);
+    # with the document mask K and V are still repeated (some torch versions' masked kernels refuse GQA). The
+    # output is the repeated path's either way.
+    calls = []
+    repeat = torch.Tensor.repeat_interleave
+    monkeypatch.setattr(torch.Tensor, "repeat_interleave", lambda *a, **k: calls.append(1) or repeat(*a, **k))
+    model = make_model(num_attention_heads=8, num_key_value_heads=2, document_mask=document_mask).eval()
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(5))
+    ids[:, 7] = model.config.eos_token_id
+    with torch.no_grad():
+        native = model(ids).logits
+        assert len(calls) == (4 if document_mask else 0) and M.SDPA_GQA  # K and V in each of 2 layers
+        monkeypatch.setattr(M, "SDPA_GQA", False)
+        copied = model(ids).logits
+    assert len(calls) == 8 if document_mask else len(calls) == 4
+    torch.testing.assert_close(native, copied, rtol=1e-5, atol=1e-6)
 
 
 # ---- MoE ------------------------------------------------------------------------------------------

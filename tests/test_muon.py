@@ -152,6 +152,36 @@ def test_found_inf_zero_is_an_ordinary_step():
                                                      strict=True))
 
 
+def test_the_batched_update_is_the_per_parameter_loop():
+    # Muon's matrices are updated by foreach ops with the Newton-Schulz matmuls batched over same-shape matrices (a
+    # few launches per shape, not ~40 per parameter); its AdamW part by torch's fused AdamW kernel. Against the loop
+    # they replaced (bench.step.LoopMuon, --ab muon's "before"), skipped steps included: the matrices and their
+    # momentum bit for bit, the AdamW parameters and moments to float rounding (another order of the same formula).
+    from bench.step import LoopMuon
+
+    model_a, opt_a = fresh()
+    model_b, _ = fresh()
+    opt_b = LoopMuon(make_optimizer(model_b, muon_cfg()).param_groups, lr=1e-3)
+    muon = {p for g in opt_a.param_groups if g["use_muon"] for p in g["params"]}
+    assert len({p.shape for p in muon}) < len(muon) // 2  # stacks of several matrices
+    for step in range(4):
+        grads = [torch.randn_like(p) for p in model_a.parameters()]
+        skip = torch.tensor(float(step == 2))
+        step_with_grads(model_a, opt_a, grads, skip)
+        step_with_grads(model_b, opt_b, grads, skip)
+    for (name, p), q in zip(model_a.named_parameters(), model_b.parameters(), strict=True):
+        sa, sb = opt_a.state[p], opt_b.state[q]
+        assert sa.keys() == sb.keys(), name
+        for a, b in ((p, q), *((sa[k], sb[k]) for k in sa)):
+            if p in muon:
+                assert torch.equal(a, b), name
+            else:
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9, msg=name)
+    assert int(opt_a.state[next(iter(muon))]["momentum_buffer"].ne(0).sum()) > 0
+    assert all(float(opt_a.state[p]["step"]) == 3 for p in model_a.parameters() if p not in muon)  # one skipped
+    assert not torch.equal(next(model_a.parameters()), next(fresh()[0].parameters()))  # it moved
+
+
 def test_muon_settings_are_validated():
     with pytest.raises(ConfigError, match="optimizer must be one of adamw, muon"):
         TrainConfig(optimizer="sgd").validate()

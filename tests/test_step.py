@@ -218,8 +218,8 @@ class InfLoss(torch.nn.Module):
         super().__init__()
         self.inner = inner
 
-    def forward(self, input_ids, labels=None):
-        out = self.inner(input_ids, labels=labels)
+    def forward(self, input_ids, **kwargs):
+        out = self.inner(input_ids, **kwargs)
         return CausalLMOutput(out.logits, out.loss * float("inf"), out.aux_loss)
 
 
@@ -371,6 +371,42 @@ def test_collectives_are_identity_without_distributed():
     v = torch.tensor([1.0, 2.0])
     c = Collectives("cpu")
     assert torch.equal(c.mean(v), v) and torch.equal(c.sum(v), v) and c.world_size == 1
+
+
+# ---- the step built for a GPU: seq_len positions, DDP's bucket views -----------------------------------------
+
+def test_a_row_of_seq_len_plus_one_feeds_and_scores_seq_len_positions():
+    # row[:, :-1] fed, row[:, 1:] scored: the model runs SEQ positions, not SEQ + 1 with the last output dropped,
+    # and the loss is the whole-row labels path's (a causal model's first SEQ outputs do not see the last id).
+    model, rows = make_model(), batch(4, seed=5)
+    fed = []
+    model.model.register_forward_pre_hook(lambda mod, args: fed.append(tuple(args[0].shape)))
+    m = optimizer_step(model, make_optimizer(model, TrainConfig(lr=0.0)), fp32_scaler(), [rows], lr=0.0,
+                       grad_clip=1.0)
+    assert fed == [(4, SEQ)] and m.tokens == 4 * SEQ
+    with torch.no_grad():
+        torch.testing.assert_close(m.lm_loss, model(rows, labels=rows).loss, rtol=1e-6, atol=1e-6)
+
+
+def test_wrap_ddp_makes_the_gradients_views_of_its_buckets(tmp_path):
+    # gradient_as_bucket_view: the gradients live in DDP's buckets (no copy into them and back each step), so far
+    # fewer storages than parameters hold them; the step is the unwrapped model's.
+    import torch.distributed as dist
+
+    from minilm.trainer import wrap_ddp
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    try:
+        plain, wrapped = make_model(), wrap_ddp(make_model(), torch.device("cpu"))
+        steps = [optimizer_step(model, make_optimizer(model, TrainConfig()), fp32_scaler(), [batch(4, seed=6)],
+                                lr=1e-3, grad_clip=1.0) for model in (plain, wrapped)]
+        wrapped(batch(2, seed=7)[:, :-1], targets=batch(2, seed=7)[:, 1:]).loss.backward()
+        storages = {p.grad.untyped_storage().data_ptr() for p in wrapped.module.parameters()}
+    finally:
+        dist.destroy_process_group()
+    assert len(storages) < len(list(wrapped.module.parameters())) // 4
+    torch.testing.assert_close(steps[1].loss, steps[0].loss)
+    assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), wrapped.module.parameters(), strict=True))
 
 
 # ---- no_sync, prepare_model, configure_backends -----------------------------------------------------
