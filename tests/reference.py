@@ -169,7 +169,7 @@ def replay(model_cfg: ModelConfig, train_cfg: TrainConfig, data_dir: Path, recor
             batch = torch.from_numpy(np.ascontiguousarray(rows.take(np.asarray(r_ids)))).long()
             for input_ids in batch.split(m):
                 with autocast(dtype):
-                    out = model(input_ids, labels=input_ids)
+                    out = model(input_ids[:, :-1], targets=input_ids[:, 1:])  # seq_len positions, as minilm feeds them
                 scaler.scale((out.loss + out.aux_loss) / accumulation).backward()
                 lm_sum += out.loss.detach().float()
                 aux_sum += out.aux_loss.detach().float()

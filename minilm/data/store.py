@@ -125,6 +125,8 @@ class LocalRankStream:
         ids = self.order.sample_ids(np.arange(self.position, self.position + self.order.per_rank))
         self.position += self.order.per_rank
         rows = torch.from_numpy(np.ascontiguousarray(self.store.take(ids)))
+        if self.device.type == "cuda":  # a non-blocking copy from pageable memory is a synchronous one
+            rows = rows.pin_memory()
         batches = [chunk.to(self.device, non_blocking=True).long() for chunk in rows.split(self.m)]
         self.data_wait_s += time.perf_counter() - t0
         return batches, ids
