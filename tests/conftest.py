@@ -60,8 +60,11 @@ def ray_address(test_cache):
     """
     import ray
 
-    if not ray.is_initialized():  # address="local": never join another Ray that happens to run on the machine
-        ray.init(address="local", num_cpus=8, include_dashboard=True, log_to_driver=False, logging_level="ERROR")
+    if ray.is_initialized():  # a test before leaked one (ray.get_gpu_ids() and the like start a 2-CPU Ray)
+        pytest.fail(f"a Ray already runs in this process ({ray.cluster_resources().get('CPU')} CPUs): a test before "
+                    "the session's Ray tests started it and did not shut it down", pytrace=False)
+    # address="local": never join another Ray that happens to run on the machine
+    ray.init(address="local", num_cpus=8, include_dashboard=True, log_to_driver=False, logging_level="ERROR")
     address = ray.get_runtime_context().gcs_address
     yield address
     ray.shutdown()

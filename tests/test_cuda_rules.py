@@ -31,11 +31,16 @@ def test_set_device_needs_an_index_as_on_a_gpu():
     assert rules.set_devices == [0, 0]
 
 
-def test_ray_trains_get_device_is_indexed():
+def test_ray_trains_get_device_is_indexed(monkeypatch):
     # ray_jobs/worker.py's RayLauncher sets ray.train.torch.get_device() current: Ray 2.60's CUDA device manager
-    # returns cuda:<index>, which set_device takes.
+    # returns cuda:<index>, which set_device takes. As in a Ray Train worker granted GPU 0; the real
+    # ray.get_gpu_ids() would start a Ray in this process (one with this machine's 2 CPUs, which the session's
+    # Ray fixture then joins and every 2-worker run deadlocks on).
+    import ray
     from ray.air._internal.device_manager.nvidia_gpu import CUDATorchDeviceManager
 
+    monkeypatch.setattr(ray, "get_gpu_ids", lambda: ["0"])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     with CudaRules() as rules:
         (device,) = CUDATorchDeviceManager().get_devices()
         torch.cuda.set_device(device)
