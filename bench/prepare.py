@@ -230,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row(f"{label}: python -m ray_jobs.prepare end to end (Ray start, BPE training)", e2e,
                                 text_bytes, tokens))
                 t0 = time.perf_counter()
-                ray.init(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+                ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False,
+                         logging_level="ERROR")
                 notes["ray_init_s"] = round(time.perf_counter() - t0, 3)
                 cold = prepare_once(corpus, tmp / "out", tok_path, args.seq_len)
                 rows.append(row(f"{label}: prepare, cold (first run on a fresh Ray, {args.num_cpus} CPUs)",

@@ -116,7 +116,8 @@ def start_ray(num_cpus: int | None, warn: Callable[[str], None] = lambda m: None
             warn(f"--num-cpus is ignored: connecting to the running Ray at RAY_ADDRESS={os.environ['RAY_ADDRESS']}")
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False, logging_level=logging.ERROR)
     else:
-        ray.init(num_cpus=num_cpus or max(2, os.cpu_count() or 2), include_dashboard=False,
+        # address="local": a new Ray even when another one runs on this machine (its num_cpus would be refused)
+        ray.init(address="local", num_cpus=num_cpus or max(2, os.cpu_count() or 2), include_dashboard=False,
                  log_to_driver=False, logging_level=logging.ERROR)
     return True
 
