@@ -88,7 +88,7 @@ def gpu_bundle(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.slow
+@pytest.mark.nightly  # ~5.5 min from its cold caches: run it before a lent GPU session (make test-nightly)
 @pytest.mark.ray
 def test_rehearsal_on_the_image_packages_and_the_bundle(gpu_bundle, tmp_path):
     # The proof that the GPU run lacks nothing: bench/gpu_check.sh --bundle in a venv of the image's packages, Ray

@@ -19,6 +19,7 @@ from minilm import checkpoint as C
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 
 
+@pytest.mark.slow  # needs the baseline run (~35 s)
 def test_resume_path_refuses_missing_partial_and_corrupt(ray_address, run_data, run_storage, baseline, tmp_path):
     good = run_storage / "baseline" / "checkpoint_00000020"
     partial = tmp_path / "partial"
