@@ -1,0 +1,137 @@
+"""Evaluate checkpoints on fixed tasks (multiple choice, bits per byte, greedy generations), off the training path.
+
+    python -m ray_jobs.evaluate --run runs/run1 --tasks tasks.yaml --output runs/run1/eval.jsonl
+    python -m ray_jobs.evaluate --checkpoint runs/run1/checkpoint_00001000 --tasks tasks.yaml --output eval.jsonl
+
+Each (checkpoint, task) pair becomes one JSON line of --output; a pair already there is not evaluated again, so
+rerunning after more checkpoints were written scores only the new ones. The task formats: docs/evaluation.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from minilm import checkpoint as C
+from minilm.evaluate import TaskError, evaluate_checkpoint, format_metrics, identify, load_tasks
+from minilm.tokenizer import TokenizerError
+
+from .cli import fail
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m ray_jobs.evaluate", description=__doc__.split("\n")[0])
+    p.add_argument("--checkpoint", action="append", default=[],
+                   help="a checkpoint folder written by training (checkpoint_XXXXXXXX) or a weights export; repeatable")
+    p.add_argument("--run", help="a run folder: every complete checkpoint in it, oldest first")
+    p.add_argument("--tasks", required=True, help="the task list (YAML or JSON): name, kind, path, options")
+    p.add_argument("--output", required=True, help="results JSONL, appended to (pairs already there are skipped)")
+    p.add_argument("--tokenizer", help="tokenizer.json, for a checkpoint without one (default: the checkpoint's "
+                                       "weights/tokenizer.json, or an export's tokenizer.json)")
+    p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:1...")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if not args.checkpoint and not args.run:
+        return fail("give --checkpoint PATH (repeatable) or --run DIR")
+    try:
+        tasks = load_tasks(args.tasks)  # every item read and checked before any checkpoint is loaded
+        done = read_done(Path(args.output))
+        checkpoints = [*args.checkpoint, *run_checkpoints(args.run)]
+        device = resolve_device(args.device)
+        print(f"{'step':>8}  {'task':<20} metrics")
+        for path in checkpoints:
+            ckpt = identify(path)
+            todo = []
+            for t in tasks:
+                if (ckpt.step, ckpt.weights_sha256, t.fingerprint) in done:
+                    print(f"{step_text(ckpt.step):>8}  {t.name:<20} (in {args.output} already)")
+                else:
+                    todo.append(t)
+            if not todo:
+                continue
+            records = evaluate_checkpoint(path, todo, tokenizer=args.tokenizer, device=device)
+            append(Path(args.output), records)
+            for r in records:
+                done.add((r["step"], r["weights_sha256"], r["fingerprint"]))
+                print(f"{step_text(r['step']):>8}  {r['task']:<20} {format_metrics(r['metrics'])}", flush=True)
+    except (C.CheckpointError, TaskError, TokenizerError) as e:
+        return fail(str(e))
+    except OSError as e:
+        return fail(f"{getattr(e, 'filename', None) or args.output}: {e.strerror or e}")
+    return 0
+
+
+def run_checkpoints(run: str | None) -> list[str]:
+    """The complete checkpoints of a run folder, oldest first; an incomplete or corrupt one is skipped with a note
+    (training may be writing it, or it was torn by a crash)."""
+    if run is None:
+        return []
+    if "://" in run:
+        raise TaskError(f"--run {run}: only a local run folder can be evaluated (copy it here first)")
+    folder = C.RunFolder(run)
+    if not folder.local.is_dir():
+        raise TaskError(f"--run {run}: no such folder")
+    names = []
+    for name in folder.checkpoints():
+        try:
+            folder.complete(name)
+            names.append(str(folder.local / name))
+        except C.CheckpointError as e:
+            print(f"skipping checkpoint: {e}", file=sys.stderr)
+    if not names:
+        raise TaskError(f"--run {run} holds no complete checkpoint (checkpoint_XXXXXXXX with its {C.MARKER})")
+    return names
+
+
+def read_done(output: Path) -> set[tuple]:
+    """The (step, weights SHA-256, task fingerprint) of every record in `output` (an empty set if it is new)."""
+    if not output.exists():
+        return set()
+    done = set()
+    for n, line in enumerate(output.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+            done.add((r["step"], r["weights_sha256"], r["fingerprint"]))
+        except (ValueError, KeyError, TypeError):
+            raise TaskError(f"{output}:{n}: not a record of ray_jobs.evaluate (choose another --output)") from None
+    return done
+
+
+def append(output: Path, records: list[dict]) -> None:
+    """One line per record, flushed as each checkpoint finishes: an interrupted run keeps what it scored."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with output.open("a", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+
+
+def resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        torch.device(device)
+    except RuntimeError:
+        raise TaskError(f"--device {device}: not a torch device (auto, cpu, cuda, cuda:N)") from None
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise TaskError(f"--device {device}: no CUDA device here")
+    return device
+
+
+def step_text(step: int | None) -> str:
+    return "-" if step is None else str(step)
+
+
+__all__ = ["build_parser", "main", "read_done", "run_checkpoints"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
