@@ -136,7 +136,10 @@ def _csv_questions(path: Path) -> list[ChoiceItem]:
             continue
         if columns is None and not items:
             names = [c.strip().lower() for c in row]
-            if {"question", "a", "b", "c", "d", "answer"} <= set(names):
+            if {"question", "a", "b", "c", "d"} <= set(names):
+                if "answer" not in names:
+                    raise TaskError(f"{where}: the header has no answer column (C-Eval's test split has no answers: "
+                                    f"use its dev or val split)")
                 columns = {n: names.index(n) for n in ("question", "a", "b", "c", "d", "answer")}
                 continue
         width = max(columns.values()) + 1 if columns else 6
@@ -274,7 +277,7 @@ def load_task(entry: Any, listing: Path, number: int) -> Task:
 
 def _resolve(file: str, listing: Path) -> Path:
     p = Path(file).expanduser()
-    return p if p.is_absolute() else listing.parent / p
+    return (p if p.is_absolute() else listing.parent / p).resolve()
 
 
 def _sha256_json(obj: Any) -> str:
