@@ -46,19 +46,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'step':>8}  {'task':<20} metrics")
         for path in checkpoints:
             ckpt = identify(path)
-            todo = []
-            for t in tasks:
-                if (ckpt.step, ckpt.weights_sha256, t.fingerprint) in done:
-                    print(f"{step_text(ckpt.step):>8}  {t.name:<20} (in {args.output} already)")
-                else:
-                    todo.append(t)
+            todo = [t for t in tasks if (ckpt.step, ckpt.weights_sha256, t.fingerprint) not in done]
+            if len(todo) < len(tasks):
+                print(f"{step_text(ckpt.step):>8}  ({len(tasks) - len(todo)} of {len(tasks)} tasks in {args.output} "
+                      f"already: {path})")
             if not todo:
                 continue
             records = evaluate_checkpoint(path, todo, tokenizer=args.tokenizer, device=device)
             append(Path(args.output), records)
             for r in records:
                 done.add((r["step"], r["weights_sha256"], r["fingerprint"]))
-                print(f"{step_text(r['step']):>8}  {r['task']:<20} {format_metrics(r['metrics'])}", flush=True)
+                print(f"{step_text(r['step']):>8}  {r['task']:<20} {row_text(r)}", flush=True)
     except (C.CheckpointError, TaskError, TokenizerError) as e:
         return fail(str(e))
     except OSError as e:
@@ -124,6 +122,15 @@ def resolve_device(device: str) -> str:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise TaskError(f"--device {device}: no CUDA device here")
     return device
+
+
+def row_text(record: dict) -> str:
+    """The metrics, and for generations the first one, cut to fit a line (all of them are in the record)."""
+    text = format_metrics(record["metrics"])
+    if record.get("generations"):
+        first = record["generations"][0]
+        text += f"  {first['prompt'][:30]!r} -> {first['text'][:60]!r}"
+    return text
 
 
 def step_text(step: int | None) -> str:
