@@ -105,8 +105,9 @@ def read_hellaswag(path: Path) -> list[ChoiceItem]:
     for where, obj in _jsonl(path):
         ctx = _string(obj, "ctx", where)
         endings = obj.get("endings")
-        if not (isinstance(endings, list) and len(endings) >= 2 and all(isinstance(e, str) for e in endings)):
-            raise TaskError(f"{where}: 'endings' must be a list of at least 2 strings")
+        if not (isinstance(endings, list) and len(endings) >= 2
+                and all(isinstance(e, str) and e.strip() for e in endings)):
+            raise TaskError(f"{where}: 'endings' must be a list of at least 2 non-empty strings")
         label = obj.get("label")
         if isinstance(label, str) and label.strip().isdigit():
             label = int(label)
@@ -214,7 +215,7 @@ def load_tasks(path: str | os.PathLike) -> list[Task]:
         raise TaskError(f"task list {path} does not exist")
     try:
         spec = yaml.safe_load(_text(path))
-    except yaml.YAMLError as e:
+    except (yaml.YAMLError, ValueError, RecursionError) as e:  # ValueError: a bad date
         raise TaskError(f"task list {path}: not valid YAML or JSON ({' '.join(str(e).split())[:200]})") from None
     entries = spec.get("tasks") if isinstance(spec, dict) else spec
     if not isinstance(entries, list) or not entries:
@@ -243,7 +244,7 @@ def load_task(entry: Any, listing: Path, number: int) -> Task:
         raise TaskError(f"{where}: unknown option {unknown[0]!r} for kind {kind} (options: {', '.join(OPTIONS[kind])})")
     options = {**OPTIONS[kind], **entry}
     for key in ("fewshot", "limit", "batch_size", "window", "stride", "max_new_tokens"):
-        value, least = options.get(key), 0 if key == "fewshot" else 1
+        value, least = options.get(key), {"fewshot": 0, "window": 2}.get(key, 1)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
             raise TaskError(f"{where}: {key} must be an integer >= {least}, got {value!r}")
     if not isinstance(file, str) or not file:
@@ -385,14 +386,18 @@ def identify(path: str | os.PathLike) -> Checkpoint:
 
 
 def find_tokenizer(checkpoint: Checkpoint, given: str | os.PathLike | None) -> Path:
-    """--tokenizer, else the tokenizer.json shipped in the checkpoint (its weights/ export) or the export itself."""
+    """--tokenizer, else the checkpoint's own tokenizer.json (in its weights/ export, or the export's), else that of
+    another checkpoint of its run folder: with --export-every N only every N-th has one, and a run keeps its
+    tokenizer (`check_tokenizer` holds it to the checkpoint's SHA-256)."""
     if given:
         return Path(given)
-    for candidate in (checkpoint.path / "weights" / "tokenizer.json", checkpoint.path / "tokenizer.json"):
+    own = [checkpoint.path / "weights" / "tokenizer.json", checkpoint.path / "tokenizer.json"]
+    run = sorted(checkpoint.path.parent.glob("checkpoint_*/weights/tokenizer.json"), reverse=True)
+    for candidate in [*own, *(run if checkpoint.resume else [])]:
         if candidate.is_file():
             return candidate
-    raise TaskError(f"{checkpoint.path} has no tokenizer.json (nor weights/tokenizer.json): give --tokenizer, the "
-                    f"tokenizer.json of the data the model was trained on")
+    raise TaskError(f"{checkpoint.path} has no tokenizer.json, nor has its weights/ or another checkpoint of its "
+                    f"run: give --tokenizer, the tokenizer.json of the data the model was trained on")
 
 
 def load_model(checkpoint: Checkpoint, device: str | torch.device = "cpu") -> tuple[MiniMindForCausalLM, dict | None]:

@@ -41,22 +41,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         tasks = load_tasks(args.tasks)  # every item read and checked before any checkpoint is loaded
         done = read_done(Path(args.output))
-        checkpoints = [*args.checkpoint, *run_checkpoints(args.run)]
+        # A checkpoint named on the command line must be sound; one of --run that is not is passed over, as
+        # training's --resume auto does (it may be still being written, or torn by a crash).
+        checkpoints = [(path, True) for path in args.checkpoint] + [(path, False) for path in run_checkpoints(args.run)]
         device = resolve_device(args.device)
-        print(f"{'step':>8}  {'task':<20} metrics")
-        for path in checkpoints:
-            ckpt = identify(path)
-            todo = [t for t in tasks if (ckpt.step, ckpt.weights_sha256, t.fingerprint) not in done]
-            if len(todo) < len(tasks):
-                print(f"{step_text(ckpt.step):>8}  ({len(tasks) - len(todo)} of {len(tasks)} tasks in {args.output} "
-                      f"already: {path})")
-            if not todo:
-                continue
-            records = evaluate_checkpoint(path, todo, tokenizer=args.tokenizer, device=device)
-            append(Path(args.output), records)
-            for r in records:
-                done.add((r["step"], r["weights_sha256"], r["fingerprint"]))
-                print(f"{step_text(r['step']):>8}  {r['task']:<20} {row_text(r)}", flush=True)
+        table = Table()
+        for path, named in checkpoints:
+            try:
+                evaluate_one(path, tasks, done, args, device, table)
+            except C.CheckpointError as e:
+                if named:
+                    raise
+                print(f"skipping checkpoint: {e}", file=sys.stderr)
     except (C.CheckpointError, TaskError, TokenizerError) as e:
         return fail(str(e))
     except OSError as e:
@@ -64,9 +60,25 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def evaluate_one(path: str, tasks: list, done: set[tuple], args: argparse.Namespace, device: str,
+                 table: Table) -> None:
+    """The tasks `done` lacks for one checkpoint: scored, appended to --output, printed. A checkpoint with nothing
+    left to score is not loaded (nor hashed)."""
+    ckpt = identify(path)
+    todo = [t for t in tasks if (ckpt.step, ckpt.weights_sha256, t.fingerprint) not in done]
+    if len(todo) < len(tasks):
+        table.row(ckpt.step, f"({len(tasks) - len(todo)} of {len(tasks)} tasks in {args.output} already: {path})")
+    if not todo:
+        return
+    records = evaluate_checkpoint(path, todo, tokenizer=args.tokenizer, device=device)
+    append(Path(args.output), records)
+    for r in records:
+        done.add((r["step"], r["weights_sha256"], r["fingerprint"]))
+        table.row(r["step"], f"{r['task']:<20} {row_text(r)}")
+
+
 def run_checkpoints(run: str | None) -> list[str]:
-    """The complete checkpoints of a run folder, oldest first; an incomplete or corrupt one is skipped with a note
-    (training may be writing it, or it was torn by a crash)."""
+    """The checkpoint folders of a local run folder, oldest first (each is verified when it is loaded)."""
     if run is None:
         return []
     if "://" in run:
@@ -74,16 +86,10 @@ def run_checkpoints(run: str | None) -> list[str]:
     folder = C.RunFolder(run)
     if not folder.local.is_dir():
         raise TaskError(f"--run {run}: no such folder")
-    names = []
-    for name in folder.checkpoints():
-        try:
-            folder.complete(name)
-            names.append(str(folder.local / name))
-        except C.CheckpointError as e:
-            print(f"skipping checkpoint: {e}", file=sys.stderr)
+    names = folder.checkpoints()
     if not names:
-        raise TaskError(f"--run {run} holds no complete checkpoint (checkpoint_XXXXXXXX with its {C.MARKER})")
-    return names
+        raise TaskError(f"--run {run} holds no checkpoint (checkpoint_XXXXXXXX folders)")
+    return [str(folder.local / name) for name in names]
 
 
 def read_done(output: Path) -> set[tuple]:
@@ -124,6 +130,19 @@ def resolve_device(device: str) -> str:
     return device
 
 
+class Table:
+    """The console table; its header comes with the first row (an error before any result prints no table)."""
+
+    def __init__(self):
+        self.started = False
+
+    def row(self, step: int | None, text: str) -> None:
+        if not self.started:
+            print(f"{'step':>8}  {'task':<20} metrics")
+            self.started = True
+        print(f"{'-' if step is None else step:>8}  {text}", flush=True)
+
+
 def row_text(record: dict) -> str:
     """The metrics, and for generations the first one, cut to fit a line (all of them are in the record)."""
     text = format_metrics(record["metrics"])
@@ -131,10 +150,6 @@ def row_text(record: dict) -> str:
         first = record["generations"][0]
         text += f"  {first['prompt'][:30]!r} -> {first['text'][:60]!r}"
     return text
-
-
-def step_text(step: int | None) -> str:
-    return "-" if step is None else str(step)
 
 
 __all__ = ["build_parser", "main", "read_done", "run_checkpoints"]

@@ -255,35 +255,35 @@ def test_cli_on_a_checkpoint_appends_records_once(tokenizer, tmp_path, task_list
     assert err.startswith("error: ") and "not the tokenizer this checkpoint" in err and err.count("\n") == 1
 
 
-def test_cli_on_a_run_folder_skips_incomplete_and_refuses_corrupt(tokenizer, tmp_path, task_list, capsys):
+def test_cli_on_a_run_folder_skips_torn_and_corrupt_checkpoints(tokenizer, tmp_path, task_list, capsys):
     tok, tok_path = tokenizer
     run = tmp_path / "run"
     model = tiny_model()
-    write_checkpoint(run / "checkpoint_00000002", model, tok_path, 2)
+    write_checkpoint(run / "checkpoint_00000002", model, tok_path, 2)  # no weights/: the run's tokenizer is found
     write_checkpoint(run / "checkpoint_00000004", train(model, tok, 2), tok_path, 4)
     C.write_weights_export(run / "checkpoint_00000004" / "weights", C.model_tensors(model.state_dict()), model.config,
-                           tok_path, in_place=True)  # its own tokenizer: no --tokenizer needed for this one
+                           tok_path, in_place=True)
     torn = write_checkpoint(run / "checkpoint_00000006", model, tok_path, 6)
     (torn / C.MARKER).unlink()  # a write that did not finish
     out = tmp_path / "results.jsonl"
-    argv = ["--run", str(run), "--tasks", str(task_list), "--output", str(out), "--tokenizer", str(tok_path)]
+    argv = ["--run", str(run), "--tasks", str(task_list), "--output", str(out)]
     assert cli.main(argv) == 0
-    captured = capsys.readouterr()
-    assert "skipping checkpoint" in captured.err and "checkpoint_00000006" in captured.err
-    steps = [json.loads(line)["step"] for line in out.read_text().splitlines()]
-    assert steps == [2, 2, 2, 4, 4, 4]
-    # a new checkpoint appears: a rerun scores only it
-    write_checkpoint(run / "checkpoint_00000008", model, tok_path, 8)
-    assert cli.main(argv) == 0
-    assert [json.loads(line)["step"] for line in out.read_text().splitlines()][6:] == [8, 8, 8]
-    # a corrupt checkpoint named on the command line: one line, exit 2
-    weights = run / "checkpoint_00000008" / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:-4] + b"\0\0\0\0")
-    capsys.readouterr()
-    code = cli.main(["--checkpoint", str(run / "checkpoint_00000008"), *argv[2:-4], "--output",
-                     str(tmp_path / "new.jsonl"), "--tokenizer", str(tok_path)])
     err = capsys.readouterr().err
-    assert code == 2 and err.startswith("error: checkpoint ") and "corrupt" in err and err.count("\n") == 1, err
+    assert err.count("skipping checkpoint") == 1 and "checkpoint_00000006 is incomplete" in err, err
+    assert [json.loads(line)["step"] for line in out.read_text().splitlines()] == [2, 2, 2, 4, 4, 4]
+    # training wrote two more, one of them corrupt: a rerun scores only the sound new one
+    write_checkpoint(run / "checkpoint_00000008", model, tok_path, 8)
+    corrupt = write_checkpoint(run / "checkpoint_00000010", model, tok_path, 10)
+    weights = corrupt / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-4] + b"\0\0\0\0")
+    assert cli.main(argv) == 0
+    err = capsys.readouterr().err
+    assert "checkpoint_00000010 is corrupt" in err and "checkpoint_00000006" in err, err
+    assert [json.loads(line)["step"] for line in out.read_text().splitlines()][6:] == [8, 8, 8]
+    # the corrupt one named on the command line: one line, exit 2
+    code = cli.main(["--checkpoint", str(corrupt), *argv[2:]])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"error: checkpoint {corrupt} is corrupt") and err.count("\n") == 1, err
 
 
 @pytest.mark.parametrize("argv, what", [
