@@ -68,7 +68,7 @@ class ChoiceItem:
 
 def _jsonl(path: Path) -> Iterator[tuple[str, dict]]:
     """(where, object) for each non-blank line; `where` is "file:line" for the item's error messages."""
-    for n, line in enumerate(_text(path).splitlines(), 1):
+    for n, line in enumerate(_text(path).split("\n"), 1):  # not splitlines(): JSON strings may hold U+2028
         if not line.strip():
             continue
         where = f"{path}:{n}"
@@ -119,11 +119,11 @@ def read_hellaswag(path: Path) -> list[ChoiceItem]:
 
 def _question(question: str, choices: list[str], answer: Any, where: str) -> ChoiceItem:
     """A question scored cloze-style: the choice texts after "Answer:", as small models are best compared."""
-    if not isinstance(answer, str) or answer.strip().upper() not in tuple(LETTERS):
+    if not isinstance(answer, str) or answer.strip() not in tuple(LETTERS):
         hint = " (C-Eval's test split has no answers: use its dev or val split)" if answer in ("", None) else ""
         raise TaskError(f"{where}: answer must be one of A, B, C, D, got {answer!r}{hint}"[:300])
     return ChoiceItem(f"Question: {question.strip()}\nAnswer:", tuple(" " + c.strip() for c in choices),
-                      LETTERS.index(answer.strip().upper()))
+                      LETTERS.index(answer.strip()))
 
 
 def _csv_questions(path: Path) -> list[ChoiceItem]:
@@ -229,6 +229,7 @@ def load_tasks(path: str | os.PathLike) -> list[Task]:
 
 
 def load_task(entry: Any, listing: Path, number: int) -> Task:
+    """One entry of the task list: its options checked, its file (and few-shot file) read, its fingerprint."""
     where = f"task list {listing}, task {number}"
     if not isinstance(entry, dict):
         raise TaskError(f"{where}: expected a mapping with name, kind and path")
@@ -239,6 +240,30 @@ def load_task(entry: Any, listing: Path, number: int) -> Task:
     where = f"task list {listing}, task {name!r}"
     if kind not in OPTIONS:
         raise TaskError(f"{where}: 'kind' must be one of {', '.join(OPTIONS)}, got {kind!r}")
+    options = task_options(kind, entry, where)
+    if not isinstance(file, str) or not file:
+        raise TaskError(f"{where}: 'path' must name the task's file")
+    file_path = _existing(file, listing, where)
+    items, fewshot, shot_sha = READERS[kind](file_path), [], None
+    shots = options.get("fewshot") or 0
+    if shots and options.get("fewshot_path"):  # a separate dev split
+        shot_path = _existing(str(options["fewshot_path"]), listing, f"{where}: fewshot_path")
+        fewshot, shot_sha = READERS[kind](shot_path)[:shots], file_sha256(shot_path)
+    elif shots:  # the file's first items, then not scored
+        fewshot, items = items[:shots], items[shots:]
+    if len(fewshot) < shots:
+        raise TaskError(f"{where}: fewshot {shots} needs {shots} examples, the file has {len(fewshot)}")
+    items = items[:options["limit"] or None]
+    if not items:
+        raise TaskError(f"{where}: {file_path} has no items to score")
+    sha = file_sha256(file_path)
+    scored = {k: v for k, v in options.items() if k not in ("batch_size", "fewshot_path")}  # what moves the scores
+    fingerprint = _sha256_json({"kind": kind, "file": sha, "options": scored, "fewshot_file": shot_sha})
+    return Task(name, kind, file_path, options, items, fewshot, sha, fingerprint)
+
+
+def task_options(kind: str, entry: dict, where: str) -> dict[str, Any]:
+    """The kind's options, defaults filled in; an unknown option or a count that is not a whole number refused."""
     unknown = sorted(set(entry) - set(OPTIONS[kind]))
     if unknown:
         raise TaskError(f"{where}: unknown option {unknown[0]!r} for kind {kind} (options: {', '.join(OPTIONS[kind])})")
@@ -247,33 +272,14 @@ def load_task(entry: Any, listing: Path, number: int) -> Task:
         value, least = options.get(key), {"fewshot": 0, "window": 2}.get(key, 1)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
             raise TaskError(f"{where}: {key} must be an integer >= {least}, got {value!r}")
-    if not isinstance(file, str) or not file:
-        raise TaskError(f"{where}: 'path' must name the task's file")
-    file_path = _resolve(file, listing)
-    if not file_path.is_file():
-        raise TaskError(f"{where}: {file_path} does not exist")
-    items = READERS[kind](file_path)
-    fewshot: list[ChoiceItem] = []
-    shots = options.get("fewshot") or 0
-    shot_sha = None
-    if shots and options.get("fewshot_path"):  # a separate dev split
-        shot_path = _resolve(str(options["fewshot_path"]), listing)
-        if not shot_path.is_file():
-            raise TaskError(f"{where}: fewshot_path {shot_path} does not exist")
-        fewshot, shot_sha = READERS[kind](shot_path)[:shots], file_sha256(shot_path)
-    elif shots:  # the file's first items, then not scored
-        fewshot, items = items[:shots], items[shots:]
-    if shots and len(fewshot) < shots:
-        raise TaskError(f"{where}: fewshot {shots} needs {shots} examples, the file has {len(fewshot)}")
-    if options.get("limit"):
-        items = items[:options["limit"]]
-    if not items:
-        raise TaskError(f"{where}: {file_path} has no items to score")
-    sha = file_sha256(file_path)
-    fingerprint = _sha256_json({"kind": kind, "file": sha, "options": {k: v for k, v in options.items()
-                                                                        if k not in ("batch_size", "fewshot_path")},
-                                "fewshot_file": shot_sha})
-    return Task(name, kind, file_path, options, items, fewshot, sha, fingerprint)
+    return options
+
+
+def _existing(file: str, listing: Path, where: str) -> Path:
+    path = _resolve(file, listing)
+    if not path.is_file():
+        raise TaskError(f"{where}: {path} does not exist")
+    return path
 
 
 def _resolve(file: str, listing: Path) -> Path:

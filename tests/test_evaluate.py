@@ -174,6 +174,7 @@ MALFORMED = [
     ("choice", "mmlu.csv", 'q1,a,b,c,d,A\n"q2\nspans lines",a,b,c,d,E\n', 2, "answer must be one of A, B, C, D"),
     ("choice", "mmlu.csv", 'q1,a,b,c,d,A\nq2,a,b,c,B\n', 2, "expected question, A, B, C, D, answer columns"),
     ("choice", "mmlu.csv", 'q1,a,b,c,d,AB\n', 1, "answer must be one of A, B, C, D"),
+    ("choice", "mmlu.csv", 'q1,a,b,c,d,A\nq2,a,b,c,d,b\n', 2, "answer must be one of A, B, C, D"),
     ("choice", "ceval.csv", 'id,question,A,B,C,D,answer,explanation\n0,q,a,b,c,d,,\n', 2, "test split has no"),
     ("choice", "ceval.csv", 'id,question,A,B,C,D\n0,q,a,b,c,d\n', 1, "the header has no answer column"),
     ("choice", "q.jsonl", '{"question": "q", "choices": ["a", "b", "c"], "answer": "A"}\n', 1, "needs 4"),
@@ -196,6 +197,36 @@ def test_a_malformed_item_is_one_line_naming_file_and_line(tmp_path, capsys, kin
                      "--output", str(tmp_path / "out.jsonl")])
     err = capsys.readouterr().err
     assert code == 2 and err == f"error: {message}\n"
+
+
+TASK_LIST_ERRORS = [
+    ("- {name: t, kind: mystery, path: hs.jsonl}", "'kind' must be one of hellaswag, choice, bpb, generate"),
+    ("- {name: t, kind: hellaswag, path: hs.jsonl, shots: 2}", "unknown option 'shots' for kind hellaswag"),
+    ("- {name: t, kind: hellaswag, path: hs.jsonl, fewshot: 3}", "fewshot 3 needs 3 examples, the file has 2"),
+    ("- {name: t, kind: hellaswag, path: hs.jsonl, fewshot: 2}", "has no items to score"),
+    ("- {name: t, kind: hellaswag, path: hs.jsonl, limit: 0}", "limit must be an integer >= 1"),
+    ("- {name: t, kind: bpb, path: hs.jsonl, window: 1}", "window must be an integer >= 2"),
+    ("- {name: t, kind: hellaswag, path: nothere.jsonl}", "nothere.jsonl does not exist"),
+    ("- {name: t, kind: hellaswag, path: hs.jsonl}\n- {name: t, kind: hellaswag, path: hs.jsonl}", "'t' repeats"),
+    ("[unclosed", "not valid YAML or JSON"),
+]
+
+
+@pytest.mark.parametrize("listing, what", TASK_LIST_ERRORS, ids=[w[:24] for _, w in TASK_LIST_ERRORS])
+def test_a_bad_task_list_is_one_line(tmp_path, listing, what):
+    write_jsonl(tmp_path / "hs.jsonl", [{"ctx": "a", "endings": ["b", "c"], "label": 0}] * 2)
+    (tmp_path / "tasks.yaml").write_text(listing + "\n")
+    with pytest.raises(TaskError) as e:
+        load_tasks(tmp_path / "tasks.yaml")
+    assert what in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_jsonl_strings_may_hold_line_separators(tmp_path):
+    row = json.dumps({"ctx": "a\u2028b", "endings": ["c\x1cd", "e"], "label": 1}, ensure_ascii=False)
+    path = tmp_path / "hs.jsonl"
+    path.write_text(f"{row}\n{row}\n", encoding="utf-8")  # raw U+2028, as a writer without ensure_ascii leaves it
+    assert "\u2028" in path.read_text(encoding="utf-8")
+    assert read_hellaswag(path) == [ChoiceItem("a\u2028b", (" c\x1cd", " e"), 1)] * 2
 
 
 def test_the_csv_layouts_of_mmlu_ceval_and_cmmlu_read_alike(tmp_path):
