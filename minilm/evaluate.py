@@ -310,8 +310,8 @@ def choice_loglikelihoods(model: torch.nn.Module, tokenizer, items: list[ChoiceI
             cont = tokenizer.encode(choice).ids
             room = max_len - 1 - len(cont)  # context tokens that fit after BOS: the choice is what is scored, whole
             if room < 0:
-                raise TaskError(f"a choice of {len(cont)} tokens does not fit the model's window of {max_len} "
-                                f"({choice[:40]!r}...)")
+                raise TaskError(f"item {i + 1}: a choice of {len(cont)} tokens does not fit the window of {max_len} "
+                                f"({choice[:40]!r})")
             kept = context[max(0, len(context) - room):] if room else []
             requests.append((i, j, [BOS_ID, *kept, *cont], len(cont)))
     out = [[0.0] * len(item.choices) for item in items]
@@ -465,8 +465,11 @@ def run_task(task: Task, model: MiniMindForCausalLM, tokenizer, tokenizer_path: 
     """{"metrics": {...}, "items": n} (+ "generations" for a generate task)."""
     opts = task.options
     if task.kind in ("hellaswag", "choice"):
-        loglik = choice_loglikelihoods(model, tokenizer, task.items, prefix=fewshot_prefix(task.fewshot),
-                                       max_len=window, batch_size=opts["batch_size"], device=device)
+        try:
+            loglik = choice_loglikelihoods(model, tokenizer, task.items, prefix=fewshot_prefix(task.fewshot),
+                                           max_len=window, batch_size=opts["batch_size"], device=device)
+        except TaskError as e:
+            raise TaskError(f"task {task.name!r} ({task.path}): {e}") from None
         return {"metrics": choice_metrics(task.items, loglik), "items": len(task.items)}
     if task.kind == "bpb":
         try:

@@ -5,6 +5,7 @@
 
 Each (checkpoint, task) pair becomes one JSON line of --output; a pair already there is not evaluated again, so
 rerunning after more checkpoints were written scores only the new ones. The task formats: docs/evaluation.md.
+The work runs in this process (no Ray); each checkpoint is one call of `minilm.evaluate.evaluate_checkpoint`.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tasks", required=True, help="the task list (YAML or JSON): name, kind, path, options")
     p.add_argument("--output", required=True, help="results JSONL, appended to (pairs already there are skipped)")
     p.add_argument("--tokenizer", help="tokenizer.json, for a checkpoint without one (default: the checkpoint's "
-                                       "weights/tokenizer.json, or an export's tokenizer.json)")
+                                       "weights/tokenizer.json, an export's tokenizer.json, else that of another "
+                                       "checkpoint of the run)")
     p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:1...")
     return p
 
