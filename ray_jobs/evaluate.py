@@ -1,0 +1,161 @@
+"""Evaluate checkpoints on fixed tasks (multiple choice, bits per byte, greedy generations), off the training path.
+
+    python -m ray_jobs.evaluate --run runs/run1 --tasks tasks.yaml --output runs/run1/eval.jsonl
+    python -m ray_jobs.evaluate --checkpoint runs/run1/checkpoint_00001000 --tasks tasks.yaml --output eval.jsonl
+
+Each (checkpoint, task) pair becomes one JSON line of --output; a pair already there is not evaluated again, so
+rerunning after more checkpoints were written scores only the new ones. The task formats: docs/evaluation.md.
+The work runs in this process (no Ray); each checkpoint is one call of `minilm.evaluate.evaluate_checkpoint`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from minilm import checkpoint as C
+from minilm.evaluate import TaskError, evaluate_checkpoint, format_metrics, identify, load_tasks
+from minilm.tokenizer import TokenizerError
+
+from .cli import fail
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m ray_jobs.evaluate", description=__doc__.split("\n")[0])
+    p.add_argument("--checkpoint", action="append", default=[],
+                   help="a checkpoint folder written by training (checkpoint_XXXXXXXX) or a weights export; repeatable")
+    p.add_argument("--run", help="a run folder: every complete checkpoint in it, oldest first")
+    p.add_argument("--tasks", required=True, help="the task list (YAML or JSON): name, kind, path, options")
+    p.add_argument("--output", required=True, help="results JSONL, appended to (pairs already there are skipped)")
+    p.add_argument("--tokenizer", help="tokenizer.json, for a checkpoint without one (default: the checkpoint's "
+                                       "weights/tokenizer.json, an export's tokenizer.json, else that of another "
+                                       "checkpoint of the run)")
+    p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:1...")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if not args.checkpoint and not args.run:
+        return fail("give --checkpoint PATH (repeatable) or --run DIR")
+    try:
+        tasks = load_tasks(args.tasks)  # every item read and checked before any checkpoint is loaded
+        done = read_done(Path(args.output))
+        # A checkpoint named on the command line must be sound; one of --run that is not is passed over, as
+        # training's --resume auto does (it may be still being written, or torn by a crash).
+        checkpoints = [(path, True) for path in args.checkpoint] + [(path, False) for path in run_checkpoints(args.run)]
+        device = resolve_device(args.device)
+        table = Table()
+        for path, named in checkpoints:
+            try:
+                evaluate_one(path, tasks, done, args, device, table)
+            except C.CheckpointError as e:
+                if named:
+                    raise
+                print(f"skipping checkpoint: {e}", file=sys.stderr)
+    except (C.CheckpointError, TaskError, TokenizerError) as e:
+        return fail(str(e))
+    except OSError as e:
+        return fail(f"{getattr(e, 'filename', None) or args.output}: {e.strerror or e}")
+    return 0
+
+
+def evaluate_one(path: str, tasks: list, done: set[tuple], args: argparse.Namespace, device: str,
+                 table: Table) -> None:
+    """The tasks `done` lacks for one checkpoint: scored, appended to --output, printed. A checkpoint with nothing
+    left to score is not loaded (nor hashed)."""
+    ckpt = identify(path)
+    todo = [t for t in tasks if (ckpt.step, ckpt.weights_sha256, t.fingerprint) not in done]
+    if len(todo) < len(tasks):
+        table.row(ckpt.step, f"({len(tasks) - len(todo)} of {len(tasks)} tasks in {args.output} already: {path})")
+    if not todo:
+        return
+    records = evaluate_checkpoint(path, todo, tokenizer=args.tokenizer, device=device)
+    append(Path(args.output), records)
+    for r in records:
+        done.add((r["step"], r["weights_sha256"], r["fingerprint"]))
+        table.row(r["step"], f"{r['task']:<20} {row_text(r)}")
+
+
+def run_checkpoints(run: str | None) -> list[str]:
+    """The checkpoint folders of a local run folder, oldest first (each is verified when it is loaded)."""
+    if run is None:
+        return []
+    if "://" in run:
+        raise TaskError(f"--run {run}: only a local run folder can be evaluated (copy it here first)")
+    folder = C.RunFolder(run)
+    if not folder.local.is_dir():
+        raise TaskError(f"--run {run}: no such folder")
+    names = folder.checkpoints()
+    if not names:
+        raise TaskError(f"--run {run} holds no checkpoint (checkpoint_XXXXXXXX folders)")
+    return [str(folder.local / name) for name in names]
+
+
+def read_done(output: Path) -> set[tuple]:
+    """The (step, weights SHA-256, task fingerprint) of every record in `output` (an empty set if it is new)."""
+    if not output.exists():
+        return set()
+    done = set()
+    for n, line in enumerate(output.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+            done.add((r["step"], r["weights_sha256"], r["fingerprint"]))
+        except (ValueError, KeyError, TypeError):
+            raise TaskError(f"{output}:{n}: not a record of ray_jobs.evaluate (choose another --output)") from None
+    return done
+
+
+def append(output: Path, records: list[dict]) -> None:
+    """One line per record, flushed as each checkpoint finishes: an interrupted run keeps what it scored."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with output.open("a", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+
+
+def resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        torch.device(device)
+    except RuntimeError:
+        raise TaskError(f"--device {device}: not a torch device (auto, cpu, cuda, cuda:N)") from None
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise TaskError(f"--device {device}: no CUDA device here")
+    return device
+
+
+class Table:
+    """The console table; its header comes with the first row (an error before any result prints no table)."""
+
+    def __init__(self):
+        self.started = False
+
+    def row(self, step: int | None, text: str) -> None:
+        if not self.started:
+            print(f"{'step':>8}  {'task':<20} metrics")
+            self.started = True
+        print(f"{'-' if step is None else step:>8}  {text}", flush=True)
+
+
+def row_text(record: dict) -> str:
+    """The metrics, and for generations the first one, cut to fit a line (all of them are in the record)."""
+    text = format_metrics(record["metrics"])
+    if record.get("generations"):
+        first = record["generations"][0]
+        text += f"  {first['prompt'][:30]!r} -> {first['text'][:60]!r}"
+    return text
+
+
+__all__ = ["build_parser", "main", "read_done", "run_checkpoints"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
