@@ -29,7 +29,7 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: "ray_address" in item.fixturenames)
     if config.getoption("--nightly"):
         return
-    skip = pytest.mark.skip(reason="nightly (the 100-step demo): make test-nightly, or pytest --nightly")
+    skip = pytest.mark.skip(reason="nightly (minutes): make test-nightly, or pytest --nightly")
     for item in items:
         if "nightly" in item.keywords:
             item.add_marker(skip)

@@ -270,6 +270,7 @@ def test_the_weights_export_has_its_own_cadence_and_is_always_at_the_end(run_dat
     assert weights.keys() == fp32.keys() and all(torch.equal(weights[k], fp32[k].half()) for k in fp32)
 
 
+@pytest.mark.slow  # two torchrun runs (~12 s)
 def test_a_time_based_checkpoint_is_taken_at_the_same_step_on_every_rank(run_data, tmp_path):
     """--checkpoint-every-minutes under torchrun (2 ranks, steps held 0.25 s, a checkpoint due every 0.6 s, the
     step cadence out of reach): rank 0's clock raises the flag, every rank checkpoints at the step it is agreed

@@ -81,6 +81,7 @@ def test_checkpoint_stall(tmp_path):
 
 
 @pytest.mark.ray
+@pytest.mark.slow  # ~11 s
 def test_data(ray_address, tiny_data, tmp_path):
     out = run_bench("bench.data", ["--data", str(tiny_data), *TINY_MODEL, "--seq-len", "32",
                                    "--micro-batch-size", "4", "--global-batch-size", "8", "--steps", "3",

@@ -298,6 +298,7 @@ def test_the_ranks_of_a_node_make_one_copy_between_them(tmp_path):
 
 
 @pytest.mark.ray
+@pytest.mark.slow  # prepares the demo corpus (~11 s)
 def test_cached_demo_data_of_another_format_is_prepared_again(ray_address, cache):
     """A cached copy of the built-in corpus that does not open (here: another format) is prepared again."""
     from ray_jobs.demo_data import demo_data_dir

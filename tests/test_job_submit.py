@@ -37,7 +37,7 @@ from helpers import ROOT, make_prepared
 
 from ray_jobs import dashboard_metrics
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(420)]  # a cluster and its first job (~40 s)
 
 RAY_CLI = str(Path(sys.executable).with_name("ray"))
 LOCAL_SH = ROOT / "cluster" / "local.sh"

@@ -26,6 +26,7 @@ from ray_jobs.cli import available_cores
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 
 
+@pytest.mark.slow  # the baseline run (~27 s)
 def test_uninterrupted_run_logs_progress_and_is_the_reference_replay(baseline, run_data, run_storage):
     assert "starting run baseline fresh" in baseline["log"]
     assert "1 CPU thread(s) per worker" in baseline["log"]
@@ -107,6 +108,7 @@ def test_world_size_that_breaks_the_global_batch_is_refused(ray_address, run_dat
     assert "valid world sizes: 1, 2, 4" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow  # ~13 s
 def test_the_zero_argument_preset_trains_in_process(ray_address, tmp_path, monkeypatch):
     """What `python -m ray_jobs.pretrain` with no argument trains (the nightly test below runs it whole): the demo
     preset on the built-in corpus, a few steps of it through the Trainer in this process."""

@@ -152,6 +152,7 @@ def test_demo_corpus_is_a_few_mb_of_prose(demo_docs):
     assert any("Return" in d for d in demo_docs)
 
 
+@pytest.mark.slow  # builds the corpus a second time (~6 s)
 def test_demo_corpus_is_deterministic(demo_docs, tmp_path):
     # write_demo_corpus walks the stdlib afresh: same documents, same order
     info = write_demo_corpus(tmp_path / "a.jsonl")

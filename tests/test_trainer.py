@@ -73,7 +73,7 @@ def test_exit_after_steps_then_resume_is_bitwise_equal(run_data, tmp_path, unint
     assert steps == sorted(set(steps)) and steps[-1] == STEPS
 
 
-@pytest.mark.parametrize("before,after", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("before,after", [(2, 1), pytest.param(1, 2, marks=pytest.mark.slow)])  # ~10 s each
 def test_resume_at_another_world_size_under_torchrun(run_data, tmp_path, uninterrupted, before, after):
     """Plain DDP (torchrun, gloo) stopped at step 6 and continued at another world size: the same samples at
     every step, and the replay's weights and losses (within the reduction-order difference)."""

@@ -16,10 +16,9 @@ from runs import is_complete, pretrain, tiny_args
 
 from minilm import checkpoint as C
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(900)]  # on the baseline run (~35 s)
 
 
-@pytest.mark.slow  # needs the baseline run (~35 s)
 def test_resume_path_refuses_missing_partial_and_corrupt(ray_address, run_data, run_storage, baseline, tmp_path):
     good = run_storage / "baseline" / "checkpoint_00000020"
     partial = tmp_path / "partial"
