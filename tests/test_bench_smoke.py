@@ -93,7 +93,7 @@ def test_data(ray_address, tiny_data, tmp_path):
 
 
 @pytest.mark.ray
-@pytest.mark.slow  # three fresh processes (one a Ray job), four 2-worker TorchTrainers and two report rounds
+@pytest.mark.nightly  # three fresh processes (one a Ray job), four 2-worker TorchTrainers and two report rounds
 def test_overhead(ray_address, tiny_data, tmp_path):
     out = run_bench("bench.overhead", ["--data", str(tiny_data), *TINY_MODEL, "--seq-len", "32",
                                        "--micro-batch-size", "4", "--global-batch-size", "16", "--steps", "6",

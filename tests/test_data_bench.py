@@ -37,7 +37,7 @@ def test_synthetic_dataset_and_page_cache_helpers(tmp_path):
     assert resident_bytes(data.shard_paths) >= data.num_bytes - 4096  # every page read is cached
 
 
-@pytest.mark.slow  # two Ray actors, each starting a Ray Data pipeline, per size: a minute or more on a busy machine
+@pytest.mark.nightly  # two Ray actors, each starting a Ray Data pipeline, per size: a minute or more on a busy machine
 def test_scale(ray_address, tmp_path):
     out = run_bench("bench.scale", ["--tokens", "1e6", "2e6", "--samples", "600", "--seq-len", "64",
                                     "--micro-batch-size", "4", "--accumulation", "2", "--dir", str(tmp_path)],
@@ -51,7 +51,7 @@ def test_scale(ray_address, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["results"]  # the datasets are gone
 
 
-@pytest.mark.slow  # two pinned child processes, each with its own Ray: about a minute on a busy machine
+@pytest.mark.nightly  # two pinned child processes, each with its own Ray: about a minute on a busy machine
 def test_data_stream_mode(tmp_path):
     env = {**os.environ}
     env.pop("RAY_ADDRESS", None)
@@ -64,7 +64,7 @@ def test_data_stream_mode(tmp_path):
     assert all(r["stream_tokens_per_s"] > 0 and r["take_tokens_per_s"] > 0 for r in runs)
 
 
-@pytest.mark.slow  # the real prepare command, twice, each starting its own Ray
+@pytest.mark.nightly  # the real prepare command, twice, each starting its own Ray
 def test_prepare_big_mode(tmp_path):
     env = {**os.environ}
     env.pop("RAY_ADDRESS", None)

@@ -54,7 +54,7 @@ def checkout(tmp_path):
 
 
 @pytest.mark.ray
-@pytest.mark.slow  # two trainings of the bench side by side (~20 s)
+@pytest.mark.nightly  # two trainings of the bench side by side (~20-30 s)
 def test_minimind_and_minilm_are_trained_on_the_same_documents_and_scored_alike(ray_address, checkout, tmp_path):
     env = {**os.environ, "MINILM_BENCH_RESULTS": str(tmp_path), "RAY_ADDRESS": ray_address}
     work = tmp_path / "work"
