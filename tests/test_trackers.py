@@ -266,8 +266,16 @@ def read_wandb_offline(run_dir: Path) -> tuple[set[str], dict, list[tuple[int, d
     """(run ids, config of the first segment, history in time order) of every offline segment."""
     segments = []
     for path in (run_dir / "wandb").glob("offline-run-*/run-*.wandb"):
-        records = list(wandb_records(path))
-        run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
+        # W&B's service process writes the file after the client returns: on a loaded machine, give it 30 s
+        deadline = time.monotonic() + 30
+        while True:
+            records = list(wandb_records(path))
+            runs = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+            if runs or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert runs, f"{path}: no run record in {[r.WhichOneof('record_type') for r in records]}"
+        run = runs[0]
         history = [(r.history.step.num,
                     {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item})
                    for r in records if r.WhichOneof("record_type") == "history"]
