@@ -32,7 +32,7 @@ import yaml
 
 from . import checkpoint as C
 from .bpb import evaluate_documents, token_byte_lengths
-from .config import ModelConfig, TrainConfig
+from .config import TrainConfig
 from .data import file_sha256
 from .model import MiniMindForCausalLM
 from .tokenizer import BOS_ID, EOS_ID, load_tokenizer, vocab_size_of
@@ -414,15 +414,7 @@ def load_model(checkpoint: Checkpoint, device: str | torch.device = "cpu") -> tu
         return model, None
     C.verify(checkpoint.path)
     state = C.read_state(checkpoint.path, ("optimizer_step", "model_config"))
-    try:
-        from safetensors.torch import load_file
-
-        model = MiniMindForCausalLM(ModelConfig.from_dict(state["model_config"]))
-        model.load_state_dict(load_file(str(checkpoint.path / "model.safetensors")), strict=True)
-    except Exception as e:  # its hashes match: a config or weights this version cannot use
-        why = " ".join(str(e).split())[:200]
-        raise C.CheckpointError(f"checkpoint {checkpoint.path} could not be loaded: {type(e).__name__}: "
-                                f"{why}") from None
+    model = C.files.load_model(checkpoint.path, lambda: state["model_config"], "checkpoint")
     return model.to(device).eval(), state
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .data import FORMAT, MANIFEST, TOKEN_DTYPES, TOKENIZER_FILE, fsync_dir
+from .data import FORMAT, MANIFEST, TOKEN_DTYPES, TOKENIZER_FILE, fsync_dir, pid_alive
 from .tokenizer import BOS_ID, EOS_ID
 
 SHARD_NAME = "shard-{:05d}.bin"
@@ -253,16 +253,6 @@ def write_manifest(directory: str | os.PathLike, manifest: dict) -> Path:
 
 # ---- the output directory, written atomically ----------------------------------------------------
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _ours(name: str) -> bool:
     return name in (MANIFEST, MANIFEST + ".tmp", TOKENIZER_FILE) or bool(_SHARD_RE.fullmatch(name))
 
@@ -316,7 +306,7 @@ class AtomicOutput:
         pattern = re.compile(re.escape(self.final.name) + r"\.(tmp|old)-(\d+)")
         for p in self.final.parent.iterdir():
             m = pattern.fullmatch(p.name)
-            if m and p.is_dir() and int(m.group(2)) != os.getpid() and not _pid_alive(int(m.group(2))):
+            if m and p.is_dir() and int(m.group(2)) != os.getpid() and not pid_alive(int(m.group(2))):
                 shutil.rmtree(p, ignore_errors=True)
 
     def commit(self) -> Path:

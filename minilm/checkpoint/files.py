@@ -392,19 +392,25 @@ def write_weights_export(path: str | os.PathLike, model_state: dict[str, torch.T
     return write_export(Path(path), writers, "weights", step)
 
 
-def load_pretrained(path: str | os.PathLike, device: str = "cpu", dtype: torch.dtype = torch.float32):
-    """(model in eval mode, tokenizer or None) from a weights export folder."""
+def load_model(path: Path, config: Callable[[], dict], what: str = "weights"):
+    """The model of a verified folder: built from `config()` (a ModelConfig dict), its `model.safetensors` loaded.
+    A config or weights this version cannot use (the hashes matched) is one CheckpointError line."""
     from ..model import MiniMindForCausalLM
 
+    try:
+        model = MiniMindForCausalLM(ModelConfig.from_dict(config()).validate())
+        model.load_state_dict(load_file(str(path / "model.safetensors")), strict=True)
+    except Exception as e:
+        why = " ".join(str(e).split())[:200]  # one line, whatever the error's own layout
+        raise CheckpointError(f"{what} {path} could not be loaded: {type(e).__name__}: {why}") from None
+    return model
+
+
+def load_pretrained(path: str | os.PathLike, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """(model in eval mode, tokenizer or None) from a weights export folder."""
     path = Path(path)
     verify(path)
-    try:
-        config = ModelConfig.from_dict(json.loads((path / "config.json").read_text())).validate()
-        model = MiniMindForCausalLM(config)
-        model.load_state_dict(load_file(str(path / "model.safetensors")), strict=True)
-    except Exception as e:  # its hashes match: a config or weights this version cannot use
-        why = " ".join(str(e).split())[:200]  # one line, whatever the error's own layout
-        raise CheckpointError(f"weights {path} could not be loaded: {type(e).__name__}: {why}") from None
+    model = load_model(path, lambda: json.loads((path / "config.json").read_text()))
     model.to(device=device, dtype=dtype).eval()
     tokenizer = None
     if (path / "tokenizer.json").is_file():

@@ -24,7 +24,7 @@ import pyarrow.fs as pafs
 
 from ..cli import UsageError
 from ..config import ModelConfig
-from ..data import fsync_dir
+from ..data import fsync_dir, pid_alive
 from .files import MARKER, STAGING, CheckpointError, parse_marker, parse_state, verify
 
 LEASE = "lease.json"
@@ -158,16 +158,6 @@ class RunFolder:
 
 
 # ---- one live run per folder ----------------------------------------------------------------------
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        pass
-    return True
-
 
 class Lease:
     """The run folder's `lease.json`: which process runs in it (host, pid, heartbeat every LEASE_HEARTBEAT_S). A lease

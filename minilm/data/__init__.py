@@ -33,7 +33,7 @@ from .order import (
     split_ids,
     steps_per_epoch,
 )
-from .remote import COPY_CHUNK, _copy_verified, fsync_dir, materialise, open_local
+from .remote import COPY_CHUNK, _copy_verified, fsync_dir, materialise, open_local, pid_alive
 from .store import MAX_OPEN_SHARDS, LocalRankStream, RowsInMemory, SequenceStore
 from .verified import RACY_NS, record_verified, verify_hashes
 
@@ -42,6 +42,6 @@ __all__ = [
     "DataError", "DataPosition", "LocalRankStream", "PreparedData", "RankOrder", "RowsInMemory", "SequenceStore",
     "_copy_verified", "cache_root", "check_compatible", "check_manifest", "check_val_samples", "epoch_order",
     "file_sha256",
-    "fsync_dir", "is_remote", "materialise", "open_local", "open_prepared", "record_verified", "split_ids",
+    "fsync_dir", "is_remote", "materialise", "open_local", "open_prepared", "pid_alive", "record_verified", "split_ids",
     "steps_per_epoch", "token_dtype_for", "verify_hashes",
 ]

@@ -144,6 +144,17 @@ def _write_synced(path: Path, payload: bytes) -> None:
         os.fsync(f.fileno())
 
 
+def pid_alive(pid: int) -> bool:
+    """Is process `pid` of this host alive (staging and leases of a process that is gone may be taken)?"""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        pass
+    return True
+
+
 def fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
