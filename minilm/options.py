@@ -72,6 +72,8 @@ class RunOptions:
             elif not (isinstance(value, (int, float)) and math.isfinite(value) and
                       (value > 0 if low == 0 else value >= low)):
                 raise UsageError(f"{flag(f.name)} must be {'> 0' if low == 0 else f'>= {low}'}, got {value!r}")
+        if self.abandon_newer and self.resume == "auto":  # auto continues the newest: there is nothing to abandon
+            raise UsageError("--abandon-newer goes with --resume never or --resume PATH (an older checkpoint), not auto")
         return self
 
 

@@ -97,6 +97,9 @@ def test_resume_never_or_from_an_older_checkpoint_is_refused_naming_the_newer_on
         in err and "--abandon-newer" in err, err
     code, _, err = cli(*flags, "--resume", run_dir / "checkpoint_00000004")
     assert code == 2 and "checkpoint_00000008, checkpoint_00000012" in err and "checkpoint_00000004," not in err, err
+    code, _, err = cli(*flags, "--abandon-newer")  # with --resume auto there is nothing to abandon: not a silent no-op
+    assert code == 2 and err == "error: --abandon-newer goes with --resume never or --resume PATH (an older " \
+        "checkpoint), not auto\n", err
     assert tree(run_dir) == before  # metrics.jsonl too
 
 
