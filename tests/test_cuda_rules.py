@@ -90,6 +90,7 @@ def run_part(tmp_path, *args, allow: str = "") -> tuple[subprocess.CompletedProc
     return proc, json.loads(line[-1].split(": ", 1)[1]) if line else {}
 
 
+@pytest.mark.slow  # two gpu_check parts (~8-10 s)
 def test_ddp1_and_a_row_run_under_the_cuda_rules(tmp_path):
     # ddp1: an indexed device made current, an NCCL group, DDP's device_ids, the metric all-reduce on the device.
     proc, rules = run_part(tmp_path, "bench.gpu_check", "ddp1", "--device", "cuda", "--json",

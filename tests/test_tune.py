@@ -98,6 +98,7 @@ def sweep_data(tmp_path_factory) -> Path:
 
 
 @pytest.mark.ray
+@pytest.mark.slow  # a sweep driver per bad config (~7 s)
 @pytest.mark.timeout(600)
 def test_bad_sweep_config_refused_before_any_trial(ray_address, sweep_data, tmp_path):
     env = run_env(ray_address)
