@@ -8,6 +8,7 @@ The counts of cases tried are printed at the end of the module (pytest -s shows 
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -227,7 +228,8 @@ def test_manifests_open_or_are_one_data_error(good_dataset, tmp_path_factory, da
         if data.draw(st.booleans()):
             container.pop(key)
         else:
-            container[key] = data.draw(st.sampled_from(BAD_VALUES))
+            # a copy: a later pop from {"a": 1} put here would change BAD_VALUES itself, and so the next examples
+            container[key] = copy.deepcopy(data.draw(st.sampled_from(BAD_VALUES)))
     text = json.dumps(manifest)
     raw = data.draw(st.sampled_from([None, "9" * 5000, "[" * 3000 + "]" * 3000]))
     if raw is not None and '"seq_len": ' in text:  # what json.dumps cannot write: a 5,000-digit int, deep nesting
