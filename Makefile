@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast test-nightly lint bench clean
+.PHONY: setup demo test test-fast test-nightly rehearsal lint bench clean
 
 setup: $(STAMP)
 
@@ -26,6 +26,11 @@ test: $(STAMP)
 # The 100-step demo end to end (the quick start's `make demo`, ~4 min here); `make test` runs a 4-step one.
 test-nightly: $(STAMP)
 	$(PY) -m pytest -q --nightly -m nightly
+
+# The lent GPU machine minus the GPU (docs/gpu.md): a venv of the image's packages, a cold start, the check's CPU
+# dry run (~5.5 min). CI runs it after the suite; it is also part of test-nightly.
+rehearsal: $(STAMP)
+	$(PY) -m pytest -q --nightly tests/test_gpu_check.py::test_rehearsal_on_the_image_packages_and_the_bundle
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not ray"

@@ -56,6 +56,8 @@ class RunOptions:
     trackers: list[str] = field(default_factory=list)  # --tracker, checked
     tracker_group: str | None = None  # one W&B group / MLflow tag for the trials of a sweep
     test_hooks: dict | None = None  # minilm.testing.FaultHooks, only ever set by a test
+    eval_task_names: list[str] = field(default_factory=list)  # tasks scored beside training (ray_jobs.evaluator)
+    eval_wait_s: float = 0.0  # after the last step, how long rank 0 waits for the last checkpoint's scores
 
     def tracker_settings(self) -> dict:
         return {"mlflow_uri": self.mlflow_uri, "wandb_project": self.wandb_project, "group": self.tracker_group}

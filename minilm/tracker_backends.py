@@ -48,6 +48,10 @@ class Backend:
     high_water = -1
     new_run = True  # False when an existing tracker run is continued
 
+    def write_eval(self, scalars: dict[str, float], step: int) -> None:
+        """Scores at an earlier step than the last written: TensorBoard and MLflow take any step."""
+        self.write(scalars, step)
+
 
 class TensorBoard(Backend):
     kind = "tensorboard"
@@ -217,6 +221,14 @@ class Wandb(Backend):
 
     def write(self, scalars: dict[str, float], step: int) -> None:
         self.run.log(scalars, step=step)
+
+    def write_eval(self, scalars: dict[str, float], step: int) -> None:
+        # W&B drops a step below its current one: scores get their own x axis, eval/step (W&B's define_metric)
+        if not getattr(self, "_eval_axis", False):
+            self.run.define_metric("eval/step")
+            self.run.define_metric("eval/*", step_metric="eval/step")
+            self._eval_axis = True
+        self.run.log({**scalars, "eval/step": step}, step=max(step, self.high_water))  # W&B's own axis never goes back
 
     def state(self) -> dict[str, Any]:
         return {"run_id": self.run_id, "project": self.project}

@@ -274,6 +274,16 @@ class Trackers:
         if advanced:
             self._write_sidecar()
 
+    def log_eval(self, metrics: Mapping[str, float], step: int) -> None:
+        """Scores of the checkpoint at `step`, arriving after later steps were logged (evaluated beside training):
+        each tracker writes them at that step on a step axis of their own where it needs one (W&B)."""
+        for backend in self.backends:
+            try:
+                backend.write_eval(dict(metrics), step)
+            except Exception as e:
+                self.say(redact(f"warning: {backend.kind} could not log the scores of step {step}: "
+                                f"{type(e).__name__}: {e}"))
+
     def state_dict(self) -> dict[str, Any]:
         """JSON-able resume state for state.json: each tracker's run id (and of trackers not open now)."""
         state: dict[str, Any] = {"version": STATE_VERSION, **self.carried}

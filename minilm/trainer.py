@@ -24,6 +24,7 @@ from . import data as D
 from .bpb import bits_per_byte, token_byte_lengths
 from .config import ModelConfig, TrainConfig, accumulation_steps
 from .distributed import Collectives
+from .eval_log import EvalInbox
 from .model import MiniMindForCausalLM
 from .options import RunOptions, StepPlan, plan_steps
 from .policy import LoopPolicy
@@ -119,6 +120,7 @@ class Trainer:
         self.metrics_log = MetricsLog(Path(run.run_dir) / "metrics.jsonl") if run.run_dir and self.rank == 0 else None
         self.timeline = WorldSizeTimeline(run.run_dir) if run.run_dir and self.rank == 0 else None
         self.redone_steps, self.history = 0, []
+        self.eval_inbox: EvalInbox | None = None  # rank 0, when checkpoints are scored beside training
         self.checkpoints = C.CheckpointManager(launcher.storage, train_cfg, rank=self.rank, device=self.device,
                                                keep=run.keep_checkpoints, origin=run.resume_path, hooks=self.hooks,
                                                export=C.WeightsExport(model_cfg, data.tokenizer_path),
@@ -150,6 +152,8 @@ class Trainer:
                              else ""))
         if self.metrics_log:
             self.metrics_log.truncate_after(self.step)  # steps about to be redone leave the file
+            if self.run.eval_task_names:
+                self.eval_inbox = EvalInbox(self.run.run_dir, self.run.eval_task_names, self.metrics_log.read())
         if self.rank == 0 and self.run.trackers:
             self.trackers = open_trackers(
                 self.run.trackers, run_dir=self.run.run_dir, run_name=self.run.name, start_step=self.step,
@@ -225,6 +229,7 @@ class Trainer:
                 if decision.stop:
                     return self.stop(decision)
             self.record("finish")
+            self.await_last_scores()
             return "finished"
         finally:
             policy.close()
@@ -266,7 +271,33 @@ class Trainer:
             self.trackers.log(metrics, step=self.step)
             if self.timeline:
                 self.timeline.step_done(self.step)
+            if self.eval_inbox:  # scores of earlier checkpoints, if any arrived: never waited for
+                self.forward_scores(self.eval_inbox.poll(self.step))
+                return {**metrics, **self.eval_inbox.latest}  # in Ray's report too: Tune, the dashboard
         return metrics
+
+    def forward_scores(self, records: list[dict]) -> None:
+        """Scores of checkpoints evaluated beside training, each at its checkpoint's step (minilm.eval_log)."""
+        for record in records:
+            self.metrics_log.append({**record, "time": time.time(), "run_id": self.run_id})
+            self.trackers.log_eval({k: v for k, v in record.items() if k.startswith("eval/")},
+                                   step=record["optimizer_step"])
+
+    def await_last_scores(self) -> None:
+        """After the last step, with checkpoints scored beside training: rank 0 waits for the last checkpoint's scores
+        (training is over), and every rank reports once more (a barrier) so that they reach Ray: Tune, the dashboard."""
+        if not self.run.eval_task_names or not self.history:  # (no step run: the run had already ended)
+            return
+        if self.eval_inbox:
+            wait_s = self.run.eval_wait_s
+            if not self.eval_inbox.scored(self.step):
+                self.log_line(f"waiting up to {wait_s / 60:g} min for the scores of the last checkpoint "
+                              f"(step {self.step})")
+            self.forward_scores(self.eval_inbox.wait_for(self.step, wait_s))
+            if not self.eval_inbox.scored(self.step):
+                self.log_line(f"note: the last checkpoint (step {self.step}) was not scored within {wait_s / 60:g} "
+                              f"min; its scores go to {self.eval_inbox.path} when the evaluation ends")
+        self.checkpoints.report(self.step, {**self.history[-1], **(self.eval_inbox.latest if self.eval_inbox else {})})
 
     def step_metrics(self, m, lr: float) -> dict:
         """This log step's metrics: the window's losses averaged over ranks, the position, the interval's rates."""

@@ -53,6 +53,21 @@ def parse_resources(spec) -> dict[str, float]:  # 'slot=1,disk=2' or a YAML mapp
     return resources
 
 
+def parse_eval_resources(spec) -> dict[str, float]:  # --eval-resources 'CPU=2', 'CPU=1,GPU=1' or a YAML mapping
+    items = spec.items() if isinstance(spec, dict) else (part.partition("=")[::2] for part in str(spec).split(","))
+    resources = {}
+    for name, value in items:
+        name = str(name).strip()
+        try:
+            amount = float(value)
+        except (TypeError, ValueError):
+            amount = -1.0
+        if not name or not 0 < amount < float("inf"):
+            raise UsageError(f"--eval-resources {spec!r}: expected NAME=N with N > 0, e.g. CPU=2 or CPU=1,GPU=1")
+        resources[name] = amount
+    return resources
+
+
 @dataclass
 class RayOptions(RunOptions):
     """ray_jobs.pretrain's own flags (a Ray cluster's), and what its driver fills in for the workers."""
@@ -76,6 +91,14 @@ class RayOptions(RunOptions):
     max_failures: int = option(0, "worker-group restarts Ray Train may do", minimum=0)
     elastic_check_seconds: float = option(60.0, "how often Ray checks to resize an elastic run", minimum=0)
     num_cpus: int | None = option(help="logical CPUs of a local Ray (default max(8, 2 x cores))", minimum=1)
+    eval_tasks: str | None = option(help="a task list (docs/evaluation.md): every new checkpoint is scored on it by "
+                                    "a Ray task beside training, into RUN/eval.jsonl and metrics.jsonl")
+    eval_resources: dict[str, float] = option({"CPU": 1.0}, "Ray resources of each evaluation task, which training "
+                                              "never waits for", convert=parse_eval_resources, metavar="CPU=N[,GPU=N]")
+    eval_best: str | None = option(help="the score that picks the best checkpoint (RUN/best.json), as "
+                                   "eval/<task>/<metric> (default: the first task's acc_norm, or its bpb)")
+    eval_wait_minutes: float = option(10.0, "after the last step, how long to wait for the last checkpoint's scores",
+                                      minimum=0)
     data_dir: str | None = None  # the data every worker opens: a local folder, or a remote URI it copies once
     storage_dir: str | None = None  # STORAGE/NAME, printable (no credentials): named in messages
 

@@ -64,6 +64,27 @@ def publish(metrics: dict, run_name: str) -> None:
         logger.warning("dashboard metrics disabled in this process: %s: %s", type(e).__name__, e)
 
 
+_eval_gauge = None
+EVAL_GAUGE = "eval"  # minilm_eval{run, task, metric}: the scores of checkpoints evaluated beside training
+
+
+def publish_eval(records: list[dict], run_name: str) -> None:
+    """The scores of one checkpoint (minilm.evaluate records) as minilm_eval{run, task, metric}; never raises."""
+    global _eval_gauge
+    try:
+        if _eval_gauge is None:
+            from ray.util.metrics import Gauge
+
+            _eval_gauge = Gauge(PREFIX + EVAL_GAUGE, description="Score of the newest checkpoint evaluated beside "
+                                "training, by task and metric", tag_keys=("run", "task", "metric"))
+        for r in records:
+            for key, value in (r.get("metrics") or {}).items():
+                if r.get("kind") != "generate" and isinstance(value, (int, float)) and math.isfinite(value):
+                    _eval_gauge.set(float(value), tags={"run": str(run_name), "task": r["task"], "metric": key})
+    except Exception as e:
+        logger.warning("dashboard metrics of evaluations not published: %s: %s", type(e).__name__, e)
+
+
 def _reset_for_tests() -> None:
-    global _gauges, _disabled
-    _gauges, _disabled = None, False
+    global _gauges, _disabled, _eval_gauge
+    _gauges, _disabled, _eval_gauge = None, False, None

@@ -95,7 +95,7 @@ def run_checkpoints(run: str | None) -> list[str]:
 
 
 def read_done(output: Path) -> set[tuple]:
-    """The (step, weights SHA-256, task fingerprint) of every record in `output` (an empty set if it is new)."""
+    """The (step, weights SHA-256, task fingerprint) of every score in `output` (an empty set if it is new)."""
     if not output.exists():
         return set()
     done = set()
@@ -104,7 +104,8 @@ def read_done(output: Path) -> set[tuple]:
             continue
         try:
             r = json.loads(line)
-            done.add((r["step"], r["weights_sha256"], r["fingerprint"]))
+            if "error" not in r:  # a scoring that failed beside training (ray_jobs.evaluator) is tried again
+                done.add((r["step"], r["weights_sha256"], r["fingerprint"]))
         except (ValueError, KeyError, TypeError):
             raise TaskError(f"{output}:{n}: not a record of ray_jobs.evaluate (choose another --output)") from None
     return done

@@ -71,11 +71,12 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 
 def in_step_order(records: list) -> list[dict]:
     """One record per integer optimizer_step, in step order; of a step logged twice (a restored Tune
-    trial) the later record wins, so a curve never doubles back."""
+    trial) the later record wins, so a curve never doubles back. The scores of evaluations beside training
+    (`eval_task` records) are not training steps."""
     by_step: dict[int, dict] = {}
     for rec in records:
         if isinstance(rec, dict) and isinstance(rec.get("optimizer_step"), int) \
-                and not isinstance(rec["optimizer_step"], bool):
+                and not isinstance(rec["optimizer_step"], bool) and "eval_task" not in rec:
             by_step[rec["optimizer_step"]] = rec
     return [by_step[s] for s in sorted(by_step)]
 

@@ -78,6 +78,7 @@ class RunPlan:
     steps: StepPlan
     notes: list[str] = field(default_factory=list)  # shown under the start line
     lease: C.Lease | None = None
+    eval_tasks: list = field(default_factory=list)  # --eval-tasks, read and checked (minilm.evaluate.Task)
 
     @property
     def run_dir(self) -> Path | None:
@@ -147,6 +148,7 @@ def check_run(model_cfg: ModelConfig, train_cfg: TrainConfig, opts: RayOptions, 
     hooks = testing.from_env(warn=lambda m: print(m, file=sys.stderr, flush=True))
     run_dir = Path(opts.run_dir) if opts.run_dir else None
     opts.trackers = check_trackers(opts.tracker, opts.tracker_settings(), run_dir=run_dir)
+    eval_tasks = check_eval_options(opts, run_dir)
     prepared = None
     if not demo:
         opts.data_dir = opts.data if D.is_remote(opts.data) else str(Path(opts.data).expanduser().resolve())
@@ -174,7 +176,36 @@ def check_run(model_cfg: ModelConfig, train_cfg: TrainConfig, opts: RayOptions, 
         if hooks.record_sample_ids:
             Path(hooks.record_sample_ids).mkdir(parents=True, exist_ok=True)
     notes = [n for n in [rows_note(prepared.manifest, prepared.location)] if n]
-    return RunPlan(model_cfg, train_cfg, opts, prepared, steps, notes)
+    if eval_tasks:
+        check_eval_resources(opts.eval_resources)
+    return RunPlan(model_cfg, train_cfg, opts, prepared, steps, notes, eval_tasks=eval_tasks)
+
+
+def check_eval_options(opts: RayOptions, run_dir: Path | None) -> list:
+    """--eval-tasks read and checked (every item) before any work, and what rank 0 needs to know of them."""
+    if not opts.eval_tasks:
+        return []
+    from .evaluator import check_best_metric, load_eval_tasks
+
+    if run_dir is None:
+        raise UsageError(f"--eval-tasks needs a local or shared --storage-path, where the evaluation tasks read the "
+                         f"checkpoints (not {redact_uri(opts.storage_path)}); score a remote run's checkpoints with "
+                         f"python -m ray_jobs.evaluate after copying them")
+    tasks = load_eval_tasks(opts.eval_tasks)
+    opts.eval_best = check_best_metric(opts.eval_best, tasks)
+    opts.eval_task_names, opts.eval_wait_s = [t.name for t in tasks], opts.eval_wait_minutes * 60
+    return tasks
+
+
+def check_eval_resources(resources: dict[str, float]) -> None:
+    """An evaluation task that no node could ever run would wait forever: refused before training starts."""
+    import ray
+
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    if not any(all(r.get(k, 0) >= v for k, v in resources.items()) for r in nodes):
+        spec = ",".join(f"{k}={v:g}" for k, v in resources.items())
+        raise UsageError(f"--eval-resources {spec}: no node of this Ray cluster has that much (ray status shows what "
+                         f"each node offers)")
 
 
 def auto_cpus_per_worker(workers: int, local: bool, opts: RayOptions, reserved_cpus: float = 0.0) -> float:
@@ -252,13 +283,36 @@ def start(plan: RunPlan) -> int:
     t0 = time.time()
     import ray.train
 
+    evaluator = start_evaluator(plan)
+    finished = False
     try:
         result = trainer.fit()
+        finished = True
     except ray.train.TrainingFailedError as e:
         more = f" (the workers' output: {console.log_path})" if console.installed else ""
         return fail(f"training failed: {worker_error_summary(e)}{more}", EXIT_FAILED)
+    finally:
+        if evaluator is not None:  # after a failure, what is not scored yet is left to a resubmit
+            evaluator.finish(opts.eval_wait_s if finished else 0.0)
     summarize(result, plan.run_dir, time.time() - t0)
     return 0
+
+
+def start_evaluator(plan: RunPlan):
+    """--eval-tasks: the checkpoints scored beside training (ray_jobs.evaluator), from before the first one."""
+    if not plan.eval_tasks:
+        return None
+    from .evaluator import Evaluator
+
+    opts = plan.opts
+    tokenizer = plan.prepared.tokenizer_path if not D.is_remote(opts.data_dir) else None  # else the checkpoints'
+    tokenizer = tokenizer if tokenizer is not None and tokenizer.is_file() else None
+    print(f"eval  {len(plan.eval_tasks)} task(s) from {opts.eval_tasks} on each new checkpoint, on "
+          f"{','.join(f'{k}={v:g}' for k, v in opts.eval_resources.items())} per checkpoint; scores to "
+          f"{plan.run_dir / 'eval.jsonl'}" + (f", best by {opts.eval_best}" if opts.eval_best else ""), flush=True)
+    return Evaluator(plan.run_dir, opts.eval_tasks, plan.eval_tasks, opts.eval_resources, opts.name, opts.eval_best,
+                     tokenizer=str(tokenizer) if tokenizer else None,
+                     say=lambda m: print(m, flush=True)).start()
 
 
 def quiet_console(plan: RunPlan, log_name: str = "ray-workers.log"):
@@ -367,7 +421,7 @@ def summarize(result, run_dir: Path | None, wall_s: float) -> None:
     if run_dir is not None and (run_dir / TIMELINE).is_file():
         print(f"world size  {run_dir / TIMELINE}\n" + format_timeline(WorldSizeTimeline(run_dir).rows()))
     if run_dir is not None and (run_dir / "metrics.jsonl").is_file():
-        records = MetricsLog(run_dir / "metrics.jsonl").read()
+        records = [r for r in MetricsLog(run_dir / "metrics.jsonl").read() if "loss" in r]  # not eval records
         if records:
             first, last = records[0], records[-1]
             print(f"metrics     {run_dir / 'metrics.jsonl'}  loss {first['loss']:.4f} -> {last['loss']:.4f}")

@@ -134,7 +134,7 @@ def trial(params: dict, plan: RunPlan, sweep_dir: str) -> None:
     from ray import tune
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    from .pretrain import RAY_SNAPSHOT, make_trainer
+    from .pretrain import RAY_SNAPSHOT, make_trainer, start_evaluator
 
     m, t = apply_params(plan.model_cfg, plan.train_cfg, params)
     name = check_name(tune.get_context().get_trial_name(), "trial name")  # it names the trial's folder
@@ -142,8 +142,13 @@ def trial(params: dict, plan: RunPlan, sweep_dir: str) -> None:
                                storage_path=join_uri(plan.opts.storage_path, plan.opts.name, "trials"),
                                run_dir=str(Path(sweep_dir) / "trials" / name) if plan.run_dir else None)
     C.RunFolder(join_uri(opts.storage_path, name)).delete(RAY_SNAPSHOT)  # a restored trial: minilm's rules, not Ray's
-    config = dataclasses.replace(plan, model_cfg=m, train_cfg=t).config(opts)
-    make_trainer(config, opts, callbacks=[TuneReportCallback()]).fit()
+    trial_plan = dataclasses.replace(plan, model_cfg=m, train_cfg=t, opts=opts)
+    evaluator = start_evaluator(trial_plan)  # --eval-tasks: the trial's checkpoints scored beside it
+    try:
+        make_trainer(trial_plan.config(opts), opts, callbacks=[TuneReportCallback()]).fit()
+    finally:
+        if evaluator is not None:
+            evaluator.finish(opts.eval_wait_s)
 
 
 # ---- results ---------------------------------------------------------------------------------------
@@ -157,17 +162,17 @@ def collect(results, dims: dict[str, SearchDim], metric: str) -> list[dict]:
         status = "ERROR" if r.error else ("DONE" if step and step >= m.get("total_steps", math.inf) else "STOPPED")
         row = {"trial": Path(r.path).name if r.path else "?", **{d: params.get(d) for d in dims},
                "steps": step, "loss": m.get("loss"), "val_loss": m.get("val_loss"), "val_bpb": m.get("val_bpb"),
-               "tokens_per_s": m.get("tokens_per_s"), "status": status}
+               metric: m.get(metric), "tokens_per_s": m.get("tokens_per_s"), "status": status}
         row["_records"] = reported_records(r.metrics_dataframe)
         rows.append(row)
-    key = metric if metric in ("loss", "val_loss", "val_bpb") else "loss"
-    rows.sort(key=lambda r: (r[key] is None or (isinstance(r[key], float) and math.isnan(r[key])),
-                             r[key] if r[key] is not None else math.inf))
+    sign = -1 if metric_mode(metric) == "max" else 1  # the best first
+    rows.sort(key=lambda r: (r[metric] is None or (isinstance(r[metric], float) and math.isnan(r[metric])),
+                             sign * r[metric] if r[metric] is not None else math.inf))
     return rows
 
 
 def write_results(rows: list[dict], dims: dict[str, SearchDim], plan: RunPlan, out: Path, metric: str) -> None:
-    cols = ["trial", *dims, "steps", "loss", "val_loss", "val_bpb", "tokens_per_s", "status"]
+    cols = ["trial", *dims, "steps", *dict.fromkeys(["loss", "val_loss", "val_bpb", metric]), "tokens_per_s", "status"]
     fmt = {float: lambda v: f"{v:.4g}", int: str}
     table = [[fmt.get(type(r[c]), str)(r[c]) if r[c] is not None else "-" for c in cols] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in table)) for i, c in enumerate(cols)]
@@ -243,8 +248,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--workers-per-trial", type=int, default=None, help="Ray Train workers per trial (default 1)")
     g.add_argument("--scheduler", choices=["asha", "none"], default=None, help="default asha")
     g.add_argument("--grace-steps", type=int, default=None, help="ASHA: optimizer steps before a trial can stop")
-    g.add_argument("--metric", choices=["loss", "val_loss", "val_bpb"], default=None,
-                   help="what to minimise (default: val_loss when --val-samples > 0, else loss)")
+    g.add_argument("--metric", default=None,
+                   help="what ranks the trials: loss, val_loss or val_bpb (minimised), or a score of --eval-tasks, "
+                        "eval/<task>/<metric> (acc and acc_norm maximised, bpb minimised) (default: val_loss when "
+                        "--val-samples > 0, else loss)")
     return p
 
 
@@ -278,27 +285,48 @@ def run(args: argparse.Namespace) -> int:
     plan = plan_run(args, concurrent_runs=concurrent, reserved_cpus=concurrent * TRIAL_CPUS, file_values=file_values)
     plan.opts.tracker_group = plan.opts.name  # trials of one sweep: one W&B group / MLflow tag
     try:
-        metric = sweep_opts["metric"] or ("val_loss" if plan.train_cfg.val_samples > 0 else "loss")
-        if metric in ("val_loss", "val_bpb") and plan.train_cfg.val_samples == 0:
-            raise UsageError(f"--metric {metric} needs --val-samples N > 0")
+        metric = check_metric(sweep_opts["metric"], plan)
         check_space(dims, plan)
-        check_capacity(concurrent, workers, plan.opts.cpus_per_worker, plan.opts.use_gpu)
+        eval_cpus = plan.opts.eval_resources.get("CPU", 0) if plan.eval_tasks else 0  # one scoring per trial at a time
+        check_capacity(concurrent, workers, plan.opts.cpus_per_worker, plan.opts.use_gpu, eval_cpus)
         grace = sweep_opts["grace_steps"] or max(1, plan.train_cfg.log_every)
         return sweep(plan, dims, num_samples, concurrent, scheduler, grace, metric, resume_sweep)
     finally:
         plan.release()
 
 
-def check_capacity(concurrent: int, workers: int, cpus_per_worker: float, use_gpu: str) -> None:
+def check_metric(metric: str | None, plan: RunPlan) -> str:
+    """--metric: a training metric, or a score of --eval-tasks (checked against the task list)."""
+    metric = metric or ("val_loss" if plan.train_cfg.val_samples > 0 else "loss")
+    if metric in ("val_loss", "val_bpb") and plan.train_cfg.val_samples == 0:
+        raise UsageError(f"--metric {metric} needs --val-samples N > 0")
+    if metric.startswith("eval/"):
+        if not plan.eval_tasks:
+            raise UsageError(f"--metric {metric} is a score of checkpoints evaluated beside training: give --eval-tasks")
+        from .evaluator import check_best_metric
+
+        return check_best_metric(metric, plan.eval_tasks, flag="--metric")
+    if metric not in ("loss", "val_loss", "val_bpb"):
+        raise UsageError(f"--metric {metric}: choose loss, val_loss, val_bpb or eval/<task>/<metric> (--eval-tasks)")
+    return metric
+
+
+def metric_mode(metric: str) -> str:
+    """Tune's mode: losses are minimised; a score of --eval-tasks as the best checkpoint is chosen."""
+    return C.metric_mode(metric) if metric.startswith("eval/") else "min"
+
+
+def check_capacity(concurrent: int, workers: int, cpus_per_worker: float, use_gpu: str, eval_cpus: float = 0) -> None:
     import ray
 
     total_cpu = ray.cluster_resources().get("CPU", 0)
-    need = concurrent * (workers * cpus_per_worker + TRIAL_CPUS)
+    per_trial = workers * cpus_per_worker + TRIAL_CPUS + eval_cpus
+    need = concurrent * per_trial
     if need > total_cpu:
-        fit = int(total_cpu // (workers * cpus_per_worker + TRIAL_CPUS))
+        scoring = f" + --eval-resources CPU={eval_cpus:g}" if eval_cpus else ""
         raise UsageError(f"--max-concurrent-trials {concurrent} x (--workers-per-trial {workers} x "
-                         f"--cpus-per-worker {cpus_per_worker:g} + {TRIAL_CPUS}) = {need:g} CPUs, but the cluster has "
-                         f"{total_cpu:g}; at most {fit} concurrent trial(s) fit")
+                         f"--cpus-per-worker {cpus_per_worker:g} + {TRIAL_CPUS}{scoring}) = {need:g} CPUs, but the "
+                         f"cluster has {total_cpu:g}; at most {int(total_cpu // per_trial)} concurrent trial(s) fit")
     if use_gpu == "true":
         gpus = ray.cluster_resources().get("GPU", 0)
         if concurrent * workers > gpus:
@@ -339,8 +367,8 @@ def sweep(plan: RunPlan, dims, num_samples, concurrent, scheduler, grace, metric
                                   grace_period=grace, reduction_factor=2)
         tuner = tune.Tuner(
             trainable, param_space={d.name: d.to_tune() for d in dims.values()},
-            tune_config=tune.TuneConfig(metric=metric, mode="min", num_samples=num_samples, scheduler=sched,
-                                        max_concurrent_trials=concurrent),
+            tune_config=tune.TuneConfig(metric=metric, mode=metric_mode(metric), num_samples=num_samples,
+                                        scheduler=sched, max_concurrent_trials=concurrent),
             run_config=tune.RunConfig(name=plan.opts.name, storage_path=plan.opts.storage_path),
         )
     results = tuner.fit()

@@ -181,16 +181,28 @@ def test_sweep_interrupted_resumed_asha_stops_the_bad_trial_and_best_yaml_runs(r
 @pytest.mark.ray
 @pytest.mark.slow  # a sweep of 2 trials, each a Ray Train run
 @pytest.mark.timeout(600)
-def test_sweep_reports_val_loss_per_trial(ray_address, sweep_data, tmp_path):
+def test_sweep_reports_val_loss_and_ranks_trials_by_a_score_of_eval_tasks(ray_address, sweep_data, tmp_path):
+    # Each trial's checkpoints scored beside it (--eval-tasks), the trials ranked by a score Tune maximises
+    from test_eval_beside import write_task_list
+
+    listing, _ = write_task_list(tmp_path / "tasks")
     env = run_env(ray_address)
     args = ["--data", str(sweep_data), *TINY, "--storage-path", str(tmp_path), "--name", "val",
             "--search", "lr=grid:3e-4,3e-3", "--num-samples", "1", "--max-concurrent-trials", "2",
-            "--workers-per-trial", "1", "--scheduler", "none", "--metric", "val_loss"]
+            "--workers-per-trial", "1", "--scheduler", "none", "--eval-tasks", str(listing),
+            "--metric", "eval/cloze/acc_norm"]
     proc = run_module("ray_jobs.tune", args, env=env, timeout=500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "sorted by eval/cloze/acc_norm" in proc.stdout
     with open(tmp_path / "val" / "results.csv") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 2 and all(r["val_loss"] not in ("", "None") for r in rows)
-    assert float(rows[0]["val_loss"]) <= float(rows[1]["val_loss"])
+    assert float(rows[0]["eval/cloze/acc_norm"]) >= float(rows[1]["eval/cloze/acc_norm"])  # maximised: best first
     logs = sorted((tmp_path / "val" / "trials").glob("*/metrics.jsonl"))
     assert len(logs) == 2 and all(any("val_loss" in json.loads(x) for x in p.read_text().splitlines()) for p in logs)
+    for log in logs:  # the score Tune ranked by is the last checkpoint's, as the trial's eval.jsonl holds it
+        scores = [json.loads(x) for x in (log.parent / "eval.jsonl").read_text().splitlines()]
+        last = max((r for r in scores if r["task"] == "cloze"), key=lambda r: r["step"])
+        assert last["step"] == 8
+        row = next(r for r in rows if r["trial"] == log.parent.name)
+        assert float(row["eval/cloze/acc_norm"]) == pytest.approx(last["metrics"]["acc_norm"])

@@ -1,0 +1,97 @@
+"""The scores of checkpoints evaluated beside training, as the run's metrics.
+
+The evaluator (`ray_jobs.evaluator`, in the driver) appends one record per (checkpoint, task) to RUN/eval.jsonl, the
+records of `ray_jobs.evaluate`. Rank 0 reads what is new at each log step (`EvalInbox.poll`) and hands each record
+on, once, as `eval/<task>/<metric>` at the checkpoint's step: to metrics.jsonl, the trackers and Ray's report. It
+never waits for a score, except for those of the last checkpoint after the last step (`EvalInbox.wait_for`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+EVAL_LOG = "eval.jsonl"  # in the run folder
+PREFIX = "eval/"
+
+
+def eval_metrics(record: dict) -> dict[str, float]:
+    """A record's finite numeric metrics as {"eval/<task>/<metric>": value} (a generate task's are counts: none)."""
+    if record.get("kind") == "generate" or "error" in record:
+        return {}
+    return {f"{PREFIX}{record['task']}/{k}": float(v) for k, v in (record.get("metrics") or {}).items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+
+
+def read_records(path: Path, offset: int = 0) -> tuple[list[dict], int]:
+    """The whole lines of `path` after byte `offset`, parsed (a line that is not a record is passed over: the file is
+    the evaluator's), and the offset after the last whole line."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except FileNotFoundError:
+        return [], offset
+    end = data.rfind(b"\n") + 1  # a line still being written is read next time
+    records = []
+    for line in data[:end].splitlines():
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(r, dict) and isinstance(r.get("task"), str) and isinstance(r.get("step"), int):
+            records.append(r)
+    return records, offset + end
+
+
+class EvalInbox:
+    """Rank 0's reader of RUN/eval.jsonl. `forwarded` holds the (step, task) pairs metrics.jsonl has already (read from
+    it at start, so a restarted worker or a resubmitted driver forwards each record once)."""
+
+    def __init__(self, run_dir: str | os.PathLike, tasks: list[str], metrics_records: list[dict]):
+        self.path, self.tasks, self.offset = Path(run_dir) / EVAL_LOG, list(tasks), 0
+        self.forwarded = {(r["optimizer_step"], r["eval_task"]) for r in metrics_records if "eval_task" in r}
+        self.seen: dict[tuple[int, str], dict] = {}  # every (step, task) read so far: a score or an error
+        self.latest: dict[str, float] = {}  # the newest checkpoint's scores, for Ray's report (Tune, dashboard)
+        self.latest_step, self._size = -1, -1
+
+    def poll(self, step: int) -> list[dict]:
+        """The records not yet forwarded, of checkpoints at or before `step` (a later one is of steps about to be
+        redone after a restart), as metrics.jsonl records: {"optimizer_step", "eval_task", "eval/<task>/...": v}."""
+        size = self.path.stat().st_size if self.path.exists() else 0
+        if size != self._size:
+            self._size = size
+            records, self.offset = read_records(self.path, self.offset)
+            for r in records:
+                self.seen[(r["step"], r["task"])] = r
+        out = []
+        for (at, task), r in sorted(self.seen.items(), key=lambda kv: kv[0]):
+            if at > step or (at, task) in self.forwarded:
+                continue
+            metrics = eval_metrics(r)
+            self.forwarded.add((at, task))
+            if metrics:
+                out.append({"optimizer_step": at, "eval_task": task, **metrics})
+                if at >= self.latest_step:
+                    self.latest_step = at
+                    self.latest.update(metrics)
+        return out
+
+    def scored(self, step: int) -> bool:
+        """Every task has a record (a score or an error) for the checkpoint at `step`."""
+        return all((step, task) in self.seen for task in self.tasks)
+
+    def wait_for(self, step: int, timeout_s: float, poll_s: float = 1.0) -> list[dict]:
+        """After the last step: wait up to `timeout_s` for the scores of the checkpoint at `step`; what arrived."""
+        deadline, out = time.monotonic() + timeout_s, []
+        while True:
+            out += self.poll(step)
+            if self.scored(step) or time.monotonic() >= deadline:
+                return out
+            time.sleep(poll_s)
+
+
+__all__ = ["EVAL_LOG", "EvalInbox", "eval_metrics", "read_records"]

@@ -1,0 +1,218 @@
+"""Checkpoints scored beside training: `ray_jobs.pretrain --eval-tasks tasks.yaml --eval-resources CPU=1`.
+
+A thread of the driver watches the run folder. Each new complete checkpoint goes to one Ray task
+(`minilm.evaluate.evaluate_checkpoint`) on resources of its own, which the training workers never wait for. Its
+records are appended to RUN/eval.jsonl (the records of `ray_jobs.evaluate`, so either skips what the other scored),
+the best checkpoint is pointed at (best.json), and rank 0 hands the scores on to metrics.jsonl, the trackers and
+Ray's report (`minilm.eval_log`). A checkpoint waiting for its scores is pinned (eval-pending.json): pruning keeps it.
+A driver resubmitted, or a run continued, scores only what eval.jsonl lacks: each checkpoint once. An evaluation
+that fails is one warning line (and an `error` record); training goes on.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+from minilm import checkpoint as C
+from minilm.eval_log import EVAL_LOG
+from minilm.evaluate import Task, TaskError, evaluate_checkpoint, format_metrics, identify, load_tasks
+from minilm.safety import redact
+
+from .cli import UsageError
+from .evaluate import append, read_done
+
+POLL_S = 1.0
+
+
+def default_best_metric(tasks: list[Task]) -> str | None:
+    """The first task's headline score: acc_norm for multiple choice, bpb for text; none for generations only."""
+    for task in tasks:
+        if task.kind in ("hellaswag", "choice"):
+            return f"eval/{task.name}/acc_norm"
+        if task.kind == "bpb":
+            return f"eval/{task.name}/bpb"
+    return None
+
+
+def check_best_metric(metric: str | None, tasks: list[Task], flag: str = "--eval-best") -> str | None:
+    """--eval-best (or tune's --metric): eval/<task>/<metric> of a task in the list."""
+    if metric is None:
+        return default_best_metric(tasks)
+    name = metric.removeprefix("eval/")
+    task, _, key = name.partition("/")
+    kinds = {t.name: t.kind for t in tasks}
+    keys = {"hellaswag": ("acc", "acc_norm"), "choice": ("acc", "acc_norm"), "bpb": ("bpb", "nats_per_token")}
+    if task not in kinds or key not in keys.get(kinds[task], ()):
+        choices = [f"eval/{t.name}/{k}" for t in tasks for k in keys.get(t.kind, ())]
+        raise UsageError(f"{flag} {metric}: not a score of the task list; choose from {', '.join(choices)}")
+    return f"eval/{name}"
+
+
+class Evaluator:
+    """The driver's watcher of one local run folder; `start()` before training, `finish()` after it."""
+
+    def __init__(self, run_dir: str | Path, tasks_file: str, tasks: list[Task], resources: dict[str, float],
+                 run_name: str, best_metric: str | None, tokenizer: str | None = None, say=print):
+        self.folder = C.RunFolder(run_dir)
+        self.tasks_file, self.tasks, self.resources = tasks_file, tasks, resources
+        self.run_name, self.best_metric, self.tokenizer, self.say = run_name, best_metric, tokenizer, say
+        self.output = Path(run_dir) / EVAL_LOG
+        self.done = read_done(self.output)  # (step, weights SHA-256, fingerprint) of every score in eval.jsonl
+        self.seen: set[str] = set()  # checkpoint folders looked at (scored, handed out, or nothing left to score)
+        self.running: dict = {}  # ObjectRef -> (checkpoint name, its identity, the tasks it scores)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="minilm-evaluator", daemon=True)
+        self._remote = None
+
+    def start(self) -> Evaluator:
+        import ray
+
+        self._remote = ray.remote(score_checkpoint).options(
+            num_cpus=self.resources.get("CPU", 0), num_gpus=self.resources.get("GPU", 0), max_retries=0,
+            resources={k: v for k, v in self.resources.items() if k not in ("CPU", "GPU")} or None)
+        self._tasks_ref = ray.put(self.tasks)
+        self._thread.start()
+        return self
+
+    def finish(self, wait_s: float) -> None:
+        """After training: the checkpoints not yet scored, waited for up to `wait_s`; what is left is said."""
+        self._stop.set()
+        self._thread.join()
+        try:
+            self._finish(wait_s)
+        except Exception as e:  # training's outcome stands whatever happens here
+            self.say(f"warning: evaluation beside training: {type(e).__name__}: {redact(str(e))}")
+
+    def _finish(self, wait_s: float) -> None:
+        deadline = time.monotonic() + wait_s
+        self.submit_new()
+        while self.running and time.monotonic() < deadline:
+            self.collect(timeout=min(POLL_S, max(0.0, deadline - time.monotonic())))
+        if self.running:
+            names = sorted(self.running_names())
+            self.say(f"note: {len(names)} checkpoint(s) not scored within {wait_s / 60:g} min ({', '.join(names)}); "
+                     f"score them later with: python -m ray_jobs.evaluate --run {self.folder.display} --tasks "
+                     f"{self.tasks_file} --output {self.output}")
+            import ray
+
+            for ref in self.running:
+                ray.cancel(ref, force=True)
+            self.running.clear()  # eval-pending.json still names them: pruning keeps them for a later scoring
+
+    def _watch(self) -> None:
+        said = set()
+        while not self._stop.is_set():
+            try:
+                self.submit_new()
+                self.collect(timeout=POLL_S)
+            except Exception as e:  # the evaluator never stops training; each kind of trouble is said once
+                line = f"warning: evaluation beside training: {type(e).__name__}: {redact(str(e))}; retrying"
+                if line not in said:
+                    said.add(line)
+                    self.say(line)
+                self._stop.wait(10 * POLL_S)
+
+    def submit_new(self) -> None:
+        """Hand each complete checkpoint not seen before to a Ray task (only the tasks eval.jsonl lacks for it). One
+        still being copied in is looked at again at the next poll; a torn one is passed over once a newer one is
+        complete."""
+        names = [n for n in self.folder.checkpoints() if n not in self.seen]
+        for i, name in enumerate(names):
+            try:
+                ckpt = identify(self.folder.local / name)
+                todo = [t for t in self.tasks if (ckpt.step, ckpt.weights_sha256, t.fingerprint) not in self.done]
+                if todo:
+                    self.folder.complete(name)  # every file there, hashes matching
+            except (C.CheckpointError, OSError) as e:
+                if any(self.folder.has_marker(n) for n in names[i + 1:]):
+                    self.seen.add(name)
+                    self.say(f"note: not scoring {name}: {e}")
+                continue
+            self.seen.add(name)
+            if todo:
+                ref = self._remote.remote(str(self.folder.local / name), self._tasks_ref,
+                                          [t.fingerprint for t in todo], self.tokenizer, self.run_name)
+                self.running[ref] = (name, ckpt, todo)
+        self.pin()
+
+    def collect(self, timeout: float) -> None:
+        import ray
+
+        if not self.running:
+            time.sleep(timeout)
+            return
+        ready, _ = ray.wait(list(self.running), num_returns=len(self.running), timeout=timeout)
+        for ref in ready:
+            name, ckpt, todo = self.running.pop(ref)
+            try:
+                records = ray.get(ref)
+            except Exception as e:  # a task error, a lost node: one line, an error record per task
+                why = ray_error_line(e)
+                self.say(f"warning: scoring {name} failed: {why}; training goes on")
+                records = [{"task": t.name, "kind": t.kind, "fingerprint": t.fingerprint, "checkpoint": name,
+                            "step": ckpt.step, "weights_sha256": ckpt.weights_sha256, "error": why,
+                            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")} for t in todo]
+            self.record(name, records)
+        if ready:
+            self.pin()
+
+    def record(self, name: str, records: list[dict]) -> None:
+        append(self.output, records)
+        scores = [r for r in records if "error" not in r]
+        for r in scores:
+            self.done.add((r["step"], r["weights_sha256"], r["fingerprint"]))
+        if not scores:
+            return
+        self.say(f"eval  step {scores[0]['step']}: " + "; ".join(
+            f"{r['task']} {format_metrics(r['metrics'])}" for r in scores if r["kind"] != "generate"))
+        if self.best_metric:
+            task, _, key = self.best_metric.removeprefix("eval/").partition("/")
+            for r in scores:
+                if r["task"] == task and key in r["metrics"] and C.update_best(
+                        self.folder, self.best_metric, name, r["step"], r["metrics"][key], r["weights_sha256"]):
+                    self.say(f"best  {name} by {self.best_metric} {r['metrics'][key]:.4f} ({C.BEST})")
+
+    def running_names(self) -> set[str]:
+        return {name for name, _, _ in self.running.values()}
+
+    def pin(self) -> None:
+        """The checkpoints handed out and not scored yet: pruning keeps them (and the best one) until they are."""
+        C.write_pending(self.folder, sorted(self.running_names()))
+
+
+def score_checkpoint(path: str, tasks: list[Task], fingerprints: list[str], tokenizer: str | None,
+                     run_name: str) -> list[dict]:
+    """The Ray task: the tasks of `fingerprints` on one checkpoint, on the resources it was given; the scores also
+    to the dashboard."""
+    import ray
+    import torch
+
+    from . import dashboard_metrics
+
+    torch.set_num_threads(max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1))))
+    todo = [t for t in tasks if t.fingerprint in fingerprints]
+    records = evaluate_checkpoint(path, todo, tokenizer=tokenizer, device="cuda" if torch.cuda.is_available() else "cpu")
+    dashboard_metrics.publish_eval(records, run_name)
+    return records
+
+
+def ray_error_line(e: BaseException) -> str:
+    """The task's own exception line out of Ray's wrapper."""
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, BaseException):
+        return f"{type(cause).__name__}: {redact(' '.join(str(cause).split()))[:300]}"
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    return redact(lines[-1].strip() if lines else type(e).__name__)[:300]
+
+
+def load_eval_tasks(path: str) -> list[Task]:
+    """The task list, every item read and checked before any training starts (TaskError: one line)."""
+    try:
+        return load_tasks(path)
+    except TaskError as e:
+        raise UsageError(f"--eval-tasks: {e}") from None
+
+
+__all__ = ["Evaluator", "check_best_metric", "load_eval_tasks", "score_checkpoint"]

@@ -1,0 +1,215 @@
+"""Checkpoints scored beside training (`ray_jobs.pretrain --eval-tasks`): rank 0's reader of eval.jsonl (each score
+forwarded once, at its checkpoint's step, never one of a step about to be redone), the flags' checks, the demo's task
+list, and end to end: the final weights bitwise those of the run without evaluation, every checkpoint scored once,
+the scores those of a plain log_softmax computed here, and a driver SIGKILLed and resubmitted scoring each checkpoint
+once all the same."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+import torch
+from runs import (
+    STEPS,
+    bitwise_equal,
+    final_weights,
+    is_complete,
+    metrics,
+    pretrain,
+    start_pretrain,
+    tiny_args,
+    wait_for,
+    wait_until_workers_exit,
+)
+from test_evaluate import reference_loglik
+
+from minilm import checkpoint as C
+from minilm.eval_log import EvalInbox, eval_metrics
+from minilm.evaluate import load_tasks, read_hellaswag
+from ray_jobs import demo_tasks
+from ray_jobs.cli import UsageError, parse_eval_resources
+from ray_jobs.evaluator import check_best_metric
+
+
+def record(step: int, task: str, kind: str = "hellaswag", **metrics) -> dict:
+    return {"task": task, "kind": kind, "step": step, "fingerprint": f"fp-{task}", "weights_sha256": f"w{step}",
+            "metrics": metrics or {"acc": 0.5, "acc_norm": 0.25}}
+
+
+def append(path, *records, torn: str = "") -> None:
+    with open(path, "a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in records) + torn)
+
+
+# ---- rank 0's reader --------------------------------------------------------------------------------
+
+def test_each_score_is_forwarded_once_at_its_step_and_none_of_a_step_to_be_redone(tmp_path):
+    inbox = EvalInbox(tmp_path, ["cloze", "held"], metrics_records=[])
+    assert inbox.poll(10) == []  # no eval.jsonl yet
+    append(tmp_path / "eval.jsonl", record(4, "cloze"), record(4, "held", "bpb", bpb=1.5, nats_per_token=2.0),
+           torn='{"task": "cloze", "step": 8, "kind": "hellaswag"')  # a line still being written is not read
+    assert inbox.poll(6) == [
+        {"optimizer_step": 4, "eval_task": "cloze", "eval/cloze/acc": 0.5, "eval/cloze/acc_norm": 0.25},
+        {"optimizer_step": 4, "eval_task": "held", "eval/held/bpb": 1.5, "eval/held/nats_per_token": 2.0}]
+    assert inbox.poll(6) == [] and inbox.scored(4) and not inbox.scored(8)
+    assert inbox.latest == {"eval/cloze/acc": 0.5, "eval/cloze/acc_norm": 0.25, "eval/held/bpb": 1.5,
+                            "eval/held/nats_per_token": 2.0}
+    with open(tmp_path / "eval.jsonl", "a") as f:  # the torn line ends; the scores of step 8 come while at step 6
+        f.write(', "fingerprint": "x", "weights_sha256": "w", "metrics": {"acc": 1.0, "acc_norm": 1.0}}\n')
+    assert inbox.poll(6) == []  # step 8 is after the step the run is at: held back (a restart redoes it)
+    assert inbox.poll(8) == [{"optimizer_step": 8, "eval_task": "cloze", "eval/cloze/acc": 1.0,
+                              "eval/cloze/acc_norm": 1.0}]
+    # A restarted rank 0 knows what metrics.jsonl holds: only the rest is forwarded
+    again = EvalInbox(tmp_path, ["cloze", "held"], metrics_records=[
+        {"optimizer_step": 4, "eval_task": "cloze"}, {"optimizer_step": 4, "eval_task": "held"}, {"loss": 1.0,
+                                                                                                  "optimizer_step": 4}])
+    assert [(r["optimizer_step"], r["eval_task"]) for r in again.poll(20)] == [(8, "cloze")]
+
+
+def test_errors_and_generations_are_scored_but_carry_no_metric(tmp_path):
+    gen = record(4, "samples", "generate", prompts=2)
+    err = {**record(4, "cloze"), "error": "RuntimeError: boom"}
+    del err["metrics"]
+    assert eval_metrics(gen) == {} and eval_metrics(err) == {}
+    assert eval_metrics(record(4, "held", "bpb", bpb=float("nan"), nats_per_token=2)) == {"eval/held/nats_per_token": 2.0}
+    append(tmp_path / "eval.jsonl", gen, err)
+    inbox = EvalInbox(tmp_path, ["samples", "cloze"], [])
+    assert inbox.wait_for(4, timeout_s=5) == [] and inbox.scored(4)  # nothing to forward, and nothing left to wait for
+
+
+def test_the_wait_for_the_last_scores_ends_when_they_arrive_or_at_its_limit(tmp_path):
+    inbox = EvalInbox(tmp_path, ["cloze"], [])
+    assert inbox.wait_for(20, timeout_s=0.3, poll_s=0.1) == [] and not inbox.scored(20)
+    append(tmp_path / "eval.jsonl", record(20, "cloze"))
+    assert [r["optimizer_step"] for r in inbox.wait_for(20, timeout_s=60)] == [20]
+
+
+# ---- the flags --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("spec", "want"), [("CPU=2", {"CPU": 2.0}), ("CPU=1,GPU=0.5", {"CPU": 1.0, "GPU": 0.5}),
+                                            ({"CPU": 1, "eval_slot": 1}, {"CPU": 1.0, "eval_slot": 1.0})])
+def test_eval_resources_parse(spec, want):
+    assert parse_eval_resources(spec) == want
+
+
+@pytest.mark.parametrize("spec", ["CPU", "CPU=0", "CPU=-1", "=2", "CPU=x", "CPU=inf", "CPU=nan"])
+def test_bad_eval_resources_are_one_line(spec):
+    with pytest.raises(UsageError, match=r"--eval-resources .*expected NAME=N with N > 0"):
+        parse_eval_resources(spec)
+
+
+def test_the_best_metric_is_a_score_of_the_task_list(tmp_path):
+    tasks = load_tasks(demo_tasks.write_tasks(tmp_path / "tasks", items=8, documents=2))
+    assert check_best_metric(None, tasks) == "eval/cloze/acc_norm"
+    assert check_best_metric(None, [t for t in tasks if t.kind != "hellaswag"]) == "eval/comments/bpb"
+    assert check_best_metric(None, [t for t in tasks if t.kind == "generate"]) is None
+    assert check_best_metric("comments/bpb", tasks) == "eval/comments/bpb"
+    for bad in ("eval/cloze/bpb", "eval/nope/acc", "eval/samples/prompts", "acc"):
+        with pytest.raises(UsageError, match=r"^--eval-best .*: not a score of the task list; choose from "
+                                             r"eval/cloze/acc, eval/cloze/acc_norm, eval/comments/bpb"):
+            check_best_metric(bad, tasks)
+
+
+def test_the_demo_task_list_reads_and_refuses_a_folder_of_other_files(tmp_path):
+    listing = demo_tasks.write_tasks(tmp_path / "t", items=20, documents=5)
+    tasks = {t.name: t for t in load_tasks(listing)}
+    assert [t.kind for t in tasks.values()] == ["hellaswag", "bpb", "generate"]
+    items = read_hellaswag(tmp_path / "t" / "cloze.jsonl")
+    assert len(items) == 20 and all(len(it.choices) == 4 for it in items)
+    assert len({it.label for it in items}) > 1  # the right ending is not always in one place
+    assert len(tasks["comments"].items) == 5
+    assert demo_tasks.write_tasks(tmp_path / "t", items=20, documents=5) == listing  # its own output: replaced
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    assert demo_tasks.main(["--output", str(tmp_path / "other")]) == 2
+    assert (tmp_path / "other" / "notes.txt").read_text() == "mine" and len(list((tmp_path / "other").iterdir())) == 1
+
+
+# ---- end to end ---------------------------------------------------------------------------------------
+
+TEXT = ["the quick brown fox jumps over the lazy dog", "the lazy dog sleeps", "a quick fox"]
+
+
+def write_task_list(folder) -> tuple:
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = [{"ctx": "the quick brown", "endings": [" fox jumps", " dog sleeps", " lazy"], "label": 0},
+            {"ctx": "the lazy", "endings": [" dog sleeps", " quick brown fox", " over"], "label": 0},
+            {"ctx": "jumps over the", "endings": [" fox", " lazy dog", " quick"], "label": 1}]
+    (folder / "cloze.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "held.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXT))
+    (folder / "tasks.yaml").write_text("tasks:\n  - {name: cloze, kind: hellaswag, path: cloze.jsonl}\n"
+                                       "  - {name: held, kind: bpb, path: held.jsonl}\n")
+    return folder / "tasks.yaml", rows
+
+
+def eval_pairs(run_dir) -> list[tuple[int, str]]:
+    return sorted((r["step"], r["task"]) for r in map(json.loads, (run_dir / "eval.jsonl").read_text().splitlines())
+                  if "error" not in r)
+
+
+def forwarded(run_dir) -> list[tuple[int, str]]:
+    return sorted((r["optimizer_step"], r["eval_task"]) for r in metrics(run_dir) if "eval_task" in r)
+
+
+CHECKPOINTS = range(4, STEPS + 1, 4)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_scores_beside_training_leave_the_weights_bitwise_and_arrive_once(ray_address, run_data, run_storage,
+                                                                         baseline, tmp_path):
+    listing, rows = write_task_list(tmp_path / "tasks")
+    proc = pretrain(ray_address, tiny_args(run_data, run_storage, "beside", "--num-workers", "2", "--eval-tasks",
+                                           str(listing), "--eval-resources", "CPU=1"))
+    run_dir = run_storage / "beside"
+    # Training never reads a score: the weights are the run's without evaluation, bit for bit
+    assert bitwise_equal(final_weights(run_storage, "beside"), baseline["weights"])
+    want = [(s, t) for s in CHECKPOINTS for t in ("cloze", "held")]
+    assert eval_pairs(run_dir) == want  # every checkpoint scored, once
+    assert forwarded(run_dir) == want  # and in metrics.jsonl once, at its checkpoint's step
+    last = {r["eval_task"]: r for r in metrics(run_dir) if r.get("optimizer_step") == STEPS and "eval_task" in r}
+    assert set(last["cloze"]) >= {"eval/cloze/acc", "eval/cloze/acc_norm"} and "eval/held/bpb" in last["held"]
+    # The last scores against a plain log_softmax over each choice, computed here from the final weights
+    from minilm.tokenizer import load_tokenizer
+
+    ckpt = run_dir / f"checkpoint_{STEPS:08d}"
+    model, _ = C.load_pretrained(ckpt / "weights")
+    model.float()
+    tok = load_tokenizer(ckpt / "weights" / "tokenizer.json")
+    final = C.load_resume_state(ckpt, keys=("model_config",))
+    model.load_state_dict(final.model_state)  # the fp32 weights (the export is half precision)
+    right = 0
+    for row in rows:
+        loglik = [reference_loglik(model, tok, row["ctx"], e) for e in row["endings"]]
+        right += int(torch.tensor(loglik).argmax()) == row["label"]
+    assert last["cloze"]["eval/cloze/acc"] == pytest.approx(right / len(rows))
+    # The best checkpoint by the default metric (cloze's acc_norm) is kept, whatever pruning did
+    best = C.read_best(C.RunFolder(run_dir))
+    scores = {r["optimizer_step"]: r["eval/cloze/acc_norm"] for r in metrics(run_dir) if r.get("eval_task") == "cloze"}
+    assert best["metric"] == "eval/cloze/acc_norm" and best["value"] == max(scores.values())
+    assert scores[best["step"]] == best["value"] and (run_dir / best["checkpoint"]).is_dir()
+    assert f"eval  step {STEPS}: cloze acc " in proc.stdout
+    assert [line for line in proc.stdout.splitlines() if line.startswith("warning")] == []
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_killed_driver_resubmitted_scores_each_checkpoint_once(ray_address, run_data, run_storage, tmp_path):
+    listing, _ = write_task_list(tmp_path / "tasks")
+    args = tiny_args(run_data, run_storage, "beside-kill", "--num-workers", "1", "--eval-tasks", str(listing))
+    run_dir = run_storage / "beside-kill"
+    proc = start_pretrain(ray_address, args, capture=False, log=tmp_path / "driver.log", MINILM_TEST_STEP_DELAY_S="0.3")
+    wait_for(lambda: is_complete(run_dir / "checkpoint_00000012"), proc, "checkpoint 12 was complete")
+    proc.send_signal(signal.SIGKILL)  # scores of 12 (and maybe 8) still running or not yet handed out
+    proc.wait(30)
+    wait_until_workers_exit()
+    before = eval_pairs(run_dir)
+    assert len(set(before)) == len(before)
+    again = pretrain(ray_address, args)
+    want = [(s, t) for s in CHECKPOINTS for t in ("cloze", "held")]
+    assert eval_pairs(run_dir) == want, (before, again.stdout[-3000:])
+    assert forwarded(run_dir) == want
