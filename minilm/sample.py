@@ -1,6 +1,7 @@
-"""Print a sampled continuation from a weights export.
+"""Print a sampled continuation from a weights export or a checkpoint.
 
     python -m minilm.sample --weights runs/demo/weights --prompt "The os module" --max-new-tokens 60
+    python -m minilm.sample --weights runs/demo/best --prompt "The os module"   # the run's best checkpoint
 """
 
 from __future__ import annotations
@@ -10,14 +11,19 @@ import sys
 
 import torch
 
-from .checkpoint import CheckpointError, load_pretrained
+from . import checkpoint as C
 from .cli import fail
 from .config import ConfigError
+from .evaluate import TaskError, check_tokenizer, find_tokenizer, identify, load_model
+from .tokenizer import TokenizerError
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m minilm.sample", description=__doc__.split("\n")[0])
-    p.add_argument("--weights", required=True, help="a weights export folder (model.safetensors + config.json)")
+    p.add_argument("--weights", required=True, help="a weights export folder (model.safetensors + config.json), a "
+                                                    "checkpoint folder, or RUN/best: the run's best checkpoint")
+    p.add_argument("--tokenizer", help="tokenizer.json, for weights without one (default: the folder's own, else "
+                                       "that of another checkpoint of the run)")
     p.add_argument("--prompt", default="", help="text to continue")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
@@ -27,19 +33,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
         return fail("need --max-new-tokens >= 1, --temperature >= 0 and 0 < --top-p <= 1")
     try:
-        model, tokenizer = load_pretrained(args.weights)
-    except CheckpointError as e:
+        model, tokenizer = load(args.weights, args.tokenizer)
+    except (C.CheckpointError, TaskError, TokenizerError) as e:
         return fail(str(e))
     except (ConfigError, OSError, ValueError, TypeError, RuntimeError) as e:  # a config.json or weights that do not fit
         return fail(f"{args.weights}: cannot load these weights ({type(e).__name__}: {' '.join(str(e).split())[:300]})")
-    if tokenizer is None:
-        return fail(f"{args.weights} has no tokenizer.json")
     ids = [model.config.bos_token_id] + tokenizer.encode(args.prompt).ids
     out = model.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                          top_p=args.top_p, eos_token_id=model.config.eos_token_id,
                          generator=torch.Generator().manual_seed(args.seed))
     print(tokenizer.decode(out[0, 1:].tolist()))
     return 0
+
+
+def load(path: str, tokenizer: str | None = None):
+    """(model in eval mode, tokenizer) of a weights export or a resume checkpoint (RUN/best resolved): a checkpoint's
+    own weights/ export when it has one, else its fp32 weights; the tokenizer found as ray_jobs.evaluate finds it."""
+    checkpoint = identify(C.resolve(path))
+    export = checkpoint.path / "weights"
+    model, state = load_model(identify(export) if checkpoint.resume and (export / C.MARKER).is_file() else checkpoint)
+    return model, check_tokenizer(find_tokenizer(checkpoint, tokenizer), model, state)
 
 
 if __name__ == "__main__":

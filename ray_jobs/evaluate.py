@@ -25,7 +25,8 @@ from .cli import fail
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ray_jobs.evaluate", description=__doc__.split("\n")[0])
     p.add_argument("--checkpoint", action="append", default=[],
-                   help="a checkpoint folder written by training (checkpoint_XXXXXXXX) or a weights export; repeatable")
+                   help="a checkpoint folder written by training (checkpoint_XXXXXXXX), RUN/best (the run's best "
+                        "checkpoint, best.json) or a weights export; repeatable")
     p.add_argument("--run", help="a run folder: every complete checkpoint in it, oldest first")
     p.add_argument("--tasks", required=True, help="the task list (YAML or JSON): name, kind, path, options")
     p.add_argument("--output", required=True, help="results JSONL, appended to (pairs already there are skipped)")
@@ -45,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         done = read_done(Path(args.output))
         # A checkpoint named on the command line must be sound; one of --run that is not is passed over, as
         # training's --resume auto does (it may be still being written, or torn by a crash).
-        checkpoints = [(path, True) for path in args.checkpoint] + [(path, False) for path in run_checkpoints(args.run)]
+        checkpoints = [(C.resolve(path), True) for path in args.checkpoint] + \
+            [(path, False) for path in run_checkpoints(args.run)]
         device = resolve_device(args.device)
         table = Table()
         for path, named in checkpoints:

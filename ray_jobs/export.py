@@ -1,6 +1,7 @@
 """Export the weights of a checkpoint for inference.
 
     python -m ray_jobs.export --checkpoint runs/demo/checkpoint_00000200 --output out/
+    python -m ray_jobs.export --checkpoint runs/demo/best --output out/         # the best by the run's eval metric
     python -m ray_jobs.export --checkpoint ... --output out/ --format minimind   # + pretrain_<hidden>[_moe].pth
     python -m ray_jobs.export --checkpoint ... --output out-hf/ --format hf      # a Hugging Face Qwen3 folder
 
@@ -26,7 +27,8 @@ from .cli import fail
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ray_jobs.export", description=__doc__.split("\n")[0])
-    p.add_argument("--checkpoint", required=True, help="a checkpoint folder written by ray_jobs.pretrain")
+    p.add_argument("--checkpoint", required=True, help="a checkpoint folder written by ray_jobs.pretrain, or "
+                                                       "RUN/best: the run's best checkpoint (docs/evaluation.md)")
     p.add_argument("--output", required=True, help="a new or empty folder, or an earlier export to replace (a folder "
                                                    "holding anything else is refused)")
     p.add_argument("--format", choices=["safetensors", "minimind", "hf"], default="safetensors",
@@ -41,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        args.checkpoint = C.resolve(args.checkpoint)  # RUN/best: the checkpoint its best.json names
         C.check_output(Path(args.output))  # refused before the checkpoint is read
         resume = C.load_resume_state(args.checkpoint, keys=("model_config",))
         config = ModelConfig.from_dict(resume.state["model_config"])

@@ -25,6 +25,7 @@ import torch
 from ..config import ModelConfig, TrainConfig
 from ..data import fsync_dir
 from . import files as F
+from .best import pinned
 from .resume import RunFolder, staging_dir, sweep_staging
 
 
@@ -265,13 +266,19 @@ class CheckpointManager:
 
     def prune(self, newest: str) -> list[str]:
         """Keep `newest` (durable and verified) and the `keep - 1` complete checkpoints before it; delete the older
-        ones and torn folders older than those, never the checkpoint this run resumed from nor anything newer than
-        `newest`. A delete that fails is a warning: it never stops a run."""
+        ones and torn folders older than those, never the checkpoint this run resumed from, a `pinned` one (the
+        best, those pending evaluation: kept in addition to the `keep`) nor anything newer than `newest`. A delete
+        that fails is a warning: it never stops a run; so is a best.json that cannot be read (nothing is deleted)."""
+        try:
+            pins = pinned(self.folder)
+        except (F.CheckpointError, OSError) as e:
+            self.say(f"warning: not pruning old checkpoints: {e}")
+            return []
         names = [n for n in self.folder.checkpoints() if n <= newest]
         kept = [n for n in names if n == newest or self.folder.has_marker(n)][-self.keep:]
         removed = []
         for name in names:
-            if name >= kept[0] or name == (self.origin and Path(self.origin).name):
+            if name >= kept[0] or name in pins or name == (self.origin and Path(self.origin).name):
                 continue
             try:
                 self.folder.delete(name)

@@ -1,0 +1,170 @@
+"""The run's best checkpoint by one eval metric, and the checkpoints pruning must leave alone.
+
+`best.json` in the run folder names the best checkpoint so far; `eval-pending.json` names those queued for evaluation.
+Both are written by the run's evaluator (one writer per run folder: the Ray driver) and read by
+`CheckpointManager.prune`, which never deletes a `pinned` checkpoint. `resolve` turns RUN/best into that checkpoint's
+folder for `ray_jobs.export`, `ray_jobs.evaluate` and `minilm.sample`.
+
+The evaluator's order keeps a checkpoint pinned throughout: `write_pending` with it before it is evaluated,
+`update_best` with its score, then `write_pending` without it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+from ..cli import UsageError
+from .files import MARKER, CheckpointError, parse_marker
+from .resume import CHECKPOINT_NAME, LEASE, RunFolder
+
+BEST = "best.json"
+PENDING = "eval-pending.json"
+BEST_NAME = "best"  # the last component of RUN/best, as a --checkpoint or --weights
+# Metrics where lower is better; higher is better for accuracies (`acc`, `acc_norm`, any name ending in `acc`).
+LOWER_IS_BETTER = frozenset({"bpb", "nats_per_token", "loss", "val_loss", "val_bpb"})
+
+
+class MetricError(UsageError, ValueError):
+    """A metric that cannot choose a best checkpoint (its name says neither "higher" nor "lower is better")."""
+
+
+def canonical(metric: str) -> tuple[str, str]:
+    """(`eval/<task>/<metric>`, "min" or "max") for `eval/<task>/<metric>` or `<task>/<metric>`."""
+    parts = str(metric).split("/")
+    if len(parts) > 2 and parts[0] == "eval":
+        parts = parts[1:]
+    task, name = "/".join(parts[:-1]), parts[-1]
+    if name in LOWER_IS_BETTER:
+        mode = "min"
+    elif name.endswith("acc") or name == "acc_norm":
+        mode = "max"
+    else:
+        raise MetricError(f"metric {metric!r} cannot choose the best checkpoint: name it eval/<task>/<metric> with "
+                          f"a metric of {', '.join(sorted(LOWER_IS_BETTER))} (lower is better) or acc, acc_norm, "
+                          f"*acc (higher is better)")
+    if not task:
+        raise MetricError(f"metric {metric!r}: name it eval/<task>/<metric> (or <task>/<metric>), e.g. eval/held/bpb")
+    return f"eval/{task}/{name}", mode
+
+
+def metric_mode(metric: str) -> str:
+    """"max" when a higher value of `metric` is better, "min" when a lower one is; MetricError for anything else."""
+    return canonical(metric)[1]
+
+
+def read_best(folder: RunFolder) -> dict | None:
+    """best.json (None when there is none); a damaged one is one CheckpointError line naming it."""
+    raw = folder.read(BEST)
+    if raw is None:
+        return None
+    where = f"{folder.display}/{BEST}"
+    try:
+        best = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise CheckpointError(f"{where} is unreadable ({e}): fix or delete it (the next evaluation writes it "
+                              f"again)") from None
+    fields = {"checkpoint": (str, "a string"), "step": (int, "an integer"), "metric": (str, "a string"),
+              "mode": (str, "a string"), "value": ((int, float), "a number"), "weights_sha256": (str, "a string"),
+              "time": (str, "a string")}
+    if not isinstance(best, dict):
+        raise CheckpointError(f"{where} is not a mapping of {', '.join(fields)}: fix or delete it")
+    for key, (kind, what) in fields.items():
+        if not isinstance(best.get(key), kind) or isinstance(best[key], bool):
+            got = repr(best[key])[:80] if key in best else "nothing"
+            raise CheckpointError(f"{where}: {key} must be {what}, got {got} (edited, or not written by minilm): "
+                                  f"fix or delete it")
+    # the name becomes a path: only a checkpoint folder of the run, never '..' or a '/'
+    if not CHECKPOINT_NAME.fullmatch(best["checkpoint"]):
+        raise CheckpointError(f"{where}: checkpoint {best['checkpoint'][:80]!r} is not a checkpoint_XXXXXXXX folder "
+                              f"name: fix or delete it")
+    try:
+        metric, mode = canonical(best["metric"])
+    except MetricError as e:
+        raise CheckpointError(f"{where}: {e}") from None
+    if (metric, mode) != (best["metric"], best["mode"]) or not math.isfinite(best["value"]):
+        raise CheckpointError(f"{where}: metric {best['metric']!r}, mode {best['mode']!r} and value "
+                              f"{best['value']!r} do not agree (edited, or not written by minilm): fix or delete it")
+    return best
+
+
+def update_best(folder: RunFolder, metric: str, checkpoint: str, step: int, value: float,
+                weights_sha256: str) -> bool:
+    """Make `checkpoint` (scored `value` on `metric`) the best if there is none yet, if best.json holds another
+    metric (the run's chosen metric changed: the new one replaces it, whatever the old one's value), if the folder no
+    longer holds the best's weights (moved aside by --abandon-newer), or if `value` is strictly better; a NaN or
+    infinite value never becomes best. Whether best.json changed."""
+    metric, mode = canonical(metric)
+    if not math.isfinite(value):
+        return False
+    best = read_best(folder)
+    if best is not None and best["metric"] == metric and holds(folder, best):
+        if not (value < best["value"] if mode == "min" else value > best["value"]):
+            return False
+    record = {"checkpoint": checkpoint, "step": int(step), "metric": metric, "mode": mode, "value": float(value),
+              "weights_sha256": weights_sha256, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    folder.write(BEST, json.dumps(record, indent=2, sort_keys=True).encode())
+    return True
+
+
+def holds(folder: RunFolder, best: dict) -> bool:
+    """Does the run folder still hold the weights best.json scored (its checkpoint neither moved aside nor, its
+    step written again after --abandon-newer, replaced)?"""
+    try:
+        files = parse_marker(folder.read(f"{best['checkpoint']}/{MARKER}"), best["checkpoint"])
+    except CheckpointError:
+        return False
+    return files["model.safetensors"] == best["weights_sha256"]
+
+
+def write_pending(folder: RunFolder, names: list[str]) -> None:
+    """The checkpoints queued for evaluation (the whole list, replacing the previous one)."""
+    folder.write(PENDING, json.dumps({"checkpoints": sorted(set(names))}, indent=2).encode())
+
+
+def read_pending(folder: RunFolder) -> set[str]:
+    """The checkpoints queued for evaluation; a missing or damaged file is none (it only pins, it chooses nothing)."""
+    try:
+        names = json.loads(folder.read(PENDING) or b"null")["checkpoints"]
+    except (ValueError, RecursionError, TypeError, KeyError):
+        return set()
+    return {n for n in names if isinstance(n, str) and CHECKPOINT_NAME.fullmatch(n)} if isinstance(names, list) else set()
+
+
+def pinned(folder: RunFolder) -> set[str]:
+    """The checkpoints pruning keeps whatever --keep-checkpoints says: the best one and those pending evaluation.
+    A damaged best.json raises (pruning then deletes nothing rather than guess)."""
+    best = read_best(folder)
+    return read_pending(folder) | ({best["checkpoint"]} if best else set())
+
+
+def resolve(path: str) -> str:
+    """RUN/best -> RUN/<the checkpoint best.json names>; any other path as it is (as is a real folder named best).
+    A run folder without best.json, or a best.json whose checkpoint is gone or replaced, is one CheckpointError
+    line. Local run folders only."""
+    where = Path(path)
+    if where.name != BEST_NAME or where.is_dir():
+        return path
+    folder = RunFolder(where.parent)
+    best = read_best(folder)
+    if best is None:
+        if folder.local.is_dir() and (folder.checkpoints() or LEASE in folder.names()
+                                      or (folder.local / "metrics.jsonl").is_file()):
+            raise CheckpointError(f"{where.parent} has no best checkpoint yet ({BEST}): it is written when a run "
+                                  f"evaluates its checkpoints (ray_jobs.pretrain --eval-tasks ...)")
+        return path  # not a run folder: the caller's "does not exist"
+    chosen = where.parent / best["checkpoint"]
+    if not chosen.is_dir():
+        raise CheckpointError(f"{where.parent}/{BEST} names {best['checkpoint']} (step {best['step']}, "
+                              f"{best['metric']} {best['value']:.6g}), which no longer exists")
+    if not holds(folder, best):
+        raise CheckpointError(f"{where.parent}/{BEST} names {best['checkpoint']}, but that folder no longer holds "
+                              f"the weights it scored (weights SHA-256 {best['weights_sha256'][:12]}): it was "
+                              f"replaced, or is incomplete")
+    return str(chosen)
+
+
+__all__ = ["BEST", "PENDING", "MetricError", "canonical", "metric_mode", "pinned", "read_best", "read_pending",
+           "resolve", "update_best", "write_pending"]
