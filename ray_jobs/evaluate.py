@@ -2,10 +2,13 @@
 
     python -m ray_jobs.evaluate --run runs/run1 --tasks tasks.yaml --output runs/run1/eval.jsonl
     python -m ray_jobs.evaluate --checkpoint runs/run1/checkpoint_00001000 --tasks tasks.yaml --output eval.jsonl
+    python -m ray_jobs.evaluate --run runs/run1 --follow --resources CPU=2 --tasks tasks.yaml --output eval.jsonl
 
 Each (checkpoint, task) pair becomes one JSON line of --output; a pair already there is not evaluated again, so
 rerunning after more checkpoints were written scores only the new ones. The task formats: docs/evaluation.md.
-The work runs in this process (no Ray); each checkpoint is one call of `minilm.evaluate.evaluate_checkpoint`.
+The work runs in this process (no Ray); each checkpoint is one call of `minilm.evaluate.evaluate_checkpoint`. With
+--follow, each checkpoint is a Ray task instead (a local Ray, or the cluster of RAY_ADDRESS: `ray job submit`), and
+the command goes on scoring new checkpoints while the run is live.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from minilm import checkpoint as C
 from minilm.evaluate import TaskError, evaluate_checkpoint, format_metrics, identify, load_tasks
 from minilm.tokenizer import TokenizerError
 
-from .cli import fail
+from .cli import UsageError, fail
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
                                        "weights/tokenizer.json, an export's tokenizer.json, else that of another "
                                        "checkpoint of the run)")
     p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:1...")
+    p.add_argument("--follow", action="store_true", help="with --run: score each checkpoint as it appears, by a Ray "
+                                                         "task on --resources, until the run ends (its lease is gone)")
+    p.add_argument("--resources", default="CPU=1", help="with --follow: the Ray resources of each scoring task")
     return p
 
 
@@ -41,8 +47,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if not args.checkpoint and not args.run:
         return fail("give --checkpoint PATH (repeatable) or --run DIR")
+    if args.follow and (args.checkpoint or not args.run):
+        return fail("--follow goes with --run DIR alone (it scores the run's checkpoints as they appear)")
     try:
         tasks = load_tasks(args.tasks)  # every item read and checked before any checkpoint is loaded
+        if args.follow:
+            return follow(args, tasks)
         done = read_done(Path(args.output))
         # A checkpoint named on the command line must be sound; one of --run that is not is passed over, as
         # training's --resume auto does (it may be still being written, or torn by a crash).
@@ -57,11 +67,41 @@ def main(argv: list[str] | None = None) -> int:
                 if named:
                     raise
                 print(f"skipping checkpoint: {e}", file=sys.stderr)
-    except (C.CheckpointError, TaskError, TokenizerError) as e:
+    except (C.CheckpointError, TaskError, TokenizerError, UsageError) as e:
         return fail(str(e))
     except OSError as e:
         return fail(f"{getattr(e, 'filename', None) or args.output}: {e.strerror or e}")
     return 0
+
+
+def follow(args: argparse.Namespace, tasks: list) -> int:
+    """--follow: a Ray task per checkpoint (ray_jobs.evaluator, as beside training), while the run holds its lease;
+    then the last ones are scored and the command ends."""
+    import time
+
+    from .cli import ensure_ray, parse_eval_resources
+    from .evaluator import Evaluator
+
+    resources = parse_eval_resources(args.resources)
+    folder = C.RunFolder(args.run)
+    if not folder.local.is_dir():
+        raise TaskError(f"--run {args.run}: no such folder")
+    ensure_ray()
+    evaluator = Evaluator(args.run, args.tasks, tasks, resources, folder.local.name, best_metric=None,
+                          tokenizer=args.tokenizer, output=Path(args.output)).start()
+    print(f"following {args.run}: each checkpoint scored as it appears, until the run ends", flush=True)
+    try:
+        while C.Lease(folder).live():
+            time.sleep(FOLLOW_POLL_S)
+    except KeyboardInterrupt:
+        print("stopped: what was scored is in --output; run the command again to go on", flush=True)
+        evaluator.finish(0.0)
+        return 0
+    evaluator.finish(float("inf"))
+    return 0
+
+
+FOLLOW_POLL_S = 2.0
 
 
 def evaluate_one(path: str, tasks: list, done: set[tuple], args: argparse.Namespace, device: str,

@@ -54,11 +54,12 @@ class Evaluator:
     """The driver's watcher of one local run folder; `start()` before training, `finish()` after it."""
 
     def __init__(self, run_dir: str | Path, tasks_file: str, tasks: list[Task], resources: dict[str, float],
-                 run_name: str, best_metric: str | None, tokenizer: str | None = None, say=print):
+                 run_name: str, best_metric: str | None, tokenizer: str | None = None, say=print,
+                 output: Path | None = None):
         self.folder = C.RunFolder(run_dir)
         self.tasks_file, self.tasks, self.resources = tasks_file, tasks, resources
         self.run_name, self.best_metric, self.tokenizer, self.say = run_name, best_metric, tokenizer, say
-        self.output = Path(run_dir) / EVAL_LOG
+        self.output = output or Path(run_dir) / EVAL_LOG
         self.done = read_done(self.output)  # (step, weights SHA-256, fingerprint) of every score in eval.jsonl
         self.seen: set[str] = set()  # checkpoint folders looked at (scored, handed out, or nothing left to score)
         self.running: dict = {}  # ObjectRef -> (checkpoint name, its identity, the tasks it scores)

@@ -145,9 +145,7 @@ def write_task_list(folder) -> tuple:
 
 
 def eval_pairs(run_dir) -> list[tuple[int, str]]:
-    path = run_dir / "eval.jsonl"
-    lines = path.read_text().splitlines() if path.is_file() else []
-    return sorted((r["step"], r["task"]) for r in map(json.loads, lines) if "error" not in r)
+    return eval_pairs_of(run_dir / "eval.jsonl")
 
 
 def forwarded(run_dir) -> list[tuple[int, str]]:
@@ -221,3 +219,45 @@ def test_a_killed_driver_resubmitted_scores_each_checkpoint_once(ray_address, ru
     want = [(s, t) for s in CHECKPOINTS for t in ("cloze", "held")]
     assert eval_pairs(run_dir) == want, (before, again.stdout[-3000:])
     assert forwarded(run_dir) == want
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_evaluate_follow_scores_a_live_runs_checkpoints_as_they_appear_and_ends_with_it(ray_address, tmp_path):
+    # A run that holds its lease (this test) writes two checkpoints, one after the other; `ray_jobs.evaluate --follow`
+    # scores each by a Ray task as it appears, and ends once the run has released its lease.
+    import subprocess
+    import sys
+    import time
+
+    from conftest import run_env
+    from helpers import ROOT
+    from test_evaluate import SENTENCES, tiny_model, write_checkpoint
+
+    from minilm.tokenizer import save_tokenizer, train_tokenizer
+
+    tok = save_tokenizer(train_tokenizer(SENTENCES * 4 + TEXT, 300), tmp_path / "tokenizer.json")
+    listing, _ = write_task_list(tmp_path / "tasks")
+    run_dir, out = tmp_path / "run", tmp_path / "scores.jsonl"
+    lease = C.Lease(C.RunFolder(run_dir), say=lambda m: None).take()
+    write_checkpoint(run_dir / "checkpoint_00000001", tiny_model(seed=0), tok, 1)
+    proc = subprocess.Popen([sys.executable, "-m", "ray_jobs.evaluate", "--run", str(run_dir), "--follow",
+                             "--tasks", str(listing), "--output", str(out), "--tokenizer", str(tok)], cwd=ROOT,
+                            env=run_env(ray_address), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: eval_pairs_of(out) == [(1, "cloze"), (1, "held")], proc, "checkpoint 1 was scored", timeout=120)
+        write_checkpoint(run_dir / "checkpoint_00000002", tiny_model(seed=1), tok, 2)
+        wait_for(lambda: len(eval_pairs_of(out)) == 4, proc, "checkpoint 2 was scored", timeout=120)
+        time.sleep(3)  # the command still follows the live run
+        assert proc.poll() is None
+    finally:
+        lease.release()
+    assert proc.wait(60) == 0
+    output = proc.stdout.read()
+    assert eval_pairs_of(out) == [(1, "cloze"), (1, "held"), (2, "cloze"), (2, "held")], output
+    assert "following" in output and "eval  step 2: cloze acc" in output and "Traceback" not in output
+
+
+def eval_pairs_of(path) -> list[tuple[int, str]]:
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return sorted((r["step"], r["task"]) for r in map(json.loads, lines) if "error" not in r)

@@ -191,6 +191,14 @@ class Lease:
         self._thread.start()
         return self
 
+    def live(self) -> bool:
+        """Another process runs in the folder: its heartbeat is fresh, and on this host its process is there."""
+        held = self.holder()
+        if held is None or (held.get("host"), held.get("pid")) == (self.me["host"], self.me["pid"]):
+            return False
+        fresh = time.time() - float(held.get("heartbeat", 0)) < LEASE_STALE_S
+        return fresh and (held.get("host") != self.me["host"] or pid_alive(int(held.get("pid", 0))))
+
     def holder(self) -> dict | None:
         try:
             held = json.loads(self.folder.read(LEASE) or b"null")
