@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import re
@@ -26,13 +27,20 @@ from .cli import fail
 PROMPTS = ["Return the", "The os module", "Raise ValueError if", "This class"]
 
 
-def cloze_items(n: int, seed: int = 0) -> list[dict]:
-    """`n` items: a docstring's first sentence (8-30 words) cut after its first half; 4 endings, one right."""
+@functools.cache
+def first_sentences() -> tuple[tuple[str, ...], ...]:
+    """The first sentence of each docstring of the demo corpus with 8-30 words, as words."""
     sentences = []
     for doc in demo_corpus_documents():
         first = re.split(r"(?<=\.)\s", " ".join(doc.split()), maxsplit=1)[0]
         if 8 <= len(first.split()) <= 30 and first.endswith("."):
-            sentences.append(first.split())
+            sentences.append(tuple(first.split()))
+    return tuple(sentences)
+
+
+def cloze_items(n: int, seed: int = 0) -> list[dict]:
+    """`n` items: a docstring's first sentence cut after its first half; 4 endings, one right."""
+    sentences = list(first_sentences())
     rng = random.Random(seed)
     rng.shuffle(sentences)
     items = []

@@ -101,14 +101,18 @@ def test_bad_eval_resources_are_one_line(spec):
 
 
 def test_the_best_metric_is_a_score_of_the_task_list(tmp_path):
-    tasks = load_tasks(demo_tasks.write_tasks(tmp_path / "tasks", items=8, documents=2))
+    listing, _ = write_task_list(tmp_path / "tasks")
+    (tmp_path / "tasks" / "prompts.txt").write_text("the quick\n")
+    with open(listing, "a") as f:
+        f.write("  - {name: samples, kind: generate, path: prompts.txt}\n")
+    tasks = load_tasks(listing)
     assert check_best_metric(None, tasks) == "eval/cloze/acc_norm"
-    assert check_best_metric(None, [t for t in tasks if t.kind != "hellaswag"]) == "eval/comments/bpb"
+    assert check_best_metric(None, [t for t in tasks if t.kind != "hellaswag"]) == "eval/held/bpb"
     assert check_best_metric(None, [t for t in tasks if t.kind == "generate"]) is None
-    assert check_best_metric("comments/bpb", tasks) == "eval/comments/bpb"
+    assert check_best_metric("held/bpb", tasks) == "eval/held/bpb"
     for bad in ("eval/cloze/bpb", "eval/nope/acc", "eval/samples/prompts", "acc"):
         with pytest.raises(UsageError, match=r"^--eval-best .*: not a score of the task list; choose from "
-                                             r"eval/cloze/acc, eval/cloze/acc_norm, eval/comments/bpb"):
+                                             r"eval/cloze/acc, eval/cloze/acc_norm, eval/held/bpb"):
             check_best_metric(bad, tasks)
 
 

@@ -125,3 +125,12 @@ def test_module_entry_point(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr == f"error: {tmp_path / 'nope'}: no such run folder\n"
     assert proc.stdout == ""
+
+
+def test_scores_beside_training_are_not_training_steps():
+    from ray_jobs.plot import in_step_order
+
+    train = {"optimizer_step": 4, "loss": 2.0}
+    score = {"optimizer_step": 4, "eval_task": "cloze", "eval/cloze/acc": 0.5}  # written after step 8's record
+    assert in_step_order([train, {"optimizer_step": 8, "loss": 1.5}, score]) == [train, {"optimizer_step": 8,
+                                                                                        "loss": 1.5}]

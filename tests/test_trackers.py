@@ -455,3 +455,34 @@ def test_no_tracker_is_a_no_op(tmp_path):
     assert not trackers and trackers.state_dict() == {"version": 1, "mlflow": {"run_id": "x"}}
     trackers.close()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_scores_of_an_earlier_checkpoint_reach_each_tracker_at_their_step(tmp_path):
+    # Scores beside training arrive after later steps were logged: TensorBoard and MLflow take them at the
+    # checkpoint's step; W&B, which drops a step below its latest, on its own axis eval/step.
+    from minilm.tracker_backends import Wandb
+
+    said, backend = [], Recorder(high_water=40, fail_at={8})
+    trackers = T.Trackers([backend], say=said.append)
+    trackers.log_eval({"eval/cloze/acc": 0.5}, step=20)
+    trackers.log_eval({"eval/cloze/acc": 0.25}, step=8)  # a failure: one warning, and nothing else stops
+    assert backend.points == [(20, {"eval/cloze/acc": 0.5})] and backend.high_water == 40
+    assert len(said) == 1 and "could not log the scores of step 8" in said[0]
+
+    class FakeRun:
+        def __init__(self):
+            self.calls = []
+
+        def define_metric(self, name, **kw):
+            self.calls.append(("define", name, kw))
+
+        def log(self, data, step=None):
+            self.calls.append(("log", data, step))
+
+    wandb = Wandb.__new__(Wandb)
+    wandb.run, wandb.high_water = FakeRun(), 40
+    wandb.write_eval({"eval/cloze/acc": 0.5}, 20)
+    wandb.write_eval({"eval/cloze/acc": 0.75}, 44)
+    assert wandb.run.calls == [("define", "eval/step", {}), ("define", "eval/*", {"step_metric": "eval/step"}),
+                               ("log", {"eval/cloze/acc": 0.5, "eval/step": 20}, 40),
+                               ("log", {"eval/cloze/acc": 0.75, "eval/step": 44}, 44)]
