@@ -407,6 +407,21 @@ def test_publish_sets_tagged_gauges_once_per_process(fake_gauges):
     assert all(math.isfinite(v) for g in fake_gauges.made for v, _ in g.values)
 
 
+def test_publish_eval_sets_one_gauge_tagged_by_task_and_metric(fake_gauges):
+    records = [{"task": "cloze", "kind": "hellaswag", "metrics": {"acc": 0.5, "acc_norm": 0.25}},
+               {"task": "held", "kind": "bpb", "metrics": {"bpb": 2.5, "nats_per_token": float("nan")}},
+               {"task": "samples", "kind": "generate", "metrics": {"prompts": 4}}]
+    dashboard_metrics.publish_eval(records, "run1")
+    dashboard_metrics.publish_eval(records[:1], "run1")
+    [gauge] = fake_gauges.made
+    assert gauge.name == "minilm_eval" and gauge.tag_keys == ("run", "task", "metric")
+    assert gauge.values == [(0.5, {"run": "run1", "task": "cloze", "metric": "acc"}),
+                            (0.25, {"run": "run1", "task": "cloze", "metric": "acc_norm"}),
+                            (2.5, {"run": "run1", "task": "held", "metric": "bpb"}),
+                            (0.5, {"run": "run1", "task": "cloze", "metric": "acc"}),
+                            (0.25, {"run": "run1", "task": "cloze", "metric": "acc_norm"})]
+
+
 def test_publish_never_raises_and_stops_after_a_failure(monkeypatch, caplog):
     import ray.util.metrics
 
