@@ -30,8 +30,14 @@ of MiniMind's wall time.
 
 Corpora: `demo` (the built-in corpus: stdlib docstrings, short documents), `kjv-passages` (the King
 James Bible, consecutive verses of a chapter up to ~900 characters: about one row each) and
-`kjv-chapters` (three consecutive chapters: many rows each). The KJV corpora need Debian's `bible-kjv`
-(`apt-get install bible-kjv`) or `--kjv FILE` with its `bible -f "Gen1:1-Rev22:21"` output.
+`kjv-chapters` (three consecutive chapters: many rows each), and `zh-fortunes` (Chinese, the language MiniMind's
+tokenizer was made for: Debian's fortunes-zh, prose of every length and Tang and Song verse). The KJV corpora need
+Debian's `bible-kjv` (`apt-get install bible-kjv`) or `--kjv FILE` with its `bible -f "Gen1:1-Rev22:21"` output;
+zh-fortunes needs `apt-get install fortunes-zh`.
+
+Quality per hour: minilm's default run keeps `--curve N` checkpoints along the way, each scored afterwards; the
+wall time at which its held-out CE first reaches MiniMind's final CE (interpolated between the two checkpoints
+around it, from the command's start, as MiniMind's wall is) is reported as a ratio of MiniMind's wall time.
 Writes minimind.json to bench/results/ (or $MINILM_BENCH_RESULTS).
 """
 
@@ -63,7 +69,10 @@ from minilm.tokenizer import BOS_ID
 
 from .common import environment, load_average, write_json
 
-CORPORA = ("demo", "kjv-passages", "kjv-chapters")
+CORPORA = ("demo", "kjv-passages", "kjv-chapters", "zh-fortunes")
+ZH_FORTUNES = Path("/usr/share/games/fortunes")  # Debian's fortunes-zh (GPL-3.0+)
+ZH_FILES = ("chinese", "tang300", "song100")
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
 KJV_VERSE = re.compile(r"^(\d?[A-Za-z]+)(\d+):(\d+) (.*)$")
 PASSAGE_CHARS = 900
 CHAPTERS_PER_DOC = 3
@@ -100,9 +109,25 @@ def kjv_chapters(kjv_file: str | None) -> list[tuple[str, list[str]]]:
     return chapters
 
 
+def zh_fortunes(folder: Path = ZH_FORTUNES) -> list[str]:
+    """Debian's fortunes-zh: Chinese prose (quotations, essays, jokes, Debian's code of conduct), the 300 Tang poems
+    and 100 Song lyrics, one document per fortune (a few characters to ~9,000), colour escapes removed."""
+    if not all((folder / f).is_file() for f in ZH_FILES):
+        raise BenchError("the zh-fortunes corpus needs Debian's fortunes-zh (apt-get install fortunes-zh)")
+    docs = []
+    for name in ZH_FILES:
+        for part in (folder / name).read_text(encoding="utf-8", errors="replace").split("\n%\n"):
+            text = ANSI.sub("", part).strip()
+            if len(text) >= 8:
+                docs.append(text)
+    return docs
+
+
 def corpus_documents(name: str, kjv_file: str | None) -> list[str]:
     if name == "demo":
         return list(demo_corpus_documents())
+    if name == "zh-fortunes":
+        return zh_fortunes()
     chapters = kjv_chapters(kjv_file)
     if name == "kjv-passages":
         docs = []
@@ -166,6 +191,8 @@ class Result:
     bpb: float = float("nan")
     budget: str = "steps"  # steps | tokens | wall | half-wall: what this run is matched to MiniMind's on
     fp16_effect: float | None = None
+    curve: list | None = None  # [(step, seconds since the command started, ce)] of the checkpoints along the run
+    to_minimind_s: float | None = None  # when the curve first reaches MiniMind's final CE (None: never)
 
 
 def run_logged(cmd: list[str], cwd: Path, log: Path, env: dict | None = None) -> float:
@@ -257,22 +284,41 @@ def prepare(train_jsonl: Path, tokenizer: Path, flags: list[str], work: Path, ar
     return out
 
 
-def run_minilm(data: Path, flags: list[str], steps: int, seed: int, args, run_dir: Path,
-               env: dict) -> tuple[dict, float]:
-    """`python -m minilm.train` on `data`; (its final fp32 weights, wall seconds)."""
+def run_minilm(data: Path, flags: list[str], steps: int, seed: int, args, run_dir: Path, env: dict,
+               curve: int = 0) -> tuple[dict, float, list]:
+    """`python -m minilm.train` on `data`; (its final fp32 weights, wall seconds, [(step, seconds since the command
+    started, checkpoint)] of `curve` checkpoints along the run)."""
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
+    every = max(1, steps // curve) if curve else steps
     cmd = [sys.executable, "-m", "minilm.train", "--data", str(data), "--run-dir", str(run_dir),
            "--hidden-size", str(args.hidden_size), "--num-hidden-layers", str(args.num_hidden_layers),
            "--seq-len", str(args.seq_len), "--micro-batch-size", str(args.batch_size),
            "--global-batch-size", str(args.batch_size), "--lr", str(args.lr), "--max-steps", str(steps),
-           "--epochs", "1000", "--dtype", "fp32", "--seed", str(seed), "--checkpoint-every", str(steps),
-           "--log-every", "20", *flags]
+           "--epochs", "1000", "--dtype", "fp32", "--seed", str(seed), "--checkpoint-every", str(every),
+           "--keep-checkpoints", str(steps // every + 1), "--log-every", str(min(20, every)), *flags]
+    started = time.time()
     wall = run_logged(cmd, Path.cwd(), run_dir / "train.log", env)
     checkpoints = sorted(run_dir.glob("checkpoint_*/model.safetensors"))
     if not checkpoints:
         raise BenchError(f"minilm wrote no checkpoint in {run_dir}")
-    return load_file(str(checkpoints[-1])), wall
+    times = {r["optimizer_step"]: r["time"] - started for r in map(json.loads, (run_dir / "metrics.jsonl").open())}
+    points = [(int(c.parent.name.split("_")[1]), c) for c in checkpoints]
+    return load_file(str(checkpoints[-1])), wall, [(step, times[step], c) for step, c in points if step in times]
+
+
+def time_to_reach(curve: list[tuple[int, float, float]], target: float) -> float | None:
+    """The seconds at which a [(step, seconds, ce)] curve first reaches `target`, linear between two checkpoints;
+    None if it never does."""
+    before = None
+    for _step, t, ce in curve:
+        if ce <= target:
+            if before is None:
+                return t  # already at the first checkpoint: at most this
+            t0, ce0 = before
+            return t0 + (t - t0) * (ce0 - target) / (ce0 - ce)
+        before = (t, ce)
+    return None
 
 
 def score(state: dict, model_cfg: ModelConfig, held_docs: list[list[int]], byte_lengths: np.ndarray, args) -> dict:
@@ -338,8 +384,11 @@ def bench_corpus(name: str, seed: int, runs: list[str], args, work: Path, checko
         prep_flags, train_flags = split_flags(shlex.split(run)[1:])
         data = prepared[tuple(prep_flags)]
         tag = re.sub(r"[^A-Za-z0-9]+", "-", run).strip("-") + ("" if budget == "steps" else f"-{budget}")
-        state, wall = run_minilm(data, train_flags, steps, seed, args, cwork / f"run-{tag}", env)
-        return Result(name, seed, run, steps, steps * per_step, wall, budget=budget), state
+        curve = args.curve if run == "minilm" and budget == "steps" else 0
+        state, wall, points = run_minilm(data, train_flags, steps, seed, args, cwork / f"run-{tag}", env, curve)
+        result = Result(name, seed, run, steps, steps * per_step, wall, budget=budget)
+        result.curve = points if curve else None
+        return result, state
 
     def record(r: Result, state: dict) -> None:
         r.__dict__.update(score(state, model_cfg, held_docs, byte_lengths, args))
@@ -348,6 +397,16 @@ def bench_corpus(name: str, seed: int, runs: list[str], args, work: Path, checko
                                   byte_lengths, args)["ce"]
         results.append(r)
         ref = next((x for x in results if x.run == "minimind"), None)
+        if r.curve and ref:  # checkpoints along the run, scored now that the round is over
+            r.curve = [(step, t, score(load_file(str(path)), model_cfg, held_docs, byte_lengths, args)["ce"])
+                       for step, t, path in r.curve]
+            r.to_minimind_s = time_to_reach(r.curve, ref.ce)
+            reached = (f"{r.to_minimind_s:.1f} s = {r.to_minimind_s / ref.train_s:.3f} x MiniMind's wall"
+                       if r.to_minimind_s is not None else f"not within its {r.train_s:.0f} s")
+            print(f"  minilm reaches MiniMind's final CE {ref.ce:.4f}: {reached}; curve " + ", ".join(
+                f"{step}: {ce:.3f} @ {t:.0f} s" for step, t, ce in r.curve), flush=True)
+        elif r.curve:
+            r.curve = None  # nothing to reach without MiniMind's run
         ratio = f"  ce / MiniMind {r.ce / ref.ce:.4f}  bpb / MiniMind {r.bpb / ref.bpb:.4f}" if ref else ""
         print(f"  {r.run:40s} [{r.budget:9s}] steps {r.steps:4d}  tokens {r.real_tokens:9,}  train {r.train_s:6.1f} s"
               f"  ce {r.ce:.4f}  bpb {r.bpb:.4f}{ratio}  load {load_average()}", flush=True)
@@ -394,6 +453,21 @@ def print_table(results: list[Result]) -> None:
               f"{r.ce:7.4f} {r.bpb:7.4f} {ce_ratio:>6s} {bpb_ratio:>6s}")
 
 
+def print_summary(results: list[Result]) -> None:
+    """Per corpus and seed, minilm's defaults against MiniMind: CE ratio at equal steps and at equal wall time, and
+    the wall time minilm needs to reach MiniMind's final CE as a ratio of MiniMind's."""
+    print(f"\n{'corpus':13s} {'seed':>4s} {'CE/MM equal steps':>18s} {'CE/MM equal wall':>17s} "
+          f"{'time to MM CE / MM wall':>24s}")
+    for mm in (r for r in results if r.run == "minimind"):
+        mine = {r.budget: r for r in results if r.run == "minilm" and (r.corpus, r.seed) == (mm.corpus, mm.seed)}
+        if "steps" not in mine:
+            continue
+        wall = mine.get("wall", mine["steps"])  # within 2% of MiniMind's steps: the steps run is the equal-wall run
+        reach = mine["steps"].to_minimind_s
+        to_mm = f"{reach / mm.train_s:.3f}" if reach is not None else f"> {mine['steps'].train_s / mm.train_s:.3f}"
+        print(f"{mm.corpus:13s} {mm.seed:4d} {mine['steps'].ce / mm.ce:18.4f} {wall.ce / mm.ce:17.4f} {to_mm:>24s}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.minimind", description=__doc__.split("\n")[0])
     p.add_argument("--minimind", required=True, metavar="DIR", help="a checkout of github.com/jingyaogong/minimind")
@@ -407,6 +481,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reuse", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse MiniMind's run of the same corpus, seed and settings from the work folder")
     p.add_argument("--fp16-effect", action="store_true", help="also score minilm's weights rounded to fp16")
+    p.add_argument("--curve", type=int, default=8, help="checkpoints along minilm's default run, scored for the "
+                                                        "time it needs to reach MiniMind's final CE (0: none)")
     p.add_argument("--parallel", type=int, default=1, help="runs at a time (default 1)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads of every run")
     p.add_argument("--hidden-size", type=int, default=512)
@@ -443,6 +519,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print_table(results)
+    print_summary(results)
     write_json("minimind.json", {"environment": environment(), "args": vars(args), "minimind_commit": commit,
                                  "results": [r.__dict__ for r in results]})
     return 0

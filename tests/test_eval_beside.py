@@ -226,6 +226,7 @@ def test_a_killed_driver_resubmitted_scores_each_checkpoint_once(ray_address, ru
 
 
 @pytest.mark.ray
+@pytest.mark.slow  # ~15 s: Ray tasks scoring two checkpoints
 @pytest.mark.timeout(300)
 def test_evaluate_follow_scores_a_live_runs_checkpoints_as_they_appear_and_ends_with_it(ray_address, tmp_path):
     # A run that holds its lease (this test) writes two checkpoints, one after the other; `ray_jobs.evaluate --follow`

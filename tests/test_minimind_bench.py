@@ -74,6 +74,11 @@ def test_minimind_and_minilm_are_trained_on_the_same_documents_and_scored_alike(
     manifest = json.loads((cwork / "tok" / "manifest.json").read_text())
     assert manifest["documents_read"] == 8 and manifest["rows"] == "best-fit"  # minilm's default, same documents
     assert "ce / MiniMind" in proc.stdout
+    # The curve: minilm's default run kept a checkpoint every step (4 steps, --curve 8), each scored; a stand-in that
+    # trains nothing is reached at once, within minilm's own wall time
+    assert [step for step, _, _ in runs["minilm"]["curve"]] == [1, 2, 3, 4]
+    assert 0 < runs["minilm"]["to_minimind_s"] <= runs["minilm"]["curve"][0][1] < runs["minilm"]["train_s"]
+    assert "minilm reaches MiniMind's final CE" in proc.stdout and "time to MM CE / MM wall" in proc.stdout
     # The stand-in's weights are minilm's seeded init: MiniMind's score is that of an untrained model.
     assert runs["minimind"]["ce"] > runs["minilm"]["ce"]
     again = run_module("bench.minimind", [*args[:-1], "minimind"], env=env, timeout=120, check=True)
@@ -114,6 +119,25 @@ def test_kjv_corpora_group_verses_and_chapters(tmp_path):
         bad = tmp_path / "bad.txt"
         bad.write_text("not the bible\n")
         B.corpus_documents("kjv-passages", str(bad))
+
+
+def test_the_chinese_corpus_is_one_document_per_fortune_without_colour_escapes(tmp_path):
+    (tmp_path / "chinese").write_text("要有礼貌\n\n请保持礼貌。\n    -- Debian\n%\n\x1b[1m善意推定\x1b[0m，请始终假设\n%\n短\n")
+    (tmp_path / "tang300").write_text("床前明月光，疑是地上霜。\n举头望明月，低头思故乡。\n")
+    (tmp_path / "song100").write_text("明月几时有？把酒问青天。\n%\n")
+    assert B.zh_fortunes(tmp_path) == ["要有礼貌\n\n请保持礼貌。\n    -- Debian", "善意推定，请始终假设",
+                                       "床前明月光，疑是地上霜。\n举头望明月，低头思故乡。", "明月几时有？把酒问青天。"]
+    (tmp_path / "song100").unlink()
+    with pytest.raises(B.BenchError, match="apt-get install fortunes-zh"):
+        B.zh_fortunes(tmp_path)
+
+
+def test_time_to_reach_a_loss_interpolates_between_checkpoints():
+    curve = [(10, 20.0, 5.0), (20, 40.0, 4.0), (30, 60.0, 3.5)]
+    assert B.time_to_reach(curve, 4.5) == pytest.approx(30.0)  # halfway from 5.0 to 4.0
+    assert B.time_to_reach(curve, 4.0) == 40.0 and B.time_to_reach(curve, 3.5) == 60.0
+    assert B.time_to_reach(curve, 6.0) == 20.0  # reached by the first checkpoint: at most its time
+    assert B.time_to_reach(curve, 3.0) is None and B.time_to_reach([], 1.0) is None
 
 
 def test_split_gives_minimind_whole_epochs_of_whole_batches():
