@@ -927,6 +927,7 @@ def ddp1(argv: list[str]) -> int:
     import torch.distributed as dist
 
     from minilm.config import ModelConfig, TrainConfig
+    from minilm.distributed import leave_process_group
     from minilm.model import MiniMindForCausalLM
     from minilm.step import (
         configure_backends,
@@ -968,7 +969,8 @@ def ddp1(argv: list[str]) -> int:
                     losses[name].append(float(loss))
             wall_s = time.perf_counter() - t0
         finally:
-            dist.destroy_process_group()
+            runs, wrapped, model = {}, None, None  # DDP goes while its group lives (gloo's destructor can hang after)
+            leave_process_group()
     worst = max(abs(a - b) / max(abs(b), 1e-6) for a, b in zip(losses["ddp"], losses["plain"], strict=True))
     result = {"backend": backend, "compile": args.compile, "steps": args.steps, "losses": losses,
               "max_relative_difference": worst, "wall_s": wall_s}
@@ -1001,7 +1003,7 @@ def trainer_ddp1(argv: list[str]) -> int:
     import torch.distributed as dist
 
     from minilm.config import ModelConfig
-    from minilm.distributed import Collectives
+    from minilm.distributed import Collectives, leave_process_group
     from minilm.train import LocalLauncher
     from minilm.trainer import Dataset, RunOptions, Trainer, wrap_ddp
 
@@ -1056,7 +1058,8 @@ def trainer_ddp1(argv: list[str]) -> int:
                 ddp = isinstance(trainer.model, torch.nn.parallel.DistributedDataParallel)
             finally:
                 if name == "ddp":
-                    dist.destroy_process_group()
+                    trainer.model = trainer.raw_model  # DDP goes while its group lives
+                    leave_process_group()
         rates = [m["tokens_per_s"] for m in trainer.history]
         runs[name] = {"outcome": outcome, "ddp": ddp, "wall_s": wall_s, "losses": [m["loss"] for m in trainer.history],
                       "tokens_per_s_intervals": rates,

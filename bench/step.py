@@ -51,6 +51,7 @@ import torch.nn.functional as F
 
 from minilm import model as M
 from minilm.config import ModelConfig, TrainConfig
+from minilm.distributed import leave_process_group
 from minilm.model import CausalLMOutput, MiniMindForCausalLM
 from minilm.muon import NS_COEFFICIENTS
 from minilm.progress import datasheet_peak, measured_matmul_peak
@@ -314,7 +315,8 @@ def ab_main(args) -> int:
         times = alternate({arm: step_fn(arm) for arm in arms}, args.steps, args.warmup, device)
     finally:
         if group:
-            dist.destroy_process_group()
+            arms = {}  # DDP goes while its group lives (gloo's destructor can hang after)
+            leave_process_group()
             group.cleanup()
     before, after = (statistics.median(times[a]) for a in ("before", "after"))
     worst = max(abs(a - b) / abs(b) for a, b in zip(losses["before"], losses["after"], strict=True))
