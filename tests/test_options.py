@@ -28,7 +28,8 @@ SHARED_FLAGS = {"--data", "--name", "--resume", "--abandon-newer", "--keep-check
 TRAIN_FLAGS = SHARED_FLAGS | {"--tokens", "--random-tokens", "--run-dir"}
 PRETRAIN_FLAGS = SHARED_FLAGS | {"--num-workers", "--use-gpu", "--cpus-per-worker", "--resources-per-worker",
                                  "--storage-path", "--max-failures", "--elastic-check-seconds", "--backend-timeout-s",
-                                 "--num-cpus"}
+                                 "--num-cpus", "--eval-tasks", "--eval-resources", "--eval-best",
+                                 "--eval-wait-minutes"}
 
 
 def run_actions(parser: argparse.ArgumentParser, cls) -> dict[str, argparse.Action]:
