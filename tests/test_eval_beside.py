@@ -116,6 +116,7 @@ def test_the_best_metric_is_a_score_of_the_task_list(tmp_path):
             check_best_metric(bad, tasks)
 
 
+@pytest.mark.slow  # ~6 s: reads the standard library's sources
 def test_the_demo_task_list_reads_and_refuses_a_folder_of_other_files(tmp_path):
     listing = demo_tasks.write_tasks(tmp_path / "t", items=20, documents=5)
     tasks = {t.name: t for t in load_tasks(listing)}

@@ -123,6 +123,7 @@ def test_the_stand_in_refuses_the_old_cpu_stop_flags(run_data, tmp_path):
         assert r["step"] == 1  # the first step's flags: where the first multi-GPU run would have crashed
 
 
+@pytest.mark.slow  # ~7 s: two runs of the loop
 def test_buffers_not_broadcast_give_the_same_weights(run_data, tmp_path, loop_now):
     """DDP without per-forward buffer syncs (the RoPE tables are computed identically on every rank): bitwise the
     same training as with DDP's default broadcast."""

@@ -152,6 +152,7 @@ def test_the_ray_driver_follows_the_same_rules(ray_address, run_data, tmp_path, 
 
 # ---- 3. one live run per run folder --------------------------------------------------------------------------------
 
+@pytest.mark.slow  # ~7 s: two training processes
 def test_a_second_live_run_in_the_same_folder_is_refused(run_data, tmp_path):
     """Two `minilm.train` processes on one --run-dir: the second gets one line and exit 2 while the first runs (held
     after its first step), and the first finishes untouched."""
