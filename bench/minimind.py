@@ -498,6 +498,8 @@ def main(argv: list[str] | None = None) -> int:
         checkout = Path(args.minimind).expanduser().resolve()
         if not checkout.is_dir():
             raise BenchError(f"--minimind {checkout}: no such folder")
+        if args.curve < 0:
+            raise BenchError(f"--curve must be >= 0 (checkpoints along minilm's run; 0: none), got {args.curve}")
         runs = parse_runs(args.runs)
         corpora = [c.strip() for c in args.corpus.split(",") if c.strip()]
         for c in corpora:

@@ -47,6 +47,12 @@ def read_records(path: Path, offset: int = 0) -> tuple[list[dict], int]:
     return records, offset + end
 
 
+def scored_checkpoints(run_dir: str | os.PathLike) -> set[str]:
+    """The checkpoint folders RUN/eval.jsonl holds a record of (a score or an error)."""
+    records, _ = read_records(Path(run_dir) / EVAL_LOG)
+    return {Path(str(r.get("checkpoint", ""))).name for r in records}
+
+
 class EvalInbox:
     """Rank 0's reader of RUN/eval.jsonl. `forwarded` holds the (step, task) pairs metrics.jsonl has already (read from
     it at start, so a restarted worker or a resubmitted driver forwards each record once)."""
@@ -54,44 +60,47 @@ class EvalInbox:
     def __init__(self, run_dir: str | os.PathLike, tasks: list[str], metrics_records: list[dict]):
         self.path, self.tasks, self.offset = Path(run_dir) / EVAL_LOG, list(tasks), 0
         self.forwarded = {(r["optimizer_step"], r["eval_task"]) for r in metrics_records if "eval_task" in r}
-        self.seen: dict[tuple[int, str], dict] = {}  # every (step, task) read so far: a score or an error
+        self.seen: set[tuple[int, str]] = set()  # every (step, task) read so far: a score or an error
+        self.waiting: dict[tuple[int, str], dict] = {}  # scores read and not forwarded yet
         self.latest: dict[str, float] = {}  # the newest checkpoint's scores, for Ray's report (Tune, dashboard)
         self.latest_step, self._size = -1, -1
 
     def poll(self, step: int) -> list[dict]:
-        """The records not yet forwarded, of checkpoints at or before `step` (a later one is of steps about to be
+        """The scores not yet forwarded, of checkpoints at or before `step` (a later one is of steps about to be
         redone after a restart), as metrics.jsonl records: {"optimizer_step", "eval_task", "eval/<task>/...": v}."""
         size = self.path.stat().st_size if self.path.exists() else 0
         if size != self._size:
             self._size = size
             records, self.offset = read_records(self.path, self.offset)
             for r in records:
-                self.seen[(r["step"], r["task"])] = r
+                key = (r["step"], r["task"])
+                self.seen.add(key)
+                if key not in self.forwarded and eval_metrics(r):  # a later score of a key replaces an earlier one
+                    self.waiting[key] = r
         out = []
-        for (at, task), r in sorted(self.seen.items(), key=lambda kv: kv[0]):
-            if at > step or (at, task) in self.forwarded:
-                continue
-            metrics = eval_metrics(r)
-            self.forwarded.add((at, task))
-            if metrics:
-                out.append({"optimizer_step": at, "eval_task": task, **metrics})
-                if at >= self.latest_step:
-                    self.latest_step = at
-                    self.latest.update(metrics)
+        for key in sorted(k for k in self.waiting if k[0] <= step):
+            metrics = eval_metrics(self.waiting.pop(key))
+            self.forwarded.add(key)
+            out.append({"optimizer_step": key[0], "eval_task": key[1], **metrics})
+            if key[0] >= self.latest_step:
+                self.latest_step = key[0]
+                self.latest.update(metrics)
         return out
 
-    def scored(self, step: int) -> bool:
-        """Every task has a record (a score or an error) for the checkpoint at `step`."""
-        return all((step, task) in self.seen for task in self.tasks)
+    def scored(self, steps: int | list[int]) -> bool:
+        """Every task has a record (a score or an error) for the checkpoint(s) at `steps`."""
+        steps = [steps] if isinstance(steps, int) else steps
+        return all((step, task) in self.seen for step in steps for task in self.tasks)
 
-    def wait_for(self, step: int, timeout_s: float, poll_s: float = 1.0) -> list[dict]:
-        """After the last step: wait up to `timeout_s` for the scores of the checkpoint at `step`; what arrived."""
+    def wait_for(self, steps: int | list[int], timeout_s: float, poll_s: float = 1.0) -> list[dict]:
+        """After the last step: wait up to `timeout_s` for the scores of the checkpoint(s) at `steps`; what arrived."""
+        last = steps if isinstance(steps, int) else max(steps)
         deadline, out = time.monotonic() + timeout_s, []
         while True:
-            out += self.poll(step)
-            if self.scored(step) or time.monotonic() >= deadline:
+            out += self.poll(last)
+            if self.scored(steps) or time.monotonic() >= deadline:
                 return out
             time.sleep(poll_s)
 
 
-__all__ = ["EVAL_LOG", "EvalInbox", "eval_metrics", "read_records"]
+__all__ = ["EVAL_LOG", "EvalInbox", "eval_metrics", "read_records", "scored_checkpoints"]

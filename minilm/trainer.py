@@ -124,7 +124,7 @@ class Trainer:
         self.checkpoints = C.CheckpointManager(launcher.storage, train_cfg, rank=self.rank, device=self.device,
                                                keep=run.keep_checkpoints, origin=run.resume_path, hooks=self.hooks,
                                                export=C.WeightsExport(model_cfg, data.tokenizer_path),
-                                               say=self.log_line)
+                                               say=self.log_line, keep_unscored=bool(run.eval_task_names))
         self.token_bytes = None  # val_bpb's byte table, made at the first evaluation
         self.optimizer_step = optimizer_step
         self.start()
@@ -290,11 +290,13 @@ class Trainer:
             return
         if self.eval_inbox:
             wait_s = self.run.eval_wait_s
-            if not self.eval_inbox.scored(self.step):
+            # the run folder's checkpoints (pruning keeps those not scored yet), the last one among them
+            steps = sorted({int(n.split("_")[1]) for n in self.checkpoints.folder.checkpoints()} | {self.step})
+            if not self.eval_inbox.scored(steps):
                 self.log_line(f"waiting up to {wait_s / 60:g} min for the scores of the last checkpoint "
                               f"(step {self.step})")
-            self.forward_scores(self.eval_inbox.wait_for(self.step, wait_s))
-            if not self.eval_inbox.scored(self.step):
+            self.forward_scores(self.eval_inbox.wait_for(steps, wait_s))
+            if not self.eval_inbox.scored(steps):
                 self.log_line(f"note: the last checkpoint (step {self.step}) was not scored within {wait_s / 60:g} "
                               f"min; its scores go to {self.eval_inbox.path} when the evaluation ends")
         self.checkpoints.report(self.step, {**self.history[-1], **(self.eval_inbox.latest if self.eval_inbox else {})})

@@ -35,9 +35,8 @@ def parse_cpus(value) -> float | None:  # --cpus-per-worker: auto (None) or a nu
     return cpus
 
 
-def parse_resources(spec) -> dict[str, float]:  # 'slot=1,disk=2' or a YAML mapping -> {'slot': 1.0, 'disk': 2.0}
-    if not spec:
-        return {}
+def parse_resource_list(spec, flag: str, example: str, reserved: tuple[str, ...] = ()) -> dict[str, float]:
+    """'NAME=N,NAME=N' or a YAML mapping -> {NAME: N}; one UsageError line naming `flag` for anything else."""
     items = spec.items() if isinstance(spec, dict) else (part.partition("=")[::2] for part in str(spec).split(","))
     resources = {}
     for name, value in items:
@@ -46,26 +45,20 @@ def parse_resources(spec) -> dict[str, float]:  # 'slot=1,disk=2' or a YAML mapp
             amount = float(value)
         except (TypeError, ValueError):
             amount = -1.0
-        if not name or amount <= 0 or name in ("CPU", "GPU"):
-            raise UsageError(f"--resources-per-worker {spec!r}: expected NAME=N with N > 0, e.g. slot=1 "
-                             f"(CPU and GPU have their own flags: --cpus-per-worker, --use-gpu)")
+        if not name or not 0 < amount < float("inf") or name in reserved:
+            why = (f" ({' and '.join(reserved)} have their own flags: --cpus-per-worker, --use-gpu)" if reserved
+                   else "")
+            raise UsageError(f"{flag} {spec!r}: expected NAME=N with N > 0, e.g. {example}{why}")
         resources[name] = amount
     return resources
 
 
-def parse_eval_resources(spec) -> dict[str, float]:  # --eval-resources 'CPU=2', 'CPU=1,GPU=1' or a YAML mapping
-    items = spec.items() if isinstance(spec, dict) else (part.partition("=")[::2] for part in str(spec).split(","))
-    resources = {}
-    for name, value in items:
-        name = str(name).strip()
-        try:
-            amount = float(value)
-        except (TypeError, ValueError):
-            amount = -1.0
-        if not name or not 0 < amount < float("inf"):
-            raise UsageError(f"--eval-resources {spec!r}: expected NAME=N with N > 0, e.g. CPU=2 or CPU=1,GPU=1")
-        resources[name] = amount
-    return resources
+def parse_resources(spec) -> dict[str, float]:  # --resources-per-worker 'slot=1,disk=2' -> {'slot': 1.0, 'disk': 2.0}
+    return parse_resource_list(spec, "--resources-per-worker", "slot=1", ("CPU", "GPU")) if spec else {}
+
+
+def parse_eval_resources(spec) -> dict[str, float]:  # --eval-resources 'CPU=2', 'CPU=1,GPU=1'
+    return parse_resource_list(spec, "--eval-resources", "CPU=2 or CPU=1,GPU=1")
 
 
 @dataclass

@@ -10,19 +10,17 @@ import math
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_evaluate import write_checkpoint
 
 from minilm import checkpoint as C
 from minilm import sample
 from minilm.cli import UsageError
 from minilm.config import ModelConfig, TrainConfig
 from minilm.model import MiniMindForCausalLM
-from minilm.step import make_grad_scaler, make_optimizer
 from minilm.tokenizer import BOS_ID, save_tokenizer, train_tokenizer
 from ray_jobs import evaluate, export
 
 SENTENCES = ["the cat sleeps on the mat.", "the dog sleeps in the barn.", "the fox sleeps under the tree."]
-RESUME_POSITION = {"world_size": 1, "accumulation_steps": 1, "global_batch_size": 8, "data_fingerprint": "0" * 64,
-                   "nonfinite_guard": {"skipped_total": 0, "in_a_row": 0, "first_step_in_a_row": 0}}
 
 
 # ---- which way a metric improves ----------------------------------------------------------------------
@@ -188,14 +186,6 @@ def tiny_model(seed: int) -> MiniMindForCausalLM:
     cfg = ModelConfig(vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=64)
     return MiniMindForCausalLM(cfg).eval()
-
-
-def write_checkpoint(path, model, tok_path, step: int):
-    tcfg = TrainConfig(seq_len=32, micro_batch_size=8, global_batch_size=8, max_steps=10, warmup_steps=1)
-    state = {"optimizer_step": step, "model_config": model.config.to_dict(), "train_config": tcfg.to_dict(),
-             "tokenizer_sha256": C.file_sha256(tok_path), **RESUME_POSITION}
-    return C.save_resume_state(path, model=model, optimizer=make_optimizer(model, tcfg),
-                               scaler=make_grad_scaler(torch.float32, "cpu"), state=state)
 
 
 @pytest.fixture(scope="module")

@@ -89,6 +89,7 @@ def test_minimind_and_minilm_are_trained_on_the_same_documents_and_scored_alike(
 @pytest.mark.parametrize("args, message", [
     (["--minimind", "/nonexistent/minimind"], "error: --minimind /nonexistent/minimind: no such folder"),
     (["--minimind", "{tmp}", "--corpus", "wiki"], "error: --corpus: unknown corpus 'wiki'"),
+    (["--minimind", "{tmp}", "--curve", "-1"], "error: --curve must be >= 0"),
     (["--minimind", "{tmp}", "--runs", "minimind,nanogpt"], "error: --runs: 'nanogpt': a run is minimind, minilm"),
     (["--minimind", "{tmp}"], "error: --minimind {tmp}: no model/ folder: not a MiniMind checkout"),
 ])

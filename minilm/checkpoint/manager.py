@@ -24,6 +24,7 @@ import torch
 
 from ..config import ModelConfig, TrainConfig
 from ..data import fsync_dir
+from ..eval_log import scored_checkpoints
 from . import files as F
 from .best import pinned
 from .resume import RunFolder, staging_dir, sweep_staging
@@ -184,8 +185,10 @@ class CheckpointManager:
     complete and published when `report` returns; `failed()` says (cheaply) that a background save failed."""
 
     def __init__(self, storage: Storage, cfg: TrainConfig, *, rank: int, device: torch.device, keep: int = 3,
-                 origin: str | None = None, export: WeightsExport | None = None, hooks=None, say=print):
+                 origin: str | None = None, export: WeightsExport | None = None, hooks=None, say=print,
+                 keep_unscored: bool = False):
         self.storage, self.folder, self.rank, self.say = storage, storage.folder, rank, say
+        self.keep_unscored = keep_unscored  # checkpoints scored beside training: none pruned before its scores
         self.keep, self.origin, self.export, self.hooks = keep, origin, export, hooks
         self.mode, self.export_every = cfg.checkpoint_mode, cfg.export_every
         self.cadence = Cadence(cfg.checkpoint_every, cfg.checkpoint_every_minutes, rank == 0)
@@ -267,10 +270,13 @@ class CheckpointManager:
     def prune(self, newest: str) -> list[str]:
         """Keep `newest` (durable and verified) and the `keep - 1` complete checkpoints before it; delete the older
         ones and torn folders older than those, never the checkpoint this run resumed from, a `pinned` one (the
-        best, those pending evaluation: kept in addition to the `keep`) nor anything newer than `newest`. A delete
+        best, those pending evaluation, and with `keep_unscored` any not yet in eval.jsonl: kept in addition to
+        the `keep`) nor anything newer than `newest`. A delete
         that fails is a warning: it never stops a run; so is a best.json that cannot be read (nothing is deleted)."""
         try:
             pins = pinned(self.folder)
+            if self.keep_unscored and self.folder.local is not None:
+                pins |= set(self.folder.checkpoints()) - scored_checkpoints(self.folder.local)
         except (F.CheckpointError, OSError) as e:
             self.say(f"warning: not pruning old checkpoints: {e}")
             return []
