@@ -35,7 +35,7 @@ tokenizer was made for: Debian's fortunes-zh, prose of every length and Tang and
 Debian's `bible-kjv` (`apt-get install bible-kjv`) or `--kjv FILE` with its `bible -f "Gen1:1-Rev22:21"` output;
 zh-fortunes needs `apt-get install fortunes-zh`.
 
-Quality per hour: minilm's default run keeps `--curve N` checkpoints along the way, each scored afterwards; the
+Quality per hour: each minilm run keeps `--curve N` checkpoints along the way, each scored afterwards; the
 wall time at which its held-out CE first reaches MiniMind's final CE (interpolated between the two checkpoints
 around it, from the command's start, as MiniMind's wall is) is reported as a ratio of MiniMind's wall time.
 Writes minimind.json to bench/results/ (or $MINILM_BENCH_RESULTS).
@@ -321,6 +321,20 @@ def time_to_reach(curve: list[tuple[int, float, float]], target: float) -> float
     return None
 
 
+def ce_at(curve: list[tuple[int, float, float]], seconds: float) -> float:
+    """The CE of a [(step, seconds, ce)] curve at `seconds`, linear between two checkpoints; past its end, its last
+    CE (a run that ended sooner is not credited with steps it did not take)."""
+    before = None
+    for _step, t, ce in curve:
+        if t >= seconds:
+            if before is None:
+                return ce
+            t0, ce0 = before
+            return ce0 + (ce - ce0) * (seconds - t0) / (t - t0)
+        before = (t, ce)
+    return curve[-1][2]
+
+
 def score(state: dict, model_cfg: ModelConfig, held_docs: list[list[int]], byte_lengths: np.ndarray, args) -> dict:
     model = MiniMindForCausalLM(model_cfg)
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -384,7 +398,7 @@ def bench_corpus(name: str, seed: int, runs: list[str], args, work: Path, checko
         prep_flags, train_flags = split_flags(shlex.split(run)[1:])
         data = prepared[tuple(prep_flags)]
         tag = re.sub(r"[^A-Za-z0-9]+", "-", run).strip("-") + ("" if budget == "steps" else f"-{budget}")
-        curve = args.curve if run == "minilm" and budget == "steps" else 0
+        curve = args.curve if budget == "steps" else 0
         state, wall, points = run_minilm(data, train_flags, steps, seed, args, cwork / f"run-{tag}", env, curve)
         result = Result(name, seed, run, steps, steps * per_step, wall, budget=budget)
         result.curve = points if curve else None
@@ -403,7 +417,7 @@ def bench_corpus(name: str, seed: int, runs: list[str], args, work: Path, checko
             r.to_minimind_s = time_to_reach(r.curve, ref.ce)
             reached = (f"{r.to_minimind_s:.1f} s = {r.to_minimind_s / ref.train_s:.3f} x MiniMind's wall"
                        if r.to_minimind_s is not None else f"not within its {r.train_s:.0f} s")
-            print(f"  minilm reaches MiniMind's final CE {ref.ce:.4f}: {reached}; curve " + ", ".join(
+            print(f"  {r.run} reaches MiniMind's final CE {ref.ce:.4f}: {reached}; curve " + ", ".join(
                 f"{step}: {ce:.3f} @ {t:.0f} s" for step, t, ce in r.curve), flush=True)
         elif r.curve:
             r.curve = None  # nothing to reach without MiniMind's run
@@ -454,18 +468,27 @@ def print_table(results: list[Result]) -> None:
 
 
 def print_summary(results: list[Result]) -> None:
-    """Per corpus and seed, minilm's defaults against MiniMind: CE ratio at equal steps and at equal wall time, and
-    the wall time minilm needs to reach MiniMind's final CE as a ratio of MiniMind's."""
-    print(f"\n{'corpus':13s} {'seed':>4s} {'CE/MM equal steps':>18s} {'CE/MM equal wall':>17s} "
+    """Per corpus, seed and minilm run, against MiniMind: CE ratio at equal steps and at equal wall time, and the
+    wall time the run needs to reach MiniMind's final CE as a ratio of MiniMind's."""
+    print(f"\n{'corpus':13s} {'seed':>4s} {'run':40s} {'CE/MM equal steps':>18s} {'CE/MM equal wall':>17s} "
           f"{'time to MM CE / MM wall':>24s}")
     for mm in (r for r in results if r.run == "minimind"):
-        mine = {r.budget: r for r in results if r.run == "minilm" and (r.corpus, r.seed) == (mm.corpus, mm.seed)}
-        if "steps" not in mine:
-            continue
-        wall = mine.get("wall", mine["steps"])  # within 2% of MiniMind's steps: the steps run is the equal-wall run
-        reach = mine["steps"].to_minimind_s
-        to_mm = f"{reach / mm.train_s:.3f}" if reach is not None else f"> {mine['steps'].train_s / mm.train_s:.3f}"
-        print(f"{mm.corpus:13s} {mm.seed:4d} {mine['steps'].ce / mm.ce:18.4f} {wall.ce / mm.ce:17.4f} {to_mm:>24s}")
+        for run in dict.fromkeys(r.run for r in results if r.run != "minimind"):
+            mine = {r.budget: r for r in results if r.run == run and (r.corpus, r.seed) == (mm.corpus, mm.seed)}
+            if "steps" not in mine:
+                continue
+            steps = mine["steps"]
+            if "wall" in mine:  # a run planned for MiniMind's wall time
+                wall_ce = mine["wall"].ce
+            elif steps.curve:  # the curve at MiniMind's wall time (no credit for a schedule planned to end there)
+                wall_ce = ce_at([c for c in steps.curve if c[0] < steps.steps] + [(steps.steps, steps.train_s, steps.ce)],
+                               mm.train_s)
+            else:  # no curve and no wall run: the walls were within 2%
+                wall_ce = steps.ce
+            reach = steps.to_minimind_s
+            to_mm = f"{reach / mm.train_s:.3f}" if reach is not None else f"> {steps.train_s / mm.train_s:.3f}"
+            print(f"{mm.corpus:13s} {mm.seed:4d} {run[:40]:40s} {steps.ce / mm.ce:18.4f} {wall_ce / mm.ce:17.4f} "
+                  f"{to_mm:>24s}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -481,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reuse", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse MiniMind's run of the same corpus, seed and settings from the work folder")
     p.add_argument("--fp16-effect", action="store_true", help="also score minilm's weights rounded to fp16")
-    p.add_argument("--curve", type=int, default=8, help="checkpoints along minilm's default run, scored for the "
+    p.add_argument("--curve", type=int, default=8, help="checkpoints along each minilm run, scored for the "
                                                         "time it needs to reach MiniMind's final CE (0: none)")
     p.add_argument("--parallel", type=int, default=1, help="runs at a time (default 1)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads of every run")

@@ -141,6 +141,13 @@ def test_time_to_reach_a_loss_interpolates_between_checkpoints():
     assert B.time_to_reach(curve, 3.0) is None and B.time_to_reach([], 1.0) is None
 
 
+def test_the_ce_at_a_wall_time_is_read_off_the_curve_and_never_extrapolated():
+    curve = [(10, 20.0, 5.0), (20, 40.0, 4.0), (30, 60.0, 3.5)]
+    assert B.ce_at(curve, 30.0) == pytest.approx(4.5)  # halfway from 20 s to 40 s
+    assert B.ce_at(curve, 40.0) == 4.0 and B.ce_at(curve, 5.0) == 5.0  # before the first checkpoint: its CE
+    assert B.ce_at(curve, 90.0) == 3.5  # past the end: the last CE, no credit for steps not taken
+
+
 def test_split_gives_minimind_whole_epochs_of_whole_batches():
     docs = [f"doc {i}" for i in range(1000)]
     s = B.split_corpus(docs, steps=166, batch_size=8, held_out=200, seed=42)
