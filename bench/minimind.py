@@ -529,6 +529,8 @@ def main(argv: list[str] | None = None) -> int:
             if c not in CORPORA:
                 raise BenchError(f"--corpus: unknown corpus {c!r}; choose from {', '.join(CORPORA)}")
         seeds = [int(s) for s in args.seeds.split(",")]
+        # Scoring uses --threads too: a score computed while another bench's run trains must not take its core.
+        torch.set_num_threads(args.threads)
         work = Path(args.work) if args.work else Path(__file__).resolve().parent / "results" / "minimind-work"
         work.mkdir(parents=True, exist_ok=True)
         commit = subprocess.run(["git", "-C", str(checkout), "rev-parse", "HEAD"], capture_output=True,
