@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     model = MiniMindForCausalLM(ModelConfig(hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers,
                                             vocab_size=args.vocab_size,
                                             max_position_embeddings=args.seq_len + 1)).train()
-    optimizer = make_optimizer(model, TrainConfig(lr=1e-4))
+    optimizer = make_optimizer(model, TrainConfig(optimizer="adamw", lr=1e-4))
     scaler = make_grad_scaler(dtype, device.type)
     stream = RankStream(str(data_dir), D.RankOrder(train_ids, 42, per_epoch, args.global_batch_size, 1, 0, 0),
                         args.steps, args.micro_batch_size, device)

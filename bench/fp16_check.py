@@ -56,7 +56,7 @@ def run(args) -> dict:
     cfg = ModelConfig(hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers,
                       vocab_size=args.vocab_size, max_position_embeddings=args.seq_len + 1)
     model = MiniMindForCausalLM(cfg).to(device).train()
-    optimizer = make_optimizer(model, TrainConfig(lr=args.lr))
+    optimizer = make_optimizer(model, TrainConfig(optimizer="adamw", lr=args.lr))
     scaler = make_grad_scaler(torch.float16, device.type)
     gen = torch.Generator().manual_seed(1)
     steps, scale_changes = [], []

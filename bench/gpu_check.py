@@ -948,7 +948,7 @@ def ddp1(argv: list[str]) -> int:
                               num_attention_heads=args.num_attention_heads,
                               num_key_value_heads=args.num_key_value_heads, vocab_size=args.vocab_size,
                               max_position_embeddings=args.seq_len + 1)
-            train_cfg = TrainConfig(lr=1e-4, compile=args.compile)
+            train_cfg = TrainConfig(optimizer="adamw", lr=1e-4, compile=args.compile)
             runs = {}
             for name in ("plain", "ddp"):
                 torch.manual_seed(0)
@@ -1038,7 +1038,7 @@ def trainer_ddp1(argv: list[str]) -> int:
                       vocab_size=args.vocab_size, max_position_embeddings=args.seq_len + 1)
     log_every = max(1, args.steps // 5)
     # accumulation 2 (DDP's no_sync, then the reducer's all-reduce); the final save keeps no files (no run folder)
-    train_cfg = TrainConfig(lr=1e-4, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
+    train_cfg = TrainConfig(optimizer="adamw", lr=1e-4, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
                             global_batch_size=2 * args.micro_batch_size, max_steps=args.steps, warmup_steps=1,
                             log_every=log_every, checkpoint_every=args.steps, compile=args.compile, dtype="bf16")
     rows = np.random.default_rng(1).integers(0, args.vocab_size, (4 * args.micro_batch_size, args.seq_len + 1))

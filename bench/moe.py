@@ -57,7 +57,7 @@ def bench_dtype(args, dtype_name: str) -> dict:
         model = build(args, experts, top_k)
         gen = torch.Generator().manual_seed(1)  # every configuration sees the same token batches
         runs[name] = {"model": model, "experts": experts, "top_k": top_k if experts else None, "dispatch": dispatch,
-                      "optimizer": make_optimizer(model, TrainConfig(lr=1e-4)),
+                      "optimizer": make_optimizer(model, TrainConfig(optimizer="adamw", lr=1e-4)),
                       "scaler": make_grad_scaler(dtype, "cpu"),
                       "batches": [torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_len + 1),
                                                 generator=gen) for _ in range(args.warmup + args.steps)]}

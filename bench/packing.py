@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         # Micro-batches from the start of the corpus in document order, as an epoch would take them.
         batches[name] = [(b, labels_for(b, padded=name == "padded"))
                          for b in rows[: n_steps * args.micro_batch_size].split(args.micro_batch_size)]
-        steps[name] = make_step(model, make_optimizer(model, TrainConfig(lr=1e-4)), batches[name], dtype)
+        steps[name] = make_step(model, make_optimizer(model, TrainConfig(optimizer="adamw", lr=1e-4)), batches[name], dtype)
     times = alternate(steps, args.steps, args.warmup)
 
     rows_out = {}

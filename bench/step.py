@@ -93,7 +93,7 @@ def bench_dtype(args, dtype_name: str) -> dict:
         gen = torch.Generator().manual_seed(1)
         runs[name] = {
             "model": model, "compile": compile_,
-            "optimizer": make_optimizer(model, TrainConfig(lr=1e-4)),
+            "optimizer": make_optimizer(model, TrainConfig(optimizer="adamw", lr=1e-4)),
             "scaler": make_grad_scaler(dtype, device.type),
             "batches": [torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_len + 1),
                                       generator=gen).to(device) for _ in range(args.warmup + args.steps)],

@@ -144,7 +144,8 @@ class TrainConfig:
     max_nonfinite_steps: int = 5  # this many non-finite gradient steps in a row stop the run
     compile: bool = False  # torch.compile each transformer block (minilm.step.prepare_model)
     activation_checkpointing: bool = False  # recompute each block in backward: less memory, ~1/3 more compute
-    optimizer: str = "adamw"  # "muon": Muon for the blocks' weight matrices, AdamW for the rest (minilm.muon)
+    # Muon for the blocks' weight matrices, AdamW for the rest (minilm.muon); "adamw": AdamW for everything
+    optimizer: str = "muon"
     muon_lr: float = 0.02  # Muon's peak lr (the schedule scales it like lr)
     muon_momentum: float = 0.95
 

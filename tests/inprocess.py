@@ -27,7 +27,7 @@ from minilm.trainer import Dataset, RunOptions, Trainer
 STEPS = 20  # 15 steps per epoch on run_data (240 sequences, global batch 16): the runs cross an epoch
 TINY_MODEL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
 TINY_TRAIN = dict(lr=1e-3, warmup_steps=2, max_steps=STEPS, micro_batch_size=4, global_batch_size=16, log_every=4,
-                  checkpoint_every=4, dtype="fp32", seq_len=32)
+                  checkpoint_every=4, dtype="fp32", seq_len=32, optimizer="adamw")  # the replay's own AdamW (runs.py)
 
 
 def configs(**train) -> tuple[ModelConfig, TrainConfig]:

@@ -96,6 +96,20 @@ def test_a_state_json_this_version_cannot_use_is_one_line_and_exit_2(edit, messa
     assert not (tmp_path / "other" / "metrics.jsonl").exists() and not (run_dir / "metrics.jsonl").exists()
 
 
+def test_a_run_begun_with_adamw_is_refused_by_todays_default_optimizer_with_the_flag_that_continues_it(
+        tmp_path, capsys):
+    """Muon became the default after these fixtures ran AdamW: resuming one without --optimizer adamw is one line
+    that names the flag, exit 2, and the checkpoint is left as it was."""
+    run_dir, tokens = resumable_copy("checkpoint_format1", tmp_path)
+    args = train_args(tokens, run_dir)
+    files = lambda: {p: p.read_bytes() for p in sorted((run_dir / CHECKPOINT).rglob("*")) if p.is_file()}  # noqa: E731
+    before = files()
+    assert train_main(args[:args.index("--optimizer")] + args[args.index("--optimizer") + 2:]) == 2
+    err = capsys.readouterr().err
+    assert "optimizer muon != adamw in the checkpoint" in err and "continue it with --optimizer adamw" in err, err
+    assert files() == before and sorted(run_dir.iterdir()) == [run_dir / CHECKPOINT]
+
+
 def test_the_ray_driver_refuses_such_a_state_json_before_any_worker(tmp_path):
     """ray_jobs.pretrain's driver reads the checkpoint it will resume with the same rule as minilm.train (its main
     turns the CheckpointError into the one line and exit 2, before Ray starts any worker)."""

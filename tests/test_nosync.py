@@ -33,7 +33,7 @@ def global_batch(step: int) -> torch.Tensor:
 def fresh(use_moe: bool):
     torch.manual_seed(0)
     model = MiniMindForCausalLM(ModelConfig(**CFG, use_moe=use_moe, router_aux_loss_coef=0.01)).train()
-    return model, make_optimizer(model, TrainConfig(lr=LR))
+    return model, make_optimizer(model, TrainConfig(lr=LR, optimizer="adamw"))
 
 
 def counting_ddp(model):

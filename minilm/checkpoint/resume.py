@@ -329,7 +329,8 @@ def resume_problems(state: dict[str, Any], model_config: ModelConfig, train_conf
     for name, why in FIXED.items():
         was = state["global_batch_size"] if name == "global_batch_size" else state["train_config"].get(name, "adamw")
         if was != getattr(train_config, name):
-            problems.append(f"{name} {getattr(train_config, name)} != {was} in the checkpoint{why}")
+            problems.append(f"{name} {getattr(train_config, name)} != {was} in the checkpoint{why}"
+                            + (f": continue it with --optimizer {was}" if name == "optimizer" else ""))
     # A field added to ModelConfig since the checkpoint was written (e.g. document_mask) has its default there.
     saved_model = {**ModelConfig().to_dict(), **state["model_config"]}
     if saved_model != model_config.to_dict():
