@@ -1,6 +1,6 @@
 """Held-out quality against MiniMind's own `trainer/train_pretrain.py`, run beside minilm on the same documents.
 
-    python -m bench.minimind --minimind ~/src/minimind                          # 3 corpora: MiniMind vs minilm defaults
+    python -m bench.minimind --minimind ~/src/minimind                          # 4 corpora: MiniMind vs minilm defaults
     python -m bench.minimind --minimind DIR --corpus kjv-passages --runs minimind,minilm,"minilm --rows packed"
     python -m bench.minimind --minimind DIR --seeds 42,43                        # several seeds
 
