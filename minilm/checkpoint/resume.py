@@ -287,7 +287,7 @@ SAFE_TO_CHANGE = frozenset({"log_every", "checkpoint_every", "checkpoint_every_m
                             "max_nonfinite_steps", "eval_every"})
 # Never changed: the global batch and the seed fix the data order, the optimizer kind its state.
 FIXED = {"global_batch_size": " (the global batch is the invariant of a run)", "seed": "",
-         "optimizer": " (its state has no counterpart in the other optimizer)"}
+         "optimizer": " (its state has no counterpart in the other optimizer): continue it with --optimizer {was}"}
 
 
 @dataclass(frozen=True)
@@ -329,8 +329,7 @@ def resume_problems(state: dict[str, Any], model_config: ModelConfig, train_conf
     for name, why in FIXED.items():
         was = state["global_batch_size"] if name == "global_batch_size" else state["train_config"].get(name, "adamw")
         if was != getattr(train_config, name):
-            problems.append(f"{name} {getattr(train_config, name)} != {was} in the checkpoint{why}"
-                            + (f": continue it with --optimizer {was}" if name == "optimizer" else ""))
+            problems.append(f"{name} {getattr(train_config, name)} != {was} in the checkpoint" + why.format(was=was))
     # A field added to ModelConfig since the checkpoint was written (e.g. document_mask) has its default there.
     saved_model = {**ModelConfig().to_dict(), **state["model_config"]}
     if saved_model != model_config.to_dict():
