@@ -209,7 +209,7 @@ class LoopMuon(torch.optim.Optimizer):
         a, b, c = NS_COEFFICIENTS
         x = direction.to(torch.bfloat16)
         wide = x.shape[0] > x.shape[1]
-        x = x.T if wide else x
+        x = x.T.contiguous() if wide else x
         x = x / (x.norm() + 1e-7)
         for _ in range(group["ns_steps"]):
             gram = x @ x.T

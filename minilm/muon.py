@@ -29,8 +29,8 @@ def orthogonalize(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
     a, b, c = NS_COEFFICIENTS
     x = g.to(torch.bfloat16)
     wide = x.shape[-2] > x.shape[-1]
-    if wide:  # iterate on the smaller Gram matrix
-        x = x.mT
+    if wide:  # iterate on the smaller Gram matrix, laid out row-major: a transposed view's matmuls run slower
+        x = x.mT.contiguous()
     x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # spectral norm <= Frobenius norm <= 1: in the basin
     for _ in range(steps):
         gram = x @ x.mT
