@@ -148,6 +148,9 @@ class TrainConfig:
     optimizer: str = "muon"
     muon_lr: float = 0.02  # Muon's peak lr (the schedule scales it like lr)
     muon_momentum: float = 0.95
+    # With Muon: the embedding / tied head (and MoE routers) at lr x this. Beside matrices moving at muon_lr, an
+    # embedding at MiniMind's lr is what holds the loss back (bench.minimind; docs/quality.md)
+    embedding_lr_ratio: float = 3.0
 
     def problems(self, world_size: int | None = None, total_steps: int | None = None) -> list[str]:
         p = _type_problems(self)
@@ -155,7 +158,7 @@ class TrainConfig:
             return p
         if not _is_int(self.seed) or not 0 <= self.seed < 1 << 32:
             p.append(f"seed must be an integer >= 0 (and < 2**32), got {self.seed!r}")
-        for name in ("lr", "muon_lr"):
+        for name in ("lr", "muon_lr", "embedding_lr_ratio"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 p.append(f"{name} must be a positive number, got {v!r}")

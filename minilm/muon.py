@@ -138,12 +138,13 @@ def _commit(olds: list[torch.Tensor], news: list[torch.Tensor], skip: torch.Tens
         torch.where(keep, old, new, out=old)
 
 
-def muon_param_groups(model: torch.nn.Module, *, lr: float, muon_lr: float, weight_decay: float) -> list[dict]:
-    """Groups for `Muon`: block matrices on Muon, other matrices (embedding / head, router) on AdamW with
-    decay, vectors (norm gains) on AdamW without.
+def muon_param_groups(model: torch.nn.Module, *, lr: float, muon_lr: float, weight_decay: float,
+                      embedding_lr_ratio: float = 1.0) -> list[dict]:
+    """Groups for `Muon`: block matrices on Muon; the other matrices (the embedding / head, the MoE router) on
+    AdamW with decay at lr x `embedding_lr_ratio`; vectors (norm gains) on AdamW without decay at lr.
 
-    Muon's decoupled decay uses weight_decay / lr_ratio, so lr x decay per step is the same for
-    every matrix whichever optimizer moves it.
+    Decoupled decay is weight_decay / lr_ratio in a group whose lr is lr x lr_ratio, so lr x decay per step is the
+    same for every matrix whichever optimizer and lr move it.
     """
     muon, adam_decay, adam_no_decay = [], [], []
     for name, p in model.named_parameters():
@@ -158,7 +159,7 @@ def muon_param_groups(model: torch.nn.Module, *, lr: float, muon_lr: float, weig
     ratio = muon_lr / lr
     return [
         {"params": muon, "use_muon": True, "lr_ratio": ratio, "weight_decay": weight_decay / ratio},
-        {"params": adam_decay, "lr_ratio": 1.0, "weight_decay": weight_decay},
+        {"params": adam_decay, "lr_ratio": embedding_lr_ratio, "weight_decay": weight_decay / embedding_lr_ratio},
         {"params": adam_no_decay, "lr_ratio": 1.0, "weight_decay": 0.0},
     ]
 

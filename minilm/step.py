@@ -144,7 +144,8 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opti
     if cfg.optimizer == "muon":
         from .muon import Muon, muon_param_groups
 
-        groups = muon_param_groups(model, lr=cfg.lr, muon_lr=cfg.muon_lr, weight_decay=cfg.weight_decay)
+        groups = muon_param_groups(model, lr=cfg.lr, muon_lr=cfg.muon_lr, weight_decay=cfg.weight_decay,
+                                   embedding_lr_ratio=cfg.embedding_lr_ratio)
         return Muon(groups, lr=cfg.lr, momentum=cfg.muon_momentum, betas=tuple(cfg.betas))
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]

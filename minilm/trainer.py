@@ -190,7 +190,9 @@ class Trainer:
         self.raw_model.load_state_dict(resume.model_state, strict=True)
         # The loaded param groups carry the saved betas / weight decay; this run's config wins (the entry point has
         # refused a change unless --allow-config-change said it is meant).
-        configured = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        # The groups come from the config as it stands after the predated values above (e.g. embedding_lr_ratio).
+        configured = [{k: v for k, v in g.items() if k != "params"}
+                      for g in make_optimizer(self.raw_model, self.train_cfg).param_groups]
         self.optimizer.load_state_dict(resume.optimizer_state)
         for group, settings in zip(self.optimizer.param_groups, configured, strict=True):
             group.update(settings)

@@ -38,7 +38,7 @@ from .pretrain import build_parser as pretrain_parser
 SEARCHABLE = {"lr": float, "warmup_steps": int, "min_lr_ratio": float, "schedule": str, "decay_fraction": float,
               "global_batch_size": int,
               "grad_clip": float, "router_aux_loss_coef": float, "weight_decay": float,
-              "optimizer": str, "muon_lr": float, "muon_momentum": float}
+              "optimizer": str, "muon_lr": float, "muon_momentum": float, "embedding_lr_ratio": float}
 KINDS = ("loguniform", "uniform", "choice", "grid")  # grid: every value, x --num-samples
 TUNE_KEYS = frozenset({"search", "num_samples", "max_concurrent_trials", "workers_per_trial", "scheduler",
                        "grace_steps", "metric"})

@@ -120,7 +120,8 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, fused: bool) -> to
     if cfg.optimizer == "muon":  # minilm's Muon, not re-implemented here (see the module docstring)
         from minilm.muon import Muon, muon_param_groups
 
-        groups = muon_param_groups(model, lr=cfg.lr, muon_lr=cfg.muon_lr, weight_decay=cfg.weight_decay)
+        groups = muon_param_groups(model, lr=cfg.lr, muon_lr=cfg.muon_lr, weight_decay=cfg.weight_decay,
+                                   embedding_lr_ratio=cfg.embedding_lr_ratio)
         return Muon(groups, lr=cfg.lr, momentum=cfg.muon_momentum, betas=tuple(cfg.betas))
     return torch.optim.AdamW(adamw_param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas),
                              eps=ADAMW_EPS, foreach=False, fused=fused)

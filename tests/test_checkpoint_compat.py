@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 import torch
 from fixtures.make_checkpoint_fixture import CHECKPOINT_STEP, RESUMED_TO, fixture_tokens, train_args
-from inprocess import metrics, run_local
+from inprocess import checkpoint_weights, metrics, run_local
 from reference import expected_global_batch
 from safetensors.torch import load_file
 
 from minilm import checkpoint as C
-from minilm.config import ModelConfig
+from minilm.config import ModelConfig, TrainConfig
 from minilm.model import MiniMindForCausalLM
 from minilm.train import main as train_main
 from minilm.train import sequences_from_tokens
@@ -108,6 +108,25 @@ def test_a_run_begun_with_adamw_is_refused_by_todays_default_optimizer_with_the_
     err = capsys.readouterr().err
     assert "optimizer muon != adamw in the checkpoint" in err and "continue it with --optimizer adamw" in err, err
     assert files() == before and sorted(run_dir.iterdir()) == [run_dir / CHECKPOINT]
+
+
+def test_a_muon_checkpoint_from_before_embedding_lr_ratio_goes_on_at_the_ratio_it_ran(run_data, tmp_path):
+    """Muon checkpoints written before --embedding-lr-ratio moved the embedding at lr (ratio 1.0): resumed with
+    today's default ratio, the run says so and goes on at 1.0, bit for bit as an uninterrupted run at 1.0."""
+    assert TrainConfig().embedding_lr_ratio != 1.0  # else this resume would prove nothing
+    kw = dict(optimizer="muon", max_steps=8)
+    whole, _, _ = run_local(run_data, tmp_path / "whole", embedding_lr_ratio=1.0, **kw)
+    run_local(run_data, tmp_path / "old", embedding_lr_ratio=1.0, exit_after_steps=4, **kw)
+    edit_state(tmp_path / "old" / "checkpoint_00000004", lambda s: s["train_config"].pop("embedding_lr_ratio"))
+    resumed, outcome, lines = run_local(run_data, tmp_path / "old", **kw)  # today's default ratio
+    assert outcome == "finished"
+    assert "note: checkpoint_00000004 predates --embedding-lr-ratio: the run goes on with its embedding_lr_ratio 1.0" \
+        in lines, lines
+    assert resumed.train_cfg.embedding_lr_ratio == 1.0
+    assert [g["lr_ratio"] for g in resumed.optimizer.param_groups] == \
+        [g["lr_ratio"] for g in whole.optimizer.param_groups]
+    a, b = checkpoint_weights(tmp_path / "whole", 8), checkpoint_weights(tmp_path / "old", 8)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_the_ray_driver_refuses_such_a_state_json_before_any_worker(tmp_path):

@@ -61,7 +61,7 @@ def test_orthogonalize_gives_unit_singular_values(shape):
 
 def test_block_matrices_on_muon_the_rest_on_adamw():
     model = MiniMindForCausalLM(tiny_cfg(use_moe=True))
-    opt = make_optimizer(model, muon_cfg(weight_decay=0.1))
+    opt = make_optimizer(model, muon_cfg(weight_decay=0.1, embedding_lr_ratio=3.0))
     names = {id(p): n for n, p in model.named_parameters()}
     muon, decay, no_decay = ([names[id(p)] for p in g["params"]] for g in opt.param_groups)
     assert all(".layers." in n and n.endswith("_proj.weight") for n in muon)
@@ -72,11 +72,12 @@ def test_block_matrices_on_muon_the_rest_on_adamw():
     assert sum(map(len, (muon, decay, no_decay))) == len(list(model.parameters()))
     ratio = 0.02 / 1e-3
     assert opt.param_groups[0]["use_muon"] and opt.param_groups[0]["lr_ratio"] == pytest.approx(ratio)
-    # lr x decay per step is the same for every matrix: Muon's decay is divided by its lr ratio.
-    assert opt.param_groups[0]["weight_decay"] * ratio == pytest.approx(opt.param_groups[1]["weight_decay"])
+    # lr x decay per step is the same for every matrix (0.1 x lr): each group's decay is divided by its lr ratio.
+    assert opt.param_groups[0]["weight_decay"] * ratio == pytest.approx(0.1)
+    assert opt.param_groups[1]["weight_decay"] * 3.0 == pytest.approx(0.1)
     assert opt.param_groups[2]["weight_decay"] == 0.0
-    set_lr(opt, 5e-4)
-    assert [g["lr"] for g in opt.param_groups] == pytest.approx([5e-4 * ratio, 5e-4, 5e-4])
+    set_lr(opt, 5e-4)  # the matrices at muon_lr's share, the embedding / head and routers at 3x, the gains at lr
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([5e-4 * ratio, 5e-4 * 3.0, 5e-4])
 
 
 def test_muon_trains():
@@ -187,6 +188,8 @@ def test_muon_settings_are_validated():
         TrainConfig(optimizer="sgd").validate()
     with pytest.raises(ConfigError, match="muon_lr must be a positive number"):
         TrainConfig(optimizer="muon", muon_lr=0).validate()
+    with pytest.raises(ConfigError, match="embedding_lr_ratio must be a positive number"):
+        TrainConfig(embedding_lr_ratio=0.0).validate()
     with pytest.raises(ConfigError, match="muon_momentum must be in"):
         TrainConfig(muon_momentum=1.0).validate()
     with pytest.raises(ValueError, match="2-D"):
@@ -233,5 +236,5 @@ def test_muon_is_in_the_tune_search_space():
     dim = parse_search("optimizer=choice:adamw,muon")
     assert dim.values == ("adamw", "muon")
     assert parse_search("muon_lr=loguniform:0.005:0.05").values == (0.005, 0.05)
-    _, t = apply_params(tiny_cfg(), TrainConfig(), {"optimizer": "muon", "muon_lr": 0.01})
-    assert t.validate().optimizer == "muon" and t.muon_lr == 0.01
+    _, t = apply_params(tiny_cfg(), TrainConfig(), {"optimizer": "muon", "muon_lr": 0.01, "embedding_lr_ratio": 2.0})
+    assert t.validate().optimizer == "muon" and t.muon_lr == 0.01 and t.embedding_lr_ratio == 2.0

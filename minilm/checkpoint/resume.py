@@ -280,7 +280,7 @@ def plan_resume(folder: RunFolder | None, resume: str, abandon_newer: bool = Fal
 
 # Train-config fields added after checkpoints were first written, and the value every checkpoint that lacks one ran
 # with: a resume continues that value (Trainer.restore), whatever today's default is.
-PREDATED_VALUES = {"schedule": "cosine"}
+PREDATED_VALUES = {"schedule": "cosine", "embedding_lr_ratio": 1.0}
 # Fields a resume may change without changing the optimisation; any other needs --allow-config-change.
 SAFE_TO_CHANGE = frozenset({"log_every", "checkpoint_every", "checkpoint_every_minutes", "checkpoint_mode",
                             "export_every", "compile", "activation_checkpointing", "micro_batch_size",
