@@ -152,6 +152,11 @@ class TrainConfig:
     # embedding at MiniMind's lr is what holds the loss back (bench.minimind; docs/quality.md)
     embedding_lr_ratio: float = 3.0
 
+    def inert(self) -> frozenset[str]:
+        """The fields that change nothing in this config: Muon's settings when AdamW moves everything."""
+        return frozenset({"muon_lr", "muon_momentum", "embedding_lr_ratio"}) if self.optimizer == "adamw" \
+            else frozenset()
+
     def problems(self, world_size: int | None = None, total_steps: int | None = None) -> list[str]:
         p = _type_problems(self)
         if p:

@@ -183,7 +183,8 @@ class Trainer:
         C.check_resume(s, self.checkpoints.resumed_from, self.model_cfg, self.train_cfg, self.data.fingerprint,
                        allow_config_change=True)  # the entry point refused a change that was not allowed
         for name, then in C.PREDATED_VALUES.items():
-            if name not in s["train_config"] and getattr(self.train_cfg, name) != then:
+            if name not in s["train_config"] and name not in self.train_cfg.inert() and \
+                    getattr(self.train_cfg, name) != then:
                 self.log_line(f"note: {Path(self.checkpoints.resumed_from).name} predates "
                               f"--{name.replace('_', '-')}: the run goes on with its {name} {then}")
                 setattr(self.train_cfg, name, then)

@@ -271,3 +271,15 @@ def test_a_precision_change_is_refused_unless_it_is_fp32_bf16():
     changes = C.config_changes(state, TrainConfig(dtype="fp32"))
     assert [(c.name, c.before, c.after, c.safe) for c in changes] == [("dtype", "bf16", "fp32", False)]
     assert C.config_changes(state, TrainConfig(dtype="auto")) == []
+
+
+def test_muons_settings_are_no_change_to_an_adamw_run_and_a_change_to_a_muon_run():
+    """An AdamW run never reads muon_lr, muon_momentum or embedding_lr_ratio: resuming one with other values (today's
+    defaults against an older checkpoint's) changes nothing and is not refused; in a Muon run each is a change."""
+    from minilm import checkpoint as C
+    from minilm.config import TrainConfig
+
+    muon_settings = dict(muon_lr=0.01, muon_momentum=0.9, embedding_lr_ratio=1.0)
+    for optimizer, changed in (("adamw", []), ("muon", sorted(muon_settings))):
+        state = {"train_config": TrainConfig(optimizer=optimizer, **muon_settings).to_dict()}
+        assert [c.name for c in C.config_changes(state, TrainConfig(optimizer=optimizer))] == changed, optimizer

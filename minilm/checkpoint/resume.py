@@ -308,13 +308,14 @@ def checkpoint_dtype(state: dict[str, Any]) -> str | None:
 
 
 def config_changes(state: dict[str, Any], train_config) -> list[ConfigChange]:
-    """What a resumed run changes against the checkpoint's train config (the FIXED fields aside)."""
+    """What a resumed run changes against the checkpoint's train config (the FIXED fields, and those inert in this
+    config, aside: the optimizer is FIXED, so a field inert here was inert in the checkpoint's run too)."""
     saved, changes = state.get("train_config", {}), []
     for name, after in sorted(train_config.to_dict().items()):
         before = checkpoint_dtype(state) if name == "dtype" else saved.get(name, after)
         if name == "dtype" and (after == "auto" or before is None):
             continue  # the checkpoint's precision goes on
-        if name not in FIXED and before != after:
+        if name not in FIXED and name not in train_config.inert() and before != after:
             changes.append(ConfigChange(name, before, after, name in SAFE_TO_CHANGE))
     return changes
 
