@@ -139,7 +139,8 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opti
     """AdamW with weight decay on matrices (linear and embedding weights) only, not on norm gains.
 
     With `cfg.optimizer == "muon"`: one `minilm.muon.Muon` that moves the transformer blocks' weight
-    matrices by Muon (peak lr `cfg.muon_lr`) and the rest by AdamW (`cfg.lr`, `cfg.betas`).
+    matrices by Muon (peak lr `cfg.muon_lr`) and the rest by AdamW (`cfg.betas`): the embedding / head at
+    `cfg.lr` x `cfg.embedding_lr_ratio`, the norm gains at `cfg.lr`.
     """
     if cfg.optimizer == "muon":
         from .muon import Muon, muon_param_groups
