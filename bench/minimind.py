@@ -412,8 +412,11 @@ def bench_corpus(name: str, seed: int, runs: list[str], args, work: Path, checko
         results.append(r)
         ref = next((x for x in results if x.run == "minimind"), None)
         if r.curve and ref:  # checkpoints along the run, scored now that the round is over, --parallel at a time
-            r.curve = list(pool.map(lambda point: (*point[:2], score(load_file(str(point[2])), model_cfg, held_docs,
-                                                                   byte_lengths, args)["ce"]), r.curve))
+            def scored(point: tuple[int, float, Path]) -> tuple[int, float, float]:
+                step, seconds, path = point
+                return step, seconds, score(load_file(str(path)), model_cfg, held_docs, byte_lengths, args)["ce"]
+
+            r.curve = list(pool.map(scored, r.curve))
             r.to_minimind_s = time_to_reach(r.curve, ref.ce)
             reached = (f"{r.to_minimind_s:.1f} s = {r.to_minimind_s / ref.train_s:.3f} x MiniMind's wall"
                        if r.to_minimind_s is not None else f"not within its {r.train_s:.0f} s")

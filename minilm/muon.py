@@ -139,7 +139,7 @@ def _commit(olds: list[torch.Tensor], news: list[torch.Tensor], skip: torch.Tens
 
 
 def muon_param_groups(model: torch.nn.Module, *, lr: float, muon_lr: float, weight_decay: float,
-                      embedding_lr_ratio: float = 1.0) -> list[dict]:
+                      embedding_lr_ratio: float) -> list[dict]:
     """Groups for `Muon`: block matrices on Muon; the other matrices (the embedding / head, the MoE router) on
     AdamW with decay at lr x `embedding_lr_ratio`; vectors (norm gains) on AdamW without decay at lr.
 
