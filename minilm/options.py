@@ -66,14 +66,21 @@ class RunOptions:
         hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):
             low, value = f.metadata.get("minimum"), getattr(self, f.name)
+            if value is None and f.metadata.get("help") and type(None) not in typing.get_args(hints[f.name]):
+                raise UsageError(f"{flag(f.name)} needs a value, got null (leave it out for the default, "
+                                 f"{f.default if f.default is not dataclasses.MISSING else f.default_factory()})")
             if low is None or value is None:
                 continue
             if int in typing.get_args(hints[f.name]) or hints[f.name] is int:
                 if not isinstance(value, int) or isinstance(value, bool) or value < low:
                     raise UsageError(f"{flag(f.name)} must be an integer >= {low}, got {value!r}")
-            elif not (isinstance(value, (int, float)) and math.isfinite(value) and
+            elif isinstance(value, int) and abs(value) >= 1e300:  # a float field takes an int; this one would overflow
+                raise UsageError(f"{flag(f.name)} must be a number below 1e300, got {value}")
+            elif not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and
                       (value > 0 if low == 0 else value >= low)):
                 raise UsageError(f"{flag(f.name)} must be {'> 0' if low == 0 else f'>= {low}'}, got {value!r}")
+        if not self.resume.strip():  # '' would be the working directory taken for a checkpoint
+            raise UsageError(f"--resume must be auto, never or a checkpoint PATH, got {self.resume!r}")
         if self.abandon_newer and self.resume == "auto":  # auto continues the newest: there is nothing to abandon
             raise UsageError("--abandon-newer goes with --resume never or --resume PATH (an older checkpoint), not auto")
         return self

@@ -67,6 +67,7 @@ CASES = [
     ("pretrain", ["--config", "{tmp}/broken.yaml"], "not valid YAML"),
     ("pretrain", ["--config", "{tmp}/unknown.yaml"], "unknown option(s) not_a_field"),
     ("pretrain", ["--resume", "{tmp}/no-such-checkpoint"], "does not exist"),
+    ("pretrain", ["--resume", "9" * 400], "cannot be read (File name too long)"),
     ("pretrain", ["--data", "{tmp}/missing-data"], "does not exist (make one with `python -m ray_jobs.prepare`)"),
     ("pretrain", ["--data", "{tmp}/nomanifest"], "has no manifest.json"),
     ("pretrain", ["--data", "{data}", *TINY[:-4], "--seq-len", "64"], "packed with seq_len 32"),

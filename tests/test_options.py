@@ -80,6 +80,9 @@ def test_flags_win_over_yaml_and_values_arrive_typed():
     ({"max_failures": -1}, "--max-failures must be an integer >= 0, got -1"),
     ({"exit_after_minutes": 0.0}, "--exit-after-minutes must be > 0, got 0.0"),
     ({"collective_timeout_s": float("nan")}, "--collective-timeout-s must be > 0, got nan"),
+    ({"exit_after_minutes": True}, "--exit-after-minutes must be > 0, got True"),  # YAML's `true`
+    ({"exit_after_minutes": 10**400}, f"--exit-after-minutes must be a number below 1e300, got {10**400}"),
+    ({"elastic_check_seconds": -10**400}, f"--elastic-check-seconds must be a number below 1e300, got {-10**400}"),
 ])
 def test_a_bad_option_value_is_one_line_naming_its_flag(values, message):
     with pytest.raises(UsageError) as e:
@@ -88,6 +91,40 @@ def test_a_bad_option_value_is_one_line_naming_its_flag(values, message):
     assert RayOptions().validate() == RayOptions()
     with pytest.raises(ConfigError, match="eval_every must be an integer >= 1, got True"):
         TrainConfig(eval_every=True).validate()
+
+
+def test_a_null_or_empty_value_of_an_option_that_needs_one_is_one_line_naming_its_flag(tmp_path, capsys):
+    """`resume: ~` (or `keep_checkpoints:` with nothing after it) in a config file: PyYAML reads None, which a flag
+    cannot give. Each option whose type has no None is refused naming its flag and its default; the optional
+    ones (`name: ~`) keep their default."""
+    import typing
+
+    from minilm.cli import load_yaml
+    from minilm.train import main
+
+    for cls, parser in ((LocalOptions, train_parser), (RayOptions, pretrain_parser)):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if not f.metadata.get("help"):
+                continue
+            (tmp_path / "c.yaml").write_text(f"{f.name}: ~\n")
+            needs_one = type(None) not in typing.get_args(hints[f.name])
+            try:
+                build_configs(parser().parse_args([]), load_yaml(str(tmp_path / "c.yaml")), cls).run.validate()
+            except UsageError as e:
+                assert needs_one and str(e).startswith(f"--{f.name.replace('_', '-')} "), (f.name, str(e))
+                assert "null" in str(e) or "None" in str(e), str(e)
+            else:
+                assert not needs_one or f.metadata["convert"], f"{f.name}: ~ was taken"
+    for spelling in ("''", "' '"):
+        (tmp_path / "c.yaml").write_text(f"resume: {spelling}\n")
+        with pytest.raises(UsageError, match=r"^--resume must be auto, never or a checkpoint PATH, got '\s*'$"):
+            build_configs(train_parser().parse_args([]), load_yaml(str(tmp_path / "c.yaml")), LocalOptions).run.validate()
+    # end to end, as the fuzz test found it: one line and exit 2, not a TypeError from pathlib
+    (tmp_path / "c.yaml").write_text("resume: ~\n")
+    capsys.readouterr()
+    assert main(["--config", str(tmp_path / "c.yaml"), "--random-tokens", "2000", "--max-steps", "1"]) == 2
+    assert capsys.readouterr().err == "error: --resume needs a value, got null (leave it out for the default, auto)\n"
 
 
 def test_plan_steps_matches_the_arithmetic_on_a_grid():

@@ -219,7 +219,11 @@ def verify(path: str | os.PathLike, once_per_node: bool = False) -> None:
     `once_per_node` (a resume): the node's first process hashes under a lock and leaves a stamp in the node's cache
     (the marker's SHA-256, each file's size, mtime and inode) that the other ranks trust while nothing changes."""
     path = Path(path)
-    if not path.is_dir():
+    try:
+        found = path.is_dir()
+    except OSError as e:  # a name too long, a folder not to be entered
+        raise CheckpointError(f"checkpoint {path} cannot be read ({e.strerror or e})") from None
+    if not found:
         raise CheckpointError(f"checkpoint {path} does not exist")
     try:
         files = parse_marker((path / MARKER).read_bytes() if (path / MARKER).exists() else None, path)
