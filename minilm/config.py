@@ -29,8 +29,19 @@ class ConfigError(ValueError):
         super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in self.problems))
 
 
+# The most numbers one model may hold: far past any model minilm trains, well inside torch's int64 sizes.
+MAX_NUMBERS = 10**13
+
+
+def _rough(n: int) -> str:
+    """A count as 5.1e+39, also past a float's range."""
+    return f"{n:.3g}" if n < 10**300 else f"~1e+{len(str(n)) - 1}"
+
+
 def _default_intermediate_size(hidden_size: int) -> int:
     # MiniMind's SwiGLU width: ~pi * hidden, rounded up to a multiple of 64.
+    if hidden_size > MAX_NUMBERS:  # a mistyped size, refused by problems(); past a float's range it still is one
+        return hidden_size * 4
     return math.ceil(hidden_size * math.pi / 64) * 64
 
 
@@ -101,7 +112,24 @@ class ModelConfig:
                          f"got {self.num_experts_per_tok!r}")
         if self.router_aux_loss_coef < 0:
             p.append(f"router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef!r}")
+        if not p:  # a mistyped size (an extra digit or ten) is refused here, not by torch's overflow deep inside
+            if self.num_params() > MAX_NUMBERS:
+                p.append(f"the model would have {_rough(self.num_params())} parameters, more than {MAX_NUMBERS:.0e}: "
+                         "check hidden_size, intermediate_size, num_hidden_layers, vocab_size and num_experts")
+            elif 2 * self.max_position_embeddings * self.head_dim > MAX_NUMBERS:
+                p.append(f"max_position_embeddings ({self.max_position_embeddings}) x head_dim ({self.head_dim}) is "
+                         f"past {MAX_NUMBERS // 2:.0e}: RoPE tables that long cannot be built")
         return p
+
+    def num_params(self) -> int:
+        """The parameters the model builds (MiniMindForCausalLM.num_params()), from the sizes alone."""
+        h, d, layers = self.hidden_size, self.head_dim, self.num_hidden_layers
+        attention = 2 * h * self.num_attention_heads * d + 2 * h * self.num_key_value_heads * d + 2 * d
+        mlp = 3 * h * self.intermediate_size
+        if self.use_moe:
+            mlp = self.num_experts * (mlp + h)  # each expert, and its column of the router
+        embedding = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return layers * (attention + mlp + 2 * h) + h + embedding
 
     def validate(self) -> ModelConfig:
         problems = self.problems()

@@ -40,6 +40,15 @@ MODEL_CASES = [
      "num_experts_per_tok must be in [1, num_experts=4], got 5"),
     ({"use_moe": True, "num_experts_per_tok": 0}, "num_experts_per_tok must be in [1, num_experts=4], got 0"),
     ({"router_aux_loss_coef": -0.1}, "router_aux_loss_coef must be >= 0"),
+    # a mistyped size: refused before torch overflows int64 (or a float) deep inside the model's build. By hand:
+    # 8 layers of 3h^2 (attention, 8 heads, 4 kv) + 3h x intermediate, with intermediate 4h past 1e13
+    ({"hidden_size": 2**60}, "the model would have 1.6e+38 parameters, more than 1e+13: check hidden_size"),
+    ({"hidden_size": 10**400}, "the model would have ~1e+802 parameters, more than 1e+13"),
+    ({"num_hidden_layers": 10**11}, "the model would have 7.37e+17 parameters"),
+    ({"vocab_size": 2**63}, "the model would have 7.08e+21 parameters"),
+    ({"use_moe": True, "num_experts": 10**30}, "the model would have 4.48e+37 parameters"),
+    ({"max_position_embeddings": 2**63 - 1},
+     "max_position_embeddings (9223372036854775807) x head_dim (96) is past 5e+12: RoPE tables that long cannot"),
 ]
 
 TRAIN_CASES = [
@@ -152,6 +161,20 @@ def test_intermediate_size_default():
     for h in (32, 64, 96, 128, 640, 1024):
         assert ModelConfig(hidden_size=h).intermediate_size == math.ceil(h * math.pi / 64) * 64
     assert ModelConfig(hidden_size=64, intermediate_size=100).intermediate_size == 100  # explicit wins
+
+
+def test_num_params_from_the_sizes_is_the_built_models():
+    from minilm.model import MiniMindForCausalLM
+
+    small = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "vocab_size": 256}
+    for extra in ({}, {"tie_word_embeddings": False}, {"num_key_value_heads": 1, "intermediate_size": 96},
+                  {"use_moe": True, "num_experts": 3, "num_experts_per_tok": 2},
+                  {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3, "num_hidden_layers": 3}):
+        cfg = ModelConfig(**{**small, **extra}).validate()
+        assert cfg.num_params() == MiniMindForCausalLM(cfg).num_params(), extra
+    assert ModelConfig().num_params() == 63_912_192  # the default: MiniMind's 768 x 8, counted once by torch
+    assert ModelConfig(hidden_size=2**18, num_hidden_layers=1).validate()  # big, not absurd: memory decides
 
 
 def test_from_dict_rejects_unknown_fields():
