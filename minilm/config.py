@@ -113,8 +113,8 @@ class ModelConfig:
         if self.router_aux_loss_coef < 0:
             p.append(f"router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef!r}")
         if not p:  # a mistyped size (an extra digit or ten) is refused here, not by torch's overflow deep inside
-            if self.num_params() > MAX_NUMBERS:
-                p.append(f"the model would have {_rough(self.num_params())} parameters, more than {MAX_NUMBERS:.0e}: "
+            if (n := self.num_params()) > MAX_NUMBERS:
+                p.append(f"the model would have {_rough(n)} parameters, more than {MAX_NUMBERS:.0e}: "
                          "check hidden_size, intermediate_size, num_hidden_layers, vocab_size and num_experts")
             elif 2 * self.max_position_embeddings * self.head_dim > MAX_NUMBERS:
                 p.append(f"max_position_embeddings ({self.max_position_embeddings}) x head_dim ({self.head_dim}) is "

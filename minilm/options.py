@@ -19,6 +19,10 @@ TIMEOUT_HELP = ("seconds a rank waits in one collective for the others before th
                 "default 600 on GPUs (NCCL), 1800 on CPUs (gloo)")
 
 
+def field_default(f: dataclasses.Field):
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+
 def option(default=None, help: str = "", *, minimum=None, convert=None, **argparse_kwargs):
     """A run option; with `help`, a flag. `minimum` 0 means > 0; `convert` turns a flag's or YAML's value into the field's."""
     meta = {"help": help, "minimum": minimum, "convert": convert, "argparse": argparse_kwargs}
@@ -68,7 +72,7 @@ class RunOptions:
             low, value = f.metadata.get("minimum"), getattr(self, f.name)
             if value is None and f.metadata.get("help") and type(None) not in typing.get_args(hints[f.name]):
                 raise UsageError(f"{flag(f.name)} needs a value, got null (leave it out for the default, "
-                                 f"{f.default if f.default is not dataclasses.MISSING else f.default_factory()})")
+                                 f"{field_default(f)})")
             if low is None or value is None:
                 continue
             if int in typing.get_args(hints[f.name]) or hints[f.name] is int:
@@ -117,7 +121,7 @@ def add_run_flags(parser: argparse.ArgumentParser, cls: type[RunOptions]) -> Non
     group = parser.add_argument_group("run")
     for f in flag_fields(cls):
         meta = f.metadata
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        default = field_default(f)
         text = meta["help"] + (f" (default {default})" if default not in (None, False, {}, []) else "")
         kwargs = {"dest": f.name, "default": None, "help": text, **meta["argparse"]}
         aliases = kwargs.pop("aliases", [])
