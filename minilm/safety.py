@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from urllib.parse import quote, unquote_plus
 
+from .errors import UsageError
+
 SECRET_KEY = re.compile(r"key|secret|token|passw|pwd|credential|signature|^sig$|auth", re.I)
 _URI = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>]+")
 _USERINFO = re.compile(r"^([^:]+://)[^#]*@")  # up to the last @ before the query: a password may hold / or @
@@ -35,8 +37,6 @@ def check_name(value, what: str, error: type[Exception] | None = None) -> str:
     (so never '..', a '/' or a NUL); else one line naming `what` (a UsageError unless `error` is given)."""
     if isinstance(value, str) and NAME.fullmatch(value):
         return value
-    from .cli import UsageError  # cli prints through redact: imported here, not at the top
-
     shown = repr(redact(value) if isinstance(value, str) else value)
     raise (error or UsageError)(f"{what} {shown[:80]}{'...' if len(shown) > 80 else ''} is not a safe name: "
                                 f"use 1-128 letters, digits, '.', '_' or '-', not starting with '.'")

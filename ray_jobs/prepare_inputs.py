@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from minilm.cli import UsageError  # the one usage-error class: `error: ...`, exit 2
+from minilm.errors import UsageError  # the one usage-error class: `error: ...`, exit 2
 
 FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".txt": "txt", ".parquet": "parquet"}
 MAX_SKIP_WARNINGS = 10

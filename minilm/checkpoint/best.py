@@ -16,7 +16,7 @@ import math
 import time
 from pathlib import Path
 
-from ..cli import UsageError
+from ..errors import UsageError
 from .files import MARKER, CheckpointError, parse_marker
 from .resume import CHECKPOINT_NAME, LEASE, RunFolder
 

@@ -22,9 +22,9 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from ..cli import UsageError
 from ..config import ModelConfig
 from ..data import fsync_dir, pid_alive
+from ..errors import UsageError
 from .files import MARKER, STAGING, CheckpointError, parse_marker, parse_state, verify
 
 LEASE = "lease.json"

@@ -1,8 +1,8 @@
 """Prepared data: the format on disk, its checks, the copies of remote data, the row store and the sample order.
 
-    format    the manifest, its checks, `open_prepared`, `check_compatible`   (docs/data.md)
+    format    the manifest, its checks, `check_compatible`   (docs/data.md)
     verified  the hash of every file checked once per machine, under a file lock
-    remote    `open_local`: a remote URI copied once per node, verified on the way
+    remote    `open_prepared`, and `open_local`: a remote URI copied once per node, verified on the way
     store     `SequenceStore` (rows by sample id, zero-copy), `RowsInMemory`, `LocalRankStream`
     order     the resume contract: `split_ids`, `epoch_order`, `DataPosition`, `RankOrder`
 
@@ -21,7 +21,6 @@ from .format import (
     check_manifest,
     file_sha256,
     is_remote,
-    open_prepared,
     token_dtype_for,
 )
 from .order import (
@@ -33,7 +32,7 @@ from .order import (
     split_ids,
     steps_per_epoch,
 )
-from .remote import COPY_CHUNK, _copy_verified, fsync_dir, materialise, open_local, pid_alive
+from .remote import COPY_CHUNK, _copy_verified, fsync_dir, materialise, open_local, open_prepared, pid_alive
 from .store import MAX_OPEN_SHARDS, LocalRankStream, RowsInMemory, SequenceStore
 from .verified import RACY_NS, record_verified, verify_hashes
 

@@ -8,7 +8,6 @@ cache that every process of a node shares.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 from dataclasses import dataclass
@@ -158,42 +157,6 @@ def _check_layout(manifest: dict, where: str) -> None:
     if expected_first != int(manifest["num_sequences"]):
         raise DataError(f"{where}: shard sizes do not add up to num_sequences {manifest['num_sequences']}")
     _files(manifest)  # a missing hash is "malformed" here, not a KeyError later
-
-
-def open_prepared(path: str | os.PathLike, *, verify: bool = True) -> PreparedData:
-    """Open a dataset written by `ray_jobs.prepare`, checking that it is complete and intact.
-
-    Locally every file's size and (with `verify`) its sha256, once per machine; a remote URI's manifest
-    and sizes are read remotely, and `open_local` makes the copy the readers use.
-    """
-    from .remote import _open_remote  # here: remote and verified build on this module
-    from .verified import verify_hashes
-
-    if is_remote(path):
-        return _open_remote(str(path))
-    path = Path(path)
-    if not path.is_dir():
-        raise DataError(f"data directory {path} does not exist (make one with `python -m ray_jobs.prepare`)")
-    mpath = path / MANIFEST
-    if not mpath.is_file():
-        raise DataError(f"{path} has no {MANIFEST}: not a prepared dataset, or its prepare did not finish")
-    try:
-        manifest = json.loads(mpath.read_text())
-    except (ValueError, RecursionError) as e:  # also an integer of > 4300 digits, nesting past the stack
-        raise DataError(f"{mpath} is not valid JSON ({e})") from None
-    check_manifest(manifest, str(mpath))
-    data = PreparedData(path, manifest)
-    for name, size, _ in _files(manifest):
-        try:
-            actual = (path / name).stat().st_size
-        except FileNotFoundError:
-            what = "tokenizer.json" if name == TOKENIZER_FILE else f"token file {name} listed in {MANIFEST}"
-            raise DataError(f"{path}: {what} is missing") from None
-        if size is not None and actual != size:
-            raise DataError(_size_message(str(path / name), actual, size))
-    if verify:
-        verify_hashes(data)
-    return data
 
 
 def _size_message(where: str, actual: int, expected: int) -> str:

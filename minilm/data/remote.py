@@ -1,4 +1,5 @@
-"""Remote data (`s3://`, `gs://`, any pyarrow filesystem URI): one verified copy per node."""
+"""Opening prepared data: `open_prepared` (a local folder checked, or a remote URI's manifest read) and `open_local`
+(a remote URI, `s3://`, `gs://` or any pyarrow filesystem URI, copied once per node, verified on the way)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 from ..safety import join_uri
 from .format import (
     MANIFEST,
+    TOKENIZER_FILE,
     DataError,
     PreparedData,
     _files,
@@ -19,9 +21,8 @@ from .format import (
     cache_root,
     check_manifest,
     is_remote,
-    open_prepared,
 )
-from .verified import node_lock, record_verified
+from .verified import node_lock, record_verified, verify_hashes
 
 COPY_CHUNK = 8 << 20
 
@@ -64,6 +65,39 @@ def _open_remote(uri: str) -> PreparedData:
         if size is not None and info.size != size:
             raise DataError(_size_message(join_uri(uri, name), info.size, size))
     return PreparedData(None, manifest, uri=uri)
+
+
+def open_prepared(path: str | os.PathLike, *, verify: bool = True) -> PreparedData:
+    """Open a dataset written by `ray_jobs.prepare`, checking that it is complete and intact.
+
+    Locally every file's size and (with `verify`) its sha256, once per machine; a remote URI's manifest
+    and sizes are read remotely, and `open_local` makes the copy the readers use.
+    """
+    if is_remote(path):
+        return _open_remote(str(path))
+    path = Path(path)
+    if not path.is_dir():
+        raise DataError(f"data directory {path} does not exist (make one with `python -m ray_jobs.prepare`)")
+    mpath = path / MANIFEST
+    if not mpath.is_file():
+        raise DataError(f"{path} has no {MANIFEST}: not a prepared dataset, or its prepare did not finish")
+    try:
+        manifest = json.loads(mpath.read_text())
+    except (ValueError, RecursionError) as e:  # also an integer of > 4300 digits, nesting past the stack
+        raise DataError(f"{mpath} is not valid JSON ({e})") from None
+    check_manifest(manifest, str(mpath))
+    data = PreparedData(path, manifest)
+    for name, size, _ in _files(manifest):
+        try:
+            actual = (path / name).stat().st_size
+        except FileNotFoundError:
+            what = "tokenizer.json" if name == TOKENIZER_FILE else f"token file {name} listed in {MANIFEST}"
+            raise DataError(f"{path}: {what} is missing") from None
+        if size is not None and actual != size:
+            raise DataError(_size_message(str(path / name), actual, size))
+    if verify:
+        verify_hashes(data)
+    return data
 
 
 def open_local(data: str | os.PathLike) -> PreparedData:
