@@ -293,8 +293,10 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+# A float field takes an int that math.* takes; inf and nan mean nothing in any field (rms_norm_eps inf learns nothing,
+# weight_decay inf ends in NaN weights).
 _KINDS = {bool: ("true or false", lambda v: isinstance(v, bool)),
-          float: ("a number", lambda v: isinstance(v, float) or _is_int(v) and abs(v) < 1e300)}  # math.* takes it
+          float: ("a finite number", lambda v: isinstance(v, float) and math.isfinite(v) or _is_int(v) and abs(v) < 1e300)}
 
 
 def field_kinds(cls) -> dict[str, set]:

@@ -67,7 +67,7 @@ class RunOptions:
     exit_after_steps: int | None = option(help="checkpoint and exit cleanly at the first optimizer step >= N", minimum=1)
     exit_after_minutes: float | None = option(help="checkpoint and exit cleanly this many minutes after the command "
                                               "started (worker restarts included)", minimum=0)
-    collective_timeout_s: float | None = option(help=TIMEOUT_HELP, minimum=0)
+    collective_timeout_s: float | None = option(help=TIMEOUT_HELP, minimum=1)  # TorchConfig takes whole s
     tracker: list[str] | None = option(help=TRACKER_HELP, action="append", metavar="none|tensorboard|mlflow|wandb")
     mlflow_uri: str | None = option(help="MLflow tracking URI (default: sqlite:///RUN_DIR/mlflow.db)")
     wandb_project: str | None = option(help="W&B project (default minilm); WANDB_MODE=offline works")

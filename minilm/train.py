@@ -36,13 +36,13 @@ from .distributed import (
     leave_process_group,
 )
 from .model import MiniMindForCausalLM
-from .options import RunOptions, add_run_flags, build_configs, check_configs, option, plan_steps
+from .options import RunOptions, add_run_flags, build_configs, option
 from .rows import rows_note
-from .safety import check_name
+from .run import Launch, RunPlan, check_run, claim
 from .step import TORCH_DTYPES, NonFiniteLossError, resolve_dtype_name
 from .testing import FaultHooks
 from .testing import from_env as hooks_from_env
-from .trackers import TrackerError, check_trackers
+from .trackers import TrackerError
 from .trainer import Dataset, Preempted, Trainer
 
 
@@ -124,77 +124,78 @@ class RefusedOnRank0(UsageError):
     """Rank 0 refused the run (and said why): the other ranks leave with the same exit code, silently."""
 
 
-def start(argv: list[str] | None) -> tuple[Trainer, LocalOptions, C.Lease | None]:
+class LocalLaunch(Launch):
+    """minilm.train's side of the run plan: data read in this process, an optional local run folder, torchrun's
+    world size."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+
+    def check(self, model_cfg: ModelConfig, train_cfg: TrainConfig, opts: LocalOptions) -> None:
+        if sum(x is not None for x in (opts.data, opts.tokens, opts.random_tokens)) != 1:
+            raise UsageError("give the data to train on: one of --data DIR, --tokens FILE.npy or --random-tokens N")
+        run_dir = Path(opts.run_dir).resolve() if opts.run_dir else None
+        opts.run_dir = str(run_dir) if run_dir else None
+        opts.name = opts.name or (run_dir.name if run_dir else "local")
+
+    def open_data(self, model_cfg: ModelConfig, train_cfg: TrainConfig, opts: LocalOptions, notes: list) -> Dataset:
+        return load_data(opts, model_cfg, train_cfg, notes)
+
+    def world_sizes(self, opts: LocalOptions) -> range:
+        return range(self.world_size, self.world_size + 1)
+
+    def folder(self, opts: LocalOptions) -> C.RunFolder | None:
+        return C.RunFolder(opts.run_dir) if opts.run_dir else None
+
+    def dtype(self, plan: RunPlan) -> str:  # a resume keeps its precision; `auto` is settled by every rank after
+        saved = C.checkpoint_dtype(plan.state) if plan.state else None
+        return saved if plan.train_cfg.dtype == "auto" and saved else plan.train_cfg.dtype
+
+
+def start(argv: list[str] | None) -> tuple[Trainer, RunPlan]:
     """Flags -> a Trainer at its first step (rank 0 holding the run folder's lease); every user error raises."""
     started_at = time.time()
     args = build_parser().parse_args(argv)
     file_values = load_yaml(args.config)
-    model_cfg, train_cfg, opts = build_configs(args, file_values, LocalOptions,
-                                               demo=not (args.data or file_values.get("data")))
-    if sum(x is not None for x in (opts.data, opts.tokens, opts.random_tokens)) != 1:
-        raise UsageError("give the data to train on: one of --data DIR, --tokens FILE.npy or --random-tokens N")
-    check_configs(model_cfg, train_cfg, opts)
-    if opts.name is not None:
-        check_name(opts.name, "--name")
+    configs = build_configs(args, file_values, LocalOptions, demo=not (args.data or file_values.get("data")))
+    configs.run.started_at = started_at
     hooks = hooks_from_env(warn=lambda m: print(m, file=sys.stderr))
-    rank, world_size, device = init_from_torchrun(timeout_s=opts.collective_timeout_s)
-    notes: list[str | None] = []  # shown under the start line (rank 0)
-    data = load_data(opts, model_cfg, train_cfg, notes)
-    steps = plan_steps(train_cfg, data.num_sequences, (world_size,))
-    run_dir = Path(opts.run_dir).resolve() if opts.run_dir else None
-    opts.name, opts.run_dir, opts.started_at = opts.name or (run_dir.name if run_dir else "local"), \
-        str(run_dir) if run_dir else None, started_at
+    launch = LocalLaunch(int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1)
+    plan = check_run(configs, launch)  # before torchrun's process group: a refused run needs no peers
+    rank, world_size, device = init_from_torchrun(timeout_s=plan.opts.collective_timeout_s)
     say = lambda m: print(m, flush=True)  # noqa: E731
-    lease, refused, asked = None, None, train_cfg.dtype
+    refused = None
     if rank == 0:
         try:
-            lease, state = take_run_folder(opts, model_cfg, train_cfg, data.fingerprint, say)
-            if asked == "auto" and state and C.checkpoint_dtype(state):  # a resume keeps its precision
-                train_cfg.dtype = C.checkpoint_dtype(state)
+            claim(plan, launch, say)
         except (UsageError, C.CheckpointError) as e:
             refused = e
-    elif opts.resume not in ("auto", "never"):
-        opts.resume_path = str(Path(opts.resume).expanduser().resolve())
+    elif plan.opts.resume not in ("auto", "never"):
+        plan.opts.resume_path = str(Path(plan.opts.resume).expanduser().resolve())
     if world_size > 1 and Collectives(device).broadcast_from_rank0(torch.tensor([refused is not None]))[0]:
         raise refused or RefusedOnRank0("")
     if refused is not None:
         raise refused
-    if asked == "auto":
+    train_cfg = plan.train_cfg
+    if train_cfg.dtype == "auto":
         train_cfg.dtype = agreed_dtype(train_cfg.dtype, device)
-    opts.trackers = check_trackers(opts.tracker, opts.tracker_settings(), run_dir=run_dir)
-    launcher = LocalLauncher(data, train_cfg.micro_batch_size, rank=rank, world_size=world_size, device=device,
-                             run_dir=run_dir, say=say)
+    launcher = LocalLauncher(plan.data, train_cfg.micro_batch_size, rank=rank, world_size=world_size, device=device,
+                             run_dir=plan.run_dir, say=say)
     signal.signal(signal.SIGTERM, lambda *_: setattr(launcher, "sigterm", True))
     if rank == 0:
-        for note in filter(None, notes):
+        for note in plan.notes:
             print(note, flush=True)
     try:
-        return Trainer(model_cfg, train_cfg, opts, data, launcher, hooks=hooks, steps=steps), opts, lease
+        return Trainer(plan.model_cfg, train_cfg, plan.opts, plan.data, launcher, hooks=hooks, steps=plan.steps), plan
     except BaseException:
-        if lease is not None:
-            lease.release()
-        raise
-
-
-def take_run_folder(opts: RunOptions, model_cfg: ModelConfig, train_cfg: TrainConfig, fingerprint: str, say):
-    """Rank 0, before any work: the run folder's lease, --resume applied to it, and the checkpoint it continues
-    checked against this command (the same rules as ray_jobs.pretrain's driver); (lease, its state.json or None)."""
-    folder = C.RunFolder(opts.run_dir) if opts.run_dir else None
-    lease = C.Lease(folder, say).take() if folder else None
-    try:
-        opts.resume_path = C.plan_resume(folder, opts.resume, opts.abandon_newer, say)
-        return lease, C.check_origin(folder, opts.resume_path, model_cfg, train_cfg, fingerprint,
-                                     opts.allow_config_change, say)
-    except BaseException:
-        if lease is not None:
-            lease.release()
+        plan.release()
         raise
 
 
 def run_cli(argv: list[str] | None) -> int:
     """Parse, check, train; every user error is one line and an exit code."""
     try:
-        trainer, opts, lease = start(argv)
+        trainer, plan = start(argv)
     except RefusedOnRank0:
         return EXIT_USAGE
     except (UsageError, ConfigError, D.DataError, C.CheckpointError, TrackerError, ValueError, FileNotFoundError) as e:
@@ -203,7 +204,7 @@ def run_cli(argv: list[str] | None) -> int:
         if not isinstance(e, MemoryError) and "alloc" not in str(e):
             raise
         return fail(f"the run does not fit in this machine's memory: {type(e).__name__}: {str(e).strip()[:160]}")
-    outcome, t0 = "failed", time.time()
+    outcome, t0, opts = "failed", time.time(), plan.opts
     rank, world_size, device = trainer.rank, trainer.world_size, trainer.device
     try:
         outcome = trainer.fit()
@@ -219,8 +220,7 @@ def run_cli(argv: list[str] | None) -> int:
         return fail(f"training failed: {line}", EXIT_FAILED)
     finally:
         trainer.close(outcome)
-        if lease is not None:
-            lease.release()
+        plan.release()
     if rank == 0:
         last = trainer.history[-1] if trainer.history else None
         print(f"done: {outcome} at optimizer step {trainer.step}/{trainer.total_steps} in {time.time() - t0:.1f}s"

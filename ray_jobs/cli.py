@@ -69,7 +69,7 @@ class RayOptions(RunOptions):
                                    "corpus, prepared once into ~/.cache/minilm")
     name: str | None = option(help="run name; resume finds checkpoints by it (default: minilm-<time>)")
     collective_timeout_s: float | None = option(help=TIMEOUT_HELP + "; with --max-failures the group restarts from "
-                                                "the last checkpoint", minimum=0, aliases=["--backend-timeout-s"])
+                                                "the last checkpoint", minimum=1, aliases=["--backend-timeout-s"])
     num_workers: str = option("2", "N, or MIN-MAX for an elastic run")
     use_gpu: str = option("auto", "auto: GPUs if the cluster has any", choices=["auto", "true", "false"],
                           convert=lambda v: str(v).lower())  # YAML's true too

@@ -18,29 +18,27 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from minilm import checkpoint as C
 from minilm import data as D
+from minilm import run as run_plan
 from minilm import testing
 from minilm.cli import EXIT_FAILED, EXIT_INTERRUPTED, UsageError, add_config_flags, fail, load_yaml
 from minilm.config import ConfigError, ModelConfig, TrainConfig
 from minilm.distributed import collective_timeout_s
 from minilm.options import (
     RunSpec,
-    StepPlan,
     add_run_flags,
     build_configs,
     check_configs,
     check_world_sizes,
-    plan_steps,
 )
 from minilm.progress import MetricsLog, format_duration
 from minilm.rows import rows_note
 from minilm.safety import check_name, join_uri
 from minilm.timeline import TIMELINE, WorldSizeTimeline, format_timeline
-from minilm.trackers import TrackerError, check_trackers
+from minilm.trackers import TrackerError
 
 from .cli import RayOptions, available_cores, ensure_ray, redact_uri
 from .elastic import SHARED_STORAGE_HINT, nodes_missing_path
@@ -66,34 +64,19 @@ def main(argv: list[str] | None = None) -> int:
         return fail("interrupted; continue with --resume auto and the same --name", EXIT_INTERRUPTED)
 
 
-@dataclass
-class RunPlan:
-    """A run checked and ready to start: configs, options (where it writes, what it reads), its steps, and the lease
-    on its run folder (released by whoever runs it)."""
-
-    model_cfg: ModelConfig
-    train_cfg: TrainConfig
-    opts: RayOptions
-    prepared: D.PreparedData
-    steps: StepPlan
-    notes: list[str] = field(default_factory=list)  # shown under the start line
-    lease: C.Lease | None = None
-    eval_tasks: list = field(default_factory=list)  # --eval-tasks, read and checked (minilm.evaluate.Task)
+class RunPlan(run_plan.RunPlan):
+    """minilm.run's plan with what a Ray run adds: the train_loop_config every worker gets."""
 
     @property
-    def run_dir(self) -> Path | None:
-        return Path(self.opts.run_dir) if self.opts.run_dir else None
+    def prepared(self) -> D.PreparedData:
+        return self.data
 
     def config(self, opts: RayOptions | None = None) -> dict:
         """The train_loop_config every worker gets, one object; `opts` for a run of its own (a Tune trial)."""
-        run = dataclasses.replace(opts or self.opts)
-        run.run_id = f"{run.name}-{int(time.time())}"
-        run.storage_dir = redact_uri(join_uri(run.storage_path.split("?", 1)[0], run.name))  # what messages name
-        return RunSpec(self.model_cfg, self.train_cfg, run, self.steps).to_dict()
-
-    def release(self) -> None:
-        if self.lease is not None:
-            self.lease.release()
+        run_opts = dataclasses.replace(opts or self.opts)
+        run_opts.run_id = f"{run_opts.name}-{int(time.time())}"
+        run_opts.storage_dir = redact_uri(join_uri(run_opts.storage_path.split("?", 1)[0], run_opts.name))
+        return RunSpec(self.model_cfg, self.train_cfg, run_opts, self.steps).to_dict()
 
 
 def check_options(model_cfg: ModelConfig, train_cfg: TrainConfig, opts: RayOptions) -> tuple[int, int]:
@@ -101,84 +84,99 @@ def check_options(model_cfg: ModelConfig, train_cfg: TrainConfig, opts: RayOptio
     check_configs(model_cfg, train_cfg, opts)
     min_w, max_w = opts.workers
     check_world_sizes(train_cfg, range(min_w, max_w + 1), where=f"--num-workers {opts.num_workers}: ")
-    if opts.collective_timeout_s is not None and opts.collective_timeout_s < 1:  # TorchConfig takes whole seconds
-        raise UsageError(f"--collective-timeout-s must be >= 1, got {opts.collective_timeout_s}")
     return min_w, max_w
-
-
-def plan_run(args: argparse.Namespace, concurrent_runs: int = 1, reserved_cpus: float = 0.0,
-             file_values: dict | None = None) -> RunPlan:
-    """Flags + YAML (`file_values`, else --config's) -> a checked RunPlan holding its run folder's lease, Ray started or
-    joined. For --cpus-per-worker auto, `concurrent_runs` share the cluster (Tune trials) and their other actors hold
-    `reserved_cpus`."""
-    started_at = time.time()
-    file_values = load_yaml(args.config) if file_values is None else file_values
-    demo = not (args.data or file_values.get("data"))
-    model_cfg, train_cfg, opts = build_configs(args, file_values, RayOptions, demo=demo)
-    opts.started_at = started_at
-    opts.name = check_name(opts.name or time.strftime("minilm-%Y%m%d-%H%M%S"), "--name")  # STORAGE/NAME
-    check_options(model_cfg, train_cfg, opts)
-    if "://" not in opts.storage_path:
-        opts.storage_path = str(Path(opts.storage_path).expanduser().resolve())
-        opts.run_dir = str(Path(opts.storage_path) / opts.name)
-    folder = C.RunFolder(join_uri(opts.storage_path, opts.name),
-                         display=redact_uri(join_uri(opts.storage_path.split("?", 1)[0], opts.name)))
-    say = lambda m: print(m, flush=True)  # noqa: E731
-    lease = C.Lease(folder, say).take()  # one live run per folder, before anything else starts
-    try:
-        opts.resume_path = C.plan_resume(folder, opts.resume, opts.abandon_newer, say)
-        folder.delete(RAY_SNAPSHOT)  # Ray would refuse an index naming a checkpoint minilm pruned or moved aside
-        plan = check_run(model_cfg, train_cfg, opts, demo, concurrent_runs, reserved_cpus)
-        state = C.check_origin(folder, opts.resume_path, model_cfg, train_cfg, plan.prepared.fingerprint,
-                               opts.allow_config_change, say)
-        train_cfg.dtype = run_dtype(train_cfg.dtype, state, opts)
-    except BaseException:
-        lease.release()
-        raise
-    plan.lease = lease
-    return plan
 
 
 RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's list of the checkpoints it registered
 
 
-def check_run(model_cfg: ModelConfig, train_cfg: TrainConfig, opts: RayOptions, demo: bool, concurrent_runs: int,
-              reserved_cpus: float) -> RunPlan:
-    """The data opened and checked against the configs, Ray started or joined, the workers' CPUs and steps planned."""
-    hooks = testing.from_env(warn=lambda m: print(m, file=sys.stderr, flush=True))
-    run_dir = Path(opts.run_dir) if opts.run_dir else None
-    opts.trackers = check_trackers(opts.tracker, opts.tracker_settings(), run_dir=run_dir)
-    eval_tasks = check_eval_options(opts, run_dir)
-    prepared = None
-    if not demo:
-        opts.data_dir = opts.data if D.is_remote(opts.data) else str(Path(opts.data).expanduser().resolve())
-        prepared = D.open_prepared(opts.data_dir)  # a missing, incomplete or damaged --data: refused before Ray
-    started_here = ensure_ray(opts.num_cpus)
-    min_w, max_w = opts.workers
-    if opts.cpus_per_worker is None:
-        opts.cpus_per_worker = auto_cpus_per_worker(max_w * concurrent_runs, started_here, opts, reserved_cpus)
-    missing = nodes_missing_path(Path(opts.storage_path)) if run_dir else []
-    if missing:
-        raise UsageError(f"--storage-path {opts.storage_path} is not visible from {len(missing)} node(s) of this "
-                         f"cluster ({', '.join(missing)}): {SHARED_STORAGE_HINT}")
-    if train_cfg.dtype == "fp16" and not uses_gpu(opts):
-        raise UsageError("--dtype fp16 needs GPU workers (CPU autocast supports bf16 or fp32); this run has none: "
-                         "use --dtype bf16, fp32 or auto")
-    if demo:
-        from .demo_data import demo_data_dir
+class RayLaunch(run_plan.Launch):
+    """ray_jobs.pretrain's side of the run plan: data every worker opens, a Ray cluster, STORAGE/NAME as the run
+    folder. For --cpus-per-worker auto, `concurrent_runs` share the cluster (Tune trials) and their other actors hold
+    `reserved_cpus`."""
 
-        opts.data_dir = str(demo_data_dir(train_cfg.seq_len, model_cfg.vocab_size))
-        prepared = D.open_prepared(opts.data_dir)
-    D.check_compatible(prepared, vocab_size=model_cfg.vocab_size, seq_len=train_cfg.seq_len)
-    steps = plan_steps(train_cfg, prepared.num_sequences, range(min_w, max_w + 1), where=f"{redact_uri(opts.data_dir)}: ")
-    if hooks:
-        opts.test_hooks = hooks.to_dict()
-        if hooks.record_sample_ids:
-            Path(hooks.record_sample_ids).mkdir(parents=True, exist_ok=True)
-    notes = [n for n in [rows_note(prepared.manifest, prepared.location)] if n]
-    if eval_tasks:
-        check_eval_resources(opts.eval_resources)
-    return RunPlan(model_cfg, train_cfg, opts, prepared, steps, notes, eval_tasks=eval_tasks)
+    plan_class = RunPlan
+
+    def __init__(self, demo: bool, concurrent_runs: int = 1, reserved_cpus: float = 0.0):
+        self.demo, self.concurrent_runs, self.reserved_cpus = demo, concurrent_runs, reserved_cpus
+        self.started_ray: bool | None = None
+        self.eval_tasks: list = []
+
+    def ray(self, opts: RayOptions) -> bool:
+        """Ray started or joined, once; True when this command started it (its machine is all the run has)."""
+        if self.started_ray is None:
+            self.started_ray = ensure_ray(opts.num_cpus)
+        return self.started_ray
+
+    def check(self, model_cfg: ModelConfig, train_cfg: TrainConfig, opts: RayOptions) -> None:
+        opts.name = check_name(opts.name or time.strftime("minilm-%Y%m%d-%H%M%S"), "--name")  # STORAGE/NAME
+        check_options(model_cfg, train_cfg, opts)
+        if "://" not in opts.storage_path:
+            opts.storage_path = str(Path(opts.storage_path).expanduser().resolve())
+            opts.run_dir = str(Path(opts.storage_path) / opts.name)
+        self.eval_tasks = check_eval_options(opts, Path(opts.run_dir) if opts.run_dir else None)
+
+    def open_data(self, model_cfg: ModelConfig, train_cfg: TrainConfig, opts: RayOptions, notes: list):
+        if not self.demo:
+            opts.data_dir = opts.data if D.is_remote(opts.data) else str(Path(opts.data).expanduser().resolve())
+            prepared = D.open_prepared(opts.data_dir)  # a missing, incomplete or damaged --data: refused before Ray
+        else:
+            from .demo_data import demo_data_dir
+
+            self.ray(opts)  # the demo's prepare joins it rather than starting (and ending) a Ray of its own
+            opts.data_dir = str(demo_data_dir(train_cfg.seq_len, model_cfg.vocab_size))
+            prepared = D.open_prepared(opts.data_dir)
+        D.check_compatible(prepared, vocab_size=model_cfg.vocab_size, seq_len=train_cfg.seq_len)
+        notes.append(rows_note(prepared.manifest, prepared.location))
+        return prepared
+
+    def world_sizes(self, opts: RayOptions) -> range:
+        min_w, max_w = opts.workers
+        return range(min_w, max_w + 1)
+
+    def check_cluster(self, plan: RunPlan) -> None:
+        opts = plan.opts
+        started_here = self.ray(opts)
+        if opts.cpus_per_worker is None:
+            opts.cpus_per_worker = auto_cpus_per_worker(opts.workers[1] * self.concurrent_runs, started_here, opts,
+                                                        self.reserved_cpus)
+        missing = nodes_missing_path(Path(opts.storage_path)) if opts.run_dir else []
+        if missing:
+            raise UsageError(f"--storage-path {opts.storage_path} is not visible from {len(missing)} node(s) of this "
+                             f"cluster ({', '.join(missing)}): {SHARED_STORAGE_HINT}")
+        if plan.train_cfg.dtype == "fp16" and not uses_gpu(opts):
+            raise UsageError("--dtype fp16 needs GPU workers (CPU autocast supports bf16 or fp32); this run has none: "
+                             "use --dtype bf16, fp32 or auto")
+        if self.eval_tasks:
+            check_eval_resources(opts.eval_resources)
+        plan.eval_tasks = self.eval_tasks
+
+    def folder(self, opts: RayOptions) -> C.RunFolder:
+        return C.RunFolder(join_uri(opts.storage_path, opts.name),
+                           display=redact_uri(join_uri(opts.storage_path.split("?", 1)[0], opts.name)))
+
+    def dtype(self, plan: RunPlan) -> str:
+        return run_dtype(plan.train_cfg.dtype, plan.state, plan.opts)
+
+    def act(self, plan: RunPlan) -> None:
+        plan.folder.delete(RAY_SNAPSHOT)  # Ray would refuse an index naming a checkpoint minilm pruned or moved aside
+        hooks = testing.from_env(warn=lambda m: print(m, file=sys.stderr, flush=True))
+        if hooks:
+            plan.opts.test_hooks = hooks.to_dict()
+            if hooks.record_sample_ids:
+                Path(hooks.record_sample_ids).mkdir(parents=True, exist_ok=True)
+
+
+def plan_run(args: argparse.Namespace, concurrent_runs: int = 1, reserved_cpus: float = 0.0,
+             file_values: dict | None = None) -> RunPlan:
+    """Flags + YAML (`file_values`, else --config's) -> a checked RunPlan holding its run folder's lease, Ray started or
+    joined (minilm.run.plan_run: every check, then the side effects)."""
+    started_at = time.time()
+    file_values = load_yaml(args.config) if file_values is None else file_values
+    demo = not (args.data or file_values.get("data"))
+    configs = build_configs(args, file_values, RayOptions, demo=demo)
+    configs.run.started_at = started_at
+    return run_plan.plan_run(configs, RayLaunch(demo, concurrent_runs, reserved_cpus), lambda m: print(m, flush=True))
 
 
 def check_eval_options(opts: RayOptions, run_dir: Path | None) -> list:

@@ -54,6 +54,8 @@ CASES = [
     ("pretrain", ["--exit-after-minutes", "0"], "--exit-after-minutes must be > 0"),
     ("pretrain", ["--eval-every", "0"], "eval_every must be an integer >= 1, got 0"),
     ("pretrain", ["--collective-timeout-s", "0.5"], "--collective-timeout-s must be >= 1, got 0.5"),
+    ("pretrain", ["--rms-norm-eps", "inf"], "rms_norm_eps must be a finite number, got inf"),
+    ("pretrain", ["--weight-decay", "inf"], "weight_decay must be a finite number, got inf"),
     ("pretrain", ["--resources-per-worker", "slot"], "expected NAME=N with N > 0"),
     ("pretrain", ["--cpus-per-worker", "many"], "--cpus-per-worker must be auto or a number > 0, got 'many'"),
     ("pretrain", ["--cpus-per-worker", "0"], "--cpus-per-worker must be auto or a number > 0"),

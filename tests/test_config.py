@@ -11,6 +11,7 @@ from minilm.config import (
     ModelConfig,
     TrainConfig,
     accumulation_steps,
+    field_kinds,
     valid_world_sizes,
 )
 
@@ -54,8 +55,8 @@ MODEL_CASES = [
 TRAIN_CASES = [
     ({"lr": -1.0}, "lr must be a positive number, got -1.0"),
     ({"lr": 0.0}, "lr must be a positive number"),
-    ({"lr": math.nan}, "lr must be a positive number"),
-    ({"lr": math.inf}, "lr must be a positive number"),
+    ({"lr": math.nan}, "lr must be a finite number"),
+    ({"lr": math.inf}, "lr must be a finite number"),
     ({"warmup_steps": -1}, "warmup_steps must be an integer >= 0"),
     ({"warmup_steps": 1.5}, "warmup_steps must be an integer >= 0"),
     ({"min_lr_ratio": 1.5}, "min_lr_ratio must be in [0, 1]"),
@@ -192,3 +193,15 @@ def test_to_dict_from_dict_round_trip():
     assert d["betas"] == [0.8, 0.9]  # JSON-friendly
     back = TrainConfig.from_dict(d)
     assert back == t and back.betas == (0.8, 0.9)
+
+
+def test_every_float_field_refuses_inf_and_nan():
+    """No float field gives inf or nan a meaning: each is refused by name (--rms-norm-eps inf trained and learned
+    nothing; --weight-decay inf ended in NaN weights)."""
+    for cls in (ModelConfig, TrainConfig):
+        floats = [n for n, kinds in field_kinds(cls).items() if float in kinds]
+        assert len(floats) >= 4, floats
+        for name in floats:
+            for bad in (float("inf"), float("-inf"), float("nan")):
+                problems = cls(**{name: bad}).problems()
+                assert any(p.startswith(f"{name} must be a finite number") for p in problems), (name, bad, problems)

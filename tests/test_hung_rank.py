@@ -96,5 +96,5 @@ def test_collective_timeout_must_be_positive(capsys):
     from minilm.train import main
 
     assert main(["--random-tokens", "2000", "--collective-timeout-s", "0"]) == 2
-    assert capsys.readouterr().err == "error: --collective-timeout-s must be > 0, got 0.0\n"
+    assert capsys.readouterr().err == "error: --collective-timeout-s must be >= 1, got 0.0\n"
 

@@ -79,7 +79,7 @@ def test_flags_win_over_yaml_and_values_arrive_typed():
     ({"keep_checkpoints": "3"}, "--keep-checkpoints must be an integer >= 1, got '3'"),
     ({"max_failures": -1}, "--max-failures must be an integer >= 0, got -1"),
     ({"exit_after_minutes": 0.0}, "--exit-after-minutes must be > 0, got 0.0"),
-    ({"collective_timeout_s": float("nan")}, "--collective-timeout-s must be > 0, got nan"),
+    ({"collective_timeout_s": float("nan")}, "--collective-timeout-s must be >= 1, got nan"),
     ({"exit_after_minutes": True}, "--exit-after-minutes must be > 0, got True"),  # YAML's `true`
     ({"exit_after_minutes": 10**400}, f"--exit-after-minutes must be a number below 1e300, got {10**400}"),
     ({"elastic_check_seconds": -10**400}, f"--elastic-check-seconds must be a number below 1e300, got {-10**400}"),

@@ -138,7 +138,10 @@ class RunFolder:
 
     def move_aside(self, names: list[str], copies: tuple[str, ...] = ()) -> str:
         """Move `names` (and copy `copies`) into abandoned-<time>/: nothing is deleted, nothing is continued."""
-        dest = f"abandoned-{time.strftime('%Y%m%d-%H%M%S')}"
+        dest, taken, k = f"abandoned-{time.strftime('%Y%m%d-%H%M%S')}", set(self.names()), 0
+        while (f"{dest}-{k}" if k else dest) in taken:  # a second start within the same second: its own folder
+            k += 1
+        dest = f"{dest}-{k}" if k else dest
         self.fs.create_dir(self._path(dest))
         for rel in copies:
             if self.fs.get_file_info(self._path(rel)).type == pafs.FileType.File:
@@ -245,13 +248,34 @@ def staging_dir(root: Path, what: str) -> Path:
 
 # ---- --resume ---------------------------------------------------------------------------------------
 
-def plan_resume(folder: RunFolder | None, resume: str, abandon_newer: bool = False, say=print) -> str | None:
-    """--resume auto|never|PATH against what the run folder holds (under its lease): the checkpoint a fresh start
-    continues (a name of the folder, or a path), or None. Starting fresh, or from a checkpoint older than others of
-    the folder, would leave a branch that pruning and `auto` mix with the new one: refused, unless `abandon_newer`
-    moves those checkpoints (and, starting fresh, the run's logs) into abandoned-<time>/."""
+@dataclass(frozen=True)
+class ResumeDecision:
+    """What --resume does to a run folder, decided before anything is touched (`decide_resume`) and carried out only
+    once every check of the run has passed (`apply`)."""
+
+    origin: str | None  # the checkpoint a fresh start continues (a path), or None
+    abandon: tuple[str, ...] = ()  # moved into abandoned-<time>/ by --abandon-newer
+    copies: tuple[str, ...] = ()  # copied there (a rollback keeps the logs it continues)
+    listed: str = ""
+    start: str = ""
+
+    def apply(self, folder: RunFolder | None, say=print) -> None:
+        if self.abandon:
+            dest = folder.move_aside(list(self.abandon), copies=self.copies)
+            say(f"note: --abandon-newer: moved {self.listed} into {dest}; {self.start} continues in {folder.display}")
+
+
+# The run's logs and evaluation state belong to the branch that wrote them: a fresh start moves them aside with it.
+BRANCH_LOGS = ("metrics.jsonl", "world_size.csv", "last_optimizer_step", "eval.jsonl", "best.json",
+               "eval-pending.json")
+
+
+def decide_resume(folder: RunFolder | None, resume: str, abandon_newer: bool = False) -> ResumeDecision:
+    """--resume auto|never|PATH against what the run folder holds (under its lease), read only. Starting fresh, or from
+    a checkpoint older than others of the folder, would leave a branch that pruning and `auto` mix with the new one:
+    refused, unless `abandon_newer`, whose move (and, starting fresh, the run's logs') `apply` makes."""
     if resume == "auto":  # (what it passes over, the loading process says)
-        return folder.newest_complete(lambda _: None) if folder is not None else None
+        return ResumeDecision(folder.newest_complete(lambda _: None) if folder is not None else None)
     names = folder.checkpoints() if folder is not None else []
     origin = None
     if resume != "never":
@@ -261,19 +285,23 @@ def plan_resume(folder: RunFolder | None, resume: str, abandon_newer: bool = Fal
         if folder is not None and folder.local is not None and path.parent == folder.local:
             names = [n for n in names if n > path.name]
     if not names:
-        return origin
+        return ResumeDecision(origin)
     listed = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
     start = "a fresh run" if origin is None else f"a run from {origin}"
     if not abandon_newer:
         raise UsageError(f"run folder {folder.display} already holds checkpoint(s) {listed}, which {start} would mix "
                          f"with its own: continue them with --resume auto, add --abandon-newer to move them into "
                          f"{folder.display}/abandoned-<time>/, or use another --name")
-    logs = ("metrics.jsonl", "world_size.csv", "last_optimizer_step")
+    logs = tuple(n for n in BRANCH_LOGS if n in folder.names())
     fresh = origin is None
-    moved = names + ([n for n in logs if n in folder.names()] if fresh else [])
-    dest = folder.move_aside(moved, copies=() if fresh else logs)
-    say(f"note: --abandon-newer: moved {listed} into {dest}; {start} continues in {folder.display}")
-    return origin
+    return ResumeDecision(origin, tuple(names) + (logs if fresh else ()), () if fresh else logs, listed, start)
+
+
+def plan_resume(folder: RunFolder | None, resume: str, abandon_newer: bool = False, say=print) -> str | None:
+    """`decide_resume` carried out at once (for callers with nothing left to check): the checkpoint to continue."""
+    decision = decide_resume(folder, resume, abandon_newer)
+    decision.apply(folder, say)
+    return decision.origin
 
 
 # ---- what may change across a resume ---------------------------------------------------------------
@@ -371,5 +399,5 @@ def check_origin(folder: RunFolder | None, origin: str | None, model_config: Mod
     return state
 
 
-__all__ = ["LEASE", "PREDATED_VALUES", "ConfigChange", "Lease", "RunFolder", "check_origin", "check_resume", "checkpoint_dtype",
+__all__ = ["LEASE", "PREDATED_VALUES", "ConfigChange", "Lease", "ResumeDecision", "RunFolder", "decide_resume", "check_origin", "check_resume", "checkpoint_dtype",
            "config_changes", "plan_resume", "resume_problems", "sweep_staging"]

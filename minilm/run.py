@@ -1,0 +1,120 @@
+"""The run plan: how every launcher (`minilm.train`, `ray_jobs.pretrain`, a Tune sweep) starts a run.
+
+`plan_run` makes every check first: the flags and YAML values, the launcher's own options, the data, the world sizes
+and steps, the trackers; then, under the run folder's lease, the resume origin and its config drift and the cluster
+(Ray's launcher). Only when all of them pass does it act: --abandon-newer's checkpoints move aside, the launcher
+clears what it must. A refused command changes nothing in the run folder (the lease it took is let go), whatever
+flags it was given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import checkpoint as C
+from .config import ModelConfig, TrainConfig
+from .options import Configs, RunOptions, StepPlan, check_configs, plan_steps
+from .safety import check_name, redact
+from .trackers import check_trackers
+
+
+@dataclass
+class RunPlan:
+    """A run checked and ready to start: configs, options, its data and steps, and (after `claim`) its run folder's
+    lease and the state of the checkpoint it continues."""
+
+    model_cfg: ModelConfig
+    train_cfg: TrainConfig
+    opts: RunOptions
+    data: Any  # what the launcher opened: minilm.data.PreparedData or minilm.trainer.Dataset (num_sequences)
+    steps: StepPlan
+    notes: list[str] = field(default_factory=list)  # shown under the start line
+    eval_tasks: list = field(default_factory=list)  # --eval-tasks, read and checked (minilm.evaluate.Task)
+    folder: C.RunFolder | None = None
+    lease: C.Lease | None = None
+    state: dict | None = None  # state.json of the checkpoint a fresh start continues
+
+    @property
+    def run_dir(self) -> Path | None:
+        return Path(self.opts.run_dir) if self.opts.run_dir else None
+
+    def release(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
+
+
+class Launch:
+    """What differs between launchers; `plan_run` calls these in this order. Checks raise; only `act` has effects."""
+
+    plan_class = RunPlan  # the launcher's RunPlan (Ray's adds the workers' config)
+
+    def check(self, model_cfg: ModelConfig, train_cfg: TrainConfig, opts: RunOptions) -> None:
+        """The launcher's own flags, before any data is opened."""
+
+    def open_data(self, model_cfg: ModelConfig, train_cfg: TrainConfig, opts: RunOptions, notes: list[str]):
+        """The data, opened and checked against the configs (`num_sequences`, `fingerprint`)."""
+        raise NotImplementedError
+
+    def world_sizes(self, opts: RunOptions) -> range:
+        return range(1, 2)
+
+    def check_cluster(self, plan: RunPlan) -> None:
+        """Where the run will execute (Ray's launcher: the cluster, its resources, the evaluation tasks)."""
+
+    def folder(self, opts: RunOptions) -> C.RunFolder | None:
+        """The run folder this command holds the lease of, or None (nothing kept)."""
+        return None
+
+    def dtype(self, plan: RunPlan) -> str:
+        """The run's precision, given the checkpoint it continues (`plan.state`)."""
+        return plan.train_cfg.dtype
+
+    def act(self, plan: RunPlan) -> None:
+        """The launcher's own side effects, once every check has passed."""
+
+
+def plan_run(configs: Configs, launch: Launch, say=print) -> RunPlan:
+    """Every check of a run, then (the whole run folder's lease held) its side effects; a RunPlan holding the lease."""
+    plan = check_run(configs, launch)
+    claim(plan, launch, say)
+    return plan
+
+
+def check_run(configs: Configs, launch: Launch) -> RunPlan:
+    """Every check that needs no run folder and no cluster; nothing is written."""
+    model_cfg, train_cfg, opts = configs
+    check_configs(model_cfg, train_cfg, opts)
+    if opts.name is not None:
+        check_name(opts.name, "--name")
+    launch.check(model_cfg, train_cfg, opts)
+    notes: list[str] = []
+    data = launch.open_data(model_cfg, train_cfg, opts, notes)
+    where = f"{redact(data.location)}: " if hasattr(data, "location") else ""  # PreparedData's, maybe a URI
+    steps = plan_steps(train_cfg, data.num_sequences, launch.world_sizes(opts), where=where)
+    opts.trackers = check_trackers(opts.tracker, opts.tracker_settings(), run_dir=opts.run_dir)
+    return launch.plan_class(model_cfg, train_cfg, opts, data, steps, [n for n in notes if n])
+
+
+def claim(plan: RunPlan, launch: Launch, say=print) -> None:
+    """Under the run folder's lease (taken first: a folder in use or not writable is refused before any cluster is
+    joined): --resume decided, the cluster checked, the resume origin checked against this run, the precision settled;
+    then, every check passed, --abandon-newer's move and the launcher's own effects. Refused: the lease is let go, and
+    with it any folder it made."""
+    opts = plan.opts
+    plan.folder = launch.folder(opts)
+    plan.lease = C.Lease(plan.folder, say).take() if plan.folder is not None else None
+    try:
+        decision = C.decide_resume(plan.folder, opts.resume, opts.abandon_newer)
+        opts.resume_path = decision.origin
+        launch.check_cluster(plan)
+        plan.state = C.check_origin(plan.folder, decision.origin, plan.model_cfg, plan.train_cfg,
+                                    plan.data.fingerprint, opts.allow_config_change, say)
+        plan.train_cfg.dtype = launch.dtype(plan)
+        decision.apply(plan.folder, say)
+        launch.act(plan)
+    except BaseException:
+        plan.release()
+        raise

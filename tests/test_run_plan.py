@@ -1,0 +1,105 @@
+"""The run plan (minilm.run): every check before any side effect, for both launchers.
+
+Each refusal that comes late in the start (the config drift of the checkpoint resumed, a missing --data, an unknown
+tracker, a bad evaluation task list) is tried with each flag that acts on the run folder (--abandon-newer with
+--resume never or an older PATH; pretrain's removal of Ray's checkpoint snapshot): the command is refused in one line
+and the run folder is left byte for byte as it was, its lease too.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+
+import pytest
+from inprocess import run_local, train_flags
+from runs import tiny_args
+
+from minilm import train
+from ray_jobs import pretrain
+
+pytestmark = pytest.mark.timeout(300)
+
+ACTING = {"never": ["--resume", "never", "--abandon-newer"], "older": ["--resume", "{ckpt}", "--abandon-newer"]}
+REFUSALS = {  # flag -> (what is refused, a piece of its one line)
+    "drift": (["--weight-decay", "0.5"], "cannot resume from"),
+    "data": (["--data", "{missing}"], "does not exist"),
+    "tracker": (["--tracker", "bogus"], "bogus"),
+}
+
+
+def tree(folder) -> dict[str, tuple[int, int, bytes]]:
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns, p.read_bytes()[:64])
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def flags_for(flags: list[str], **values) -> list[str]:
+    return [f.format(**values) for f in flags]
+
+
+@pytest.fixture(scope="module")
+def finished(run_data, tmp_path_factory):
+    """A local run folder holding checkpoints 4 .. 20 (every one kept)."""
+    run_dir = tmp_path_factory.mktemp("plan") / "run"
+    run_local(run_data, run_dir, keep_checkpoints=5)
+    return run_dir
+
+
+# a fresh start (--resume never) continues no checkpoint: it has no config to drift from
+@pytest.mark.parametrize(("acting", "refusal"), [(a, r) for a in ACTING for r in REFUSALS if (a, r) != ("never", "drift")])
+def test_minilm_train_refused_late_leaves_the_run_folder_as_it_was(finished, run_data, tmp_path, capsys, acting,
+                                                                   refusal):
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished, run_dir)
+    before = tree(run_dir)
+    extra, line = REFUSALS[refusal]
+    values = {"ckpt": run_dir / "checkpoint_00000008", "missing": tmp_path / "missing"}
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        code = train.main([str(f) for f in train_flags(run_data, run_dir) + flags_for(ACTING[acting] + extra,
+                                                                                         **values)])
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    out = capsys.readouterr()
+    assert code == 2 and out.err.count("\n") == 1 and out.err.startswith("error: ") and line in out.err, out.err
+    assert "--abandon-newer: moved" not in out.out  # no note of a move that did not happen
+    assert tree(run_dir) == before
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("refusal", ["drift", "tracker", "eval-tasks"])
+def test_pretrain_refused_late_leaves_the_run_folder_and_rays_snapshot_as_they_were(ray_address, finished, run_data,
+                                                                                   tmp_path, capsys, refusal):
+    """The driver's refusals after Ray has started (the resume origin's drift, the eval task list) act on nothing:
+    the newer checkpoints stay, and so does Ray Train's checkpoint snapshot, which a start that goes ahead removes."""
+    storage = tmp_path / "runs"
+    shutil.copytree(finished, storage / "r")
+    (storage / "r" / pretrain.RAY_SNAPSHOT).write_text("{}")
+    before = tree(storage / "r")
+    extra = {"drift": ["--weight-decay", "0.5"], "tracker": ["--tracker", "bogus"],
+             "eval-tasks": ["--eval-tasks", str(tmp_path / "missing-tasks.yaml")]}[refusal]
+    code = pretrain.main(tiny_args(run_data, storage, "r", "--resume", str(storage / "r" / "checkpoint_00000008"),
+                                   "--abandon-newer", "--num-workers", "1", *extra))
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error: "), err
+    assert tree(storage / "r") == before
+
+
+def test_two_branches_abandoned_within_one_second_are_both_kept(tmp_path, monkeypatch):
+    """Two --abandon-newer starts in the same second each get their own abandoned-<time> folder: the second's move
+    does not land in (or over) the first's."""
+    import time
+
+    from minilm import checkpoint as C
+
+    monkeypatch.setattr(time, "strftime", lambda fmt, *_: "20261204-120000")
+    folder = C.RunFolder(tmp_path)
+    for branch in ("first", "second"):
+        (tmp_path / "checkpoint_00000004").mkdir()
+        (tmp_path / "checkpoint_00000004" / "weights").write_text(branch)
+        (tmp_path / "metrics.jsonl").write_text(branch)
+        folder.move_aside(["checkpoint_00000004", "metrics.jsonl"])
+    moved = sorted(p for p in tmp_path.iterdir() if p.name.startswith("abandoned-"))
+    assert [p.name for p in moved] == ["abandoned-20261204-120000", "abandoned-20261204-120000-1"]
+    assert [(p / "metrics.jsonl").read_text() for p in moved] == ["first", "second"]
+    assert [(p / "checkpoint_00000004" / "weights").read_text() for p in moved] == ["first", "second"]
