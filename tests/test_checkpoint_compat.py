@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 from fixtures.make_checkpoint_fixture import CHECKPOINT_STEP, RESUMED_TO, fixture_tokens, train_args
-from inprocess import checkpoint_weights, metrics, run_local
+from helpers import metrics
+from inprocess import checkpoint_weights, run_local
 from reference import expected_global_batch
 from safetensors.torch import load_file
 

@@ -13,10 +13,10 @@ from pathlib import Path
 import psutil
 import pytest
 from conftest import run_env
-from helpers import ROOT
-from inprocess import STEPS, checkpoint_weights, configs, free_port, metrics, torchrun, train_flags
+from helpers import ROOT, bitwise_equal, free_port, metrics, wait_for
+from inprocess import STEPS, checkpoint_weights, configs, torchrun, train_flags
 from reference import check_run, replay
-from runs import bitwise_equal, hold_again_after, wait_for
+from runs import hold_again_after
 
 from minilm import checkpoint as C
 

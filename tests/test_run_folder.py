@@ -17,8 +17,9 @@ import time
 from pathlib import Path
 
 import pytest
-from inprocess import checkpoint_weights, configs, metrics, run_local, torchrun, train_flags
-from runs import bitwise_equal, tiny_args
+from helpers import bitwise_equal, metrics
+from inprocess import checkpoint_weights, configs, run_local, torchrun, train_flags
+from runs import tiny_args
 
 from minilm import checkpoint as C
 from minilm import data as D
