@@ -107,3 +107,9 @@ def wait_for(condition, proc: subprocess.Popen, what: str, timeout: float = 240,
 
 def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("error:")]
+
+
+def tree(folder: Path) -> dict[str, tuple[int, int] | None]:
+    """Every file under `folder` with its size and mtime, and every folder: what 'untouched' compares."""
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) if p.is_file() else None
+            for p in sorted(folder.rglob("*"))}

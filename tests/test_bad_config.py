@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from fixtures.make_checkpoint_fixture import train_args
-from helpers import make_prepared
+from helpers import make_prepared, tree
 from test_best_checkpoint import marked, update
 from test_checkpoint_compat import CHECKPOINT, FORMATS, edit_state, resumable_copy
 from test_plot import write_run
@@ -216,10 +216,6 @@ RESUME_POSITION = {"world_size": 1, "accumulation_steps": 4,
                    "nonfinite_guard": {"skipped_total": 0, "in_a_row": 0, "first_step_in_a_row": 0}}
 MODULES = {"pretrain": pretrain, "prepare": prepare, "tune": tune, "export": export, "train": train_cli,
            "sample": sample, "evaluate": evaluate, "plot": plot}
-
-
-def tree(folder: Path) -> list[str]:
-    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
 
 
 def case_id(command: str, argv: list[str], message: str, setup=None) -> str:
