@@ -83,8 +83,3 @@ def publish_eval(records: list[dict], run_name: str) -> None:
                     _eval_gauge.set(float(value), tags={"run": str(run_name), "task": r["task"], "metric": key})
     except Exception as e:
         logger.warning("dashboard metrics of evaluations not published: %s: %s", type(e).__name__, e)
-
-
-def _reset_for_tests() -> None:
-    global _gauges, _disabled, _eval_gauge
-    _gauges, _disabled, _eval_gauge = None, False, None

@@ -1,11 +1,14 @@
-"""Test helpers: small prepared datasets written directly in the on-disk format of docs/data.md."""
+"""Test helpers shared by the test files: small prepared datasets written directly in the on-disk format of
+docs/data.md, a module run as a user runs it, a run's metrics, weight comparisons, waits on a running process."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -64,3 +67,49 @@ def run_module(module: str, args: list[str], env: dict | None = None, timeout: f
         raise AssertionError(f"{module} exited {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\n"
                              f"stderr:\n{proc.stderr[-4000:]}")
     return proc
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    """The records of a run folder's metrics.jsonl, every line one JSON object."""
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def max_rel_diff(got: dict, want: dict) -> float:
+    """The largest difference of any tensor, relative to the largest magnitude of `want`'s (the reference's)."""
+    assert got.keys() == want.keys()
+    return max(((got[k].float() - want[k].float()).abs().max() / want[k].float().abs().max().clamp_min(1e-12)).item()
+               for k in got)
+
+
+def bitwise_equal(a: dict, b: dict) -> bool:
+    import torch
+
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(condition, proc: subprocess.Popen, what: str, timeout: float = 240, poll: float = 0.1) -> None:
+    """Poll `condition()` until it is true; fail naming `what` if the process ends or time runs out first."""
+    deadline = time.time() + timeout
+    while not condition():
+        if proc.poll() is not None:
+            out = proc.stdout.read()[-3000:] if proc.stdout else ""
+            raise AssertionError(f"the run exited ({proc.returncode}) before {what}\n{out}")
+        if time.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(poll)
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("error:")]
+
+
+def tree(folder: Path) -> dict[str, tuple[int, int] | None]:
+    """Every file under `folder` with its size and mtime, and every folder: what 'untouched' compares."""
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) if p.is_file() else None
+            for p in sorted(folder.rglob("*"))}

@@ -7,14 +7,12 @@ compute the same optimisation (and the same reference replay, tests/reference.py
 
 from __future__ import annotations
 
-import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 from conftest import run_env
-from helpers import ROOT
+from helpers import ROOT, free_port
 from safetensors.torch import load_file
 
 from minilm import checkpoint as C
@@ -70,11 +68,6 @@ def train_flags(data_dir: Path, run_dir: Path, **train) -> list[str]:
     return flags
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def torchrun(nproc: int, flags: list[str], timeout: float = 240, check: bool = True,
              **env: str) -> subprocess.CompletedProcess:
@@ -90,7 +83,3 @@ def torchrun(nproc: int, flags: list[str], timeout: float = 240, check: bool = T
 
 def checkpoint_weights(run_dir: Path, step: int = STEPS) -> dict:
     return load_file(str(Path(run_dir) / f"checkpoint_{step:08d}" / "model.safetensors"))
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from helpers import max_rel_diff
 
 from minilm import data as D
 from minilm.config import ModelConfig, TrainConfig
@@ -189,11 +190,6 @@ def replay(model_cfg: ModelConfig, train_cfg: TrainConfig, data_dir: Path, recor
     return Replay({k: v.detach().clone() for k, v in model.state_dict().items()}, loss, lr, grad_norm,
                   scaler.state_dict() if scaler.is_enabled() else None)
 
-
-def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max(((a[k].float() - b[k].float()).abs().max() / b[k].float().abs().max().clamp_min(1e-12)).item()
-               for k in a)
 
 
 def check_run(ref: Replay, weights: dict[str, torch.Tensor], metrics: list[dict], *, rtol_weights: float = 1e-5,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 from conftest import run_env
-from helpers import ROOT, run_module
+from helpers import ROOT, metrics, run_module, wait_for
 from safetensors.torch import load_file
 
 STEPS = 20  # 15 steps per epoch on run_data (240 sequences, global batch 16): the runs cross an epoch
@@ -48,17 +48,6 @@ def start_pretrain(ray_address, args: list[str], capture: bool, log: Path | None
     return subprocess.Popen(cmd, cwd=ROOT, env=env, **out)
 
 
-def wait_for(condition, proc: subprocess.Popen, what: str, timeout: float = 240, poll: float = 0.1) -> None:
-    """Poll `condition()` until it is true; fail naming `what` if the run ends or time runs out first."""
-    deadline = time.time() + timeout
-    while not condition():
-        if proc.poll() is not None:
-            out = proc.stdout.read()[-3000:] if proc.stdout else ""
-            raise AssertionError(f"the run exited ({proc.returncode}) before {what}\n{out}")
-        if time.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(poll)
-
 
 def start_until_checkpoint(ray_address, args: list[str], marker: Path, capture: bool, **env) -> subprocess.Popen:
     """Start a slowed-down pretrain driver and return once `marker` (a checkpoint's COMPLETE.json) exists."""
@@ -82,9 +71,6 @@ def final_weights(storage: Path, name: str, step: int = STEPS) -> dict[str, torc
     return load_file(str(storage / name / f"checkpoint_{step:08d}" / "model.safetensors"))
 
 
-def max_rel_diff(a: dict, b: dict) -> float:
-    return max(((a[k] - b[k]).abs().max() / a[k].abs().max().clamp_min(1e-12)).item() for k in a)
-
 
 def hold_again_after(checkpoint_done, hold: Path, proc: subprocess.Popen, what: str) -> list[Path]:
     """Both ranks are held after step 1 (MINILM_TEST_HOLD_FILE=`hold`, touched before the start): release them, wait
@@ -100,9 +86,6 @@ def hold_again_after(checkpoint_done, hold: Path, proc: subprocess.Popen, what: 
     return held
 
 
-def bitwise_equal(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
 
 def consumed_ids(record_dir: Path) -> dict[int, list[int]]:
     """optimizer_step -> sorted sample ids consumed in that step over all ranks (no step is redone here)."""
@@ -113,9 +96,6 @@ def consumed_ids(record_dir: Path) -> dict[int, list[int]]:
             per_step.setdefault(rec["optimizer_step"], []).extend(rec["sample_ids"])
     return {s: sorted(ids) for s, ids in sorted(per_step.items())}
 
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def metric_steps(run_dir: Path) -> list[int]:
@@ -159,7 +139,3 @@ def wait_until_workers_exit(timeout: float = 90) -> None:
     while ray_train_workers():
         assert time.time() < deadline, "Ray Train workers of a killed driver are still running"
         time.sleep(0.5)
-
-
-def error_lines(stderr: str) -> list[str]:
-    return [line for line in stderr.splitlines() if line.startswith("error:")]

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from inprocess import STEPS, checkpoint_weights, configs, metrics, run_local, torchrun, train_flags
+from helpers import metrics
+from inprocess import STEPS, checkpoint_weights, configs, run_local, torchrun, train_flags
 from reference import check_run, replay
 from safetensors import safe_open
 from safetensors.torch import load_file, save

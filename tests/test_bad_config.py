@@ -1,4 +1,5 @@
-"""Wrong invocations of pretrain / prepare / tune / export: one clear `error:` line, exit 2, nothing written.
+"""Wrong invocations of every command (pretrain, prepare, tune, export, train, sample, evaluate, plot): bad values,
+bad data, missing files, crafted checkpoints and run folders. Each is one clear `error:` line, exit 2, nothing written.
 
 Table-driven; each case runs the command's `main()` in this process (the session's Ray is shared
 for the few cases that need to look at data on a running cluster).
@@ -6,12 +7,25 @@ for the few cases that need to look at data on a running cluster).
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
+import numpy as np
 import pytest
-from helpers import make_prepared
+from fixtures.make_checkpoint_fixture import train_args
+from helpers import make_prepared, tree
+from test_best_checkpoint import marked, update
+from test_checkpoint_compat import CHECKPOINT, FORMATS, edit_state, resumable_copy
+from test_plot import write_run
+from test_train_single import SMALL_FLAGS
 
-from ray_jobs import export, prepare, pretrain, tune
+from minilm import checkpoint as C
+from minilm import sample
+from minilm import train as train_cli
+from minilm.config import ModelConfig
+from minilm.model import MiniMindForCausalLM
+from ray_jobs import evaluate, export, plot, prepare, pretrain, tune
 
 pytestmark = pytest.mark.ray
 
@@ -27,7 +41,50 @@ def setup_files(tmp: Path) -> dict[str, str]:
     (tmp / "broken.yaml").write_text("lr: [1, 2\n")
     (tmp / "nomanifest").mkdir()
     (tmp / "doc.jsonl").write_text('{"text": "hello"}\n{"text": "hello"\n')
+    (tmp / "held.jsonl").write_text(json.dumps({"text": "the cat"}) + "\n")
+    (tmp / "tasks.yaml").write_text("tasks:\n  - {name: held, kind: bpb, path: held.jsonl}\n")
+    (tmp / "null-resume.yaml").write_text("resume: ~\n")
+    (tmp / "sweep.yaml").write_text('num_samples: "4"\nsearch:\n  lr: choice:1e-3,2e-3\n')
     return {"tmp": str(tmp)}
+
+
+# The inputs of the cases that need more than setup_files: each writes into the case's folder.
+
+def named(name: str, write):
+    write.__name__ = name  # in the case's id
+    return write
+
+
+def weights_folder(name: str, config_of):
+    """An exported weights folder whose config.json is config_of(the model's config), its marker re-written to
+    match (consistent, as a hand-made folder is)."""
+    def write(tmp: Path) -> None:
+        cfg = ModelConfig(vocab_size=256, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                          num_key_value_heads=2)
+        weights = C.export_weights(tmp / name, MiniMindForCausalLM(cfg), cfg)
+        (weights / "config.json").write_text(json.dumps(config_of(cfg.to_dict())))
+        C.write_marker(weights, ["model.safetensors", "config.json"])
+    return named(name, write)
+
+
+def edited_state(name: str, edit):
+    """The newest fixture checkpoint in {tmp}/run (its tokens in {tmp}/tokens.npy), state.json edited and re-hashed."""
+    return named(name, lambda tmp: edit_state(resumable_copy(FORMATS[-1], tmp)[0] / CHECKPOINT, edit))
+
+
+def best_json(case: str):
+    """{tmp}/run1 with a marked checkpoint 4, and best.json in the state `case` names."""
+    def write(tmp: Path) -> None:
+        run = tmp / "run1"
+        marked(run, 4)
+        folder = C.RunFolder(run)
+        if case == "gone":  # e.g. moved aside by --abandon-newer
+            update(folder, "held/bpb", 6, 1.0)
+        elif case == "replaced":  # its step written again after --abandon-newer
+            update(folder, "held/bpb", 4, 1.0, sha="b" * 64)
+        elif case == "damaged":
+            (run / C.BEST).write_text("{")
+    return named(f"best-{case.replace(' ', '-')}", write)
 
 
 TINY = ["--seq-len", "32", "--vocab-size", "256", "--hidden-size", "64", "--num-hidden-layers", "2",
@@ -90,28 +147,114 @@ CASES = [
     ("tune", ["--search", "depth=choice:1,2"], "unknown parameter 'depth'"),
     ("tune", ["--search", "lr=loguniform"], "cannot parse"),
     ("tune", [], "nothing to search"),
+    ("tune", ["--config", "{tmp}/sweep.yaml"], "error: --num-samples, --max-concurrent-trials, --workers-per-trial, "
+     "--grace-steps: whole numbers, got '4', 1, 1, 1"),
+    # From here: a message opening with "error: " is the whole of stderr (one ending in "…": its first line)
+    ("train", ["--random-tokens", "2000", "--keep-checkpoints", "0"],
+     "error: --keep-checkpoints must be an integer >= 1, got 0"),
+    ("train", ["--random-tokens", "2000", "--collective-timeout-s", "0"],
+     "error: --collective-timeout-s must be >= 1, got 0.0"),
+    ("train", ["--config", "{tmp}/null-resume.yaml", "--random-tokens", "2000", "--max-steps", "1"],
+     "error: --resume needs a value, got null (leave it out for the default, auto)"),  # PyYAML's None, as fuzzing found
+    *[("train", ["--random-tokens", "2000", "--max-steps", "2", *SMALL_FLAGS, *args],  # the last flag wins
+       f"error: invalid configuration:\n  - {message}") for args, message in [
+        (["--global-batch-size", "10", "--micro-batch-size", "4"],
+         "global_batch_size (10) must be a multiple of micro_batch_size (4)"),
+        (["--betas", "0.9", "1.5"], "betas must be two numbers in [0, 1), got (0.9, 1.5)"),
+        (["--hidden-size", "60"], "num_attention_heads (8) must divide hidden_size (60)"),
+        (["--warmup-steps", "2"], "warmup_steps (2) must be smaller than the total optimizer steps (2)")]],
+    ("train", ["--tokens", "{tmp}/ids-300.npy", "--vocab-size", "256", "--seq-len", "16", "--max-steps", "1"],
+     "error: --tokens {tmp}/ids-300.npy: token id 300 is outside the vocabulary [0, 256)",
+     named("ids-300", lambda tmp: np.save(tmp / "ids-300.npy", np.array([1, 2, 300, 4] * 100, dtype=np.int64)))),
+    ("train", ["--tokens", "{tmp}/ids-2d.npy", "--vocab-size", "256", "--seq-len", "16", "--max-steps", "1"],
+     "error: --tokens {tmp}/ids-2d.npy: expected a .npy file of a 1-D array of integer token ids",
+     named("ids-2d", lambda tmp: np.save(tmp / "ids-2d.npy", np.zeros((4, 4))))),
+    # 0.9e12 parameters: under the config's bound of 1e13, past any allocation here (the first, q_proj's, is 275 GB)
+    ("train", ["--random-tokens", "5000", "--seq-len", "32", "--hidden-size", "262144", "--num-hidden-layers", "1",
+               "--vocab-size", "256", "--max-steps", "1"], "error: the run does not fit in this machine's memory: …"),
+    *[("train", [*train_args(Path("{tmp}/tokens.npy"), Path("{tmp}/other" if resume else "{tmp}/run")), *resume],
+       f"error: checkpoint {{tmp}}/run/{CHECKPOINT}…{message}…", edited_state(name + "-resume-path" * bool(resume), edit))
+      for resume in ([], ["--resume", f"{{tmp}}/run/{CHECKPOINT}"]) for name, edit, message in [
+        ("lacks-a-key", lambda s: s.pop("nonfinite_guard"), "state.json lacks nonfinite_guard (format 1)"),
+        ("lacks-the-seed", lambda s: s["train_config"].pop("seed"), "state.json lacks train_config.seed"),
+        ("future-format", lambda s: s.update(format_version=C.STATE_FORMAT + 1),
+         f"has state.json format {C.STATE_FORMAT + 1}, and this version of minilm reads formats 1 to "
+         f"{C.STATE_FORMAT}")]],
+    ("sample", ["--weights", "{tmp}/w-str"], "error: weights {tmp}/w-str could not be loaded: ConfigError: invalid "
+     "configuration: - hidden_size must be a positive integer, got '64'",
+     weights_folder("w-str", lambda cfg: {**cfg, "hidden_size": "64"})),
+    ("sample", ["--weights", "{tmp}/w-other"], "error: weights {tmp}/w-other could not be loaded: RuntimeError: "
+     "Error(s) in loading state_dict for MiniMindForCausalLM: size mismatch for model.embed_tokens.weight: …",
+     weights_folder("w-other", lambda cfg: {**cfg, "hidden_size": 128})),
+    ("sample", ["--weights", "{tmp}/w-list"], "error: weights {tmp}/w-list could not be loaded: TypeError: …",
+     weights_folder("w-list", lambda cfg: [1])),
+    *[(tool, argv, f"error: {{tmp}}/run1{what}", best_json(case))
+      for tool, argv in [("export", ["--checkpoint", "{tmp}/run1/best", "--output", "{tmp}/out"]),
+                         ("sample", ["--weights", "{tmp}/run1/best"]),
+                         ("evaluate", ["--checkpoint", "{tmp}/run1/best", "--tasks", "{tmp}/tasks.yaml", "--output",
+                                       "{tmp}/eval.jsonl"])]
+      for case, what in [
+        ("no best yet", " has no best checkpoint yet (best.json): it is written when a run evaluates its "
+                        "checkpoints (ray_jobs.pretrain --eval-tasks ...)"),
+        ("gone", f"/{C.BEST} names checkpoint_00000006 (step 6, eval/held/bpb 1), which no longer exists…"),
+        ("replaced", f"/{C.BEST} names checkpoint_00000004, but that folder no longer holds the weights it scored…"),
+        ("damaged", f"/{C.BEST} is unreadable…")]],
+    # relative paths: the cases run in their folder
+    ("evaluate", ["--checkpoint", "nowhere", "--tasks", "tasks.yaml", "--output", "o.jsonl"],
+     "error: checkpoint nowhere does not exist"),
+    ("evaluate", ["--run", "nowhere", "--tasks", "tasks.yaml", "--output", "o.jsonl"], "error: … no such folder…"),
+    ("evaluate", ["--checkpoint", ".", "--tasks", "missing.yaml", "--output", "o.jsonl"],
+     "error: task list missing.yaml does not exist"),
+    ("plot", ["{tmp}/run"], "error: {tmp}/run: no such run folder"),
+    ("plot", ["{tmp}/r1"], "error: {tmp}/r1/metrics.jsonl: not found (is {tmp}/r1 a run folder of ray_jobs.pretrain "
+     "with a local --storage-path?)", named("r1", lambda tmp: (tmp / "r1").mkdir())),
+    ("plot", ["{tmp}/r2"], "error: {tmp}/r2/metrics.jsonl: no metrics records yet (the run reports every --log-every "
+     "steps)", named("r2", lambda tmp: ((tmp / "r2").mkdir(), (tmp / "r2" / "metrics.jsonl").write_text("\n")))),
+    ("plot", ["{tmp}/r3", "--out", "{tmp}/x.pdf"], "error: --out {tmp}/x.pdf: expected a .png file",
+     named("r3", lambda tmp: write_run(tmp / "r3", [1], {1: 1}))),
 ]
 # What state.json holds beside the fields these tests vary (a resume refuses a state.json without them).
 RESUME_POSITION = {"world_size": 1, "accumulation_steps": 4,
                    "nonfinite_guard": {"skipped_total": 0, "in_a_row": 0, "first_step_in_a_row": 0}}
-MODULES = {"pretrain": pretrain, "prepare": prepare, "tune": tune, "export": export}
+MODULES = {"pretrain": pretrain, "prepare": prepare, "tune": tune, "export": export, "train": train_cli,
+           "sample": sample, "evaluate": evaluate, "plot": plot}
+
+
+def case_id(command: str, argv: list[str], message: str, setup=None) -> str:
+    return f"{command}:{setup.__name__ + ':' if setup else ''}{' '.join(argv)[:40]}"
+
+
+def matches(text: str, pattern: str) -> bool:
+    """`pattern` with each "…" standing for any text."""
+    return re.fullmatch(".*".join(map(re.escape, pattern.split("…"))), text, re.DOTALL) is not None
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("command,argv,message", CASES, ids=[f"{c}:{' '.join(a)[:40]}" for c, a, _ in CASES])
-def test_wrong_invocation_is_one_clear_error(ray_address, data, tmp_path, capsys, command, argv, message):
+@pytest.mark.parametrize("command,argv,message,setup", [(*c, None)[:4] for c in CASES],
+                         ids=[case_id(*c) for c in CASES])
+def test_wrong_invocation_is_one_clear_error(ray_address, data, tmp_path, capsys, monkeypatch, command, argv, message,
+                                             setup):
     setup_files(tmp_path)
+    if setup:
+        setup(tmp_path)
+    monkeypatch.chdir(tmp_path)
     argv = [a.format(data=data, tmp=tmp_path) for a in argv]
     if command in ("pretrain", "tune"):
         argv += ["--storage-path", str(tmp_path / "runs"), "--name", "bad"]
-    before = sorted(p.name for p in tmp_path.iterdir())
+    before = tree(tmp_path)
     code = MODULES[command].main(argv)
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert code == 2, err
-    assert message in err, err
-    error_lines = [line for line in err.splitlines() if "error:" in line]  # "error: ..." or argparse's "prog: error: ..."
-    assert len(error_lines) == 1 and "Traceback" not in err, err
-    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written, no run folder
+    if message.startswith("error: "):  # the whole of stderr, and nothing on stdout
+        message = message.replace("{tmp}", str(tmp_path))
+        assert matches(err, message + ("" if message.endswith("…") else "\n")) and err.endswith("\n"), err
+        assert message.count("\n") == err.count("\n") - 1 and out == "", (err, out)
+    else:
+        assert message in err, err
+        error_lines = [line for line in err.splitlines() if "error:" in line]  # or argparse's "prog: error: ..."
+        assert len(error_lines) == 1, err
+    assert "Traceback" not in err
+    assert tree(tmp_path) == before  # nothing written, no run folder
 
 
 @pytest.mark.timeout(120)
@@ -174,7 +317,7 @@ def test_unknown_flag_is_refused_by_argparse(capsys):
 
 def test_at_least_25_cases():
     assert len(CASES) >= 25
-    assert {c for c, _, _ in CASES} == set(MODULES)
+    assert {c[0] for c in CASES} == set(MODULES)
 
 
 

@@ -270,39 +270,3 @@ def test_evaluate_of_run_best_scores_the_best_checkpoint(run, tmp_path, capsys):
                           "--output", str(out)]) == 0
     [record] = [json.loads(line) for line in out.read_text().splitlines()]
     assert record["checkpoint"] == str(run / "checkpoint_00000002") and record["step"] == 2
-
-
-def cli_argv(tool: str, target: str, tmp_path) -> tuple:
-    if tool == "export":
-        return export.main, ["--checkpoint", target, "--output", str(tmp_path / "out")]
-    if tool == "sample":
-        return sample.main, ["--weights", target]
-    (tmp_path / "held.jsonl").write_text(json.dumps({"text": "the cat"}) + "\n")
-    (tmp_path / "tasks.yaml").write_text("tasks:\n  - {name: held, kind: bpb, path: held.jsonl}\n")
-    return evaluate.main, ["--checkpoint", target, "--tasks", str(tmp_path / "tasks.yaml"), "--output",
-                           str(tmp_path / "eval.jsonl")]
-
-
-@pytest.mark.parametrize("tool", ["export", "sample", "evaluate"])
-@pytest.mark.parametrize("case, what", [
-    ("no best yet", "has no best checkpoint yet (best.json): it is written when a run evaluates its checkpoints "
-                    "(ray_jobs.pretrain --eval-tasks ...)"),
-    ("gone", f"/{C.BEST} names checkpoint_00000006 (step 6, eval/held/bpb 1), which no longer exists"),
-    ("replaced", f"/{C.BEST} names checkpoint_00000004, but that folder no longer holds the weights it scored"),
-    ("damaged", f"/{C.BEST} is unreadable"),
-])
-def test_run_best_errors_are_one_line_and_exit_2(tool, case, what, tmp_path, capsys):
-    run = tmp_path / "run1"
-    marked(run, 4)
-    folder = C.RunFolder(run)
-    if case == "gone":  # e.g. moved aside by --abandon-newer
-        update(folder, "held/bpb", 6, 1.0)
-    elif case == "replaced":  # its step written again after --abandon-newer
-        update(folder, "held/bpb", 4, 1.0, sha="b" * 64)
-    elif case == "damaged":
-        (run / C.BEST).write_text("{")
-    main, argv = cli_argv(tool, str(run / "best"), tmp_path)
-    assert main(argv) == 2
-    out = capsys.readouterr()
-    assert out.err.startswith("error: ") and what in out.err and out.err.count("\n") == 1, out.err
-    assert not (tmp_path / "out").exists() and not (tmp_path / "eval.jsonl").exists()

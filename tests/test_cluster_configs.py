@@ -376,15 +376,20 @@ class FakeGauge:
         self.values.append((value, tags))
 
 
+def fresh_dashboard_state(monkeypatch) -> None:
+    """This process's gauges not made yet and publishing not disabled; monkeypatch puts the module's state back."""
+    for name, value in (("_gauges", None), ("_disabled", False), ("_eval_gauge", None)):
+        monkeypatch.setattr(dashboard_metrics, name, value)
+
+
 @pytest.fixture
 def fake_gauges(monkeypatch):
     import ray.util.metrics
 
     FakeGauge.made = []
     monkeypatch.setattr(ray.util.metrics, "Gauge", FakeGauge)
-    dashboard_metrics._reset_for_tests()
-    yield FakeGauge
-    dashboard_metrics._reset_for_tests()
+    fresh_dashboard_state(monkeypatch)
+    return FakeGauge
 
 
 def test_publish_sets_tagged_gauges_once_per_process(fake_gauges):
@@ -432,18 +437,19 @@ def test_publish_never_raises_and_stops_after_a_failure(monkeypatch, caplog):
         raise RuntimeError("no metrics agent")
 
     monkeypatch.setattr(ray.util.metrics, "Gauge", broken)
-    dashboard_metrics._reset_for_tests()
-    try:
-        dashboard_metrics.publish({"loss": 1.0}, "run1")
-        dashboard_metrics.publish({"loss": 1.0}, "run1")
-        assert len(calls) == 1 and "dashboard metrics disabled" in caplog.text
-    finally:
-        dashboard_metrics._reset_for_tests()
+    fresh_dashboard_state(monkeypatch)
+    dashboard_metrics.publish({"loss": 1.0}, "run1")
+    dashboard_metrics.publish({"loss": 1.0}, "run1")
+    assert len(calls) == 1 and "dashboard metrics disabled" in caplog.text
 
 
-def test_publish_outside_ray_is_a_no_op():
-    dashboard_metrics._reset_for_tests()
-    try:
-        dashboard_metrics.publish({"loss": 1.0, "lr": 0.1}, "run1")  # no ray.init(): nothing to export to
-    finally:
-        dashboard_metrics._reset_for_tests()
+def test_publish_outside_ray_is_a_no_op(monkeypatch, caplog):
+    """No ray.init(): nothing to export to. Publishing neither starts a Ray nor warns nor turns itself off."""
+    import ray
+
+    fresh_dashboard_state(monkeypatch)
+    assert not ray.is_initialized()
+    for _ in range(2):
+        assert dashboard_metrics.publish({"loss": 1.0, "lr": 0.1}, "run1") is None
+        assert dashboard_metrics.publish_eval([{"task": "t", "kind": "choice", "metrics": {"acc": 0.5}}], "run1") is None
+    assert not ray.is_initialized() and not dashboard_metrics._disabled and caplog.records == []

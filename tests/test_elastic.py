@@ -8,7 +8,6 @@ joined to this cluster; the session's other local Ray is not used here.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import run_env
-from helpers import ROOT, make_prepared
+from helpers import ROOT, make_prepared, metrics
 from inprocess import configs
 from reference import check_run, recorded_steps, replay
 from runs import start_pretrain, timeline
@@ -107,11 +106,6 @@ def final_ids_per_step(record_dir: Path) -> dict[int, list[int]]:
     return {step: sorted(ids) for step, ids in recorded_steps(record_dir).items()}
 
 
-def read_metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-
-
 def weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(run_dir / f"checkpoint_{STEPS:08d}" / "model.safetensors"))
 
@@ -162,7 +156,7 @@ def check_exact_resume(run_dir: Path, ids_dir: Path, data: Path) -> None:
     # The replay accumulates all 6 micro-batches in one process; the run averages them over 2 or 3 ranks, float sums
     # in another order, which Adam carries through 32 steps (5e-5 seen). The mistakes this catches (an lr one step
     # off, another sample order, a micro-batch lost in a resize) move the weights by 1e-2 and more.
-    check_run(replay(model_cfg, train_cfg, data, ids_dir, STEPS), weights(run_dir), read_metrics(run_dir),
+    check_run(replay(model_cfg, train_cfg, data, ids_dir, STEPS), weights(run_dir), metrics(run_dir),
               rtol_weights=2e-4, rtol_grad_norm=2e-4)
 
 
@@ -209,10 +203,10 @@ def test_drained_then_lost_nodes_shrink_and_grow_without_changing_the_optimisati
     assert "shrink: world size 2 x accumulation 3" in log and "grow: world size 3 x accumulation 2" in log
     redone = [r["redone_steps"] for r in rows]
     assert all(0 <= n < 4 + 4 for n in redone), redone  # at most what the checkpoint interval (4) can lose, + 1 window
-    metrics = read_metrics(run_dir)
-    assert [m["optimizer_step"] for m in metrics] == sorted({m["optimizer_step"] for m in metrics})
-    assert metrics[-1]["redone_steps"] == sum(redone)
-    assert {m["world_size"] for m in metrics} == {2, 3}
+    records = metrics(run_dir)
+    assert [m["optimizer_step"] for m in records] == sorted({m["optimizer_step"] for m in records})
+    assert records[-1]["redone_steps"] == sum(redone)
+    assert {m["world_size"] for m in records} == {2, 3}
     check_exact_resume(run_dir, ids, data)
     cluster.slot_nodes.append(cluster.add_node(num_cpus=2, resources={"slot": 1}))  # leave 3 slots for later tests
     print(f"timeline: {[(r['optimizer_step'], r['world_size'], r['event'], r['redone_steps']) for r in rows]}")

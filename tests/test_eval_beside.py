@@ -11,16 +11,14 @@ import signal
 
 import pytest
 import torch
+from helpers import bitwise_equal, metrics, wait_for
 from runs import (
     STEPS,
-    bitwise_equal,
     final_weights,
     is_complete,
-    metrics,
     pretrain,
     start_pretrain,
     tiny_args,
-    wait_for,
     wait_until_workers_exit,
 )
 from test_evaluate import reference_loglik

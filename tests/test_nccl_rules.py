@@ -19,7 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from inprocess import configs, free_port
+from helpers import free_port
+from inprocess import configs
 from nccl_standin import NcclRules, NcclViolation
 
 from minilm.distributed import leave_process_group

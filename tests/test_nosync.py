@@ -4,12 +4,12 @@ per micro-step, and two workers on halves of the global batch end where one proc
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import free_port
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -81,12 +81,6 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         leave_process_group()  # not left to interpreter exit: see minilm.distributed
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

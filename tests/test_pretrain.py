@@ -17,9 +17,10 @@ import sys
 
 import pytest
 from conftest import run_env
+from helpers import metrics
 from inprocess import configs
 from reference import check_run, replay
-from runs import STEPS, final_weights, metrics, pretrain, tiny_args
+from runs import STEPS, final_weights, pretrain, tiny_args
 
 from ray_jobs.cli import available_cores
 

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from inprocess import configs, metrics, run_local
+from helpers import metrics
+from inprocess import configs, run_local
 from reference import check_run, replay
 
 import minilm.trainer as T

@@ -17,8 +17,9 @@ import time
 from pathlib import Path
 
 import pytest
-from inprocess import checkpoint_weights, configs, metrics, run_local, torchrun, train_flags
-from runs import bitwise_equal, tiny_args
+from helpers import bitwise_equal, metrics, tree
+from inprocess import checkpoint_weights, configs, run_local, torchrun, train_flags
+from runs import tiny_args
 
 from minilm import checkpoint as C
 from minilm import data as D
@@ -44,12 +45,6 @@ def cli(capsys):
 
     yield run
     signal.signal(signal.SIGTERM, handler)
-
-
-def tree(folder: Path) -> dict[str, tuple[int, int]]:
-    """Every file under `folder` with its size and mtime: what 'untouched' compares."""
-    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
-            for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def checkpoints(run_dir: Path) -> list[str]:

@@ -18,9 +18,9 @@ import time
 import pytest
 import torch
 from conftest import run_env
-from helpers import ROOT
-from inprocess import STEPS, checkpoint_weights, configs, free_port, metrics, run_local, torchrun, train_flags
-from reference import check_run, max_rel_diff, replay
+from helpers import ROOT, bitwise_equal, free_port, max_rel_diff, metrics, wait_for
+from inprocess import STEPS, checkpoint_weights, configs, run_local, torchrun, train_flags
+from reference import check_run, replay
 
 from minilm import checkpoint as C
 from minilm.distributed import AGREEMENT_DELAY
@@ -39,10 +39,6 @@ def uninterrupted(run_data, tmp_path_factory):
     minimind = replay(model_cfg, train_cfg, run_data, ids, STEPS)
     return {"run_dir": run_dir, "weights": checkpoint_weights(run_dir), "ref": ref, "minimind": minimind,
             "outcome": outcome, "lines": lines}
-
-
-def bitwise_equal(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_an_uninterrupted_run_is_the_reference_replay(uninterrupted):
@@ -203,14 +199,6 @@ def start_train(flags: list[str], **env: str) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True)
 
 
-def wait_for(condition, proc, what: str, timeout: float = 120) -> None:
-    deadline = time.time() + timeout
-    while not condition():
-        assert proc.poll() is None, f"the run exited ({proc.returncode}) before {what}\n{proc.stdout.read()[-3000:]}"
-        assert time.time() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 def test_sigterm_checkpoints_at_the_agreed_step_and_resume_is_bitwise_equal(run_data, tmp_path, uninterrupted):
     """SIGTERM while the run is held after step 9: every rank checkpoints at step 9 + AGREEMENT_DELAY, exits,
     and the resumed run redoes nothing."""
@@ -218,12 +206,12 @@ def test_sigterm_checkpoints_at_the_agreed_step_and_resume_is_bitwise_equal(run_
     hold.touch()
     proc = start_train(train_flags(run_data, run_dir), MINILM_TEST_HOLD_FILE=str(hold))
     held = tmp_path / "hold.rank0"
-    wait_for(held.is_file, proc, "the run was held")  # held after the first step
+    wait_for(held.is_file, proc, "the run was held", timeout=120)  # held after the first step
     hold.unlink()
-    wait_for(lambda: (run_dir / "checkpoint_00000008" / "COMPLETE.json").is_file(), proc, "checkpoint 8")
+    wait_for(lambda: (run_dir / "checkpoint_00000008" / "COMPLETE.json").is_file(), proc, "checkpoint 8", timeout=120)
     held.unlink()
     hold.touch()
-    wait_for(held.is_file, proc, "the run was held again")
+    wait_for(held.is_file, proc, "the run was held again", timeout=120)
     step = int(held.read_text())
     proc.send_signal(signal.SIGTERM)
     time.sleep(0.5)
@@ -248,12 +236,12 @@ def test_killed_during_a_checkpoint_write_resumes_from_the_previous_one(run_data
     proc = start_train(train_flags(run_data, run_dir) + ["--checkpoint-mode", mode],
                        MINILM_TEST_CHECKPOINT_DELAY_S="600", MINILM_TEST_CHECKPOINT_DELAY_STEP="8",
                        MINILM_TEST_CHECKPOINT_PAUSED=str(paused), MINILM_TEST_RECORD_SAMPLE_IDS=str(tmp_path / "ids"))
-    wait_for(paused.is_file, proc, "the writer of checkpoint 8 paused before its marker")
+    wait_for(paused.is_file, proc, "the writer of checkpoint 8 paused before its marker", timeout=120)
     partial = run_dir / paused.read_text().split("/")[-1]
     assert all((partial / f).is_file() for f in ("model.safetensors", "optimizer.pt", "scaler.pt", "state.json"))
     if mode == "async":  # the training thread went on to checkpoint 12, and waits there for checkpoint 8
         wait_for(lambda: (tmp_path / "ids" / "rank0.jsonl").is_file() and
-                 len((tmp_path / "ids" / "rank0.jsonl").read_text().splitlines()) >= 12, proc, "step 12")
+                 len((tmp_path / "ids" / "rank0.jsonl").read_text().splitlines()) >= 12, proc, "step 12", timeout=120)
         time.sleep(1.0)
         assert len((tmp_path / "ids" / "rank0.jsonl").read_text().splitlines()) == 12  # held at checkpoint 12
     proc.send_signal(signal.SIGKILL)

@@ -13,21 +13,19 @@ import signal
 import time
 
 import pytest
+from helpers import bitwise_equal, metrics, wait_for
 from inprocess import configs
 from reference import check_run, replay
 from runs import (
     STEPS,
-    bitwise_equal,
     final_weights,
     is_complete,
     metric_steps,
-    metrics,
     pretrain,
     ray_train_workers,
     start_pretrain,
     timeline,
     tiny_args,
-    wait_for,
     wait_until_workers_exit,
 )
 

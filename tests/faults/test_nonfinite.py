@@ -4,7 +4,8 @@ skipped step, and the stop without Ray: tests/test_trainer.py; the guard itself:
 from __future__ import annotations
 
 import pytest
-from runs import error_lines, pretrain, tiny_args
+from helpers import error_lines
+from runs import pretrain, tiny_args
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 

@@ -15,19 +15,10 @@ from pathlib import Path
 
 import psutil
 import pytest
+from helpers import bitwise_equal, error_lines, max_rel_diff, wait_for
 from inprocess import configs
-from reference import max_rel_diff, replay
-from runs import (
-    STEPS,
-    bitwise_equal,
-    error_lines,
-    hold_again_after,
-    pretrain,
-    ray_train_workers,
-    start_pretrain,
-    tiny_args,
-    wait_for,
-)
+from reference import replay
+from runs import STEPS, hold_again_after, pretrain, ray_train_workers, start_pretrain, tiny_args
 from runs import wait_until_workers_exit as wait_for_workers_to_exit
 from s3_server import S3Server
 from safetensors.torch import load as load_safetensors
