@@ -8,19 +8,33 @@ from urllib.parse import quote, unquote_plus
 from .errors import UsageError
 
 SECRET_KEY = re.compile(r"key|secret|token|passw|pwd|credential|signature|^sig$|auth", re.I)
-_URI = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>]+")
-_USERINFO = re.compile(r"^([^:]+://)[^#]*@")  # up to the last @ before the query: a password may hold / or @
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://")
+_WORD = re.compile(r"\S*")
+_STOP = re.compile(r"[\s'\"<>]")  # where a URI's host, path and query end in a message
 NAME = re.compile(r"[A-Za-z0-9_\-][A-Za-z0-9._\-]{0,127}")
 
 
 def redact(text: str | None) -> str | None:
-    """`text` fit to print or save: in each URI in it, user:password@ and the values of secret query keys as ***."""
-    return _URI.sub(lambda m: _redact_uri(m.group(0)), text) if text and "://" in text else text
+    """`text` fit to print or save: in each URI in it, user:password@ and the values of secret query keys as ***.
 
-
-def _redact_uri(uri: str) -> str:
-    head, sep, query = uri.partition("?")
-    return _USERINFO.sub(r"\1***@", head) + sep + "&".join(map(_redact_pair, query.split("&")) if sep else ())
+    The userinfo is parsed, not matched by pattern: it runs from `scheme://` to the last `@` before the next space
+    (or a URI nested in the query), so a password holding any of / @ ? # ' is hidden whole."""
+    if not text or "://" not in text:
+        return text
+    out, pos = [], 0
+    while (m := _SCHEME.search(text, pos)) is not None:
+        out.append(text[pos:m.end()])
+        word = _WORD.match(text, m.end()).group()
+        nested = _SCHEME.search(word)
+        at = word[:nested.start() if nested else len(word)].rfind("@")
+        start = m.end() + at + 1
+        if at >= 0:
+            out.append("***@")
+        stop = _STOP.search(text, start)
+        pos = stop.start() if stop else len(text)
+        path, sep, query = text[start:pos].partition("?")
+        out.append(path + sep + "&".join(map(_redact_pair, query.split("&")) if sep else ()))
+    return "".join(out) + text[pos:]
 
 
 def _redact_pair(pair: str) -> str:
@@ -28,7 +42,7 @@ def _redact_pair(pair: str) -> str:
     if eq and SECRET_KEY.search(unquote_plus(key)):
         return f"{key}=***"
     inner = unquote_plus(value)  # a URI in a value (endpoint_override=http://user:pw@host) is redacted too
-    shown = _redact_uri(inner) if "://" in inner else inner
+    shown = redact(inner) if "://" in inner else inner
     return pair if shown == inner else f"{key}={quote(shown, safe='/:*@')}"
 
 

@@ -76,7 +76,20 @@ class RunPlan(run_plan.RunPlan):
         run_opts = dataclasses.replace(opts or self.opts)
         run_opts.run_id = f"{run_opts.name}-{int(time.time())}"
         run_opts.storage_dir = redact_uri(join_uri(run_opts.storage_path.split("?", 1)[0], run_opts.name))
-        return RunSpec(self.model_cfg, self.train_cfg, run_opts, self.steps).to_dict()
+        shown, hidden = without_secrets(RunSpec(self.model_cfg, self.train_cfg, run_opts, self.steps).to_dict())
+        if hidden:  # the dashboard shows train_loop_config: the credentials travel in the object store instead
+            import ray
+
+            shown["secrets"] = ray.put(hidden)
+        return shown
+
+
+def without_secrets(config: dict) -> tuple[dict, dict]:
+    """A RunSpec dict as the Ray dashboard may show it (every credential in a URI redacted), and the values it hid
+    (`ray_jobs.worker.with_secrets` puts them back)."""
+    run = config["run"]
+    hidden = {k: v for k, v in run.items() if isinstance(v, str) and redact_uri(v) != v}
+    return {**config, "run": {**run, **{k: redact_uri(v) for k, v in hidden.items()}}}, hidden
 
 
 def check_options(model_cfg: ModelConfig, train_cfg: TrainConfig, opts: RayOptions) -> tuple[int, int]:

@@ -31,7 +31,7 @@ from .stream import RankStream
 
 def train_func(config: dict) -> None:
     os.umask(0o027)  # what Ray uploads into the run folder: readable by its owner and group only
-    spec = RunSpec.from_dict(config, RayOptions)
+    spec = RunSpec.from_dict(with_secrets(config), RayOptions)
     launcher = RayLauncher(spec)
     prepared = D.open_local(spec.options.data_dir)  # a remote --data is copied to this node once
     trainer = Trainer(spec.model, spec.train, spec.options, Dataset.prepared(prepared), launcher, steps=spec.steps)
@@ -50,6 +50,13 @@ def train_func(config: dict) -> None:
         raise CollectiveError(line) from None
     finally:
         trainer.close(outcome)
+
+
+def with_secrets(config: dict) -> dict:
+    """The run's config with the credentials `ray_jobs.pretrain.without_secrets` kept out of train_loop_config."""
+    if "secrets" not in config:
+        return config
+    return {**config, "run": {**config["run"], **ray.get(config["secrets"])}}
 
 
 class RayLauncher:

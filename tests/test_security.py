@@ -37,6 +37,9 @@ SECRET = "hunter2"
     ("s3://b/x?X-Amz-Credential=hunter2&X-Amz-Signature=hunter2&sig=hunter2&password=hunter2",
      "s3://b/x?X-Amz-Credential=***&X-Amz-Signature=***&sig=***&password=***"),
     ("s3://AKIA:hun/ter2@bucket/x", "s3://***@bucket/x"),  # a password with a slash
+    ("s3://AKIA:hun?ter#2'@bucket/x?region=eu", "s3://***@bucket/x?region=eu"),  # ? # ' in a password, as
+    ("open s3://AKIA:it's@bucket/x?secret_key=k now", "open s3://***@bucket/x?secret_key=*** now"),  # pyarrow takes them
+    ("s3://b/y?endpoint_override=http://u:pw@host&region=x", "s3://b/y?endpoint_override=http://***@host&region=x"),
     ("DataError('gs://b/x?token=hunter2')", "DataError('gs://b/x?token=***')"),
     ("plain text, /a/path and s3://bucket/key?region=eu-west-1", "plain text, /a/path and s3://bucket/key?region=eu-west-1"),
 ])
@@ -294,3 +297,24 @@ def test_torch_floor_is_the_release_that_fixed_the_weights_only_bypass():
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     assert "torch>=2.6" in deps
     assert tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 6)
+
+
+def test_the_config_ray_shows_carries_no_secret_and_the_workers_get_them_back(monkeypatch):
+    """train_loop_config is shown in the Ray dashboard: the data URI's, storage's and tracker URI's credentials are
+    redacted there and travel in the object store (a ref under "secrets"), which the worker reads back."""
+    import json
+
+    import ray
+
+    from ray_jobs import worker
+    from ray_jobs.pretrain import without_secrets
+
+    run = {"data": f"s3://b/d?secret_key={SECRET}", "data_dir": f"s3://AK:{SECRET}@b/d", "name": "r",
+           "mlflow_uri": f"http://u:{SECRET}@mlflow:5000", "storage_path": "/runs", "keep_checkpoints": 3}
+    config = {"model": {}, "train": {}, "run": run, "steps": {}}
+    shown, hidden = without_secrets(config)
+    assert SECRET not in json.dumps(shown) and shown["run"]["storage_path"] == "/runs"
+    assert sorted(hidden) == ["data", "data_dir", "mlflow_uri"] and shown["run"]["name"] == "r"
+    monkeypatch.setattr(ray, "get", lambda ref: ref)  # the object store's round trip, here the dict itself
+    assert worker.with_secrets({**shown, "secrets": hidden})["run"] == run
+    assert worker.with_secrets(shown) is shown
