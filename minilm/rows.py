@@ -42,9 +42,8 @@ def padded_document_rows(docs: Iterable[Sequence[int]], row_len: int, *, bos_id:
 
 
 def pack_documents(docs: Iterable[Sequence[int]], seq_len: int, eos_id: int = EOS_ID) -> tuple[np.ndarray, int]:
-    """(rows, dropped_tail_tokens): `docs` each followed by `eos_id`, concatenated, cut into rows.
-
-    The in-memory reference of what `minilm.packing.ShardWriter` writes to disk."""
+    """(rows, dropped_tail_tokens): `docs` each followed by `eos_id`, concatenated, cut into rows: the in-memory
+    reference of what `minilm.packing.ShardWriter` writes to disk."""
     parts = []
     for doc in docs:
         parts.append(np.asarray(doc, dtype=np.int32))

@@ -176,10 +176,8 @@ class MLflow(Backend):
 
     def __init__(self, uri: str, saved: dict | None, run_name: str, hparams: dict, opts: dict,
                  run_dir: Path | None, say: Callable[[str], None]):
-        import_tracker("mlflow", *REQUIRED["mlflow"])
-        if is_sql_uri(uri):
-            for module, package in MLFLOW_SQL:
-                import_tracker("mlflow", module, package)
+        for module, package in (REQUIRED["mlflow"], *(MLFLOW_SQL if is_sql_uri(uri) else ())):
+            import_tracker("mlflow", module, package)
         from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient
 

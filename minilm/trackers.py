@@ -163,10 +163,8 @@ class Trackers:
 
     def __init__(self, backends: list[Backend], *, sidecar: Path | None = None,
                  carried: dict[str, Any] | None = None, say: Callable[[str], None] = print):
-        self.backends = backends
-        self.sidecar = sidecar
+        self.backends, self.sidecar, self.say = backends, sidecar, say
         self.carried = carried or {}  # state of trackers not opened this time, kept for a later resume
-        self.say = say
         self._failures: dict[str, int] = {}
 
     @property
