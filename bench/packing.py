@@ -7,7 +7,7 @@ The documents are the first `--corpus-kb` of the built-in demo corpus (`minilm.c
 docstrings), tokenized with a byte-level BPE trained on them (`minilm.tokenizer`). From the same
 documents, in the same order, it builds
 
-* packed rows (`minilm.packing.pack_documents`, what `ray_jobs.prepare` writes): every document
+* packed rows (`minilm.rows.pack_documents`, what `ray_jobs.prepare` writes): every document
   followed by EOS, concatenated, cut into rows of seq_len + 1; every position has a target;
 * padded rows, as MiniMind's pretraining loop builds them: one row per document, BOS + text + EOS,
   truncated to seq_len + 1 and padded with PAD; padded targets are masked out of the loss (label
@@ -29,7 +29,7 @@ import torch
 from minilm.config import ModelConfig, TrainConfig
 from minilm.corpus import demo_corpus_documents
 from minilm.model import MiniMindForCausalLM
-from minilm.packing import pack_documents
+from minilm.rows import pack_documents
 from minilm.step import TORCH_DTYPES, autocast, make_optimizer
 from minilm.tokenizer import BOS_ID, EOS_ID, PAD_ID, train_tokenizer
 

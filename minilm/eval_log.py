@@ -1,4 +1,5 @@
-"""The scores of checkpoints evaluated beside training, as the run's metrics.
+"""The eval log (RUN/eval.jsonl, or `ray_jobs.evaluate --output`): its records read and appended, and handed on as
+the run's metrics.
 
 The evaluator (`ray_jobs.evaluator`, in the driver) appends one record per (checkpoint, task) to RUN/eval.jsonl, the
 records of `ray_jobs.evaluate`. Rank 0 reads what is new at each log step (`EvalInbox.poll`) and hands each record
@@ -8,11 +9,13 @@ never waits for a score, except for those of the last checkpoint after the last 
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
 from pathlib import Path
+
+from .errors import UsageError
+from .jsonl import append_jsonl, read_jsonl
 
 EVAL_LOG = "eval.jsonl"  # in the run folder
 PREFIX = "eval/"
@@ -27,30 +30,36 @@ def eval_metrics(record: dict) -> dict[str, float]:
 
 
 def read_records(path: Path, offset: int = 0) -> tuple[list[dict], int]:
-    """The whole lines of `path` after byte `offset`, parsed (a line that is not a record is passed over: the file is
-    the evaluator's), and the offset after the last whole line."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            data = f.read()
-    except FileNotFoundError:
-        return [], offset
-    end = data.rfind(b"\n") + 1  # a line still being written is read next time
-    records = []
-    for line in data[:end].splitlines():
-        try:
-            r = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(r, dict) and isinstance(r.get("task"), str) and isinstance(r.get("step"), int):
-            records.append(r)
-    return records, offset + end
+    """The records of `path` after byte `offset` (a line that is not one is passed over: the file is the evaluator's),
+    and the offset after the last whole line: a line still being written is read next time."""
+    return read_jsonl(path, offset, live=True, record=lambda r: r if isinstance(r, dict) and isinstance(
+        r.get("task"), str) and isinstance(r.get("step"), int) else None)
+
+
+def scored_keys(path: Path) -> set[tuple]:
+    """The (step, weights SHA-256, task fingerprint) of every score in `path`; a scoring that failed (an `error`
+    record) is tried again. A line that is not a record of `ray_jobs.evaluate` is a UsageError."""
+    def score_key(r) -> tuple | None:
+        key = None if "error" in r else (r["step"], r["weights_sha256"], r["fingerprint"])
+        hash(key)  # an unhashable value (TypeError) makes no record either
+        return key
+
+    def refuse(n: int) -> None:
+        raise UsageError(f"{path}:{n}: not a record of ray_jobs.evaluate (choose another --output)")
+
+    return set(read_jsonl(path, record=score_key, bad_line=refuse)[0])
+
+
+def append_records(path: Path, records: list[dict], done: set[tuple]) -> None:
+    """One line per record, as each checkpoint finishes (an interrupted evaluation keeps what it scored); the scores
+    join `done`, the set `scored_keys` read."""
+    append_jsonl(path, records, ensure_ascii=False)
+    done.update((r["step"], r["weights_sha256"], r["fingerprint"]) for r in records if "error" not in r)
 
 
 def scored_checkpoints(run_dir: str | os.PathLike) -> set[str]:
     """The checkpoint folders RUN/eval.jsonl holds a record of (a score or an error)."""
-    records, _ = read_records(Path(run_dir) / EVAL_LOG)
-    return {Path(str(r.get("checkpoint", ""))).name for r in records}
+    return {Path(str(r.get("checkpoint", ""))).name for r in read_records(Path(run_dir) / EVAL_LOG)[0]}
 
 
 class EvalInbox:
@@ -103,4 +112,5 @@ class EvalInbox:
             time.sleep(poll_s)
 
 
-__all__ = ["EVAL_LOG", "EvalInbox", "eval_metrics", "read_records", "scored_checkpoints"]
+__all__ = ["EVAL_LOG", "EvalInbox", "append_records", "eval_metrics", "read_records", "scored_checkpoints",
+           "scored_keys"]

@@ -12,13 +12,14 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from .data import FORMAT, MANIFEST, TOKEN_DTYPES, TOKENIZER_FILE, fsync_dir, pid_alive
+from .rows import BestFitRows, BestFitStats
 from .tokenizer import BOS_ID, EOS_ID
 
 SHARD_NAME = "shard-{:05d}.bin"
@@ -37,19 +38,6 @@ def default_rows_per_shard(seq_len: int, token_dtype: str) -> int:
     return max(1, SHARD_BYTES // ((seq_len + 1) * TOKEN_DTYPES[token_dtype].itemsize))
 
 
-def pack_documents(docs: Iterable[Sequence[int]], seq_len: int, eos_id: int = EOS_ID) -> tuple[np.ndarray, int]:
-    """(rows, dropped_tail_tokens): `docs` each followed by `eos_id`, concatenated, cut into rows.
-
-    The in-memory reference of what `ShardWriter` writes to disk."""
-    parts = []
-    for doc in docs:
-        parts.append(np.asarray(doc, dtype=np.int32))
-        parts.append(np.array([eos_id], dtype=np.int32))
-    stream = np.concatenate(parts) if parts else np.zeros(0, np.int32)
-    n = len(stream) // (seq_len + 1)
-    return stream[: n * (seq_len + 1)].reshape(n, seq_len + 1), len(stream) - n * (seq_len + 1)
-
-
 @dataclass
 class PackResult:
     seq_len: int
@@ -63,11 +51,6 @@ class PackResult:
     @property
     def num_tokens(self) -> int:
         return self.num_sequences * (self.seq_len + 1)
-
-
-def open_shard(path: Path):
-    """A new token file for writing (a function of its own so that tests can make it fail)."""
-    return open(path, "xb")
 
 
 class ShardWriter:
@@ -126,7 +109,7 @@ class ShardWriter:
     def _write(self, tokens: np.ndarray) -> None:
         if self._file is None:
             name = SHARD_NAME.format(len(self.result.shards))
-            self._file, self._hash = open_shard(self.directory / name), hashlib.sha256()
+            self._file, self._hash = open(self.directory / name, "xb"), hashlib.sha256()
             self.result.shards.append({"file": name, "first_sample_id": self.result.num_sequences,
                                        "num_sequences": 0, "bytes": 0, "sha256": None})
         data = memoryview(np.ascontiguousarray(tokens)).cast("B")
@@ -175,8 +158,6 @@ class BosAlignedShardWriter(ShardWriter):
     def __init__(self, directory: str | os.PathLike, seq_len: int, rows_per_shard: int | None = None,
                  eos_id: int = EOS_ID, token_dtype: str = "uint16", bos_id: int = BOS_ID, buffer_docs: int = 1000,
                  split_long: bool = False):
-        from .rows import BestFitRows, BestFitStats
-
         super().__init__(directory, seq_len, rows_per_shard, eos_id=eos_id, token_dtype=token_dtype)
         self.best_fit = BestFitStats()
         self._packer = BestFitRows(seq_len + 1, bos_id=bos_id, eos_id=eos_id, buffer_docs=buffer_docs,

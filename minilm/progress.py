@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from .jsonl import append_jsonl, read_jsonl
+
 # Dense bf16 tensor-core peak FLOP/s (fp32 accumulation) from NVIDIA's data sheets, keyed by the exact name
 # torch.cuda.get_device_name() reports (an L40S is not an L4); Ampere and later only. An unlisted name (an older
 # GPU, a MIG slice, a figure not checked) gets a measured matmul peak instead.
@@ -106,34 +108,21 @@ class MetricsLog:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
 
-    def truncate_after(self, optimizer_step: int) -> int:
+    def truncate_after(self, optimizer_step: int) -> None:
         if not self.path.is_file():
-            return 0
-        kept, dropped = [], 0
-        for line in self.path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                dropped += 1  # a torn last line from a killed process
-                continue
-            if rec.get("optimizer_step", 0) <= optimizer_step:
-                kept.append(line)
-            else:
-                dropped += 1
+            return
+        # A torn last line from a killed process, or a line that is not a record, goes too.
+        kept = [json.dumps(r, sort_keys=True) for r in self.read()
+                if isinstance(r, dict) and r.get("optimizer_step", 0) <= optimizer_step]
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text("".join(k + "\n" for k in kept))
         os.replace(tmp, self.path)
-        return dropped
 
     def append(self, record: dict) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record, sort_keys=True) + "\n")
+        append_jsonl(self.path, [record], sort_keys=True)
 
     def read(self) -> list[dict]:
-        if not self.path.is_file():
-            return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        return read_jsonl(self.path)[0]
 
 
 class Meter:

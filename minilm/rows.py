@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .packing import pack_documents
 from .safety import redact
 from .tokenizer import BOS_ID, EOS_ID, PAD_ID
 
@@ -40,6 +39,18 @@ def padded_document_rows(docs: Iterable[Sequence[int]], row_len: int, *, bos_id:
         rows[i, : len(ids)] = ids
         labels[i, : len(ids)] = ids
     return rows, labels
+
+
+def pack_documents(docs: Iterable[Sequence[int]], seq_len: int, eos_id: int = EOS_ID) -> tuple[np.ndarray, int]:
+    """(rows, dropped_tail_tokens): `docs` each followed by `eos_id`, concatenated, cut into rows: the in-memory
+    reference of what `minilm.packing.ShardWriter` writes to disk."""
+    parts = []
+    for doc in docs:
+        parts.append(np.asarray(doc, dtype=np.int32))
+        parts.append(np.array([eos_id], dtype=np.int32))
+    stream = np.concatenate(parts) if parts else np.zeros(0, np.int32)
+    n = len(stream) // (seq_len + 1)
+    return stream[: n * (seq_len + 1)].reshape(n, seq_len + 1), len(stream) - n * (seq_len + 1)
 
 
 def packed_rows(docs: Iterable[Sequence[int]], row_len: int, *, eos_id: int = EOS_ID,
@@ -187,5 +198,5 @@ def document_starts(rows: np.ndarray, *, bos_id: int = BOS_ID, eos_id: int = EOS
     return starts
 
 
-__all__ = ["padded_document_rows", "packed_rows", "bos_aligned_rows", "best_fit_rows", "iter_bos_aligned_rows",
+__all__ = ["padded_document_rows", "pack_documents", "packed_rows", "bos_aligned_rows", "best_fit_rows", "iter_bos_aligned_rows",
            "BestFitRows", "BestFitStats", "document_starts", "rows_note"]

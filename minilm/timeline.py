@@ -21,7 +21,8 @@ import csv
 import time
 from pathlib import Path
 
-FIELDS = ("time", "optimizer_step", "world_size", "accumulation_steps", "event", "redone_steps")
+FIELDS = {"time": float, "optimizer_step": int, "world_size": int, "accumulation_steps": int, "event": str,
+          "redone_steps": int}  # the columns, each with its type
 TIMELINE = "world_size.csv"
 LAST_STEP = "last_optimizer_step"
 
@@ -39,12 +40,10 @@ class WorldSizeTimeline:
         with open(self.path, newline="") as f:
             rows = []
             for r in csv.DictReader(f):
-                try:
-                    rows.append({"time": float(r["time"]), "optimizer_step": int(r["optimizer_step"]),
-                                 "world_size": int(r["world_size"]), "accumulation_steps": int(r["accumulation_steps"]),
-                                 "event": r["event"], "redone_steps": int(r["redone_steps"])})
+                try:  # a row torn by a killed process lacks its last fields (None): int(None) passes it over
+                    rows.append({name: kind(r[name]) for name, kind in FIELDS.items()})
                 except (KeyError, TypeError, ValueError):
-                    continue  # a row torn by a killed process
+                    continue
             return rows
 
     def last_completed_step(self) -> int | None:

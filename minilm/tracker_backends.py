@@ -1,38 +1,110 @@
-"""The tracker backends: one class per kind, each opening (or continuing) one tracker run on rank 0.
-
-`minilm.trackers` decides which to open and what to log; nothing here is imported until a tracker is
-asked for, and each backend imports its package only when it opens.
+"""The tracker backends, one class per kind, each opening (or continuing) one tracker run on rank 0, and what they
+share with `minilm.trackers` (which decides which to open and what to log): the packages each kind needs, the one-line
+TrackerError, MLflow's store. Each backend imports its package only when it opens.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import json
+import os
 import re
 import secrets
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from .safety import redact
-from .trackers import (
-    MLFLOW_SQL,
-    REQUIRED,
-    TrackerError,
-    flatten_hparams,
-    import_tracker,
-    is_sql_uri,
-    mlflow_tracking_uri,
-)
+
+# The module each kind imports, and the package that provides it.
+REQUIRED = {"tensorboard": ("tensorboardX", "tensorboardX"), "mlflow": ("mlflow", "mlflow-skinny"),
+            "wandb": ("wandb", "wandb")}
+# MLflow's SQL stores (the default is SQLite in the run folder) need two packages mlflow-skinny leaves out.
+MLFLOW_SQL = (("sqlalchemy", "sqlalchemy"), ("alembic", "alembic"))
+
+
+class TrackerError(ValueError):
+    """A tracker cannot be used as asked; the message is one line that says what to do."""
+
+    def __init__(self, message: str):
+        super().__init__(redact(message))  # a tracking URI's password is in no message
+
+
+def require_installed(kind: str, module: str, package: str, why: str | None = None) -> None:
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a broken install, or a module stubbed out with None
+        found = False
+    if not found:
+        raise TrackerError(_missing_message(kind, package, why))
+
+
+def import_tracker(kind: str, module: str, package: str):
+    """Import a tracker package in the worker, with the same one-line message when it is missing."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise TrackerError(_missing_message(kind, package, None) + f" ({e})") from None
+
+
+def _missing_message(kind: str, package: str, why: str | None) -> str:
+    return (f"--tracker {kind} needs the {package} package, which is not installed"
+            f"{' (' + why + ')' if why else ''}: pip install 'minilm[{kind}]' (or 'minilm[trackers]' for all three)")
+
+
+def tensorboard_dir(run_dir: str | os.PathLike | None) -> Path:
+    """The folder TensorBoard's event files go to: the run folder, which must be local."""
+    if run_dir is None:
+        raise TrackerError("--tracker tensorboard writes event files into the run folder, which needs a local "
+                           "--storage-path (a path, not s3:// or gs://)")
+    return Path(run_dir)
+
+
+def mlflow_tracking_uri(options: Mapping[str, Any], run_dir: str | os.PathLike | None) -> str:
+    """`--mlflow-uri` (a plain path ending in .db: a SQLite file there), or SQLite in the run folder.
+
+    SQLite, because MLflow 3 refuses its old file store unless MLFLOW_ALLOW_FILE_STORE=true.
+    """
+    uri = options.get("mlflow_uri")
+    if not uri:
+        if run_dir is None:
+            raise TrackerError("--tracker mlflow with a remote --storage-path needs --mlflow-uri (the default "
+                               "store is a SQLite file in the local run folder)")
+        return "sqlite:///" + str(Path(run_dir).expanduser().resolve() / "mlflow.db")
+    uri = str(uri)
+    if "://" not in uri and uri.endswith(".db"):
+        return "sqlite:///" + str(Path(uri).expanduser().resolve())
+    return uri
+
+
+def is_sql_uri(uri: str) -> bool:
+    return uri.split(":", 1)[0].split("+", 1)[0] in ("sqlite", "postgresql", "mysql", "mssql")
+
+
+def flatten_hparams(hparams: Mapping[str, Any], prefix: str = "") -> dict[str, str | int | float | bool]:
+    """Nested hyperparameters -> {"model.hidden_size": 256, "train.betas": "[0.9, 0.95]", ...}."""
+    out: dict[str, str | int | float | bool] = {}
+    for key, value in hparams.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(flatten_hparams(value, name + "."))
+        elif value is None:
+            continue
+        elif isinstance(value, (str, int, float, bool)):
+            out[name] = value
+        else:
+            out[name] = json.dumps(value, default=str)
+    return out
 
 
 def open_backend(kind: str, *, run_path: Path | None, start_step: int, saved: dict, run_name: str,
                  hparams: dict, opts: dict, say: Callable[[str], None]) -> Backend:
     """Open the tracker run of one kind; `saved` is the resume state of each kind."""
     if kind == "tensorboard":
-        if run_path is None:
-            raise TrackerError("--tracker tensorboard needs a local run folder (a local --storage-path)")
-        return TensorBoard(run_path, start_step, hparams)
+        return TensorBoard(tensorboard_dir(run_path), start_step, hparams)
     if kind == "mlflow":
         return MLflow(mlflow_tracking_uri(opts, run_path), saved.get("mlflow"), run_name, hparams, opts, run_path, say)
     return Wandb(saved.get("wandb"), run_name, hparams, opts, run_path)
@@ -104,10 +176,8 @@ class MLflow(Backend):
 
     def __init__(self, uri: str, saved: dict | None, run_name: str, hparams: dict, opts: dict,
                  run_dir: Path | None, say: Callable[[str], None]):
-        import_tracker("mlflow", *REQUIRED["mlflow"])
-        if is_sql_uri(uri):
-            for module, package in MLFLOW_SQL:
-                import_tracker("mlflow", module, package)
+        for module, package in (REQUIRED["mlflow"], *(MLFLOW_SQL if is_sql_uri(uri) else ())):
+            import_tracker("mlflow", module, package)
         from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient
 

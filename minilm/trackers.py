@@ -8,31 +8,22 @@ backwards: TensorBoard purges them, MLflow and W&B skip steps at or below the la
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
 import netrc
 import os
 import subprocess
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlparse
 
+from . import tracker_backends
 from .safety import redact
-
-if TYPE_CHECKING:
-    from .tracker_backends import Backend
+from .tracker_backends import Backend, TrackerError, mlflow_tracking_uri
 
 KINDS = ("tensorboard", "mlflow", "wandb")
 SIDECAR = "trackers.json"  # in the run folder: run ids and the last step each tracker holds
 STATE_VERSION = 1
-
-# The module each kind imports, and the package that provides it.
-REQUIRED = {"tensorboard": ("tensorboardX", "tensorboardX"), "mlflow": ("mlflow", "mlflow-skinny"),
-            "wandb": ("wandb", "wandb")}
-# MLflow's SQL stores (the default is SQLite in the run folder) need two packages mlflow-skinny leaves out.
-MLFLOW_SQL = (("sqlalchemy", "sqlalchemy"), ("alembic", "alembic"))
 
 DEFAULT_OPTIONS = {
     "mlflow_uri": None,  # default: sqlite:///RUN_DIR/mlflow.db
@@ -44,13 +35,6 @@ DEFAULT_OPTIONS = {
 
 # Names for the levels of nested list metrics: expert_load[layer][expert] -> expert_load/layer0/expert1.
 LIST_LEVELS = {"expert_load": ("layer", "expert")}
-
-
-class TrackerError(ValueError):
-    """A tracker cannot be used as asked; the message is one line that says what to do."""
-
-    def __init__(self, message: str):
-        super().__init__(redact(message))  # a tracking URI's password is in no message
 
 
 # ---- checks before any work ---------------------------------------------------------------------
@@ -81,41 +65,18 @@ def check_trackers(kinds: str | Iterable[str] | None, options: Mapping[str, Any]
     names = parse_kinds(kinds)
     opts = {**DEFAULT_OPTIONS, **(options or {})}
     for kind in names:
-        _require_installed(kind, *REQUIRED[kind])
-    if "tensorboard" in names and run_dir is None:
-        raise TrackerError("--tracker tensorboard writes event files into the run folder, which needs a local "
-                           "--storage-path (a path, not s3:// or gs://)")
+        tracker_backends.require_installed(kind, *tracker_backends.REQUIRED[kind])
+    if "tensorboard" in names:
+        tracker_backends.tensorboard_dir(run_dir)
     if "mlflow" in names:
         uri = mlflow_tracking_uri(opts, run_dir)
-        if is_sql_uri(uri):
-            for module, package in MLFLOW_SQL:
-                _require_installed("mlflow", module, package,
-                                   why=f"MLflow's SQL store ({uri.split(':', 1)[0]}) needs {package}")
+        if tracker_backends.is_sql_uri(uri):
+            for module, package in tracker_backends.MLFLOW_SQL:
+                why = f"MLflow's SQL store ({uri.split(':', 1)[0]}) needs {package}"
+                tracker_backends.require_installed("mlflow", module, package, why=why)
     if "wandb" in names:
         _check_wandb_credentials()
     return names
-
-
-def _require_installed(kind: str, module: str, package: str, why: str | None = None) -> None:
-    try:
-        found = importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):  # a broken install, or a module stubbed out with None
-        found = False
-    if not found:
-        raise TrackerError(_missing_message(kind, package, why))
-
-
-def import_tracker(kind: str, module: str, package: str):
-    """Import a tracker package in the worker, with the same one-line message when it is missing."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as e:
-        raise TrackerError(_missing_message(kind, package, None) + f" ({e})") from None
-
-
-def _missing_message(kind: str, package: str, why: str | None) -> str:
-    return (f"--tracker {kind} needs the {package} package, which is not installed"
-            f"{' (' + why + ')' if why else ''}: pip install 'minilm[{kind}]' (or 'minilm[trackers]' for all three)")
 
 
 def _check_wandb_credentials() -> None:
@@ -132,27 +93,6 @@ def _check_wandb_credentials() -> None:
         pass
     raise TrackerError("--tracker wandb: no W&B API key (run `wandb login`, or set WANDB_API_KEY on every node, "
                        "or WANDB_MODE=offline to log locally and `wandb sync` later)")
-
-
-def mlflow_tracking_uri(options: Mapping[str, Any], run_dir: str | os.PathLike | None) -> str:
-    """`--mlflow-uri` (a plain path ending in .db: a SQLite file there), or SQLite in the run folder.
-
-    SQLite, because MLflow 3 refuses its old file store unless MLFLOW_ALLOW_FILE_STORE=true.
-    """
-    uri = options.get("mlflow_uri")
-    if not uri:
-        if run_dir is None:
-            raise TrackerError("--tracker mlflow with a remote --storage-path needs --mlflow-uri (the default "
-                               "store is a SQLite file in the local run folder)")
-        return "sqlite:///" + str(Path(run_dir).expanduser().resolve() / "mlflow.db")
-    uri = str(uri)
-    if "://" not in uri and uri.endswith(".db"):
-        return "sqlite:///" + str(Path(uri).expanduser().resolve())
-    return uri
-
-
-def is_sql_uri(uri: str) -> bool:
-    return uri.split(":", 1)[0].split("+", 1)[0] in ("sqlite", "postgresql", "mysql", "mssql")
 
 
 # ---- what gets logged ---------------------------------------------------------------------------
@@ -218,31 +158,13 @@ def code_version(code_dir: str | os.PathLike | None = None) -> dict[str, Any]:
     return {"git_commit": commit, "git_dirty": bool(dirty)} if commit else {}
 
 
-def flatten_hparams(hparams: Mapping[str, Any], prefix: str = "") -> dict[str, str | int | float | bool]:
-    """Nested hyperparameters -> {"model.hidden_size": 256, "train.betas": "[0.9, 0.95]", ...}."""
-    out: dict[str, str | int | float | bool] = {}
-    for key, value in hparams.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            out.update(flatten_hparams(value, name + "."))
-        elif value is None:
-            continue
-        elif isinstance(value, (str, int, float, bool)):
-            out[name] = value
-        else:
-            out[name] = json.dumps(value, default=str)
-    return out
-
-
 class Trackers:
     """The trackers of one run on rank 0. Empty (every call a no-op) when no tracker was asked for."""
 
     def __init__(self, backends: list[Backend], *, sidecar: Path | None = None,
                  carried: dict[str, Any] | None = None, say: Callable[[str], None] = print):
-        self.backends = backends
-        self.sidecar = sidecar
+        self.backends, self.sidecar, self.say = backends, sidecar, say
         self.carried = carried or {}  # state of trackers not opened this time, kept for a later resume
-        self.say = say
         self._failures: dict[str, int] = {}
 
     @property
@@ -339,8 +261,6 @@ def open_trackers(kinds: str | Iterable[str] | None, *, run_dir: str | os.PathLi
     `resume_state` is the checkpoint's `Trackers.state_dict()` (None on a fresh start); `hparams` is
     logged when a tracker run is created. A TrackerError closes the trackers already opened.
     """
-    from .tracker_backends import open_backend  # imports this module
-
     names = parse_kinds(kinds)
     opts = {**DEFAULT_OPTIONS, **{k: v for k, v in (options or {}).items() if v is not None}}
     run_path = Path(run_dir).expanduser() if run_dir is not None else None
@@ -350,8 +270,8 @@ def open_trackers(kinds: str | Iterable[str] | None, *, run_dir: str | os.PathLi
     backends: list[Backend] = []
     try:
         for kind in names:
-            backend = open_backend(kind, run_path=run_path, start_step=start_step, saved=saved, run_name=run_name,
-                                   hparams=hp, opts=opts, say=say)
+            backend = tracker_backends.open_backend(kind, run_path=run_path, start_step=start_step, saved=saved,
+                                                    run_name=run_name, hparams=hp, opts=opts, say=say)
             if kind != "tensorboard":  # TensorBoard overwrites redone steps; the others must skip them
                 backend.high_water = max(backend.high_water, _sidecar_last_step(sidecar, kind, backend.state()))
             if not backend.new_run and backend.high_water > start_step:
@@ -368,5 +288,5 @@ def open_trackers(kinds: str | Iterable[str] | None, *, run_dir: str | os.PathLi
     return trackers
 
 
-__all__ = ["KINDS", "TrackerError", "Trackers", "check_trackers", "code_version", "flatten_hparams",
-           "flatten_metrics", "mlflow_tracking_uri", "open_trackers", "parse_kinds", "run_hparams"]
+__all__ = ["KINDS", "TrackerError", "Trackers", "check_trackers", "code_version", "flatten_metrics",
+           "mlflow_tracking_uri", "open_trackers", "parse_kinds", "run_hparams"]

@@ -14,11 +14,11 @@ the command goes on scoring new checkpoints while the run is live.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from minilm import checkpoint as C
+from minilm.eval_log import append_records, scored_keys
 from minilm.evaluate import TaskError, evaluate_checkpoint, format_metrics, identify, load_tasks
 from minilm.tokenizer import TokenizerError
 
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         tasks = load_tasks(args.tasks)  # every item read and checked before any checkpoint is loaded
         if args.follow:
             return follow(args, tasks)
-        done = read_done(Path(args.output))
+        done = scored_keys(Path(args.output))
         # A checkpoint named on the command line must be sound; one of --run that is not is passed over, as
         # training's --resume auto does (it may be still being written, or torn by a crash).
         checkpoints = [(C.resolve(path), True) for path in args.checkpoint] + \
@@ -92,16 +92,13 @@ def follow(args: argparse.Namespace, tasks: list) -> int:
     print(f"following {args.run}: each checkpoint scored as it appears, until the run ends", flush=True)
     try:
         while C.Lease(folder).live():
-            time.sleep(FOLLOW_POLL_S)
+            time.sleep(2.0)  # the run ends when its lease is gone: looked at every 2 s
     except KeyboardInterrupt:
         print("stopped: what was scored is in --output; run the command again to go on", flush=True)
         evaluator.finish(0.0)
         return 0
     evaluator.finish(float("inf"))
     return 0
-
-
-FOLLOW_POLL_S = 2.0
 
 
 def evaluate_one(path: str, tasks: list, done: set[tuple], args: argparse.Namespace, device: str,
@@ -115,9 +112,8 @@ def evaluate_one(path: str, tasks: list, done: set[tuple], args: argparse.Namesp
     if not todo:
         return
     records = evaluate_checkpoint(path, todo, tokenizer=args.tokenizer, device=device)
-    append(Path(args.output), records)
+    append_records(Path(args.output), records, done)
     for r in records:
-        done.add((r["step"], r["weights_sha256"], r["fingerprint"]))
         table.row(r["step"], f"{r['task']:<20} {row_text(r)}")
 
 
@@ -134,31 +130,6 @@ def run_checkpoints(run: str | None) -> list[str]:
     if not names:
         raise TaskError(f"--run {run} holds no checkpoint (checkpoint_XXXXXXXX folders)")
     return [str(folder.local / name) for name in names]
-
-
-def read_done(output: Path) -> set[tuple]:
-    """The (step, weights SHA-256, task fingerprint) of every score in `output` (an empty set if it is new)."""
-    if not output.exists():
-        return set()
-    done = set()
-    for n, line in enumerate(output.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            r = json.loads(line)
-            if "error" not in r:  # a scoring that failed beside training (ray_jobs.evaluator) is tried again
-                done.add((r["step"], r["weights_sha256"], r["fingerprint"]))
-        except (ValueError, KeyError, TypeError):
-            raise TaskError(f"{output}:{n}: not a record of ray_jobs.evaluate (choose another --output)") from None
-    return done
-
-
-def append(output: Path, records: list[dict]) -> None:
-    """One line per record, flushed as each checkpoint finishes: an interrupted run keeps what it scored."""
-    output.parent.mkdir(parents=True, exist_ok=True)
-    with output.open("a", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
 
 
 def resolve_device(device: str) -> str:
@@ -178,8 +149,7 @@ def resolve_device(device: str) -> str:
 class Table:
     """The console table; its header comes with the first row (an error before any result prints no table)."""
 
-    def __init__(self):
-        self.started = False
+    started = False
 
     def row(self, step: int | None, text: str) -> None:
         if not self.started:
@@ -197,7 +167,7 @@ def row_text(record: dict) -> str:
     return text
 
 
-__all__ = ["build_parser", "main", "read_done", "run_checkpoints"]
+__all__ = ["build_parser", "main", "run_checkpoints"]
 
 
 if __name__ == "__main__":

@@ -16,12 +16,11 @@ import time
 from pathlib import Path
 
 from minilm import checkpoint as C
-from minilm.eval_log import EVAL_LOG
+from minilm.eval_log import EVAL_LOG, append_records, scored_keys
 from minilm.evaluate import Task, TaskError, evaluate_checkpoint, format_metrics, identify, load_tasks
 from minilm.safety import redact
 
 from .cli import UsageError
-from .evaluate import append, read_done
 
 POLL_S = 1.0
 
@@ -60,7 +59,7 @@ class Evaluator:
         self.tasks_file, self.tasks, self.resources = tasks_file, tasks, resources
         self.run_name, self.best_metric, self.tokenizer, self.say = run_name, best_metric, tokenizer, say
         self.output = output or Path(run_dir) / EVAL_LOG
-        self.done = read_done(self.output)  # (step, weights SHA-256, fingerprint) of every score in eval.jsonl
+        self.done = scored_keys(self.output)  # (step, weights SHA-256, fingerprint) of every score in eval.jsonl
         self.seen: set[str] = set()  # checkpoint folders looked at (scored, handed out, or nothing left to score)
         self.running: dict = {}  # ObjectRef -> (checkpoint name, its identity, the tasks it scores)
         self._stop = threading.Event()
@@ -160,10 +159,8 @@ class Evaluator:
             self.pin()
 
     def record(self, name: str, records: list[dict]) -> None:
-        append(self.output, records)
+        append_records(self.output, records, self.done)
         scores = [r for r in records if "error" not in r]
-        for r in scores:
-            self.done.add((r["step"], r["weights_sha256"], r["fingerprint"]))
         if not scores:
             return
         self.say(f"eval  step {scores[0]['step']}: " + "; ".join(

@@ -10,7 +10,6 @@ draws its loss_curves.png with the same figure. Needs only matplotlib: neither R
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from minilm.cli import fail
+from minilm.jsonl import read_jsonl
 
 # (metric, panel title, y-axis label); world size is a step function.
 PANELS = (
@@ -57,13 +57,7 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     if not path.is_file():
         raise PlotError(f"{path}: not found (is {run_dir} a run folder of ray_jobs.pretrain with a local "
                         f"--storage-path?)")
-    records = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    records = in_step_order(records)
+    records = in_step_order(read_jsonl(path)[0])
     if not records:
         raise PlotError(f"{path}: no metrics records yet (the run reports every --log-every steps)")
     return records

@@ -23,7 +23,7 @@ from minilm.bpb import (
 from minilm.config import ModelConfig
 from minilm.corpus import demo_corpus_documents
 from minilm.model import MiniMindForCausalLM
-from minilm.packing import pack_documents
+from minilm.rows import pack_documents
 from minilm.tokenizer import BOS_ID, EOS_ID, SPECIAL_TOKENS, save_tokenizer, train_tokenizer
 
 UNICODE_TEXTS = ["naïve café, Übergrößenträger — 日本語のテキスト, emoji 🎉🐍 and a tab\there.",

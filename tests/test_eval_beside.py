@@ -24,7 +24,7 @@ from runs import (
 from test_evaluate import reference_loglik
 
 from minilm import checkpoint as C
-from minilm.eval_log import EvalInbox, eval_metrics
+from minilm.eval_log import EvalInbox, append_records, eval_metrics, read_records, scored_keys
 from minilm.evaluate import load_tasks, read_hellaswag
 from ray_jobs import demo_tasks
 from ray_jobs.cli import UsageError, parse_eval_resources
@@ -64,6 +64,19 @@ def test_each_score_is_forwarded_once_at_its_step_and_none_of_a_step_to_be_redon
         {"optimizer_step": 4, "eval_task": "cloze"}, {"optimizer_step": 4, "eval_task": "held"}, {"loss": 1.0,
                                                                                                   "optimizer_step": 4}])
     assert [(r["optimizer_step"], r["eval_task"]) for r in again.poll(20)] == [(8, "cloze")]
+
+
+def test_the_eval_log_refuses_a_stranger_and_a_torn_line_ends_before_the_next_record(tmp_path):
+    log = tmp_path / "eval.jsonl"
+    append(log, record(4, "cloze"), {**record(6, "cloze"), "error": "boom"})
+    assert scored_keys(log) == {(4, "w4", "fp-cloze")}  # an error is tried again
+    append(log, torn='{"task": "cloze", "step": 8')  # a killed writer's torn line: rank 0 never reads it
+    assert len(read_records(log)[0]) == 2
+    with pytest.raises(UsageError, match=r"eval\.jsonl:3: not a record of ray_jobs\.evaluate"):
+        scored_keys(log)
+    append_records(log, [record(8, "c\u2028loze")], done := set())  # the torn line is ended first: it stays whole
+    assert done == {(8, "w8", "fp-c\u2028loze")}
+    assert [r["task"] for r in read_records(log)[0]] == ["cloze", "cloze", "c\u2028loze"]
 
 
 def test_errors_and_generations_are_scored_but_carry_no_metric(tmp_path):

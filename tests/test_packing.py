@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minilm import packing as P
+from minilm import rows as R
 from minilm.data import DataError, SequenceStore, file_sha256, open_prepared
 
 EOS = 2
@@ -27,7 +28,7 @@ def stream_of(docs):
 @settings(max_examples=200, deadline=None)
 @given(docs=docs_strategy, seq_len=st.integers(1, 20))
 def test_pack_documents_keeps_every_token_in_order(docs, seq_len):
-    rows, dropped = P.pack_documents(docs, seq_len)
+    rows, dropped = R.pack_documents(docs, seq_len)
     stream = stream_of(docs)
     assert rows.shape == (len(stream) // (seq_len + 1), seq_len + 1)
     assert rows.dtype == np.int32
@@ -61,7 +62,7 @@ def write_dataset(directory, docs, seq_len, rows_per_shard, by_stream=False):
        by_stream=st.booleans())
 def test_shards_hold_exactly_the_packed_rows(tmp_path_factory, docs, seq_len, rows_per_shard, by_stream):
     d = tmp_path_factory.mktemp("ds")
-    rows, dropped = P.pack_documents(docs, seq_len)
+    rows, dropped = R.pack_documents(docs, seq_len)
     m = write_dataset(d, docs, seq_len, rows_per_shard, by_stream=by_stream)
     assert m["num_sequences"] == len(rows)
     assert m["num_tokens"] == len(rows) * (seq_len + 1)
@@ -83,7 +84,7 @@ def test_token_file_format(tmp_path):
     rng = np.random.default_rng(1)
     docs = [rng.integers(3, 6400, rng.integers(0, 50)).tolist() for _ in range(200)]
     m = write_dataset(tmp_path, docs, 16, 64)
-    rows, _ = P.pack_documents(docs, 16)
+    rows, _ = R.pack_documents(docs, 16)
     assert m["token_dtype"] == "uint16"
     assert [s["file"] for s in m["shards"]] == [f"shard-{i:05d}.bin" for i in range(len(m["shards"]))]
     first = 0

@@ -540,19 +540,23 @@ def test_overwrite(ray_cluster, capsys, tmp_path, tok_path):
 
 @pytest.mark.ray
 def test_failure_midway_leaves_nothing(ray_cluster, capsys, tmp_path, tok_path, monkeypatch):
-    from minilm import packing
+    import builtins
 
     src = write_jsonl(tmp_path / "c.jsonl", DOCS * 2)
-    real = packing.open_shard
+    real = builtins.open
     calls = []
 
-    def failing(path):
-        calls.append(path)
-        if len(calls) == 3:
-            raise OSError(28, "No space left on device")
-        return real(path)
+    def new_shard(path, mode):  # ShardWriter creates each token file with open(path, "xb")
+        return mode == "xb" and Path(path).name.startswith("shard-")
 
-    monkeypatch.setattr(packing, "open_shard", failing)
+    def failing(path, mode="r", *args, **kwargs):
+        if new_shard(path, mode):
+            calls.append(Path(path))
+            if len(calls) == 3:
+                raise OSError(28, "No space left on device")
+        return real(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", failing)
     args = PR.build_parser().parse_args(["--input", str(src), "--output", str(tmp_path / "out"), "--tokenizer",
                                          str(tok_path), "--seq-len", str(SEQ), "--rows-per-shard", "5"])
     with pytest.raises(OSError, match="No space left"):
@@ -562,10 +566,12 @@ def test_failure_midway_leaves_nothing(ray_cluster, capsys, tmp_path, tok_path, 
     with pytest.raises(DataError):
         open_prepared(tmp_path / "out")
 
-    def interrupted(path):
-        raise KeyboardInterrupt
+    def interrupted(path, mode="r", *args, **kwargs):
+        if new_shard(path, mode):
+            raise KeyboardInterrupt
+        return real(path, mode, *args, **kwargs)
 
-    monkeypatch.setattr(packing, "open_shard", interrupted)
+    monkeypatch.setattr(builtins, "open", interrupted)
     code, err = prep(capsys, "--input", src, "--output", tmp_path / "out", "--tokenizer", tok_path,
                      "--seq-len", SEQ)
     assert code == 130

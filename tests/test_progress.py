@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from minilm import progress
-from minilm.progress import GPU_PEAK_BF16, measured_matmul_peak, peak_flops
+from minilm.progress import GPU_PEAK_BF16, MetricsLog, measured_matmul_peak, peak_flops
 
 CUDA = torch.device("cuda", 0)
 
@@ -89,3 +89,16 @@ def test_measured_peak_is_the_best_repeat(monkeypatch):
 def test_measured_peak_on_this_cpu_is_plausible():
     flops = measured_matmul_peak(torch.float32, n=256, repeats=3)
     assert 1e8 < flops < 1e14  # 0.1 GFLOP/s .. 100 TFLOP/s: a real measurement of a CPU, not a constant
+
+
+def test_metrics_log_drops_the_steps_to_be_redone_and_a_torn_line(tmp_path):
+    log = MetricsLog(tmp_path / "run" / "metrics.jsonl")
+    for step in (1, 2, 3):
+        log.append({"optimizer_step": step, "loss": 1.0 / step})
+    with open(log.path, "a") as f:
+        f.write('{"optimizer_step": 4, "lo')  # a process killed mid-line
+    assert [r["optimizer_step"] for r in log.read()] == [1, 2, 3]
+    log.truncate_after(2)
+    log.append({"optimizer_step": 3, "loss": 0.25})
+    assert log.path.read_text() == ('{"loss": 1.0, "optimizer_step": 1}\n{"loss": 0.5, "optimizer_step": 2}\n'
+                                    '{"loss": 0.25, "optimizer_step": 3}\n')

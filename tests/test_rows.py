@@ -12,13 +12,13 @@ from hypothesis import strategies as st
 
 from minilm.config import ModelConfig
 from minilm.model import MiniMindForCausalLM
-from minilm.packing import pack_documents
 from minilm.rows import (
     BestFitStats,
     best_fit_rows,
     bos_aligned_rows,
     document_starts,
     iter_bos_aligned_rows,
+    pack_documents,
     packed_rows,
     padded_document_rows,
     rows_note,

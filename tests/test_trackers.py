@@ -24,7 +24,7 @@ import pytest
 
 from minilm import trackers as T
 from minilm.progress import MetricsLog
-from minilm.tracker_backends import Backend
+from minilm.tracker_backends import Backend, flatten_hparams
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -199,7 +199,7 @@ def test_mlflow_keeps_one_run_and_never_appends_a_redone_step(killed_run):
     check_series(series, expected)
     assert expected[12]["loss"] == jsonl_points(killed_run)[12]["loss"]
     # Hyperparameters once, from the first attempt (world size 2), and the code version when known.
-    assert run.data.params == {k: str(v) for k, v in T.flatten_hparams(HPARAMS).items()}
+    assert run.data.params == {k: str(v) for k, v in flatten_hparams(HPARAMS).items()}
     if "git_commit" in HPARAMS:
         assert run.data.tags["mlflow.source.git.commit"] == HPARAMS["git_commit"]
 
@@ -350,8 +350,10 @@ def test_bad_tracker_names(flags, message):
 
 def test_checks_that_need_the_run_folder_or_a_key(monkeypatch, tmp_path):
     pytest.importorskip("tensorboardX")
-    with pytest.raises(T.TrackerError, match="needs a local --storage-path"):
-        T.check_trackers(["tensorboard"], run_dir=None)
+    for check in (lambda: T.check_trackers(["tensorboard"], run_dir=None),  # in the driver, and in the worker
+                  lambda: T.open_trackers(["tensorboard"], run_dir=None, run_name="r")):
+        with pytest.raises(T.TrackerError, match="needs a local --storage-path"):
+            check()
     if pytest.importorskip("mlflow"):
         with pytest.raises(T.TrackerError, match="needs --mlflow-uri"):
             T.check_trackers(["mlflow"], run_dir=None)
@@ -396,7 +398,7 @@ def test_flatten_metrics_takes_numpy_and_torch_values():
 
 
 def test_hparams_flatten_and_code_version(monkeypatch):
-    assert T.flatten_hparams({"model": {"h": 64}, "train": {"betas": [0.9, 0.95], "x": None}, "world_size": 2}) == \
+    assert flatten_hparams({"model": {"h": 64}, "train": {"betas": [0.9, 0.95], "x": None}, "world_size": 2}) == \
         {"model.h": 64, "train.betas": "[0.9, 0.95]", "world_size": 2}
     monkeypatch.setenv("MINILM_GIT_COMMIT", "abc123")
     assert T.code_version() == {"git_commit": "abc123"}
