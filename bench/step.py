@@ -49,6 +49,7 @@ import tempfile
 import torch
 import torch.nn.functional as F
 
+from minilm import loss as L
 from minilm import model as M
 from minilm.config import ModelConfig, TrainConfig
 from minilm.distributed import leave_process_group
@@ -384,7 +385,7 @@ def estimate_phases(cfg: ModelConfig, batch: int, seq: int, hw: dict) -> list[di
         out.append({"phase": name, "flops": flops, "bytes": nbytes, "compute_s": t_flops, "memory_s": t_bytes,
                     "time_s": max(t_flops, t_bytes), "bound": "compute" if t_flops >= t_bytes else "memory"})
     # Kernel launches: the host queues them while the GPU works, so they cost time only if they outrun it.
-    kernels = layers * 50 + 15 * -(-n * v // M.HEAD_CHUNK_LOGITS) + 40
+    kernels = layers * 50 + 15 * -(-n * v // L.HEAD_CHUNK_LOGITS) + 40
     out.append({"phase": f"host: ~{kernels} kernel launches (overlap the device's work)", "flops": 0, "bytes": 0,
                 "compute_s": 0.0, "memory_s": 0.0, "time_s": kernels * hw["launch_s"], "bound": "host"})
     return out

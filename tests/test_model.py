@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from minilm import loss
 from minilm import model as M
 from minilm.config import ModelConfig
 from minilm.model import Attention, MiniMindForCausalLM, MoEFeedForward, rope_tables
@@ -153,7 +154,7 @@ def test_targets_give_the_labels_loss_and_gradients_without_the_batch_logits(mon
     # Rows of seq_len + 1 ids: row[:, :-1] fed, row[:, 1:] scored (-100 ignored), the head in chunks of 10
     # positions with its gradients computed in the forward: the loss and every gradient of the whole-row labels path,
     # and no fp32 tensor as large as the batch's logits (4 x 32 positions x V) ever exists.
-    monkeypatch.setattr(M, "HEAD_CHUNK_LOGITS", 10 * V)
+    monkeypatch.setattr(loss, "HEAD_CHUNK_LOGITS", 10 * V)
     model = make_model(vocab_size=V, tie_word_embeddings=False).train()
     rows = torch.randint(0, V, (4, 33), generator=torch.Generator().manual_seed(3))
     labels = rows.clone()
