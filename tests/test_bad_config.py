@@ -101,7 +101,7 @@ def test_wrong_invocation_is_one_clear_error(ray_address, data, tmp_path, capsys
     setup_files(tmp_path)
     argv = [a.format(data=data, tmp=tmp_path) for a in argv]
     if command in ("pretrain", "tune"):
-        argv += ["--storage-path", str(tmp_path / "runs"), "--name", "bad"]
+        argv += ["--run-dir", str(tmp_path / "runs" / "bad")]
     before = sorted(p.name for p in tmp_path.iterdir())
     code = MODULES[command].main(argv)
     err = capsys.readouterr().err
@@ -117,7 +117,7 @@ def test_wrong_invocation_is_one_clear_error(ray_address, data, tmp_path, capsys
 def test_a_storage_path_that_cannot_be_written_is_one_line_before_ray(data, tmp_path, capsys, where):
     (tmp_path / "a-file").write_text("not a folder")
     storage = where.format(tmp=tmp_path)
-    code = pretrain.main(["--data", str(data), *TINY, "--storage-path", storage, "--name", "x"])
+    code = pretrain.main(["--data", str(data), *TINY, "--run-dir", f"{storage}/x"])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith(f"error: run folder {storage}/x: cannot create or write there (") \
         and err.count("\n") == 1, err
@@ -145,7 +145,7 @@ def test_a_cluster_that_cannot_be_joined_is_one_line(data, tmp_path, capsys, mon
     monkeypatch.setenv("RAY_ADDRESS", "10.9.9.9:6379")
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", refuse)
-    code = pretrain.main(["--data", str(data), *TINY, "--storage-path", str(tmp_path / "runs"), "--name", "x"])
+    code = pretrain.main(["--data", str(data), *TINY, "--run-dir", str(tmp_path / "runs" / "x")])
     err = capsys.readouterr().err
     assert code == 2 and err == f"error: cannot join the Ray cluster at RAY_ADDRESS=10.9.9.9:6379: {message}" + (
         " to the cluster's token (or RAY_AUTH_TOKEN_PATH to its file)\n" if refusal == "token" else "\n"), err
@@ -194,14 +194,14 @@ def test_resuming_with_other_data_or_model_is_refused_before_start(ray_address, 
     C.save_resume_state(ckpt, model=model, optimizer=make_optimizer(model, tcfg),
                         scaler=make_grad_scaler(torch.float32, "cpu"), state=state)
     before = sorted(str(p) for p in tmp_path.rglob("*"))
-    code = pretrain.main(["--data", str(data), *TINY, "--storage-path", str(tmp_path / "runs"), "--name", "old"])
+    code = pretrain.main(["--data", str(data), *TINY, "--run-dir", str(tmp_path / "runs" / "old")])
     err = capsys.readouterr().err
     assert code == 2 and "cannot resume from" in err and "data fingerprint" in err and "another --name" in err, err
-    code = pretrain.main(["--data", str(data), *TINY, "--hidden-size", "128", "--storage-path",
-                          str(tmp_path / "runs"), "--name", "old"])
+    code = pretrain.main(["--data", str(data), *TINY, "--hidden-size", "128", "--run-dir",
+                          str(tmp_path / "runs" / "old")])
     err = capsys.readouterr().err
     assert code == 2 and "model config differs from the checkpoint's (hidden_size" in err, err
-    code = pretrain.main(["--data", str(data), *TINY, "--storage-path", str(tmp_path / "runs"), "--name", "old",
+    code = pretrain.main(["--data", str(data), *TINY, "--run-dir", str(tmp_path / "runs" / "old"),
                           "--resume", str(ckpt)])
     err = capsys.readouterr().err  # the run's newest checkpoint by its path: the same check
     assert code == 2 and f"cannot resume from {ckpt}" in err and "data fingerprint" in err, err
@@ -233,7 +233,7 @@ def test_resuming_with_another_schedule_or_optimizer_needs_allow_config_change(r
                         state=state)
     base = ["--data", str(data), "--hidden-size", "64", "--num-hidden-layers", "2", "--vocab-size", "256",
             "--seq-len", "32", "--micro-batch-size", "4", "--global-batch-size", "16", "--max-steps", "4",
-            "--warmup-steps", "1", "--storage-path", str(tmp_path / "runs"), "--name", "r"]
+            "--warmup-steps", "1", "--run-dir", str(tmp_path / "runs" / "r")]
 
     def plan(*extra):
         return plan_run(build_parser().parse_args([*base, *extra]))

@@ -297,7 +297,7 @@ def test_cli_on_a_run_folder_skips_torn_and_corrupt_checkpoints(tokenizer, tmp_p
     torn = write_checkpoint(run / "checkpoint_00000006", model, tok_path, 6)
     (torn / C.MARKER).unlink()  # a write that did not finish
     out = tmp_path / "results.jsonl"
-    argv = ["--run", str(run), "--tasks", str(task_list), "--output", str(out)]
+    argv = ["--run-dir", str(run), "--tasks", str(task_list), "--output", str(out)]
     assert cli.main(argv) == 0
     err = capsys.readouterr().err
     assert err.count("skipping checkpoint") == 1 and "checkpoint_00000006 is incomplete" in err, err
@@ -320,7 +320,7 @@ def test_cli_on_a_run_folder_skips_torn_and_corrupt_checkpoints(tokenizer, tmp_p
 @pytest.mark.parametrize("argv, what", [
     (["--tasks", "t.yaml", "--output", "o.jsonl"], "give --checkpoint"),
     (["--checkpoint", "nowhere", "--tasks", "tasks.yaml", "--output", "o.jsonl"], "checkpoint nowhere does not exist"),
-    (["--run", "nowhere", "--tasks", "tasks.yaml", "--output", "o.jsonl"], "no such folder"),
+    (["--run-dir", "nowhere", "--tasks", "tasks.yaml", "--output", "o.jsonl"], "no such folder"),
     (["--checkpoint", ".", "--tasks", "missing.yaml", "--output", "o.jsonl"], "task list missing.yaml does not exist"),
 ])
 def test_cli_usage_errors_are_one_line(tmp_path, task_list, monkeypatch, capsys, argv, what):

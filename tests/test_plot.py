@@ -90,10 +90,10 @@ def test_a_repeated_step_never_doubles_back(tmp_path):
 
 def test_cli_writes_a_png_per_default_and_to_out(two_runs, tmp_path, capsys):
     (a, _), (b, _) = two_runs
-    assert plot.main([str(a)]) == 0
+    assert plot.main(["--run-dir", str(a)]) == 0
     assert (a / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = tmp_path / "figs" / "cmp.png"
-    assert plot.main([str(a), str(b), "--out", str(out)]) == 0
+    assert plot.main(["--run-dir", str(a), str(b), "--output", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert capsys.readouterr().out.splitlines() == [f"wrote {a / 'metrics.png'}", f"wrote {out}"]
 
@@ -106,14 +106,14 @@ def test_cli_writes_a_png_per_default_and_to_out(two_runs, tmp_path, capsys):
 ])
 def test_user_errors_are_one_line_and_exit_2(case, message, tmp_path, capsys):
     run = tmp_path / "run"
-    args = [str(run)]
+    args = ["--run-dir", str(run)]
     if case != "missing_dir":
         run.mkdir()
     if case == "empty_metrics":
         (run / "metrics.jsonl").write_text("\n")
     if case == "not_png":
         write_run(run, [1], {1: 1})
-        args += ["--out", str(tmp_path / "x.pdf")]
+        args += ["--output", str(tmp_path / "x.pdf")]
     assert plot.main(args) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
@@ -121,7 +121,7 @@ def test_user_errors_are_one_line_and_exit_2(case, message, tmp_path, capsys):
 
 def test_module_entry_point(tmp_path):
     """`python -m ray_jobs.plot` as a user runs it: a bad folder is one line and exit 2, no traceback."""
-    proc = subprocess.run([sys.executable, "-m", "ray_jobs.plot", str(tmp_path / "nope")], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "ray_jobs.plot", "--run-dir", str(tmp_path / "nope")], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr == f"error: {tmp_path / 'nope'}: no such run folder\n"
     assert proc.stdout == ""

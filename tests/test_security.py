@@ -328,7 +328,7 @@ def test_sample_with_a_bad_weights_folder_is_one_line(tmp_path, capsys):
     for config in ({**cfg.to_dict(), "hidden_size": "64"}, {**cfg.to_dict(), "hidden_size": 128}, [1]):
         (weights / "config.json").write_text(json.dumps(config))
         C.write_marker(weights, ["model.safetensors", "config.json"])  # consistent, as a hand-made folder is
-        assert sample.main(["--weights", str(weights)]) == 2
+        assert sample.main(["--checkpoint", str(weights)]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1, err
 
