@@ -6,7 +6,7 @@
 #
 #   cluster/local.sh start            # start the head (generates ~/.ray/auth_token once if needed)
 #   eval "$(cluster/local.sh env)"    # RAY_API_SERVER_ADDRESS, RAY_AUTH_MODE (+ token path), one-machine mode
-#   ray job submit --working-dir . -- python -m ray_jobs.pretrain --name run1 ...
+#   ray job submit --working-dir . -- python -m ray_jobs.pretrain --run-dir /shared/runs/run1 ...
 #   cluster/local.sh status
 #   cluster/local.sh stop             # stops THIS head only; other local Ray instances keep running
 #

@@ -19,6 +19,50 @@ from .schedule import SCHEDULES
 DTYPES = ("auto", "bf16", "fp16", "fp32")  # "auto" and the names of minilm.step.TORCH_DTYPES
 OPTIMIZERS = ("adamw", "muon")
 CHECKPOINT_MODES = ("async", "sync")  # how rank 0 writes a checkpoint: minilm.checkpoint.manager
+CHOICES = {"schedule": SCHEDULES, "dtype": DTYPES, "checkpoint_mode": CHECKPOINT_MODES, "optimizer": OPTIMIZERS}
+
+# What each ModelConfig / TrainConfig field means: its flag's help (minilm.options.add_config_flags).
+FIELD_HELP = {
+    "hidden_size": "width of the residual stream", "num_hidden_layers": "transformer blocks",
+    "num_attention_heads": "query heads", "num_key_value_heads": "key/value heads (grouped-query attention)",
+    "vocab_size": "token ids the model embeds (the tokenizer's, or more)",
+    "intermediate_size": "SwiGLU width (unset: ceil(hidden_size * pi / 64) * 64, MiniMind's)",
+    "max_position_embeddings": "longest sequence RoPE tables are built for", "rope_theta": "RoPE base",
+    "rms_norm_eps": "RMSNorm epsilon", "tie_word_embeddings": "the output head shares the embedding's weights",
+    "dropout": "dropout probability", "use_moe": "mixture-of-experts feed-forward layers",
+    "num_experts": "MoE: experts per layer", "num_experts_per_tok": "MoE: experts each token is routed to",
+    "norm_topk_prob": "MoE: renormalise the top-k router weights",
+    "router_aux_loss_coef": "MoE: weight of the load-balancing loss",
+    "bos_token_id": "begin-of-document id", "eos_token_id": "end-of-document id", "pad_token_id": "padding id",
+    "document_mask": "packed rows: attend only within the same document (a BOS, or the token after an EOS, "
+                     "starts one)",
+    "lr": "peak learning rate (AdamW's)", "warmup_steps": "optimizer steps of linear warmup",
+    "min_lr_ratio": "the lr decays to lr x this", "decay_fraction": "wsd: the share of the steps after warmup "
+                                                                     "spent decaying",
+    "schedule": "wsd: warmup, lr held, then a linear decay; cosine: MiniMind's cosine decay",
+    "epochs": "passes over the data (when --max-steps is unset)",
+    "max_steps": "optimizer steps of the run (unset: --epochs full epochs)",
+    "micro_batch_size": "sequences per forward/backward of one rank",
+    "global_batch_size": "sequences per optimizer step, the same at every world size",
+    "grad_clip": "gradient norm clipped to this", "dtype": "autocast precision (auto: bf16 on a GPU with it, "
+                                                           "else fp16; on CPUs bf16 where faster, else fp32)",
+    "seq_len": "tokens per training sequence (rows hold seq_len + 1)",
+    "log_every": "optimizer steps between metric records", "checkpoint_every": "optimizer steps between checkpoints",
+    "checkpoint_every_minutes": "also checkpoint when this many minutes passed since the last",
+    "checkpoint_mode": "async: a snapshot written in the background; sync: training waits for the write",
+    "export_every": "the half-precision weights/ export with every N-th checkpoint (and always the last)",
+    "val_samples": "held-out sequences for val_loss and val_bpb (0: no validation)",
+    "eval_every": "optimizer steps between validations (unset: --checkpoint-every)",
+    "seed": "seed of the initial weights and the data order", "weight_decay": "decoupled weight decay",
+    "betas": "AdamW's beta1 and beta2", "max_nonfinite_steps": "this many non-finite gradient steps in a row stop "
+                                                               "the run",
+    "compile": "torch.compile each transformer block",
+    "activation_checkpointing": "recompute each block in backward: less memory, ~1/3 more compute",
+    "optimizer": "muon: Muon for the blocks' weight matrices, AdamW for the rest; adamw: AdamW for everything",
+    "muon_lr": "Muon's peak lr (the schedule scales it like lr)", "muon_momentum": "Muon's momentum",
+    # Beside matrices moving at muon_lr, an embedding at MiniMind's lr is what holds the loss back (docs/quality.md)
+    "embedding_lr_ratio": "with Muon: the embedding and tied head (and MoE routers) at lr x this",
+}
 
 
 class ConfigError(ValueError):
@@ -52,7 +96,7 @@ class ModelConfig:
     num_attention_heads: int = 8
     num_key_value_heads: int = 4
     vocab_size: int = 6400
-    intermediate_size: int | None = None  # None: ceil(hidden_size * pi / 64) * 64
+    intermediate_size: int | None = None
     max_position_embeddings: int = 32768
     rope_theta: float = 1e6
     rms_norm_eps: float = 1e-6
@@ -66,7 +110,6 @@ class ModelConfig:
     bos_token_id: int = 1
     eos_token_id: int = 2
     pad_token_id: int = 0
-    # Packed rows: attend only within the same document (a BOS, or the token after an EOS, starts one).
     document_mask: bool = False
 
     def __post_init__(self) -> None:
@@ -150,34 +193,31 @@ class TrainConfig:
     lr: float = 5e-4
     warmup_steps: int = 0
     min_lr_ratio: float = 0.1
-    schedule: str = "wsd"  # wsd (warmup-stable-decay: lr held, then a linear decay) | cosine (MiniMind's)
-    decay_fraction: float = 0.2  # wsd: the share of the steps after warmup spent decaying
+    schedule: str = "wsd"
+    decay_fraction: float = 0.2
     epochs: int = 1
-    max_steps: int | None = None  # optimizer steps; None: run `epochs` full epochs
+    max_steps: int | None = None
     micro_batch_size: int = 16
-    global_batch_size: int = 64  # sequences per optimizer step, the invariant across world sizes
+    global_batch_size: int = 64
     grad_clip: float = 1.0
     dtype: str = "auto"
     seq_len: int = 512
     log_every: int = 10
     checkpoint_every: int = 100
-    checkpoint_every_minutes: float | None = None  # also checkpoint when this much time passed since the last
-    checkpoint_mode: str = "async"  # async: a snapshot, written in the background; sync: training waits for the write
-    export_every: int = 1  # the half-precision weights/ export with every N-th checkpoint (and always the last)
-    val_samples: int = 0  # held-out sequences for val_loss and val_bpb (0: no validation)
-    eval_every: int | None = None  # optimizer steps between validations (None: checkpoint_every)
+    checkpoint_every_minutes: float | None = None
+    checkpoint_mode: str = "async"
+    export_every: int = 1
+    val_samples: int = 0
+    eval_every: int | None = None
     seed: int = 42
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
-    max_nonfinite_steps: int = 5  # this many non-finite gradient steps in a row stop the run
-    compile: bool = False  # torch.compile each transformer block (minilm.step.prepare_model)
-    activation_checkpointing: bool = False  # recompute each block in backward: less memory, ~1/3 more compute
-    # Muon for the blocks' weight matrices, AdamW for the rest (minilm.muon); "adamw": AdamW for everything
+    max_nonfinite_steps: int = 5
+    compile: bool = False
+    activation_checkpointing: bool = False
     optimizer: str = "muon"
-    muon_lr: float = 0.02  # Muon's peak lr (the schedule scales it like lr)
+    muon_lr: float = 0.02
     muon_momentum: float = 0.95
-    # With Muon: the embedding / tied head (and MoE routers) at lr x this. Beside matrices moving at muon_lr, an
-    # embedding at MiniMind's lr is what holds the loss back (bench.minimind; docs/quality.md)
     embedding_lr_ratio: float = 3.0
 
     def inert(self) -> frozenset[str]:
@@ -220,8 +260,7 @@ class TrainConfig:
                     p.extend(e.problems)
         if not (isinstance(self.grad_clip, (int, float)) and self.grad_clip > 0):
             p.append(f"grad_clip must be > 0, got {self.grad_clip!r}")
-        for name, choices in (("schedule", SCHEDULES), ("dtype", DTYPES), ("checkpoint_mode", CHECKPOINT_MODES),
-                              ("optimizer", OPTIMIZERS)):
+        for name, choices in CHOICES.items():
             if getattr(self, name) not in choices:
                 p.append(f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
         if not (isinstance(self.weight_decay, (int, float)) and self.weight_decay >= 0):

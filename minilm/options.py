@@ -15,8 +15,8 @@ import yaml
 
 from . import data as D
 from .config import (
-    CHECKPOINT_MODES,
-    DTYPES,
+    CHOICES,
+    FIELD_HELP,
     ConfigError,
     ModelConfig,
     TrainConfig,
@@ -60,7 +60,8 @@ class RunOptions:
 
     data: str | None = option(help="a folder written by ray_jobs.prepare, or a remote URI (copied to the node once)")
     name: str | None = option(help="run name (default: the run folder's name)")
-    resume: str = option("auto", "auto: continue the run's newest complete checkpoint; never; or a checkpoint PATH")
+    resume: str = option("auto", "auto: continue the run's newest complete checkpoint; never; or a checkpoint PATH",
+                         metavar="auto|never|PATH")
     abandon_newer: bool = option(False, "with --resume never or an older PATH: move the run folder's newer checkpoints "
                                  "into abandoned-<time>/ (kept, never continued) instead of refusing", action="store_true")
     keep_checkpoints: int = option(3, "the newest N complete checkpoints are kept", minimum=1)
@@ -135,21 +136,32 @@ def flag_fields(cls: type[RunOptions]) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(cls) if f.metadata.get("help")]
 
 
-def add_run_flags(parser: argparse.ArgumentParser, cls: type[RunOptions]) -> None:
-    """One flag per field of `cls` with a help text, defaulting to None so that `build_configs` tells a given value
-    from a default."""
+def add_run_flags(parser: argparse.ArgumentParser, cls: type[RunOptions], skip: Iterable[str] = ()) -> None:
+    """One flag per field of `cls` with a help text (but those in `skip`), then those of the two configs
+    (`add_config_flags`), each defaulting to None so that `build_configs` tells a given value from a default."""
     hints = typing.get_type_hints(cls)
     group = parser.add_argument_group("run")
     for f in flag_fields(cls):
+        if f.name in skip:
+            continue
         meta = f.metadata
-        default = field_default(f)
-        text = meta["help"] + (f" (default {default})" if default not in (None, False, {}, []) else "")
-        kwargs = {"dest": f.name, "default": None, "help": text, **meta["argparse"]}
+        kwargs = {"dest": f.name, "default": None, "help": with_default(meta["help"], field_default(f)),
+                  **meta["argparse"]}
         aliases = kwargs.pop("aliases", [])
         if "action" not in kwargs:
             base = [t for t in typing.get_args(hints[f.name]) if t is not type(None)] or [hints[f.name]]
             kwargs["type"] = str if meta["convert"] else base[0]
         group.add_argument(flag(f.name), *aliases, **kwargs)
+    add_config_flags(parser)
+
+
+def with_default(text: str, default) -> str:
+    """A flag's help and its default (0 and False too; unset for None), unless the help already says it."""
+    if "default" in text:
+        return text
+    if isinstance(default, dict):
+        default = ",".join(f"{k}={v:g}" for k, v in default.items()) or "none"
+    return f"{text} (default: {'unset' if default is None else default})"
 
 
 @dataclasses.dataclass
@@ -244,26 +256,25 @@ def add_config_flags(parser: argparse.ArgumentParser, preset: dict | None = None
     """One flag per ModelConfig / TrainConfig field, named after it (--hidden-size, --warmup-steps...).
 
     Every flag defaults to None, so `build_configs` can tell a value the user gave from a default;
-    the help shows the dataclass default, and the demo preset's value where it differs."""
+    the help says what the field means (config.FIELD_HELP), its dataclass default, and the demo preset's value
+    where it differs."""
     preset = DEMO_PRESET if preset is None else preset
     for cls, title in ((ModelConfig, "model"), (TrainConfig, "training")):
         group = parser.add_argument_group(f"{title} config (every field of {cls.__name__})")
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            default = f.default if f.default is not dataclasses.MISSING else None
-            text = f"default: {default}"
+            default = field_default(f)
+            text = with_default(FIELD_HELP[f.name], " ".join(map(str, default)) if f.name == "betas" else default)
             if f.name in preset and preset[f.name] != default:
-                text += f" ({preset[f.name]} on the built-in demo corpus)"
+                text = f"{text[:-1]}; {preset[f.name]} on the built-in demo corpus)"
             hint = hints[f.name]
             kwargs: dict = {"default": None, "dest": f.name, "help": text}
             if hint is bool:
                 kwargs["action"] = argparse.BooleanOptionalAction
             elif f.name == "betas":
                 kwargs.update(nargs=2, type=float, metavar=("BETA1", "BETA2"))
-            elif f.name == "dtype":
-                kwargs.update(choices=list(DTYPES))
-            elif f.name == "checkpoint_mode":
-                kwargs.update(choices=list(CHECKPOINT_MODES))
+            elif f.name in CHOICES:
+                kwargs.update(choices=list(CHOICES[f.name]))
             else:
                 base = [t for t in typing.get_args(hint) if t is not type(None)] or [hint]
                 kwargs["type"] = base[0]

@@ -1,43 +1,50 @@
 """Print a sampled continuation from a weights export or a checkpoint.
 
-    python -m minilm.sample --weights runs/demo/weights --prompt "The os module" --max-new-tokens 60
-    python -m minilm.sample --weights runs/demo/best --prompt "The os module"   # the run's best checkpoint
+    python -m minilm.sample --checkpoint runs/demo/weights --prompt "The os module" --max-new-tokens 60
+    python -m minilm.sample --checkpoint runs/demo/best --prompt "The os module"   # the run's best checkpoint
+
+The flags every command shares: minilm.cli (`--weights` is the old spelling of `--checkpoint`).
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
 
 from . import checkpoint as C
-from .cli import fail
+from .cli import ArgumentParser, command, fail
 from .config import ConfigError
 from .evaluate import TaskError, check_tokenizer, find_tokenizer, identify, load_model
 from .tokenizer import TokenizerError
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m minilm.sample", description=__doc__.split("\n")[0])
-    p.add_argument("--weights", required=True, help="a weights export folder (model.safetensors + config.json), a "
-                                                    "checkpoint folder, or RUN/best: the run's best checkpoint")
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="python -m minilm.sample", description=__doc__.split("\n")[0], epilog=__doc__)
+    p.add_argument("--checkpoint", required=True, help="a checkpoint folder, RUN_DIR/best (the run's best "
+                                                       "checkpoint) or a weights export (model.safetensors + config.json)")
+    p.rename("--checkpoint", "--weights")
     p.add_argument("--tokenizer", help="tokenizer.json, for weights without one (default: the folder's own, else "
                                        "that of another checkpoint of the run)")
-    p.add_argument("--prompt", default="", help="text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
-    p.add_argument("--top-p", type=float, default=0.9)
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
+    p.add_argument("--prompt", default="", help="text to continue (default: none, from the BOS token alone)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate, at least 1")
+    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature, 0: greedy")
+    p.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling: the smallest set of tokens of this "
+                                                            "much probability, in (0, 1]")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling")
+    return p
+
+
+@command(C.CheckpointError, TaskError, TokenizerError)
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
         return fail("need --max-new-tokens >= 1, --temperature >= 0 and 0 < --top-p <= 1")
     try:
-        model, tokenizer = load(args.weights, args.tokenizer)
-    except (C.CheckpointError, TaskError, TokenizerError) as e:
-        return fail(str(e))
+        model, tokenizer = load(args.checkpoint, args.tokenizer)
     except (ConfigError, OSError, ValueError, TypeError, RuntimeError) as e:  # a config.json or weights that do not fit
-        return fail(f"{args.weights}: cannot load these weights ({type(e).__name__}: {' '.join(str(e).split())[:300]})")
+        return fail(f"{args.checkpoint}: cannot load these weights ({type(e).__name__}: "
+                    f"{' '.join(str(e).split())[:300]})")
     ids = [model.config.bos_token_id] + tokenizer.encode(args.prompt).ids
     out = model.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                          top_p=args.top_p, eos_token_id=model.config.eos_token_id,

@@ -8,12 +8,11 @@
 Every ModelConfig / TrainConfig field and run option (minilm.options) is a flag, as for
 `ray_jobs.pretrain`; without --data the demo preset applies. With --run-dir, checkpoints go to
 RUN_DIR/checkpoint_<step> and `--resume auto` (the default) continues the newest complete one, at any
-world size that keeps the global batch.
+world size that keeps the global batch. The flags every command shares: minilm.cli.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import sys
@@ -26,7 +25,7 @@ import torch
 
 from . import checkpoint as C
 from . import data as D
-from .cli import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, UsageError, add_config_flags, fail, load_yaml
+from .cli import ArgumentParser, command, fail
 from .config import ConfigError, ModelConfig, TrainConfig
 from .distributed import (
     Collectives,
@@ -35,8 +34,9 @@ from .distributed import (
     init_from_torchrun,
     leave_process_group,
 )
+from .errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, UsageError
 from .model import MiniMindForCausalLM
-from .options import RunOptions, add_run_flags, build_configs, option
+from .options import RunOptions, add_run_flags, build_configs, load_yaml, option
 from .rows import rows_note
 from .run import Launch, RunPlan, check_run, claim
 from .step import TORCH_DTYPES, NonFiniteLossError, resolve_dtype_name
@@ -50,9 +50,11 @@ from .trainer import Dataset, Preempted, Trainer
 class LocalOptions(RunOptions):
     """minilm.train's own flags: data without Ray Data, and where the run folder is."""
 
-    tokens: str | None = option(help="a .npy file of 1-D token ids")
-    random_tokens: int | None = option(help="train on this many uniformly random token ids", minimum=1)
-    run_dir: str | None = option(help="checkpoints, metrics.jsonl and world_size.csv go here (default: none kept)")
+    tokens: str | None = option(help="a .npy file of 1-D token ids (instead of --data)")
+    random_tokens: int | None = option(help="train on this many uniformly random token ids (instead of --data)",
+                                       minimum=1)
+    run_dir: str | None = option(help="the run folder: checkpoints, metrics.jsonl and world_size.csv go here "
+                                      "(default: none kept)")
 
 
 class LocalLauncher:
@@ -103,15 +105,14 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, sequences: torch.Tenso
     return trainer.raw_model, trainer.history
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m minilm.train", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--config", help="YAML file of option: value (any flag below)")
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="python -m minilm.train", description=__doc__.split("\n")[0], epilog=__doc__)
+    p.add_argument("--config", help="YAML file of option: value (any flag below; default: none)")
     add_run_flags(p, LocalOptions)
-    add_config_flags(p)
     return p
 
 
+@command()
 def main(argv: list[str] | None = None) -> int:
     os.umask(0o027)  # run folders and checkpoints: readable by their owner and group only
     try:

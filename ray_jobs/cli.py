@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from minilm.cli import DEMO_PRESET, UsageError, fail, load_yaml  # noqa: F401  (re-exported)
+from minilm.cli import DEMO_PRESET, ArgumentParser, UsageError, command, fail, load_yaml  # noqa: F401  (re-exported)
 from minilm.options import TIMEOUT_HELP, RunOptions, option
 from minilm.safety import redact
 
@@ -21,6 +21,19 @@ def parse_num_workers(spec) -> tuple[int, int]:  # 'N' or 'MIN-MAX'
     if lo < 1 or hi < lo:
         raise UsageError(f"--num-workers {spec!r}: need 1 <= MIN <= MAX")
     return lo, hi
+
+
+def apply_run_dir(args) -> None:
+    """--run-dir DIR|URI (pretrain, tune) as the storage path and name that RayOptions holds (and YAML may give)."""
+    if args.run_folder is None:
+        return
+    if args.storage_path is not None or args.name is not None:
+        raise UsageError("--run-dir names the run folder: give it or the old --storage-path and --name, not both")
+    path, _, query = args.run_folder.partition("?")  # a URI's ?query belongs to the storage, not the name
+    storage, _, name = path.rstrip("/").rpartition("/")
+    if not name or (storage + "/").endswith("://"):
+        raise UsageError(f"--run-dir {args.run_folder!r}: expected a run folder, e.g. runs/run1 or s3://bucket/runs/run1")
+    args.storage_path, args.name = (storage or ".") + (f"?{query}" if query else ""), name
 
 
 def parse_cpus(value) -> float | None:  # --cpus-per-worker: auto (None) or a number > 0
@@ -67,7 +80,7 @@ class RayOptions(RunOptions):
 
     data: str | None = option(help="a folder written by ray_jobs.prepare, or a remote URI; default: the built-in demo "
                                    "corpus, prepared once into ~/.cache/minilm")
-    name: str | None = option(help="run name; resume finds checkpoints by it (default: minilm-<time>)")
+    name: str | None = option(help="the run folder's name under --storage-path (both: --run-dir's old spelling)")
     collective_timeout_s: float | None = option(help=TIMEOUT_HELP + "; with --max-failures the group restarts from "
                                                 "the last checkpoint", minimum=1, aliases=["--backend-timeout-s"])
     num_workers: str = option("2", "N, or MIN-MAX for an elastic run")
@@ -80,7 +93,7 @@ class RayOptions(RunOptions):
     resources_per_worker: dict[str, float] = option(
         {}, "custom Ray resources each worker also needs, e.g. spot_slot=1 (one worker per node that offers one)",
         convert=parse_resources, metavar="NAME=N[,NAME=N]")
-    storage_path: str = option("./runs", "local path or pyarrow URI (s3://, gs://)")
+    storage_path: str = option("./runs", "the folder of run folders: a local path or pyarrow URI (s3://, gs://)")
     max_failures: int = option(0, "worker-group restarts Ray Train may do", minimum=0)
     elastic_check_seconds: float = option(60.0, "how often Ray checks to resize an elastic run", minimum=0)
     num_cpus: int | None = option(help="logical CPUs of a local Ray (default max(8, 2 x cores))", minimum=1)

@@ -8,11 +8,12 @@
 - `comments` (bpb kind): blocks of `#` comments of the standard library's source, text the demo corpus (docstrings
   only) never holds: held-out prose of the same domain.
 - `samples` (generate kind): four prompts, continued greedily.
+
+The flags every command shares: minilm.cli.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import random
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from minilm.corpus import _source_files, demo_corpus_documents, stdlib_dir
 
-from .cli import fail
+from .cli import ArgumentParser, command, fail
 
 PROMPTS = ["Return the", "The os module", "Raise ValueError if", "This class"]
 
@@ -99,12 +100,17 @@ def write_tasks(out: Path, items: int = 200, documents: int = 100) -> Path:
     return out / "tasks.yaml"
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ray_jobs.demo_tasks", description=__doc__.split("\n")[0])
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="python -m ray_jobs.demo_tasks", description=__doc__.split("\n")[0], epilog=__doc__)
     p.add_argument("--output", required=True, help="the folder to write the task files and tasks.yaml into")
     p.add_argument("--items", type=int, default=200, help="cloze items (default 200)")
     p.add_argument("--documents", type=int, default=100, help="comment blocks for bits per byte (default 100)")
-    args = p.parse_args(argv)
+    return p
+
+
+@command()
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.items < 1 or args.documents < 1:
         return fail("--items and --documents must be >= 1")
     try:

@@ -1,14 +1,15 @@
 """Evaluate checkpoints on fixed tasks (multiple choice, bits per byte, greedy generations), off the training path.
 
-    python -m ray_jobs.evaluate --run runs/run1 --tasks tasks.yaml --output runs/run1/eval.jsonl
+    python -m ray_jobs.evaluate --run-dir runs/run1 --tasks tasks.yaml --output runs/run1/eval.jsonl
     python -m ray_jobs.evaluate --checkpoint runs/run1/checkpoint_00001000 --tasks tasks.yaml --output eval.jsonl
-    python -m ray_jobs.evaluate --run runs/run1 --follow --resources CPU=2 --tasks tasks.yaml --output eval.jsonl
+    python -m ray_jobs.evaluate --run-dir runs/run1 --follow --resources CPU=2 --tasks tasks.yaml --output eval.jsonl
 
 Each (checkpoint, task) pair becomes one JSON line of --output; a pair already there is not evaluated again, so
 rerunning after more checkpoints were written scores only the new ones. The task formats: docs/evaluation.md.
 The work runs in this process (no Ray); each checkpoint is one call of `minilm.evaluate.evaluate_checkpoint`. With
 --follow, each checkpoint is a Ray task instead (a local Ray, or the cluster of RAY_ADDRESS: `ray job submit`), and
-the command goes on scoring new checkpoints while the run is live.
+the command goes on scoring new checkpoints while the run is live. The flags every command shares: minilm.cli
+(`--run` is the old spelling of `--run-dir`).
 """
 
 from __future__ import annotations
@@ -22,42 +23,45 @@ from minilm.eval_log import append_records, scored_keys
 from minilm.evaluate import TaskError, evaluate_checkpoint, format_metrics, identify, load_tasks
 from minilm.tokenizer import TokenizerError
 
-from .cli import UsageError, fail
+from .cli import ArgumentParser, UsageError, command, fail
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ray_jobs.evaluate", description=__doc__.split("\n")[0])
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="python -m ray_jobs.evaluate", description=__doc__.split("\n")[0], epilog=__doc__)
     p.add_argument("--checkpoint", action="append", default=[],
-                   help="a checkpoint folder written by training (checkpoint_XXXXXXXX), RUN/best (the run's best "
-                        "checkpoint, best.json) or a weights export; repeatable")
-    p.add_argument("--run", help="a run folder: every complete checkpoint in it, oldest first")
+                   help="a checkpoint folder written by training (checkpoint_XXXXXXXX), RUN_DIR/best (the run's best "
+                        "checkpoint, best.json) or a weights export; repeatable (default: none)")
+    p.add_argument("--run-dir", help="a run folder: every complete checkpoint in it, oldest first (default: none)")
+    p.rename("--run-dir", "--run")
     p.add_argument("--tasks", required=True, help="the task list (YAML or JSON): name, kind, path, options")
     p.add_argument("--output", required=True, help="results JSONL, appended to (pairs already there are skipped)")
     p.add_argument("--tokenizer", help="tokenizer.json, for a checkpoint without one (default: the checkpoint's "
                                        "weights/tokenizer.json, an export's tokenizer.json, else that of another "
                                        "checkpoint of the run)")
     p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:1...")
-    p.add_argument("--follow", action="store_true", help="with --run: score each checkpoint as it appears, by a Ray "
-                                                         "task on --resources, until the run ends (its lease is gone)")
+    p.add_argument("--follow", action="store_true", help="with --run-dir: score each checkpoint as it appears, by a "
+                                                         "Ray task on --resources, until the run ends (its lease is "
+                                                         "gone)")
     p.add_argument("--resources", default="CPU=1", help="with --follow: the Ray resources of each scoring task")
     return p
 
 
+@command(C.CheckpointError, TaskError, TokenizerError, UsageError)
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if not args.checkpoint and not args.run:
-        return fail("give --checkpoint PATH (repeatable) or --run DIR")
-    if args.follow and (args.checkpoint or not args.run):
-        return fail("--follow goes with --run DIR alone (it scores the run's checkpoints as they appear)")
+    if not args.checkpoint and not args.run_dir:
+        return fail("give --checkpoint PATH (repeatable) or --run-dir DIR")
+    if args.follow and (args.checkpoint or not args.run_dir):
+        return fail("--follow goes with --run-dir DIR alone (it scores the run's checkpoints as they appear)")
     try:
         tasks = load_tasks(args.tasks)  # every item read and checked before any checkpoint is loaded
         if args.follow:
             return follow(args, tasks)
         done = scored_keys(Path(args.output))
-        # A checkpoint named on the command line must be sound; one of --run that is not is passed over, as
+        # A checkpoint named on the command line must be sound; one of --run-dir that is not is passed over, as
         # training's --resume auto does (it may be still being written, or torn by a crash).
         checkpoints = [(C.resolve(path), True) for path in args.checkpoint] + \
-            [(path, False) for path in run_checkpoints(args.run)]
+            [(path, False) for path in run_checkpoints(args.run_dir)]
         device = resolve_device(args.device)
         table = Table()
         for path, named in checkpoints:
@@ -67,8 +71,6 @@ def main(argv: list[str] | None = None) -> int:
                 if named:
                     raise
                 print(f"skipping checkpoint: {e}", file=sys.stderr)
-    except (C.CheckpointError, TaskError, TokenizerError, UsageError) as e:
-        return fail(str(e))
     except OSError as e:
         return fail(f"{getattr(e, 'filename', None) or args.output}: {e.strerror or e}")
     return 0
@@ -83,13 +85,13 @@ def follow(args: argparse.Namespace, tasks: list) -> int:
     from .evaluator import Evaluator
 
     resources = parse_eval_resources(args.resources)
-    folder = C.RunFolder(args.run)
+    folder = C.RunFolder(args.run_dir)
     if not folder.local.is_dir():
-        raise TaskError(f"--run {args.run}: no such folder")
+        raise TaskError(f"--run-dir {args.run_dir}: no such folder")
     ensure_ray()
-    evaluator = Evaluator(args.run, args.tasks, tasks, resources, folder.local.name, best_metric=None,
+    evaluator = Evaluator(args.run_dir, args.tasks, tasks, resources, folder.local.name, best_metric=None,
                           tokenizer=args.tokenizer, output=Path(args.output)).start()
-    print(f"following {args.run}: each checkpoint scored as it appears, until the run ends", flush=True)
+    print(f"following {args.run_dir}: each checkpoint scored as it appears, until the run ends", flush=True)
     try:
         while C.Lease(folder).live():
             time.sleep(2.0)  # the run ends when its lease is gone: looked at every 2 s
@@ -122,13 +124,13 @@ def run_checkpoints(run: str | None) -> list[str]:
     if run is None:
         return []
     if "://" in run:
-        raise TaskError(f"--run {run}: only a local run folder can be evaluated (copy it here first)")
+        raise TaskError(f"--run-dir {run}: only a local run folder can be evaluated (copy it here first)")
     folder = C.RunFolder(run)
     if not folder.local.is_dir():
-        raise TaskError(f"--run {run}: no such folder")
+        raise TaskError(f"--run-dir {run}: no such folder")
     names = folder.checkpoints()
     if not names:
-        raise TaskError(f"--run {run} holds no checkpoint (checkpoint_XXXXXXXX folders)")
+        raise TaskError(f"--run-dir {run} holds no checkpoint (checkpoint_XXXXXXXX folders)")
     return [str(folder.local / name) for name in names]
 
 

@@ -93,7 +93,7 @@ class Evaluator:
         if self.running:
             names = sorted(self.running_names())
             self.say(f"note: {len(names)} checkpoint(s) not scored within {wait_s / 60:g} min ({', '.join(names)}); "
-                     f"score them later with: python -m ray_jobs.evaluate --run {self.folder.display} --tasks "
+                     f"score them later with: python -m ray_jobs.evaluate --run-dir {self.folder.display} --tasks "
                      f"{self.tasks_file} --output {self.output}")
             import ray
 

@@ -6,7 +6,7 @@
     python -m ray_jobs.export --checkpoint ... --output out-hf/ --format hf      # a Hugging Face Qwen3 folder
 
 safetensors is what `minilm.load_pretrained(DIR)` loads, minimind adds MiniMind's `.pth`, and hf is a
-Qwen3 folder for transformers, vLLM and llama.cpp (docs/export.md).
+Qwen3 folder for transformers, vLLM and llama.cpp (docs/export.md). The flags every command shares: minilm.cli.
 """
 
 from __future__ import annotations
@@ -22,24 +22,25 @@ from minilm.model import MiniMindForCausalLM
 from minilm.step import TORCH_DTYPES
 from minilm.tokenizer import TokenizerError, load_tokenizer, vocab_size_of
 
-from .cli import fail
+from .cli import ArgumentParser, command, fail
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ray_jobs.export", description=__doc__.split("\n")[0])
-    p.add_argument("--checkpoint", required=True, help="a checkpoint folder written by ray_jobs.pretrain, or "
-                                                       "RUN/best: the run's best checkpoint (docs/evaluation.md)")
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="python -m ray_jobs.export", description=__doc__.split("\n")[0], epilog=__doc__)
+    p.add_argument("--checkpoint", required=True, help="a checkpoint folder written by training, or RUN_DIR/best: "
+                                                       "the run's best checkpoint (docs/evaluation.md)")
     p.add_argument("--output", required=True, help="a new or empty folder, or an earlier export to replace (a folder "
                                                    "holding anything else is refused)")
     p.add_argument("--format", choices=["safetensors", "minimind", "hf"], default="safetensors",
                    help="safetensors: minilm's export (minilm.load_pretrained); minimind: that plus MiniMind's "
                         "pretrain_<hidden>[_moe].pth; hf: a Hugging Face Qwen3 folder (transformers, vLLM, llama.cpp)")
-    p.add_argument("--dtype", choices=sorted(TORCH_DTYPES), default="fp16")
+    p.add_argument("--dtype", choices=sorted(TORCH_DTYPES), default="fp16", help="precision of the exported weights")
     p.add_argument("--tokenizer", help="tokenizer.json to ship with the weights (default: the checkpoint's "
                                        "weights/tokenizer.json); --format hf needs one")
     return p
 
 
+@command(C.CheckpointError, ConfigError, TokenizerError)
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -65,8 +66,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"weights: {out} ({params})")
         for pth in out.glob("*.pth"):
             print(f"minimind: {pth}")
-    except (C.CheckpointError, ConfigError, TokenizerError) as e:
-        return fail(str(e))
     except OSError as e:
         return fail(f"cannot write {args.output}: {e}")
     return 0

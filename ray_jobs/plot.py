@@ -1,10 +1,12 @@
 """Plot training curves from metrics.jsonl, for runs without an experiment tracker.
 
-    python -m ray_jobs.plot runs/run1                          # -> runs/run1/metrics.png
-    python -m ray_jobs.plot runs/run1 runs/run2 --out cmp.png  # several runs overlaid, one colour each
+    python -m ray_jobs.plot --run-dir runs/run1                             # -> runs/run1/metrics.png
+    python -m ray_jobs.plot --run-dir runs/run1 runs/run2 --output cmp.png  # several runs, one colour each
 
 One panel per metric against the optimizer step (val_loss dashed on the loss panel); `ray_jobs.tune`
 draws its loss_curves.png with the same figure. Needs only matplotlib: neither Ray nor torch is imported.
+The flags every command shares: minilm.cli (`RUN_DIR...` and `--out` are the old spellings of `--run-dir`
+and `--output`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from minilm.cli import fail
+from minilm.cli import ArgumentParser, command, fail, note
 from minilm.jsonl import read_jsonl
 
 # (metric, panel title, y-axis label); world size is a step function.
@@ -56,7 +58,7 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     path = run / "metrics.jsonl"
     if not path.is_file():
         raise PlotError(f"{path}: not found (is {run_dir} a run folder of ray_jobs.pretrain with a local "
-                        f"--storage-path?)")
+                        f"--run-dir?)")
     records = in_step_order(read_jsonl(path)[0])
     if not records:
         raise PlotError(f"{path}: no metrics records yet (the run reports every --log-every steps)")
@@ -140,22 +142,31 @@ def default_out(run_dirs: list[str]) -> Path:
     return Path(run_dirs[0]) / "metrics.png" if len(run_dirs) == 1 else Path("metrics.png")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ray_jobs.plot", description=__doc__.split("\n")[0])
-    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folder(s) holding metrics.jsonl")
-    p.add_argument("--out", help="PNG to write (default: RUN_DIR/metrics.png for one run, ./metrics.png for several)")
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="python -m ray_jobs.plot", description=__doc__.split("\n")[0], epilog=__doc__)
+    p.add_argument("--run-dir", nargs="+", action="extend", default=[], dest="run_dirs", metavar="DIR",
+                   help="run folder(s) holding metrics.jsonl, one curve each (default: none)")
+    p.add_argument("old_run_dirs", nargs="*", help=argparse.SUPPRESS)  # the old spelling: positional RUN_DIRs
+    p.add_argument("--output", help="PNG to write (default: RUN_DIR/metrics.png for one run, ./metrics.png for "
+                                    "several)")
+    p.rename("--output", "--out")
     return p
 
 
+@command(PlotError)
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    out = Path(args.out) if args.out else default_out(args.run_dirs)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.old_run_dirs:
+        note("RUN_DIR... is now --run-dir RUN_DIR...")
+    args.run_dirs += args.old_run_dirs
+    if not args.run_dirs:
+        parser.error("give --run-dir DIR (one or more)")
+    out = Path(args.output) if args.output else default_out(args.run_dirs)
     if out.suffix.lower() != ".png":
-        return fail(f"--out {out}: expected a .png file")
+        return fail(f"--output {out}: expected a .png file")
     try:
         plot_runs(args.run_dirs, out)
-    except PlotError as e:
-        return fail(str(e))
     except OSError as e:  # the PNG cannot be written there
         return fail(f"cannot write {out}: {e.strerror or e}")
     print(f"wrote {out}")

@@ -9,7 +9,7 @@ The inputs are read and checked in `prepare_inputs`, encoded by Ray tasks and pa
 The same inputs and options give the same token files and fingerprint.
 
 Exit status: 0 done, 2 for any mistake in the flags or the inputs (the message says what and where),
-1 when a Ray task fails, 130 when interrupted.
+1 when a Ray task fails, 130 when interrupted. The flags every command shares: minilm.cli.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import threading
 import time
 from pathlib import Path
 
-from minilm.cli import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, UsageError
+from minilm.cli import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, ArgumentParser, UsageError, command, flag
 
 from .prepare_inputs import RecordReader, SkipWarnings, resolve_inputs
 from .prepare_pipeline import Progress, _si, tokenize_and_pack
@@ -37,11 +37,10 @@ class _Terminated(BaseException):
 
 # ---- the command line --------------------------------------------------------------------------------
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(
         prog="python -m ray_jobs.prepare",
         description="Tokenize and pack text into token files of seq_len+1 token rows (docs/data.md).",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Inputs: .jsonl/.ndjson (one JSON object per line), .txt (one document per file), "
                ".parquet (one document per row), datasets save_to_disk folders; directories are walked "
                "recursively and globs expanded, in sorted order.")
@@ -51,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     tok = p.add_mutually_exclusive_group()
     tok.add_argument("--tokenizer", metavar="PATH",
                      help="an existing tokenizer.json (or a folder holding one) with <|endoftext|>=0, "
-                          "<|im_start|>=1, <|im_end|>=2")
+                          "<|im_start|>=1, <|im_end|>=2 (default: a BPE trained on the input, --vocab-size)")
     tok.add_argument("--vocab-size", type=int, default=None, metavar="N",
                      help="train a byte-level BPE of N tokens on the input (default 6400)")
     p.add_argument("--seq-len", type=int, default=512, metavar="N",
@@ -70,22 +69,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CPUs of the local Ray started for this run (default: all cores, at least 2); "
                         "ignored when connecting to a running Ray (RAY_ADDRESS)")
     p.add_argument("--overwrite", action="store_true",
-                   help="replace DIR if it already holds a prepared dataset")
+                   help="replace --output if it already holds a prepared dataset")
     return p
 
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     from minilm.tokenizer import DEFAULT_VOCAB_SIZE, MIN_VOCAB_SIZE
 
-    if args.seq_len < 1:
-        p.error(f"--seq-len must be at least 1, got {args.seq_len}")
+    for name in ("seq_len", "rows_per_shard", "num_cpus"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"{flag(name)} must be at least 1, got {getattr(args, name)}")
     if args.vocab_size is not None and args.vocab_size < MIN_VOCAB_SIZE:
         p.error(f"--vocab-size {args.vocab_size} is too small: a byte-level BPE needs at least "
                 f"{MIN_VOCAB_SIZE} (3 special tokens + 256 bytes); MiniMind uses {DEFAULT_VOCAB_SIZE}")
-    if args.rows_per_shard is not None and args.rows_per_shard < 1:
-        p.error(f"--rows-per-shard must be at least 1, got {args.rows_per_shard}")
-    if args.num_cpus is not None and args.num_cpus < 1:
-        p.error(f"--num-cpus must be at least 1, got {args.num_cpus}")
     if not args.text_field:
         p.error("--text-field must not be empty")
 
@@ -230,6 +226,7 @@ def summary_line(output: str, manifest: dict, stats: dict) -> str:
             f"tokenizer {stats.get('tokenizer_s', 0.0):.1f}s); fingerprint {m['fingerprint'][:16]}")
 
 
+@command()
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()

@@ -1,13 +1,14 @@
 """Pretrain a MiniMind-class model with Ray Train.
 
     python -m ray_jobs.pretrain                                   # small model, built-in corpus, local Ray
-    python -m ray_jobs.pretrain --data data/tok --num-workers 2-8 --name run1 --storage-path s3://bucket/runs
-    ray job submit --working-dir . -- python -m ray_jobs.pretrain --name run1 --resume auto
+    python -m ray_jobs.pretrain --data data/tok --num-workers 2-8 --run-dir s3://bucket/runs/run1
+    ray job submit --working-dir . -- python -m ray_jobs.pretrain --run-dir /shared/runs/run1 --resume auto
 
 Every ModelConfig / TrainConfig field and every run option (minilm.options) is a flag, and
-`--config FILE.yaml` sets any of them (flags win). Checkpoints are Ray Train checkpoints under
-STORAGE/NAME; `--resume auto` continues the latest complete one, from any driver process, at any
-world size that keeps the global batch.
+`--config FILE.yaml` sets any of them (flags win). Checkpoints are Ray Train checkpoints in the run
+folder, `--run-dir` (a local path, or a URI); `--resume auto` continues the latest complete one, from
+any driver process, at any world size that keeps the global batch. The flags every command shares:
+minilm.cli (`--storage-path S --name N` is the old spelling of `--run-dir S/N`).
 """
 
 from __future__ import annotations
@@ -24,15 +25,17 @@ from minilm import checkpoint as C
 from minilm import data as D
 from minilm import run as run_plan
 from minilm import testing
-from minilm.cli import EXIT_FAILED, EXIT_INTERRUPTED, UsageError, add_config_flags, fail, load_yaml
+from minilm.cli import ArgumentParser, command, fail
 from minilm.config import ConfigError, ModelConfig, TrainConfig
 from minilm.distributed import collective_timeout_s
+from minilm.errors import EXIT_FAILED, UsageError
 from minilm.options import (
     RunSpec,
     add_run_flags,
     build_configs,
     check_configs,
     check_world_sizes,
+    load_yaml,
 )
 from minilm.progress import MetricsLog, format_duration
 from minilm.rows import rows_note
@@ -40,28 +43,33 @@ from minilm.safety import check_name, join_uri
 from minilm.timeline import TIMELINE, WorldSizeTimeline, format_timeline
 from minilm.trackers import TrackerError
 
-from .cli import RayOptions, available_cores, ensure_ray, redact_uri
+from .cli import RayOptions, apply_run_dir, available_cores, ensure_ray, redact_uri
 from .elastic import SHARED_STORAGE_HINT, nodes_missing_path
 from .ray_compat import CONTROLLER_POLL_ENV
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ray_jobs.pretrain", description=__doc__.split("\n")[0])
-    p.add_argument("--config", help="YAML file of option: value (any flag below, underscores or dashes)")
-    add_run_flags(p, RayOptions)
-    add_config_flags(p)
+def build_parser(prog: str = "python -m ray_jobs.pretrain", doc: str = __doc__, skip: tuple[str, ...] = (),
+                 run_name: str = "minilm") -> ArgumentParser:
+    """pretrain's flags; ray_jobs.tune's too, but those of `skip` (RayOptions fields)."""
+    p = ArgumentParser(prog=prog, description=doc.split("\n")[0])
+    p.add_argument("--config", help="YAML file of option: value (any flag below, underscores or dashes; default: "
+                                    "none)")
+    p.add_argument("--run-dir", dest="run_folder", metavar="DIR|URI",  # RayOptions.run_dir is what plan_run makes
+                   help=f"the run folder: checkpoints, metrics.jsonl, world_size.csv; a local path or a pyarrow URI "
+                        f"(s3://, gs://) (default: ./runs/{run_name}-<time>)")
+    add_run_flags(p, RayOptions, skip)
+    p.rename("--run-dir STORAGE/NAME", "--storage-path", "--name")
+    p.after.append(apply_run_dir)
     return p
 
 
+USER_ERRORS = (UsageError, ConfigError, D.DataError, C.CheckpointError, TrackerError)  # one line, exit 2
+
+
+@command(*USER_ERRORS, interrupted="interrupted; continue with --resume auto and the same --run-dir")
 def main(argv: list[str] | None = None) -> int:
     os.umask(0o027)  # run folders and checkpoints: readable by their owner and group only
-    args = build_parser().parse_args(argv)
-    try:
-        return run(args)
-    except (UsageError, ConfigError, D.DataError, C.CheckpointError, TrackerError) as e:
-        return fail(str(e))
-    except KeyboardInterrupt:
-        return fail("interrupted; continue with --resume auto and the same --name", EXIT_INTERRUPTED)
+    return run(build_parser().parse_args(argv))
 
 
 class RunPlan(run_plan.RunPlan):
@@ -426,7 +434,7 @@ def summarize(result, run_dir: Path | None, wall_s: float) -> None:
             try:  # a copy of the last export, replacing only an earlier one
                 C.write_export(final, {f.name: lambda out, f=f: C.write_bytes(out, f.read_bytes())
                                        for f in weights.iterdir() if f.name != C.MARKER}, "weights")
-                print(f"weights     {final}  (minilm.load_pretrained / python -m minilm.sample --weights {final})")
+                print(f"weights     {final}  (minilm.load_pretrained / python -m minilm.sample --checkpoint {final})")
             except C.CheckpointError as e:
                 print(f"warning: weights not copied to {final}: {e}")
     if run_dir is not None and (run_dir / TIMELINE).is_file():

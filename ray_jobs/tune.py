@@ -6,9 +6,11 @@
 Every pretrain flag applies to every trial; `--search NAME=SPEC` (or a `search:` mapping in
 --config YAML) samples NAME per trial. Each trial is a full `ray_jobs.pretrain` run: its own
 TorchTrainer (Train V2 inside a Tune function, metrics forwarded by TuneReportCallback) and its
-own checkpoints under STORAGE/NAME/trials/. Re-running the same command with --resume continues
-an interrupted sweep without re-running finished trials. At the end: a table sorted by the metric
-(also results.csv), best.yaml (accepted by `ray_jobs.pretrain --config`) and loss_curves.png.
+own checkpoints under RUN_DIR/trials/. Re-running the same command with --resume auto continues
+an interrupted sweep without re-running finished trials (a sweep is never continued unasked). At
+the end: a table sorted by the metric (also results.csv), best.yaml (accepted by `ray_jobs.pretrain
+--config`) and loss_curves.png. The flags every command shares: minilm.cli; a sweep has no
+--num-workers (--workers-per-trial) and no --abandon-newer (each trial continues its own newest).
 """
 
 from __future__ import annotations
@@ -26,13 +28,13 @@ import yaml
 
 from minilm import checkpoint as C
 from minilm import data as D
+from minilm.cli import command, note
 from minilm.config import ConfigError, ModelConfig, TrainConfig
 from minilm.options import plan_steps
 from minilm.safety import check_name, join_uri
-from minilm.trackers import TrackerError
 
-from .cli import UsageError, fail, load_yaml, redact_uri
-from .pretrain import RunPlan, check_options, plan_run
+from .cli import UsageError, load_yaml, redact_uri
+from .pretrain import USER_ERRORS, RunPlan, check_options, plan_run
 from .pretrain import build_parser as pretrain_parser
 
 SEARCHABLE = {"lr": float, "warmup_steps": int, "min_lr_ratio": float, "schedule": str, "decay_fraction": float,
@@ -233,21 +235,24 @@ def trial_label(row: dict, dims: dict[str, SearchDim]) -> str:
 # ---- the command -----------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    p = pretrain_parser()
-    p.prog = "python -m ray_jobs.tune"
-    p.description = __doc__.split("\n")[0]
-    p.conflict_handler = "resolve"  # --resume means "continue the sweep" here
+    p = pretrain_parser("python -m ray_jobs.tune", __doc__, skip=("num_workers", "abandon_newer", "resume"),
+                        run_name="sweep")
     g = p.add_argument_group("sweep")
-    g.add_argument("--resume", action="store_true",
-                   help="continue an interrupted sweep of the same --name (finished trials are not re-run)")
+    g.add_argument("--resume", choices=["auto", "never"], nargs="?", const="auto", default="never",
+                   help="auto: continue the sweep in --run-dir (finished trials are not re-run), or start it; never: "
+                        "refuse a --run-dir that holds a sweep")
     g.add_argument("--search", action="append", default=[], metavar="NAME=SPEC",
                    help=f"sample NAME per trial: loguniform:LOW:HIGH, uniform:LOW:HIGH, choice:A,B,C (random) or "
-                        f"grid:A,B,C (every value, x --num-samples); NAME in {', '.join(SEARCHABLE)}")
+                        f"grid:A,B,C (every value, x --num-samples); NAME in {', '.join(SEARCHABLE)} (default: "
+                        f"the config file's search: mapping)")
     g.add_argument("--num-samples", type=int, default=None, help="trials, or repeats of the grid (default 4)")
-    g.add_argument("--max-concurrent-trials", type=int, default=None, help="default 1")
+    g.add_argument("--max-concurrent-trials", type=int, default=None, help="trials run at once (default 1)")
     g.add_argument("--workers-per-trial", type=int, default=None, help="Ray Train workers per trial (default 1)")
-    g.add_argument("--scheduler", choices=["asha", "none"], default=None, help="default asha")
-    g.add_argument("--grace-steps", type=int, default=None, help="ASHA: optimizer steps before a trial can stop")
+    g.add_argument("--scheduler", choices=["asha", "none"], default=None,
+                   help="asha: stop the trials that fall behind at each rung; none: run every trial to its end "
+                        "(default asha)")
+    g.add_argument("--grace-steps", type=int, default=None, help="ASHA: optimizer steps before a trial can stop "
+                                                                 "(default: --log-every)")
     g.add_argument("--metric", default=None,
                    help="what ranks the trials: loss, val_loss or val_bpb (minimised), or a score of --eval-tasks, "
                         "eval/<task>/<metric> (acc and acc_norm maximised, bpb minimised) (default: val_loss when "
@@ -255,12 +260,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@command(*USER_ERRORS, interrupted="interrupted; continue the sweep with --resume auto and the same --run-dir")
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return run(args)
-    except (UsageError, ConfigError, D.DataError, C.CheckpointError, TrackerError) as e:
-        return fail(str(e))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--resume" in argv and argv[argv.index("--resume") + 1:][:1] not in (["auto"], ["never"]):
+        note("--resume alone is now --resume auto")
+    return run(build_parser().parse_args(argv))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -277,8 +282,6 @@ def run(args: argparse.Namespace) -> int:
     scheduler = sweep_opts["scheduler"] or "asha"
     if num_samples < 1 or concurrent < 1 or workers < 1:
         raise UsageError("--num-samples, --max-concurrent-trials and --workers-per-trial must be >= 1")
-    if args.num_workers is not None and args.num_workers != str(workers):
-        raise UsageError("use --workers-per-trial for a sweep (each trial is one pretrain run with that many workers)")
     args.num_workers = str(workers)
     args.name = args.name or time.strftime("sweep-%Y%m%d-%H%M%S")
     resume_sweep, args.resume = args.resume, "auto"  # a restored trial continues its own latest checkpoint
@@ -337,7 +340,7 @@ def check_capacity(concurrent: int, workers: int, cpus_per_worker: float, use_gp
 TRIAL_CPUS = 0.1  # the Tune trial function itself only waits on its TorchTrainer
 
 
-def sweep(plan: RunPlan, dims, num_samples, concurrent, scheduler, grace, metric, resume: bool) -> int:
+def sweep(plan: RunPlan, dims, num_samples, concurrent, scheduler, grace, metric, resume: str) -> int:
     import os
 
     # val_loss comes only every --eval-every steps; the reports between carry loss but not val_loss
@@ -349,17 +352,13 @@ def sweep(plan: RunPlan, dims, num_samples, concurrent, scheduler, grace, metric
     shipped = dataclasses.replace(plan, lease=None)  # the lease stays with this driver
     trainable = tune.with_resources(tune.with_parameters(trial, plan=shipped, sweep_dir=sweep_path),
                                     {"CPU": TRIAL_CPUS})
-    if resume and not tune.Tuner.can_restore(sweep_path):
-        raise UsageError(f"--resume: no sweep named {plan.opts.name} under {redact_uri(plan.opts.storage_path)} to "
-                         f"continue")
-    if resume:
+    if resume == "auto" and tune.Tuner.can_restore(sweep_path):
         print(f"resuming sweep {plan.opts.name} from {redact_uri(sweep_path)}", flush=True)
         tuner = tune.Tuner.restore(sweep_path, trainable=trainable, resume_errored=True)
     else:
         if tune.Tuner.can_restore(sweep_path):
             raise UsageError(f"sweep {plan.opts.name} already exists under {redact_uri(plan.opts.storage_path)}: add "
-                             f"--resume to continue it, "
-                             f"or choose another --name")
+                             f"--resume auto to continue it, or choose another --run-dir")
         sched = None
         if scheduler == "asha":
             # max_t one past the last step: a trial stopped at max_t would leave its workers' placement group behind.

@@ -18,6 +18,8 @@ from conftest import run_env
 from helpers import ROOT, metrics, run_module, wait_for
 from safetensors.torch import load_file
 
+from minilm.safety import join_uri
+
 STEPS = 20  # 15 steps per epoch on run_data (240 sequences, global batch 16): the runs cross an epoch
 
 
@@ -26,8 +28,8 @@ def tiny_args(data: Path, storage: Path, name: str, *extra: str, steps: int = ST
     return ["--data", str(data), "--seq-len", "32", "--vocab-size", "256", "--hidden-size", "64",
             "--num-hidden-layers", "2", "--num-attention-heads", "4", "--num-key-value-heads", "2",
             "--max-steps", str(steps), "--warmup-steps", "2", "--micro-batch-size", "4", "--global-batch-size", "16",
-            "--log-every", "4", "--checkpoint-every", "4", "--dtype", "fp32", "--storage-path", str(storage),
-            "--name", name, "--lr", "1e-3", "--cpus-per-worker", "1",
+            "--log-every", "4", "--checkpoint-every", "4", "--dtype", "fp32", "--run-dir", join_uri(str(storage), name),
+            "--lr", "1e-3", "--cpus-per-worker", "1",
             # AdamW, not the default Muon: the replay (tests/reference.py) then recomputes the run with torch's own
             # optimizer, no code of minilm's
             "--optimizer", "adamw", *extra]

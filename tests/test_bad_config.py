@@ -180,17 +180,17 @@ CASES = [
         ("future-format", lambda s: s.update(format_version=C.STATE_FORMAT + 1),
          f"has state.json format {C.STATE_FORMAT + 1}, and this version of minilm reads formats 1 to "
          f"{C.STATE_FORMAT}")]],
-    ("sample", ["--weights", "{tmp}/w-str"], "error: weights {tmp}/w-str could not be loaded: ConfigError: invalid "
+    ("sample", ["--checkpoint", "{tmp}/w-str"], "error: weights {tmp}/w-str could not be loaded: ConfigError: invalid "
      "configuration: - hidden_size must be a positive integer, got '64'",
      weights_folder("w-str", lambda cfg: {**cfg, "hidden_size": "64"})),
-    ("sample", ["--weights", "{tmp}/w-other"], "error: weights {tmp}/w-other could not be loaded: RuntimeError: "
+    ("sample", ["--checkpoint", "{tmp}/w-other"], "error: weights {tmp}/w-other could not be loaded: RuntimeError: "
      "Error(s) in loading state_dict for MiniMindForCausalLM: size mismatch for model.embed_tokens.weight: …",
      weights_folder("w-other", lambda cfg: {**cfg, "hidden_size": 128})),
-    ("sample", ["--weights", "{tmp}/w-list"], "error: weights {tmp}/w-list could not be loaded: TypeError: …",
+    ("sample", ["--checkpoint", "{tmp}/w-list"], "error: weights {tmp}/w-list could not be loaded: TypeError: …",
      weights_folder("w-list", lambda cfg: [1])),
     *[(tool, argv, f"error: {{tmp}}/run1{what}", best_json(case))
       for tool, argv in [("export", ["--checkpoint", "{tmp}/run1/best", "--output", "{tmp}/out"]),
-                         ("sample", ["--weights", "{tmp}/run1/best"]),
+                         ("sample", ["--checkpoint", "{tmp}/run1/best"]),
                          ("evaluate", ["--checkpoint", "{tmp}/run1/best", "--tasks", "{tmp}/tasks.yaml", "--output",
                                        "{tmp}/eval.jsonl"])]
       for case, what in [
@@ -202,15 +202,15 @@ CASES = [
     # relative paths: the cases run in their folder
     ("evaluate", ["--checkpoint", "nowhere", "--tasks", "tasks.yaml", "--output", "o.jsonl"],
      "error: checkpoint nowhere does not exist"),
-    ("evaluate", ["--run", "nowhere", "--tasks", "tasks.yaml", "--output", "o.jsonl"], "error: … no such folder…"),
+    ("evaluate", ["--run-dir", "nowhere", "--tasks", "tasks.yaml", "--output", "o.jsonl"], "error: … no such folder…"),
     ("evaluate", ["--checkpoint", ".", "--tasks", "missing.yaml", "--output", "o.jsonl"],
      "error: task list missing.yaml does not exist"),
-    ("plot", ["{tmp}/run"], "error: {tmp}/run: no such run folder"),
-    ("plot", ["{tmp}/r1"], "error: {tmp}/r1/metrics.jsonl: not found (is {tmp}/r1 a run folder of ray_jobs.pretrain "
-     "with a local --storage-path?)", named("r1", lambda tmp: (tmp / "r1").mkdir())),
-    ("plot", ["{tmp}/r2"], "error: {tmp}/r2/metrics.jsonl: no metrics records yet (the run reports every --log-every "
+    ("plot", ["--run-dir", "{tmp}/run"], "error: {tmp}/run: no such run folder"),
+    ("plot", ["--run-dir", "{tmp}/r1"], "error: {tmp}/r1/metrics.jsonl: not found (is {tmp}/r1 a run folder of ray_jobs.pretrain "
+     "with a local --run-dir?)", named("r1", lambda tmp: (tmp / "r1").mkdir())),
+    ("plot", ["--run-dir", "{tmp}/r2"], "error: {tmp}/r2/metrics.jsonl: no metrics records yet (the run reports every --log-every "
      "steps)", named("r2", lambda tmp: ((tmp / "r2").mkdir(), (tmp / "r2" / "metrics.jsonl").write_text("\n")))),
-    ("plot", ["{tmp}/r3", "--out", "{tmp}/x.pdf"], "error: --out {tmp}/x.pdf: expected a .png file",
+    ("plot", ["--run-dir", "{tmp}/r3", "--output", "{tmp}/x.pdf"], "error: --output {tmp}/x.pdf: expected a .png file",
      named("r3", lambda tmp: write_run(tmp / "r3", [1], {1: 1}))),
 ]
 # What state.json holds beside the fields these tests vary (a resume refuses a state.json without them).
@@ -240,7 +240,7 @@ def test_wrong_invocation_is_one_clear_error(ray_address, data, tmp_path, capsys
     monkeypatch.chdir(tmp_path)
     argv = [a.format(data=data, tmp=tmp_path) for a in argv]
     if command in ("pretrain", "tune"):
-        argv += ["--storage-path", str(tmp_path / "runs"), "--name", "bad"]
+        argv += ["--run-dir", str(tmp_path / "runs" / "bad")]
     before = tree(tmp_path)
     code = MODULES[command].main(argv)
     out, err = capsys.readouterr()
@@ -262,7 +262,7 @@ def test_wrong_invocation_is_one_clear_error(ray_address, data, tmp_path, capsys
 def test_a_storage_path_that_cannot_be_written_is_one_line_before_ray(data, tmp_path, capsys, where):
     (tmp_path / "a-file").write_text("not a folder")
     storage = where.format(tmp=tmp_path)
-    code = pretrain.main(["--data", str(data), *TINY, "--storage-path", storage, "--name", "x"])
+    code = pretrain.main(["--data", str(data), *TINY, "--run-dir", f"{storage}/x"])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith(f"error: run folder {storage}/x: cannot create or write there (") \
         and err.count("\n") == 1, err
@@ -290,7 +290,7 @@ def test_a_cluster_that_cannot_be_joined_is_one_line(data, tmp_path, capsys, mon
     monkeypatch.setenv("RAY_ADDRESS", "10.9.9.9:6379")
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", refuse)
-    code = pretrain.main(["--data", str(data), *TINY, "--storage-path", str(tmp_path / "runs"), "--name", "x"])
+    code = pretrain.main(["--data", str(data), *TINY, "--run-dir", str(tmp_path / "runs" / "x")])
     err = capsys.readouterr().err
     assert code == 2 and err == f"error: cannot join the Ray cluster at RAY_ADDRESS=10.9.9.9:6379: {message}" + (
         " to the cluster's token (or RAY_AUTH_TOKEN_PATH to its file)\n" if refusal == "token" else "\n"), err
@@ -339,14 +339,14 @@ def test_resuming_with_other_data_or_model_is_refused_before_start(ray_address, 
     C.save_resume_state(ckpt, model=model, optimizer=make_optimizer(model, tcfg),
                         scaler=make_grad_scaler(torch.float32, "cpu"), state=state)
     before = sorted(str(p) for p in tmp_path.rglob("*"))
-    code = pretrain.main(["--data", str(data), *TINY, "--storage-path", str(tmp_path / "runs"), "--name", "old"])
+    code = pretrain.main(["--data", str(data), *TINY, "--run-dir", str(tmp_path / "runs" / "old")])
     err = capsys.readouterr().err
     assert code == 2 and "cannot resume from" in err and "data fingerprint" in err and "another --name" in err, err
-    code = pretrain.main(["--data", str(data), *TINY, "--hidden-size", "128", "--storage-path",
-                          str(tmp_path / "runs"), "--name", "old"])
+    code = pretrain.main(["--data", str(data), *TINY, "--hidden-size", "128", "--run-dir",
+                          str(tmp_path / "runs" / "old")])
     err = capsys.readouterr().err
     assert code == 2 and "model config differs from the checkpoint's (hidden_size" in err, err
-    code = pretrain.main(["--data", str(data), *TINY, "--storage-path", str(tmp_path / "runs"), "--name", "old",
+    code = pretrain.main(["--data", str(data), *TINY, "--run-dir", str(tmp_path / "runs" / "old"),
                           "--resume", str(ckpt)])
     err = capsys.readouterr().err  # the run's newest checkpoint by its path: the same check
     assert code == 2 and f"cannot resume from {ckpt}" in err and "data fingerprint" in err, err
@@ -378,7 +378,7 @@ def test_resuming_with_another_schedule_or_optimizer_needs_allow_config_change(r
                         state=state)
     base = ["--data", str(data), "--hidden-size", "64", "--num-hidden-layers", "2", "--vocab-size", "256",
             "--seq-len", "32", "--micro-batch-size", "4", "--global-batch-size", "16", "--max-steps", "4",
-            "--warmup-steps", "1", "--storage-path", str(tmp_path / "runs"), "--name", "r"]
+            "--warmup-steps", "1", "--run-dir", str(tmp_path / "runs" / "r")]
 
     def plan(*extra):
         return plan_run(build_parser().parse_args([*base, *extra]))

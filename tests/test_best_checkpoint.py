@@ -237,11 +237,11 @@ def test_sample_of_run_best_prints_the_best_models_text(run, capsys):
                          (["--temperature", "1", "--top-p", "1", "--seed", "3"],
                           {"temperature": 1.0, "top_p": 1.0, "generator": torch.Generator().manual_seed(3)})):
         argv = ["--prompt", "the cat", "--max-new-tokens", "12", *argv]
-        assert sample.main(["--weights", str(run / "best"), *argv]) == 0
+        assert sample.main(["--checkpoint", str(run / "best"), *argv]) == 0
         printed = capsys.readouterr().out
         out = model.generate(ids, max_new_tokens=12, eos_token_id=model.config.eos_token_id, **kwargs)
         assert printed == tok.decode(out[0, 1:].tolist()) + "\n" and printed.startswith("the cat")
-    assert sample.main(["--weights", str(run / "checkpoint_00000004"), *argv]) == 0
+    assert sample.main(["--checkpoint", str(run / "checkpoint_00000004"), *argv]) == 0
     assert capsys.readouterr().out != printed
 
 
@@ -257,7 +257,7 @@ def test_sample_of_a_best_with_a_weights_export_uses_it(run, tmp_path, capsys):
     argv = ["--prompt", "the dog", "--temperature", "1", "--top-p", "1", "--max-new-tokens", "12"]
     texts = []
     for weights in (ckpt.parent / "best", ckpt / "weights", run / "checkpoint_00000004"):  # the last: tiny_model(2)
-        assert sample.main(["--weights", str(weights), *argv]) == 0
+        assert sample.main(["--checkpoint", str(weights), *argv]) == 0
         texts.append(capsys.readouterr().out)
     assert texts[0] == texts[1] != texts[2], texts
 

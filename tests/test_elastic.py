@@ -60,8 +60,8 @@ def run_args(data: Path, storage: Path, name: str, *extra: str) -> list[str]:
     return ["--data", str(data), "--seq-len", "32", "--vocab-size", "256", "--hidden-size", "64",
             "--num-hidden-layers", "2", "--num-attention-heads", "4", "--num-key-value-heads", "2",
             "--max-steps", str(STEPS), "--warmup-steps", "2", "--micro-batch-size", "2", "--global-batch-size", "12",
-            "--log-every", "4", "--checkpoint-every", "4", "--dtype", "fp32", "--storage-path", str(storage),
-            "--name", name, "--num-workers", "1-3", "--resources-per-worker", "slot=1", "--max-failures", "6",
+            "--log-every", "4", "--checkpoint-every", "4", "--dtype", "fp32", "--run-dir", str(storage / name),
+            "--num-workers", "1-3", "--resources-per-worker", "slot=1", "--max-failures", "6",
             "--elastic-check-seconds", "2", "--lr", "1e-3", "--cpus-per-worker", "1",
             # AdamW, not the default Muon: the replay (tests/reference.py) then recomputes the run with torch's own
             # optimizer, no code of minilm's

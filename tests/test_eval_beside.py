@@ -258,7 +258,7 @@ def test_evaluate_follow_scores_a_live_runs_checkpoints_as_they_appear_and_ends_
     run_dir, out = tmp_path / "run", tmp_path / "scores.jsonl"
     lease = C.Lease(C.RunFolder(run_dir), say=lambda m: None).take()
     write_checkpoint(run_dir / "checkpoint_00000001", tiny_model(seed=0), tok, 1)
-    proc = subprocess.Popen([sys.executable, "-m", "ray_jobs.evaluate", "--run", str(run_dir), "--follow",
+    proc = subprocess.Popen([sys.executable, "-m", "ray_jobs.evaluate", "--run-dir", str(run_dir), "--follow",
                              "--tasks", str(listing), "--output", str(out), "--tokenizer", str(tok)], cwd=ROOT,
                             env=run_env(ray_address), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

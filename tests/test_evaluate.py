@@ -297,7 +297,7 @@ def test_cli_on_a_run_folder_skips_torn_and_corrupt_checkpoints(tokenizer, tmp_p
     torn = write_checkpoint(run / "checkpoint_00000006", model, tok_path, 6)
     (torn / C.MARKER).unlink()  # a write that did not finish
     out = tmp_path / "results.jsonl"
-    argv = ["--run", str(run), "--tasks", str(task_list), "--output", str(out)]
+    argv = ["--run-dir", str(run), "--tasks", str(task_list), "--output", str(out)]
     assert cli.main(argv) == 0
     err = capsys.readouterr().err
     assert err.count("skipping checkpoint") == 1 and "checkpoint_00000006 is incomplete" in err, err

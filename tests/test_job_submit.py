@@ -182,7 +182,7 @@ def pretrain_entrypoint(data: Path, storage: Path, name: str, *extra: str) -> li
             "--num-attention-heads", "4", "--num-key-value-heads", "2", "--max-steps", str(STEPS),
             "--warmup-steps", "2", "--micro-batch-size", "4", "--global-batch-size", "16", "--log-every", "2",
             "--checkpoint-every", "4", "--dtype", "fp32", "--num-workers", "1",
-            "--storage-path", str(storage), "--name", name, *extra]
+            "--run-dir", str(storage / name), *extra]
 
 
 def submit(head: Head, submission_id: str, entrypoint: list[str], env_vars: dict | None = None,

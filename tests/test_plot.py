@@ -90,17 +90,17 @@ def test_a_repeated_step_never_doubles_back(tmp_path):
 
 def test_cli_writes_a_png_per_default_and_to_out(two_runs, tmp_path, capsys):
     (a, _), (b, _) = two_runs
-    assert plot.main([str(a)]) == 0
+    assert plot.main(["--run-dir", str(a)]) == 0
     assert (a / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = tmp_path / "figs" / "cmp.png"
-    assert plot.main([str(a), str(b), "--out", str(out)]) == 0
+    assert plot.main(["--run-dir", str(a), str(b), "--output", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert capsys.readouterr().out.splitlines() == [f"wrote {a / 'metrics.png'}", f"wrote {out}"]
 
 
 def test_module_entry_point(tmp_path):
     """`python -m ray_jobs.plot` as a user runs it: a bad folder is one line and exit 2, no traceback."""
-    proc = subprocess.run([sys.executable, "-m", "ray_jobs.plot", str(tmp_path / "nope")], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "ray_jobs.plot", "--run-dir", str(tmp_path / "nope")], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr == f"error: {tmp_path / 'nope'}: no such run folder\n"
     assert proc.stdout == ""

@@ -102,7 +102,7 @@ def sweep_data(tmp_path_factory) -> Path:
 @pytest.mark.timeout(600)
 def test_bad_sweep_config_refused_before_any_trial(ray_address, sweep_data, tmp_path):
     env = run_env(ray_address)
-    base = ["--data", str(sweep_data), *TINY, "--storage-path", str(tmp_path), "--name", "bad"]
+    base = ["--data", str(sweep_data), *TINY, "--run-dir", str(tmp_path / "bad")]
     too_many = run_module("ray_jobs.tune", [*base, "--search", "lr=choice:1e-3", "--max-concurrent-trials", "50",
                                             "--workers-per-trial", "2"], env=env)
     assert too_many.returncode == 2 and "at most" in too_many.stderr and "concurrent trial" in too_many.stderr
@@ -131,7 +131,7 @@ def test_sweep_interrupted_resumed_asha_stops_the_bad_trial_and_best_yaml_runs(r
 
     env = run_env(ray_address)
     tiny = [a if a != "8" else "24" for a in TINY]  # --max-steps 24
-    args = ["--data", str(sweep_data), *tiny, "--storage-path", str(tmp_path), "--name", "sw",
+    args = ["--data", str(sweep_data), *tiny, "--run-dir", str(tmp_path / "sw"),
             "--search", "lr=grid:3e-3,1e-3,1.0", "--num-samples", "1", "--max-concurrent-trials", "1",
             "--workers-per-trial", "1", "--scheduler", "asha", "--grace-steps", "4", "--metric", "loss"]
     out = tmp_path / "sw"
@@ -149,7 +149,7 @@ def test_sweep_interrupted_resumed_asha_stops_the_bad_trial_and_best_yaml_runs(r
     first_log = finished[0].parents[1] / "metrics.jsonl"
     first_log_before = first_log.read_text()
 
-    again = run_module("ray_jobs.tune", [*args, "--resume"], env=env, timeout=700)
+    again = run_module("ray_jobs.tune", [*args, "--resume", "auto"], env=env, timeout=700)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "resuming sweep sw" in again.stdout
     assert first_log.read_text() == first_log_before  # the finished trial was not run again
@@ -167,8 +167,8 @@ def test_sweep_interrupted_resumed_asha_stops_the_bad_trial_and_best_yaml_runs(r
     best = yaml.safe_load((out / "best.yaml").read_text())
     assert best["lr"] == float(rows[0]["lr"]) and best["data"] == str(sweep_data)
     rerun = run_module("ray_jobs.pretrain", ["--config", str(out / "best.yaml"), "--max-steps", "4",
-                                              "--num-workers", "1", "--storage-path", str(tmp_path),
-                                              "--name", "from-best"], env=env)
+                                              "--num-workers", "1", "--run-dir", str(tmp_path / "from-best")],
+                                             env=env)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     # The rerun trained with the best trial's lr (the trials' lrs all differ), to the 4 steps asked for.
     state = json.loads(sorted((tmp_path / "from-best").glob("checkpoint_*/state.json"))[-1].read_text())
@@ -187,7 +187,7 @@ def test_sweep_reports_val_loss_and_ranks_trials_by_a_score_of_eval_tasks(ray_ad
 
     listing, _ = write_task_list(tmp_path / "tasks")
     env = run_env(ray_address)
-    args = ["--data", str(sweep_data), *TINY, "--storage-path", str(tmp_path), "--name", "val",
+    args = ["--data", str(sweep_data), *TINY, "--run-dir", str(tmp_path / "val"),
             "--search", "lr=grid:3e-4,3e-3", "--num-samples", "1", "--max-concurrent-trials", "2",
             "--workers-per-trial", "1", "--scheduler", "none", "--eval-tasks", str(listing), "--vocab-size", "320",
             "--metric", "eval/cloze/acc_norm"]
