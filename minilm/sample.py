@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
         return fail("need --max-new-tokens >= 1, --temperature >= 0 and 0 < --top-p <= 1")
     try:
         model, tokenizer = load(args.checkpoint, args.tokenizer)
+    except C.CheckpointError:  # already its one line (a ValueError too)
+        raise
     except (ConfigError, OSError, ValueError, TypeError, RuntimeError) as e:  # a config.json or weights that do not fit
         return fail(f"{args.checkpoint}: cannot load these weights ({type(e).__name__}: "
                     f"{' '.join(str(e).split())[:300]})")
