@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast test-nightly rehearsal lint bench clean
+.PHONY: setup demo test test-fast test-nightly rehearsal lint clean
 
 setup: $(STAMP)
 

@@ -2,38 +2,19 @@
 
     python -m bench.checkpoint                         # 3 sizes: the demo preset, MiniMind 26M, MiniMind 104M
     python -m bench.checkpoint --sizes 256x4 512x8 --repeats 3 --dir /mnt/shared/tmp
-
-For each size (hidden x layers, vocab 6400, fp32 master weights, AdamW state filled by one step) it
-times what a Ray worker does at a checkpoint step, with `minilm.checkpoint`:
-
-* save: `save_resume_state` (model.safetensors, optimizer.pt, scaler.pt, state.json, SHA-256 marker)
-  then `export_weights` (fp16 safetensors + config.json, marker);
-* restore: `load_resume_state` (verifies every hash) then `load_state_dict` into model and optimizer;
-
-the median of `--repeats`, each into a fresh folder under `--dir`. Then it times an optimizer step
-at the same size (micro-batch 8 x seq 256, accumulation 1; the second of two steps) and reports the
-checkpoint's share of training time at `--checkpoint-every` (50 in the demo preset):
-save / (save + every x step). Ray Train's copy of the folder into the run's storage is not included
-(bench.overhead measures a whole Ray checkpoint). Target < 2%.
-Writes checkpoint.json to bench/results/ (or $MINILM_BENCH_RESULTS).
-
     python -m bench.checkpoint --mode stall            # sync vs async, side by side: 512x8 (26M), 768x16 (123M)
 
-`--mode stall` measures what the training thread loses per checkpoint, the way `Trainer.save` takes one
-(minilm.checkpoint.CheckpointManager: resume files + weights export, published into a run folder), the two modes alternated
-`--repeats` times at each size: sync (the thread waits for the whole write) vs async (the snapshot into
-reused buffers and the writer's start; the first async save, which allocates the buffers, is reported
-apart). Then optimizer steps run while an async save is written and right after it, alternately: the
-tokens/s with a save in flight vs without (on a CPU the writer competes with training for the cores).
-The wall-time share at `--checkpoint-every` (default 100) is computed for a stated GPU step time
-(`--gpu-step-s`, default 0.2 s): stall / (stall + every x step), the async stall including any wait for a
-write longer than `every x step`. Goals: async stall < 10% of the sync save at 123M; share < 1%.
-Writes checkpoint_stall.json.
+Save (`save_resume_state` + `export_weights`) and restore (`load_resume_state` with its hash check +
+`load_state_dict`) per size, their share at `--checkpoint-every` against an optimizer step (target < 2%);
+`--mode stall`: the training thread's stall per checkpoint through `CheckpointManager`, sync vs async, and tokens/s
+with a save in flight (goals: async < 10% of sync at 123M, share < 1%). bench/README.md has the details. Writes
+checkpoint.json or checkpoint_stall.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import shutil
 import statistics
 import sys
@@ -49,7 +30,7 @@ from minilm.model import MiniMindForCausalLM
 from minilm.step import make_grad_scaler, make_optimizer, optimizer_step
 from ray_jobs.cli import DEMO_PRESET
 
-from .common import environment, synchronize, write_json
+from .common import add_model_args, environment, synchronize, write_json
 
 TARGET = 0.02
 
@@ -116,9 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.checkpoint", description=__doc__.split("\n")[0])
     p.add_argument("--sizes", type=parse_size, nargs="+", default=[(256, 4), (512, 8), (768, 16)],
                    help="HIDDENxLAYERS ... (default: 256x4 512x8 768x16)")
-    p.add_argument("--vocab-size", type=int, default=6400)
-    p.add_argument("--seq-len", type=int, default=DEMO_PRESET["seq_len"])
-    p.add_argument("--micro-batch-size", type=int, default=DEMO_PRESET["micro_batch_size"])
+    add_model_args(p, ("vocab_size", "seq_len", "micro_batch_size"), seq_len=DEMO_PRESET["seq_len"],
+                   micro_batch_size=DEMO_PRESET["micro_batch_size"])
     p.add_argument("--checkpoint-every", type=int, default=DEMO_PRESET["checkpoint_every"])
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--dir", help="where to write the checkpoints (default: a temporary folder)")
@@ -191,12 +171,10 @@ def bench_stall(hidden: int, layers: int, args, root: Path) -> dict:
                                          TrainConfig(checkpoint_mode=mode), rank=0, device=device, keep=1,
                                          export=C.WeightsExport(cfg), say=lambda m: None) for mode in ("sync", "async")}
     stalls: dict[str, list[float]] = {"sync": [], "async": []}
-    writes, first_async, k = [], None, 0
+    writes, saves = [], itertools.count(1)  # the step each save reports
 
     def start(writer: C.CheckpointManager) -> None:
-        nonlocal k
-        k += 1
-        writer.report(k, {}, model=model, optimizer=optimizer, scaler=scaler, state=state)
+        writer.report(next(saves), {}, model=model, optimizer=optimizer, scaler=scaler, state=state)
 
     def save(mode: str) -> tuple[float, float]:
         writer = writers[mode]
@@ -213,23 +191,11 @@ def bench_stall(hidden: int, layers: int, args, root: Path) -> dict:
         for mode in ("sync", "async"):
             stall, done = save(mode)
             stalls[mode].append(stall)
-            if mode == "async":
-                writes.append(done)
+            writes += [done] if mode == "async" else []
 
-    # tokens/s of steps run while an async save is written vs steps right after it, alternately
     tokens = args.micro_batch_size * args.seq_len
-    during, after = [], []
-    for _ in range(args.repeats):
-        writer = writers["async"]
-        start(writer)
-        times = []
-        while not writer.pending.done() or not times:
-            times.append(step())
-        writer.wait()
-        during += times
-        after += [step() for _ in range(len(times))]
-    sync_s, async_s = statistics.median(stalls["sync"]), statistics.median(stalls["async"])
-    write_s = statistics.median(writes)
+    during, after = in_flight_steps(writers["async"], start, step, args.repeats)
+    sync_s, async_s, write_s = (statistics.median(x) for x in (stalls["sync"], stalls["async"], writes))
     window = args.checkpoint_every * args.gpu_step_s
     async_cost = async_s + max(0.0, write_s - window)  # a write longer than the interval makes the next save wait
     return {"hidden_size": hidden, "num_hidden_layers": layers, "params": model.num_params(),
@@ -240,6 +206,20 @@ def bench_stall(hidden: int, layers: int, args, root: Path) -> dict:
             "tokens_per_s_without": tokens * len(after) / sum(after), "steps_in_flight": len(during),
             "cpu_step_s": statistics.median(after),
             "sync_share": sync_s / (sync_s + window), "async_share": async_cost / (async_cost + window)}
+
+
+def in_flight_steps(writer, start, step, repeats: int) -> tuple[list[float], list[float]]:
+    """The seconds of steps run while an async save is written, and of as many steps right after it, alternately."""
+    during, after = [], []
+    for _ in range(repeats):
+        start(writer)
+        times = []
+        while not writer.pending.done() or not times:
+            times.append(step())
+        writer.wait()
+        during += times
+        after += [step() for _ in range(len(times))]
+    return during, after
 
 
 def bench_sizes(bench, args) -> tuple[dict, list[dict]]:

@@ -49,15 +49,15 @@ def alternate(steps: dict[str, Callable[[int], object]], timed: int, warmup: int
     return times
 
 
-def add_model_args(p) -> None:
-    """The model and batch flags of bench.step and bench.moe: issue #7's reference config by default."""
-    p.add_argument("--hidden-size", type=int, default=512)
-    p.add_argument("--num-hidden-layers", type=int, default=4)
-    p.add_argument("--num-attention-heads", type=int, default=8)
-    p.add_argument("--num-key-value-heads", type=int, default=4)
-    p.add_argument("--vocab-size", type=int, default=6400)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--micro-batch-size", type=int, default=8)
+MODEL_ARGS = {"hidden_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
+              "vocab_size": 6400, "seq_len": 256, "micro_batch_size": 8}  # issue #7's reference config
+
+
+def add_model_args(p, keys=tuple(MODEL_ARGS), **defaults) -> None:
+    """The model and batch flags every benchmark takes: those of `keys`, each default from `defaults`, else
+    MODEL_ARGS'."""
+    for key in keys:
+        p.add_argument("--" + key.replace("_", "-"), type=int, default=defaults.get(key, MODEL_ARGS.get(key)))
 
 
 def load_average() -> list[float] | None:

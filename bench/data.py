@@ -5,22 +5,10 @@ and, with --mode stream, the rate one rank's stream delivers with no model (targ
     python -m bench.data --data data/tok --steps 40 --dtype fp32
     python -m bench.data --mode stream        # seq 512, micro-batch 32, on 1 and 2 CPUs
 
-One process drives `ray_jobs.stream.RankStream` exactly as a rank of the Ray job does (world size 1,
-global batch 32 of micro-batches of 8, the token-file reader in a Ray Data actor, prefetching while the
-step runs) and times, step by step, the wait in `next_step()` against the whole step
-(`minilm.step.optimizer_step` included). The default run reads the whole demo corpus (61 steps
-per epoch) for 64 steps, so it crosses one epoch boundary, which is one more position of the
-rank's single pipeline; `--sequences` reads fewer rows, for shorter epochs. The
-first step (pipeline start-up, once per run) is reported apart from the steady state. Joins the Ray
-in RAY_ADDRESS or starts a local one. Writes data.json to bench/results/ (or $MINILM_BENCH_RESULTS).
-
---mode stream: `RankStream` alone (world size 1, micro-batches of 32 at seq 512, accumulation 4), no
-model, over a synthetic dataset (`bench.scale.write_synthetic`, --stream-tokens) in one epoch's
-random order, in a child process pinned to 1 CPU, then to 2 (its own local Ray, on those cores
-only); with a warm page cache, and with the dataset's pages dropped first (cold). Next to each
-stream rate, in the same child: the same Ray Data pipeline with a reader that returns rows without
-reading them (what Ray Data itself allows) and `SequenceStore.take` alone in the process (what the
-reads allow). Writes data_stream.json.
+One process drives `ray_jobs.stream.RankStream` as a rank of the Ray job does and times the wait in `next_step()`
+against the whole step; `--mode stream` drives it alone over a synthetic dataset in children pinned to 1 and 2
+cores, warm and cold, beside Ray Data without reads and `SequenceStore.take` alone. bench/README.md has the
+details. Writes data.json or data_stream.json.
 """
 
 from __future__ import annotations
@@ -45,7 +33,7 @@ from minilm.model import MiniMindForCausalLM
 from minilm.step import make_grad_scaler, make_optimizer, optimizer_step, resolve_dtype
 from ray_jobs.cli import DEMO_PRESET, ensure_ray
 
-from .common import environment, write_json
+from .common import add_model_args, environment, write_json
 
 TARGET = 0.02
 STREAM_TARGET = 2e6  # tokens/s of one rank's stream
@@ -60,11 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stream-steps", type=int, default=400, help="stream mode: steps of 128 sequences per run")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--data", help="prepared data dir (default: the built-in demo corpus at --seq-len)")
-    p.add_argument("--hidden-size", type=int, default=DEMO_PRESET["hidden_size"])
-    p.add_argument("--num-hidden-layers", type=int, default=DEMO_PRESET["num_hidden_layers"])
-    p.add_argument("--vocab-size", type=int, default=6400)
-    p.add_argument("--seq-len", type=int, default=DEMO_PRESET["seq_len"])
-    p.add_argument("--micro-batch-size", type=int, default=DEMO_PRESET["micro_batch_size"])
+    add_model_args(p, ("hidden_size", "num_hidden_layers", "vocab_size", "seq_len", "micro_batch_size"),
+                   **{k: DEMO_PRESET[k] for k in ("hidden_size", "num_hidden_layers", "seq_len", "micro_batch_size")})
     p.add_argument("--global-batch-size", type=int, default=DEMO_PRESET["global_batch_size"])
     p.add_argument("--sequences", type=int, default=0,
                    help="rows the stream reads, from the first (0: all; an epoch is rows / global batch steps)")
@@ -81,6 +66,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--steps must be >= 3 (the first step is start-up)")
     if args.global_batch_size % args.micro_batch_size:
         p.error("--global-batch-size must be a multiple of --micro-batch-size")
+    return wait_mode(args, p)
+
+
+def wait_mode(args, p) -> int:
+    """The default mode: the stream feeding a training loop, the wait in next_step() against the whole step."""
     torch.set_num_threads(args.threads)
 
     ensure_ray()
@@ -109,21 +99,39 @@ def main(argv: list[str] | None = None) -> int:
     scaler = make_grad_scaler(dtype, device.type)
     stream = RankStream(str(data_dir), D.RankOrder(train_ids, 42, per_epoch, args.global_batch_size, 1, 0, 0),
                         args.steps, args.micro_batch_size, device)
+    records = timed_steps(stream, model, optimizer, scaler, dtype, args.steps, per_epoch)
+    result = wait_figures(records)
+    result = {"args": vars(args), "environment": environment(), "data_dir": str(data_dir), "dtype": str(dtype),
+              "steps_per_epoch": per_epoch, **result}
+    env = result["environment"]
+    print(f"# {env['cpu']}, {args.threads} torch threads, torch {env['torch']}, load average {env['load_average']}")
+    print(f"# data {data_dir} ({prepared.num_sequences:,} sequences, first {len(train_ids)} read: {per_epoch} steps "
+          f"per epoch); hidden {args.hidden_size}, layers {args.num_hidden_layers}, seq {args.seq_len}, global batch "
+          f"{args.global_batch_size} of micro-batches of {args.micro_batch_size}, {str(dtype).removeprefix('torch.')}")
+    print_wait(result)
+    print(f"wrote {write_json('data.json', result)}")
+    return 0
 
+
+def timed_steps(stream, model, optimizer, scaler, dtype, steps: int, per_epoch: int) -> list[dict]:
     records = []
-    for step in range(args.steps):
+    for step in range(steps):
         waited_before = stream.data_wait_s
         t0 = time.perf_counter()
         micro_batches, _ = stream.next_step()
         m = optimizer_step(model, optimizer, scaler, micro_batches, lr=1e-4, grad_clip=1.0, dtype=dtype)
         float(m.loss)
-        total = time.perf_counter() - t0
-        records.append({"step": step + 1, "step_s": total, "wait_s": stream.data_wait_s - waited_before,
-                        "epoch_start": step % per_epoch == 0})
+        records.append({"step": step + 1, "step_s": time.perf_counter() - t0,
+                        "wait_s": stream.data_wait_s - waited_before, "epoch_start": step % per_epoch == 0})
     # Drop the stream (its Ray Data iterators) while Ray is still up: finalised after Ray's exit hook,
     # they print errors about a Ray that is gone.
     del stream, micro_batches
     gc.collect()
+    return records
+
+
+def wait_figures(records: list[dict]) -> dict:
+    """The first step (pipeline start-up) apart; the steady steps' wait share, within epochs and overall."""
     steady = records[1:]
     wait = sum(r["wait_s"] for r in steady)
     total = sum(r["step_s"] for r in steady)
@@ -131,35 +139,31 @@ def main(argv: list[str] | None = None) -> int:
     boundaries = [r for r in steady if r["epoch_start"]]
     inside = [r for r in steady if not r["epoch_start"]]
     frac_inside = sum(r["wait_s"] for r in inside) / sum(r["step_s"] for r in inside) if inside else float("nan")
-    result = {
-        "args": vars(args), "environment": environment(), "data_dir": str(data_dir), "dtype": str(dtype),
-        "steps_per_epoch": per_epoch, "first_step_s": records[0]["step_s"], "first_wait_s": records[0]["wait_s"],
+    return {
+        "first_step_s": records[0]["step_s"], "first_wait_s": records[0]["wait_s"],
         "steady_steps": len(steady), "steady_step_s_median": statistics.median(r["step_s"] for r in steady),
         "steady_wait_s_total": wait, "steady_step_s_total": total, "data_wait_frac": frac,
         "data_wait_frac_within_epochs": frac_inside,
         "max_wait_s": max(r["wait_s"] for r in steady),
         "epoch_boundary_wait_s": [r["wait_s"] for r in boundaries], "records": records,
     }
-    env = result["environment"]
-    print(f"# {env['cpu']}, {args.threads} torch threads, torch {env['torch']}, load average {env['load_average']}")
-    print(f"# data {data_dir} ({prepared.num_sequences:,} sequences, first {len(train_ids)} read: {per_epoch} steps "
-          f"per epoch); hidden {args.hidden_size}, layers {args.num_hidden_layers}, seq {args.seq_len}, global batch "
-          f"{args.global_batch_size} of micro-batches of {args.micro_batch_size}, {str(dtype).removeprefix('torch.')}")
+
+
+def print_wait(result: dict) -> None:
+    first, boundaries = result["records"][0], result["epoch_boundary_wait_s"]
     print(f"{'':<34}{'seconds':>10}")
-    print(f"{'first step (pipeline start-up)':<34}{records[0]['step_s']:>10.3f}  (wait {records[0]['wait_s']:.3f})")
+    print(f"{'first step (pipeline start-up)':<34}{first['step_s']:>10.3f}  (wait {first['wait_s']:.3f})")
     print(f"{'steady step, median':<34}{result['steady_step_s_median']:>10.3f}")
-    print(f"{'steady wait, total':<34}{wait:>10.3f}  over {len(steady)} steps ({total:.1f} s)")
+    print(f"{'steady wait, total':<34}{result['steady_wait_s_total']:>10.3f}  over {result['steady_steps']} steps "
+          f"({result['steady_step_s_total']:.1f} s)")
     print(f"{'largest wait of one step':<34}{result['max_wait_s']:>10.3f}")
     if boundaries:
-        print(f"{'wait at epoch starts':<34}{max(result['epoch_boundary_wait_s']):>10.3f}  (largest of "
-              f"{len(boundaries)})")
+        print(f"{'wait at epoch starts':<34}{max(boundaries):>10.3f}  (largest of {len(boundaries)})")
+    frac = result["data_wait_frac"]
     verdict = "" if frac < TARGET else "  ABOVE TARGET"
-    print(f"data wait within epochs: {100 * frac_inside:.2f}% of step time")
+    print(f"data wait within epochs: {100 * result['data_wait_frac_within_epochs']:.2f}% of step time")
     print(f"data wait: {100 * frac:.2f}% of step time (all steps after the first, {len(boundaries)} epoch start(s) "
           f"included; target < {100 * TARGET:.0f}%){verdict}")
-    path = write_json("data.json", result)
-    print(f"wrote {path}")
-    return 0
 
 
 # ---- --mode stream --------------------------------------------------------------------------------------

@@ -5,18 +5,10 @@ skipped and backs the scale off.
     python -m bench.fp16_check --device cpu --hidden-size 64 --num-hidden-layers 2 --vocab-size 256 --seq-len 64 \
         --micro-batch-size 4                          # the dry run: CPU autocast in fp16, the same code path
 
-Runs `minilm.step.optimizer_step` with `--dtype fp16` and `minilm.step.make_grad_scaler` (the training
-loop's step and scaler), 50 steps, on fresh rows of a learnable rule every step (each row counts from a
-random start by a random stride, among the first 512 ids), lr warmed up by `minilm.schedule.get_lr`.
-At step --overflow-at one backward gets an infinite gradient (a hook on lm_head's weight), as an fp16
-overflow would. Every change of `scaler.get_scale()` is printed with its step. Checks:
-
-  finite      every step but the injected one has a finite loss and gradient norm;
-  overflow    the injected step is skipped (weights bitwise unchanged) and the scale halves;
-  learning    the mean loss of the last 10 steps is at least 0.1 below that of the first 10.
-
-Prints the scale log and one line per check; exit status 1 if a check fails. Writes fp16_check.json to
-bench/results/ (or $MINILM_BENCH_RESULTS).
+The loop's `optimizer_step` and `make_grad_scaler` on fresh rows of a learnable rule; at --overflow-at one
+backward gets an infinite gradient. Checks: finite (every other step), overflow (that step skipped, the scale
+halved), learning (the last 10 steps' mean loss 0.1 below the first 10's); exit 1 if one fails. Writes
+fp16_check.json.
 """
 
 from __future__ import annotations
@@ -34,7 +26,7 @@ from minilm.model import MiniMindForCausalLM
 from minilm.schedule import get_lr
 from minilm.step import configure_backends, make_grad_scaler, make_optimizer, optimizer_step
 
-from .common import environment, write_json
+from .common import add_model_args, environment, write_json
 
 LEARNING_DROP = 0.1  # nats; fresh rows every step, so this is learning, not noise (10-step means)
 ROW_TOKENS = 512  # rows use the first 512 ids: a model soon stops predicting the others, however large its vocabulary
@@ -103,11 +95,8 @@ def run(args) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.fp16_check", description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run (CPU autocast in fp16)")
-    p.add_argument("--hidden-size", type=int, default=512)
-    p.add_argument("--num-hidden-layers", type=int, default=8)
-    p.add_argument("--vocab-size", type=int, default=6400)
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--micro-batch-size", type=int, default=32)
+    add_model_args(p, ("hidden_size", "num_hidden_layers", "vocab_size", "seq_len", "micro_batch_size"),
+                   num_hidden_layers=8, seq_len=512, micro_batch_size=32)  # the GPU check's 26M shape
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup-steps", type=int, default=5)

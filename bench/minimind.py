@@ -4,41 +4,10 @@
     python -m bench.minimind --minimind DIR --corpus kjv-passages --runs minimind,minilm,"minilm --rows packed"
     python -m bench.minimind --minimind DIR --seeds 42,43                        # several seeds
 
-MiniMind is not a dependency: `--minimind` names a checkout (github.com/jingyaogong/minimind). Its
-`model/`, `dataset/` and `trainer/` folders are copied into the work folder and its script runs there,
-unchanged, as its README says (`cd trainer && python train_pretrain.py ...`): CPU, fp32 (MiniMind
-autocasts only on CUDA), batch 8, accumulation 1, clip 1.0, its own AdamW, lr schedule, seed, data order
-and one-document padded rows. With a seed other than 42 (MiniMind's, fixed in the script) the script
-runs through `runpy` with its `setup_seed` shifted by the difference; nothing else changes.
-
-minilm runs as a user runs it: `python -m ray_jobs.prepare` with MiniMind's tokenizer file, then
-`python -m minilm.train` with its defaults and the shared settings (model, lr, batch, steps, seed,
-fp32). A run named `minilm --flag value` adds flags to both commands (prepare's `--rows` goes to
-prepare, everything else to train).
-
-Both models are loaded into `minilm.model.MiniMindForCausalLM` (MiniMind's state-dict keys are
-minilm's) and scored by one scorer, `minilm.bpb.evaluate_documents`: every held-out document read from
-its start, `[BOS] + document`, in windows of seq_len + 1 with a stride of seq_len / 2; special-token
-targets are not scored. Cross-entropy is nats per scored token, bits per byte is comparable across
-tokenizers. MiniMind saves its weights in half precision; `fp16_effect` reports what rounding minilm's
-weights the same way does to its score.
-
-Each corpus is reported at equal optimizer steps (MiniMind's epoch count times its batches), at equal
-real (non-padding) training tokens (minilm's steps cut to MiniMind's real tokens, its rows have no
-padding), at equal training wall time (minilm's steps scaled by the measured wall times) and at half
-of MiniMind's wall time.
-
-Corpora: `demo` (the built-in corpus: stdlib docstrings, short documents), `kjv-passages` (the King
-James Bible, consecutive verses of a chapter up to ~900 characters: about one row each) and
-`kjv-chapters` (three consecutive chapters: many rows each), and `zh-fortunes` (Chinese, the language MiniMind's
-tokenizer was made for: Debian's fortunes-zh, prose of every length and Tang and Song verse). The KJV corpora need
-Debian's `bible-kjv` (`apt-get install bible-kjv`) or `--kjv FILE` with its `bible -f "Gen1:1-Rev22:21"` output;
-zh-fortunes needs `apt-get install fortunes-zh`.
-
-Quality per hour: each minilm run keeps `--curve N` checkpoints along the way, each scored afterwards; the
-wall time at which its held-out CE first reaches MiniMind's final CE (interpolated between the two checkpoints
-around it, from the command's start, as MiniMind's wall is) is reported as a ratio of MiniMind's wall time.
-Writes minimind.json to bench/results/ (or $MINILM_BENCH_RESULTS).
+MiniMind's script runs unchanged from a copy of a checkout (`--minimind`); minilm runs as a user runs it (prepare,
+then train); both models are scored by `minilm.bpb.evaluate_documents` at equal steps, real tokens and wall time,
+with quality per hour from checkpoints along minilm's runs (`--curve`). bench/README.md has the details; the
+corpora are bench/corpora.py's. Writes minimind.json.
 """
 
 from __future__ import annotations
@@ -63,119 +32,11 @@ from safetensors.torch import load_file, save_file
 
 from minilm.bpb import evaluate_documents, token_byte_lengths
 from minilm.config import ModelConfig
-from minilm.corpus import demo_corpus_documents
 from minilm.model import MiniMindForCausalLM
 from minilm.tokenizer import BOS_ID
 
-from .common import environment, load_average, write_json
-
-CORPORA = ("demo", "kjv-passages", "kjv-chapters", "zh-fortunes")
-ZH_FORTUNES = Path("/usr/share/games/fortunes")  # Debian's fortunes-zh (GPL-3.0+)
-ZH_FILES = ("chinese", "tang300", "song100")
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
-KJV_VERSE = re.compile(r"^(\d?[A-Za-z]+)(\d+):(\d+) (.*)$")
-PASSAGE_CHARS = 900
-CHAPTERS_PER_DOC = 3
-
-
-class BenchError(ValueError):
-    """A bad flag, a missing checkout or corpus, or a run that failed: one line, exit 2."""
-
-
-# ---- corpora ------------------------------------------------------------------------------------------
-
-def kjv_chapters(kjv_file: str | None) -> list[tuple[str, list[str]]]:
-    """[(book, [verse text, ...]) per chapter] of the KJV, in order."""
-    if kjv_file:
-        text = Path(kjv_file).read_text(encoding="utf-8")
-    elif shutil.which("bible"):
-        text = subprocess.run(["bible", "-f", "Gen1:1-Rev22:21"], capture_output=True, text=True,
-                              check=True).stdout
-    else:
-        raise BenchError("the kjv corpora need Debian's bible-kjv (apt-get install bible-kjv) or --kjv FILE")
-    chapters: list[tuple[str, list[str]]] = []
-    last = None
-    for line in text.splitlines():
-        m = KJV_VERSE.match(line.strip())
-        if not m:
-            continue
-        key = (m.group(1), m.group(2))
-        if key != last:
-            chapters.append((m.group(1), []))
-            last = key
-        chapters[-1][1].append(m.group(4).strip())
-    if len(chapters) < 100:
-        raise BenchError(f"--kjv: found {len(chapters)} chapters, expected the whole KJV (1,189)")
-    return chapters
-
-
-def zh_fortunes(folder: Path = ZH_FORTUNES) -> list[str]:
-    """Debian's fortunes-zh: Chinese prose (quotations, essays, jokes, Debian's code of conduct), the 300 Tang poems
-    and 100 Song lyrics, one document per fortune (a few characters to ~9,000), colour escapes removed."""
-    if not all((folder / f).is_file() for f in ZH_FILES):
-        raise BenchError("the zh-fortunes corpus needs Debian's fortunes-zh (apt-get install fortunes-zh)")
-    docs = []
-    for name in ZH_FILES:
-        for part in (folder / name).read_text(encoding="utf-8", errors="replace").split("\n%\n"):
-            text = ANSI.sub("", part).strip()
-            if len(text) >= 8:
-                docs.append(text)
-    return docs
-
-
-def corpus_documents(name: str, kjv_file: str | None) -> list[str]:
-    if name == "demo":
-        return list(demo_corpus_documents())
-    if name == "zh-fortunes":
-        return zh_fortunes()
-    chapters = kjv_chapters(kjv_file)
-    if name == "kjv-passages":
-        docs = []
-        for _, verses in chapters:
-            passage: list[str] = []
-            for v in verses:
-                passage.append(v)
-                if sum(map(len, passage)) >= PASSAGE_CHARS:
-                    docs.append(" ".join(passage))
-                    passage = []
-            if passage:
-                docs.append(" ".join(passage))
-        return docs
-    if name == "kjv-chapters":
-        docs, book, group = [], None, []
-        for b, verses in chapters:
-            if b != book or len(group) == CHAPTERS_PER_DOC:
-                if group:
-                    docs.append("\n\n".join(group))
-                book, group = b, []
-            group.append(" ".join(verses))
-        docs.append("\n\n".join(group))
-        return docs
-    raise BenchError(f"--corpus: unknown corpus {name!r}; choose from {', '.join(CORPORA)}")
-
-
-@dataclass
-class Split:
-    train: list[str]
-    held_out: list[str]
-    epochs: int  # MiniMind's --epochs that make `steps` optimizer steps over `train`
-    steps: int
-
-
-def split_corpus(docs: list[str], steps: int, batch_size: int, held_out: int, seed: int) -> Split:
-    """A seeded held-out set, then the training documents for `steps` MiniMind steps (whole epochs of whole batches)."""
-    order = np.random.default_rng(seed).permutation(len(docs))
-    held_out = min(held_out, len(docs) // 5)
-    available = len(docs) - held_out
-    epochs = max(1, math.ceil(steps * batch_size / available))
-    per_epoch = max(1, (steps // epochs))
-    n_train = per_epoch * batch_size
-    if n_train > available:
-        raise BenchError(f"{len(docs)} documents are too few for {steps} steps of {batch_size}")
-    train = [docs[i] for i in sorted(order[held_out:held_out + n_train])]
-    held = [docs[i] for i in sorted(order[:held_out])]
-    return Split(train, held, epochs, epochs * per_epoch)
-
+from .common import add_model_args, environment, load_average, write_json
+from .corpora import CORPORA, BenchError, Split, corpus_documents, split_corpus
 
 # ---- the runs -----------------------------------------------------------------------------------------
 
@@ -363,24 +224,51 @@ def parse_runs(spec: str) -> list[str]:
     return runs
 
 
-def bench_corpus(name: str, seed: int, runs: list[str], args, work: Path, checkout: Path) -> list[Result]:
-    from concurrent.futures import ThreadPoolExecutor
-
+def write_split(split: Split, tokenizer_file: Path, cwork: Path) -> tuple[Path, list[list[int]], list[list[int]]]:
+    """The training documents as the JSONL both loops read, and both sets' token ids."""
     from tokenizers import Tokenizer
 
-    split = split_corpus(corpus_documents(name, args.kjv), args.steps, args.batch_size, args.held_out, seed)
-    cwork = work / f"{name}-seed{seed}-h{args.hidden_size}x{args.num_hidden_layers}"
-    cwork.mkdir(parents=True, exist_ok=True)
-    mm = minimind_copy(checkout, work)
-    tokenizer_file = mm / "model" / "tokenizer.json"
     tok = Tokenizer.from_file(str(tokenizer_file))
-    byte_lengths = token_byte_lengths(tokenizer_file)
-    train_docs = [e.ids for e in tok.encode_batch(split.train, add_special_tokens=False)]
-    held_docs = [e.ids for e in tok.encode_batch(split.held_out, add_special_tokens=False)]
+    cwork.mkdir(parents=True, exist_ok=True)
     train_jsonl = cwork / "train.jsonl"
     with open(train_jsonl, "w") as f:
         for t in split.train:
             f.write(json.dumps({"text": t}) + "\n")
+    return (train_jsonl, [e.ids for e in tok.encode_batch(split.train, add_special_tokens=False)],
+            [e.ids for e in tok.encode_batch(split.held_out, add_special_tokens=False)])
+
+
+def record(r: Result, state: dict, results: list[Result], scorer, pool, fp16_effect: bool) -> None:
+    """Score a finished run (and its curve's checkpoints, --parallel at a time, now that the round is over),
+    append it to `results` and print its line; `scorer(state)` scores a state dict on the held-out documents."""
+    r.__dict__.update(scorer(state))
+    if fp16_effect and r.run == "minilm" and r.budget == "steps":
+        r.fp16_effect = scorer({k: v.half().float() for k, v in state.items()})["ce"]
+    results.append(r)
+    ref = next((x for x in results if x.run == "minimind"), None)
+    if r.curve and ref:
+        r.curve = list(pool.map(lambda point: (*point[:2], scorer(load_file(str(point[2])))["ce"]), r.curve))
+        r.to_minimind_s = time_to_reach(r.curve, ref.ce)
+        reached = (f"{r.to_minimind_s:.1f} s = {r.to_minimind_s / ref.train_s:.3f} x MiniMind's wall"
+                   if r.to_minimind_s is not None else f"not within its {r.train_s:.0f} s")
+        print(f"  {r.run} reaches MiniMind's final CE {ref.ce:.4f}: {reached}; curve " + ", ".join(
+            f"{step}: {ce:.3f} @ {t:.0f} s" for step, t, ce in r.curve), flush=True)
+    elif r.curve:
+        r.curve = None  # nothing to reach without MiniMind's run
+    ratio = f"  ce / MiniMind {r.ce / ref.ce:.4f}  bpb / MiniMind {r.bpb / ref.bpb:.4f}" if ref else ""
+    print(f"  {r.run:40s} [{r.budget:9s}] steps {r.steps:4d}  tokens {r.real_tokens:9,}  train {r.train_s:6.1f} s"
+          f"  ce {r.ce:.4f}  bpb {r.bpb:.4f}{ratio}  load {load_average()}", flush=True)
+
+
+def bench_corpus(name: str, seed: int, runs: list[str], args, work: Path, checkout: Path) -> list[Result]:
+    from concurrent.futures import ThreadPoolExecutor
+
+    split = split_corpus(corpus_documents(name, args.kjv), args.steps, args.batch_size, args.held_out, seed)
+    cwork = work / f"{name}-seed{seed}-h{args.hidden_size}x{args.num_hidden_layers}"
+    mm = minimind_copy(checkout, work)
+    tokenizer_file = mm / "model" / "tokenizer.json"
+    byte_lengths = token_byte_lengths(tokenizer_file)
+    train_jsonl, train_docs, held_docs = write_split(split, tokenizer_file, cwork)
     lengths = [len(d) for d in train_docs]
     print(f"\n== {name} (seed {seed}): {len(train_docs):,} training documents (median {int(np.median(lengths))} "
           f"tokens, {sum(lengths):,} in all), {len(held_docs):,} held out ({sum(map(len, held_docs)):,} tokens); "
@@ -390,6 +278,9 @@ def bench_corpus(name: str, seed: int, runs: list[str], args, work: Path, checko
     per_step = args.batch_size * args.seq_len
     results: list[Result] = []
     env = {"OMP_NUM_THREADS": str(args.threads)}
+
+    def scorer(state: dict) -> dict:
+        return score(state, model_cfg, held_docs, byte_lengths, args)
 
     def job(run: str, steps: int, budget: str) -> tuple[Result, dict]:
         if run == "minimind":
@@ -404,30 +295,6 @@ def bench_corpus(name: str, seed: int, runs: list[str], args, work: Path, checko
         result.curve = points if curve else None
         return result, state
 
-    def record(r: Result, state: dict) -> None:
-        r.__dict__.update(score(state, model_cfg, held_docs, byte_lengths, args))
-        if args.fp16_effect and r.run == "minilm" and r.budget == "steps":
-            r.fp16_effect = score({k: v.half().float() for k, v in state.items()}, model_cfg, held_docs,
-                                  byte_lengths, args)["ce"]
-        results.append(r)
-        ref = next((x for x in results if x.run == "minimind"), None)
-        if r.curve and ref:  # checkpoints along the run, scored now that the round is over, --parallel at a time
-            def scored(point: tuple[int, float, Path]) -> tuple[int, float, float]:
-                step, seconds, path = point
-                return step, seconds, score(load_file(str(path)), model_cfg, held_docs, byte_lengths, args)["ce"]
-
-            r.curve = list(pool.map(scored, r.curve))
-            r.to_minimind_s = time_to_reach(r.curve, ref.ce)
-            reached = (f"{r.to_minimind_s:.1f} s = {r.to_minimind_s / ref.train_s:.3f} x MiniMind's wall"
-                       if r.to_minimind_s is not None else f"not within its {r.train_s:.0f} s")
-            print(f"  {r.run} reaches MiniMind's final CE {ref.ce:.4f}: {reached}; curve " + ", ".join(
-                f"{step}: {ce:.3f} @ {t:.0f} s" for step, t, ce in r.curve), flush=True)
-        elif r.curve:
-            r.curve = None  # nothing to reach without MiniMind's run
-        ratio = f"  ce / MiniMind {r.ce / ref.ce:.4f}  bpb / MiniMind {r.bpb / ref.bpb:.4f}" if ref else ""
-        print(f"  {r.run:40s} [{r.budget:9s}] steps {r.steps:4d}  tokens {r.real_tokens:9,}  train {r.train_s:6.1f} s"
-              f"  ce {r.ce:.4f}  bpb {r.bpb:.4f}{ratio}  load {load_average()}", flush=True)
-
     # Runs go `--parallel` at a time (each with `--threads`), MiniMind's first, beside minilm's defaults: the
     # wall times of runs that ran side by side compare on a shared machine.
     order = sorted(runs, key=lambda r: (r != "minimind", r != "minilm"))
@@ -440,23 +307,30 @@ def bench_corpus(name: str, seed: int, runs: list[str], args, work: Path, checko
     with ThreadPoolExecutor(args.parallel) as pool:
         # Scored once the round is over: a score computed beside a run would slow that run alone.
         for r, state in list(pool.map(lambda run: job(run, split.steps, "steps"), order)):
-            record(r, state)
-        mm = next((x for x in results if x.run == "minimind"), None)
-        base = next((x for x in results if x.run == "minilm"), None)
-        extra = []
-        if args.budgets and base:
-            token_steps = max(1, round(mm_tokens / per_step))
-            if abs(token_steps - split.steps) > 0.02 * split.steps:
-                extra.append(("minilm", token_steps, "tokens"))
-            if mm:
-                wall_steps = max(1, math.floor(split.steps * mm.train_s / base.train_s))
-                if abs(wall_steps - split.steps) > 0.02 * split.steps:
-                    extra.append(("minilm", wall_steps, "wall"))
-                # The stretch goal: MiniMind's held-out loss in half its wall time.
-                extra.append(("minilm", max(1, math.floor(wall_steps / 2)), "half-wall"))
-        for r, state in list(pool.map(lambda a: job(*a), extra)):
-            record(r, state)
+            record(r, state, results, scorer, pool, args.fp16_effect)
+        for r, state in list(pool.map(lambda a: job(*a), budget_runs(results, mm_tokens, per_step, split.steps,
+                                                                         args.budgets))):
+            record(r, state, results, scorer, pool, args.fp16_effect)
     return results
+
+
+def budget_runs(results: list[Result], mm_tokens: int, per_step: int, steps: int, budgets: bool) -> list[tuple]:
+    """The minilm runs matched to MiniMind on real tokens, wall time and half its wall time (where those differ by
+    more than 2% from equal steps): (run, steps, budget) each."""
+    mm = next((x for x in results if x.run == "minimind"), None)
+    base = next((x for x in results if x.run == "minilm"), None)
+    extra: list[tuple] = []
+    if budgets and base:
+        token_steps = max(1, round(mm_tokens / per_step))
+        if abs(token_steps - steps) > 0.02 * steps:
+            extra.append(("minilm", token_steps, "tokens"))
+        if mm:
+            wall_steps = max(1, math.floor(steps * mm.train_s / base.train_s))
+            if abs(wall_steps - steps) > 0.02 * steps:
+                extra.append(("minilm", wall_steps, "wall"))
+            # The stretch goal: MiniMind's held-out loss in half its wall time.
+            extra.append(("minilm", max(1, math.floor(wall_steps / 2)), "half-wall"))
+    return extra
 
 
 def print_table(results: list[Result]) -> None:
@@ -511,9 +385,7 @@ def main(argv: list[str] | None = None) -> int:
                                                         "time it needs to reach MiniMind's final CE (0: none)")
     p.add_argument("--parallel", type=int, default=1, help="runs at a time (default 1)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads of every run")
-    p.add_argument("--hidden-size", type=int, default=512)
-    p.add_argument("--num-hidden-layers", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=256)
+    add_model_args(p, ("hidden_size", "num_hidden_layers", "seq_len"))
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--steps", type=int, default=166, help="optimizer steps (MiniMind's whole epochs nearest it)")
     p.add_argument("--lr", type=float, default=5e-4)

@@ -2,56 +2,18 @@
 
     python -m bench.overhead                       # every part at its defaults
     python -m bench.overhead --mode fixed-cost     # part 1 at issue #17's tiny config (hidden 64, 2 layers, seq 128)
-    python -m bench.overhead --mode fixed-cost --hidden-size 512 --num-hidden-layers 4 --seq-len 256 \
-        --micro-batch-size 8 --global-batch-size 8                     # a real-size step
-    python -m bench.overhead --mode ddp --rounds 6                     # part 2 only
-    python -m bench.overhead --mode report                             # part 3 only
+    python -m bench.overhead --mode ddp --rounds 6 # part 2 only
+    python -m bench.overhead --mode report         # part 3 only
 
-Part 1, the fixed cost per optimizer step of the training loop: the same config and data in three fresh
-processes, the threads = this machine's cores (--threads for (a) and (b); the job's --cpus-per-worker auto):
-
-  (a) bare: `minilm.step.optimizer_step` on micro-batches read into memory up front (`python -c`);
-  (b) trainer: `python -m minilm.train --data ...`, the `minilm.trainer.Trainer` loop in one process (data
-      order and reads, lr schedule, non-finite guard, stop flags, metrics, logging, checkpoints);
-  (c) ray: `python -m ray_jobs.pretrain --num-workers 1`, run flags at their defaults (its own local Ray, as a
-      user's run starts one; or the Ray in RAY_ADDRESS): the same Trainer in a Ray Train worker, fed by the
-      Ray Data stream.
-
-Rounds alternate (a), (b), (c), so background load hits them alike. (a) is timed over the steps after the
-first log interval; (b) and (c) by wall time per optimizer step from their metrics.jsonl timestamps: between log
-records, after the first (start-up) and leaving out intervals that hold a checkpoint. Every other step counts,
-log steps and `ray.train.report` included. The fixed cost of (b) and (c) is their median step time minus that
-of (a), also as a share of a 20 ms step (MiniMind-26M on one H100). From /proc (Linux): the CPU per step of (a)
-and of the job's training worker, and the cores the job's other processes (Ray's services, the Train
-controller, the Ray Data reader, idle workers, the dashboard) use while it trains. The job's data wait and
-checkpoint time come from its metrics. --omp-wait-policy sets OMP_WAIT_POLICY for all three (on a loaded
-machine libgomp's spinning threads cost a main-thread loop far more than Ray's training thread: RESULTS.md).
-
-Part 2, 2 workers on 2 CPUs (1 thread each, DDP over gloo, set up by Ray Train's TorchTrainer):
-each round runs, one after the other, the same global batch as
-
-  1. one worker alone (rank 0, 1 thread; rank 1 waits): the reference for scaling;
-  2. two DDP workers, each its half, all-reducing once per optimizer step (`no_sync` on the
-     accumulation micro-steps: the library's default);
-  3. two DDP workers without `no_sync` (an all-reduce after every micro-step);
-  4. two DDP workers whose all-reduce is replaced by a no-op (comm hook): the compute alone.
-
-Scaling efficiency = tokens/s of (2) / (2 x tokens/s of (1)). All-reduce share of step time =
-1 - time(4) / time(2), and the same against (3). Rounds alternate the four, so background load
-hits them alike.
-
-Part 3, how long `ray.train.report` blocks against the time since the previous report: a 1-worker
-TorchTrainer sleeps for an interval (the steps between two log steps), then times a report, for intervals of
-0.05 to 3 s. Ray Train V2 holds one pending report per worker, and its controller takes it every
-RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (2 s by default), so a loop that reports more often waits for the rest.
-
-Prints a table per part and writes overhead.json to bench/results/ (or $MINILM_BENCH_RESULTS).
+Part 1: the same config and data as (a) a bare `optimizer_step` loop, (b) `python -m minilm.train`, (c) the 1-worker
+Ray job, each a fresh process, rounds alternating; wall time per step from their metrics (`steady_step_s`, which the
+GPU check uses too) and their CPU from /proc. Part 2 (2 DDP workers on 2 CPUs) and part 3 (report blocking) are
+Ray Train runs in bench/overhead_train.py. bench/README.md has the details. Writes overhead.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import re
@@ -69,10 +31,11 @@ import torch
 from minilm import data as D
 from minilm.config import ModelConfig, TrainConfig
 from minilm.model import MiniMindForCausalLM
-from minilm.step import TORCH_DTYPES, make_grad_scaler, make_optimizer, optimizer_step, resolve_dtype
+from minilm.step import make_grad_scaler, make_optimizer, optimizer_step, resolve_dtype
 from ray_jobs.cli import DEMO_PRESET, ensure_ray
 
 from .common import environment, load_average, write_json
+from .overhead_train import REPORT_INTERVALS_S, print_ddp, print_report_blocking, report_blocking, two_workers
 
 # Issue #17's tiny config: steps of a few ms, so a fixed cost per step shows.
 FIXED_COST_PRESET = {"hidden_size": 64, "num_hidden_layers": 2, "seq_len": 128, "micro_batch_size": 8,
@@ -335,189 +298,6 @@ def fixed_cost(args, model_cfg: ModelConfig, train_cfg: TrainConfig) -> dict:
             "data_wait_frac": statistics.median(x["data_wait_frac"] for x in ray if x["data_wait_frac"] is not None)}
 
 
-# ---- part 2: 2 DDP workers on 2 CPUs ----------------------------------------------------------------
-
-def ddp_rounds(config: dict) -> None:
-    """Ray Train worker function of part 2 (both ranks); reports rank 0's step times per variant."""
-    import ray.train
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    torch.set_num_threads(1)  # 1 CPU per worker
-    rank, world = dist.get_rank(), dist.get_world_size()
-    model_cfg, cfg = ModelConfig.from_dict(config["model"]), TrainConfig.from_dict(config["train"])
-    dtype = TORCH_DTYPES[config["dtype"]]
-    scaler = make_grad_scaler(dtype, "cpu")
-
-    def fresh():
-        torch.manual_seed(cfg.seed)  # identical weights on both ranks, as the job does
-        model = MiniMindForCausalLM(model_cfg).train()
-        return model, make_optimizer(model, cfg)
-
-    def local_only(_state, bucket):  # the comm hook of variant 4: gradients stay as they are
-        fut = torch.futures.Future()
-        fut.set_result(bucket.buffer())
-        return fut
-
-    single, single_opt = fresh()
-    synced, synced_opt = fresh()
-    synced = DDP(synced)
-    compute, compute_opt = fresh()
-    compute = DDP(compute)
-    compute.register_comm_hook(None, local_only)
-
-    gen = torch.Generator().manual_seed(1)  # the same batches on both ranks; each takes its slice
-    G, m = cfg.global_batch_size, cfg.micro_batch_size
-    batches = [torch.randint(0, model_cfg.vocab_size, (G, cfg.seq_len + 1), generator=gen)
-               for _ in range(config["rounds"] + config["warmup"])]
-
-    def timed(fn, *args, **kwargs) -> float:
-        dist.barrier()  # both ranks start together; the wait for the other rank is not timed
-        t0 = time.perf_counter()
-        fn(*args, **kwargs)
-        elapsed = time.perf_counter() - t0
-        dist.barrier()
-        return elapsed
-
-    def step(model, optimizer, micro_batches, no_sync: bool = True) -> None:
-        if not no_sync:  # DDP's no_sync() shadowed by a no-op: every micro-step's backward all-reduces
-            model.no_sync = contextlib.nullcontext
-        try:
-            m = optimizer_step(model, optimizer, scaler, micro_batches, lr=1e-4, grad_clip=1.0, dtype=dtype)
-        finally:
-            model.__dict__.pop("no_sync", None)
-        float(m.loss)
-
-    def alone(micro_batches) -> None:  # rank 0 does the whole batch; rank 1 only meets it at the barriers
-        if rank == 0:
-            step(single, single_opt, micro_batches)
-
-    times = {"single": [], "ddp_no_sync": [], "ddp_sync_every_micro_step": [], "ddp_no_allreduce": []}
-    for i, batch in enumerate(batches):
-        mine = list(batch.chunk(world)[rank].split(m))
-        round_times = {
-            "single": timed(alone, list(batch.split(m))),
-            "ddp_no_sync": timed(step, synced, synced_opt, mine),
-            "ddp_sync_every_micro_step": timed(step, synced, synced_opt, mine, no_sync=False),
-            "ddp_no_allreduce": timed(step, compute, compute_opt, mine),
-        }
-        if i >= config["warmup"]:
-            for k, v in round_times.items():
-                times[k].append(v)
-    metrics = {"times": times, "rank": rank, "accumulation": len(mine), "world_size": world}
-    # Ray Train v2 hands the driver only metrics that come with a checkpoint: rank 0 attaches a tiny one.
-    with tempfile.TemporaryDirectory() as tmp:
-        checkpoint = None
-        if rank == 0:
-            Path(tmp, "times.json").write_text(json.dumps(times))
-            checkpoint = ray.train.Checkpoint.from_directory(tmp)
-        ray.train.report(metrics, checkpoint=checkpoint)
-
-
-def two_workers(args, model_cfg: ModelConfig, train_cfg: TrainConfig) -> dict:
-    from ray.train import LoggingConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
-
-    config = {"model": model_cfg.to_dict(), "train": train_cfg.to_dict(), "dtype": args.dtype,
-              "rounds": args.rounds, "warmup": 1}
-    with tempfile.TemporaryDirectory() as tmp:
-        trainer = TorchTrainer(ddp_rounds, train_loop_config=config,
-                               scaling_config=ScalingConfig(num_workers=2, use_gpu=False,
-                                                            resources_per_worker={"CPU": 1}),
-                               run_config=RunConfig(name="overhead-ddp", storage_path=tmp,
-                                                    logging_config=LoggingConfig(log_level="WARNING")),
-                               torch_config=TorchConfig(backend="gloo"))
-        result = trainer.fit()
-    times = result.metrics["times"]
-    med = {k: statistics.median(v) for k, v in times.items()}
-    tokens = train_cfg.global_batch_size * train_cfg.seq_len
-    return {"step_s_median": med, "step_s_all": times, "tokens_per_s": {k: tokens / v for k, v in med.items()},
-            "accumulation_per_rank": result.metrics["accumulation"],
-            "scaling_efficiency": med["single"] / (2 * med["ddp_no_sync"]),
-            "scaling_efficiency_without_no_sync": med["single"] / (2 * med["ddp_sync_every_micro_step"]),
-            "allreduce_share": 1 - med["ddp_no_allreduce"] / med["ddp_no_sync"],
-            "allreduce_share_without_no_sync": 1 - med["ddp_no_allreduce"] / med["ddp_sync_every_micro_step"],
-            "no_sync_speedup": med["ddp_sync_every_micro_step"] / med["ddp_no_sync"]}
-
-
-# ---- part 3: how long ray.train.report blocks, against the time between reports ---------------------------
-
-REPORT_INTERVALS_S = (0.05, 0.2, 0.5, 1.0, 2.0, 3.0)
-
-
-def report_rounds(config: dict) -> None:
-    """Ray Train worker function of part 3: sleep for a log interval (the steps between two reports), then time
-    `ray.train.report` of a metrics dict the size of the loop's; hand the times back in a checkpoint."""
-    import ray.train
-
-    metrics = {key: 1.0 for key in ("loss", "lm_loss", "aux_loss", "lr", "grad_norm", "tokens_per_s", "mfu",
-                                    "samples_seen", "tokens_seen", "eta_s", "data_wait_frac", "checkpoint_s")}
-    times: dict[str, list[float]] = {}
-    for interval in config["intervals"]:
-        times[str(interval)] = []
-        for i in range(config["reports"]):
-            time.sleep(interval)
-            t0 = time.perf_counter()
-            ray.train.report({**metrics, "optimizer_step": i})
-            times[str(interval)].append(time.perf_counter() - t0)
-    with tempfile.TemporaryDirectory() as tmp:
-        Path(tmp, "times.json").write_text(json.dumps(times))
-        ray.train.report({"done": 1}, checkpoint=ray.train.Checkpoint.from_directory(tmp))
-
-
-def report_blocking(args) -> dict:
-    """Part 3 twice, side by side: Ray Train's controller polling at Ray's default (2 s) and at the job's own
-    setting (ray_jobs.pretrain.CONTROLLER_POLL_S), unless --ray-poll-interval names one to compare instead."""
-    from ray_jobs.pretrain import CONTROLLER_POLL_ENV, CONTROLLER_POLL_S
-
-    polls = {"ray_default": "2", "minilm": str(args.ray_poll_interval or CONTROLLER_POLL_S)}
-    before = os.environ.get(CONTROLLER_POLL_ENV)
-    results = {}
-    try:
-        for label, poll in polls.items():
-            os.environ[CONTROLLER_POLL_ENV] = poll  # Ray hands it from this process to the controller at fit()
-            results[label] = {"poll_s": float(poll), "rows": report_rows(args)}
-    finally:
-        if before is None:
-            os.environ.pop(CONTROLLER_POLL_ENV, None)
-        else:
-            os.environ[CONTROLLER_POLL_ENV] = before
-    return results
-
-
-def report_rows(args) -> list[dict]:
-    from ray.train import LoggingConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
-
-    config = {"intervals": list(args.report_intervals), "reports": args.reports}
-    with tempfile.TemporaryDirectory() as tmp:
-        result = TorchTrainer(report_rounds, train_loop_config=config,
-                              scaling_config=ScalingConfig(num_workers=1, use_gpu=False, resources_per_worker={"CPU": 1}),
-                              run_config=RunConfig(name="overhead-report", storage_path=tmp,
-                                                   logging_config=LoggingConfig(log_level="WARNING")),
-                              torch_config=TorchConfig(backend="gloo")).fit()
-        times = json.loads(Path(result.checkpoint.path, "times.json").read_text())
-    rows = []
-    for interval, t in times.items():
-        blocked = statistics.median(t[1:])  # the first follows another interval's reports
-        rows.append({"interval_s": float(interval), "report_s_median": blocked, "report_s_all": t,
-                     "throughput_factor": float(interval) / (float(interval) + blocked)})
-    return rows
-
-
-def print_report_blocking(part3: dict) -> None:
-    default, ours = part3["ray_default"], part3["minilm"]
-    print(f"part 3: ray.train.report after each log interval, 1 worker; Ray Train's controller polling every "
-          f"{default['poll_s']:g} s (Ray's default) and every {ours['poll_s']:g} s (the job's), one after the other")
-    print(f"{'interval s':>10}{'report s':>10}{'steps get':>11}{'report s':>10}{'steps get':>11}{'ratio':>8}")
-    for a, b in zip(default["rows"], ours["rows"], strict=True):
-        print(f"{a['interval_s']:>10.2f}{a['report_s_median']:>10.3f}{a['throughput_factor']:>11.1%}"
-              f"{b['report_s_median']:>10.3f}{b['throughput_factor']:>11.1%}"
-              f"{b['throughput_factor'] / a['throughput_factor']:>7.2f}x")
-    print("steps get = interval / (interval + report): the share of wall time left to training when the loop reports "
-          "that often; ratio: the job's setting over Ray's default")
-
-
 # ---- main -----------------------------------------------------------------------------------------
 
 def configs(args, preset: dict) -> tuple[ModelConfig, TrainConfig]:
@@ -567,22 +347,6 @@ def print_fixed_cost(part1: dict, model_cfg: ModelConfig, train_cfg: TrainConfig
               f"{DEMO_PRESET['checkpoint_every']}")
 
 
-def print_ddp(part2: dict, args) -> None:
-    med, tps = part2["step_s_median"], part2["tokens_per_s"]
-    labels = {"single": "1 worker x 1 CPU (whole batch)",
-              "ddp_no_sync": "2 workers x 1 CPU, no_sync (default)",
-              "ddp_sync_every_micro_step": "2 workers x 1 CPU, all-reduce every micro-step",
-              "ddp_no_allreduce": "2 workers x 1 CPU, no all-reduce (compute)"}
-    print(f"{'part 2: ' + str(args.rounds) + ' rounds, median':<50}{'step s':>8}{'tokens/s':>10}")
-    for k, label in labels.items():
-        print(f"{label:<50}{med[k]:>8.3f}{tps[k]:>10,.0f}")
-    print(f"scaling efficiency, 2 workers vs 1 (1 CPU each): {part2['scaling_efficiency']:.1%} with no_sync, "
-          f"{part2['scaling_efficiency_without_no_sync']:.1%} without")
-    print(f"all-reduce share of step time: {part2['allreduce_share']:.1%} with no_sync, "
-          f"{part2['allreduce_share_without_no_sync']:.1%} without ({part2['accumulation_per_rank']} micro-steps "
-          f"per rank); no_sync makes the step {part2['no_sync_speedup']:.2f}x faster")
-
-
 def seconds_list(text: str) -> tuple[float, ...]:
     """--report-intervals: comma-separated seconds, each > 0 (argparse turns the ValueError into a usage error)."""
     values = tuple(float(x) for x in text.split(","))
@@ -591,7 +355,7 @@ def seconds_list(text: str) -> tuple[float, ...]:
     return values
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.overhead", description=__doc__.split("\n")[0])
     p.add_argument("--mode", choices=["all", "fixed-cost", "ddp", "report"], default="all",
                    help="fixed-cost: part 1; ddp: part 2; report: part 3; all: every part")
@@ -618,6 +382,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reports", type=int, default=4, help="part 3: reports timed per interval (the first is not counted)")
     p.add_argument("--report-intervals", type=seconds_list, default=REPORT_INTERVALS_S,
                    help="part 3: seconds between reports, comma-separated")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     args = p.parse_args(argv)
     if args.rounds < 1 or args.log_every < 1 or args.steps < 3 * args.log_every:
         p.error("--rounds and --log-every must be >= 1, and --steps >= 3 x --log-every (steady log intervals)")

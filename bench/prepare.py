@@ -1,38 +1,13 @@
 """Throughput of `ray_jobs.prepare` next to a single-process `tokenizers` encode_batch, same text, same run.
 
     python -m bench.prepare [--num-cpus 2] [--scale 8] [--repeats 3]
-
-Measures, on the built-in demo corpus (stdlib docstrings, ~2 MB) and on that corpus repeated
-`--scale` times:
-
-* baseline: one process, `Tokenizer.encode_batch_fast` over all texts (Rayon threads on every core,
-  and with TOKENIZERS_PARALLELISM=false on one core);
-* prepare: `ray_jobs.prepare`'s pipeline (read + check JSONL in the driver, encode blocks in Ray
-  tasks kept in an ordered window, pack, write token files) on a local Ray of `--num-cpus` CPUs,
-  with the tokenizer given (training excluded); "cold" is the first run after Ray starts (worker
-  start-up included), "warm" the best later run;
-* beside the warm prepare, alternating with it run by run: the same work through Ray Data (the
-  previous pipeline's structure: blocks put as Arrow tables, `from_arrow_refs().map_batches(encode)`
-  in order, `iter_batches`), and in one process without Ray (read + check, `encode_batch_fast` on
-  every core in 4 MB batches, pack, write);
-* end to end: `python -m ray_jobs.prepare` as a user runs it (starts Ray, trains the tokenizer).
-
-The driver's CPU time is recorded for each warm run. For 1 core, pin the whole benchmark:
-`taskset -c 0 python -m bench.prepare --num-cpus 1`.
-
-Throughput is of input text: MB/s of UTF-8 text and tokens/s (document tokens); "x baseline" is the
-ratio to the all-cores encode_batch_fast of the same text. Prints a table and writes
-prepare.json to bench/results/ (or $MINILM_BENCH_RESULTS), with the load average: on a shared
-machine, other processes skew it.
-
     python -m bench.prepare --big-gb 1 [--big-cpus 1 2]
 
-At scale: a JSONL corpus of at least --big-gb GB (the demo corpus repeated, each copy in its own
-seeded document order), prepared by the real command line (`python -m ray_jobs.prepare`, tokenizer
-given, its own local Ray of N CPUs) in a process pinned to N cores, for each N of --big-cpus. The
-driver and every process under it (Ray's workers) are sampled every 0.5 s for RSS and for the
-kernel's peak (VmHWM). Reports wall time, MB/s of text (the pipeline's, from the summary line, and
-over the whole run) and the peak RSS of the driver and of the workers. Writes prepare_big.json.
+On the demo corpus and on it repeated `--scale` times: encode_batch_fast in one process (all cores, one core),
+prepare on a local Ray (cold, then warm beside Ray Data and a one-process run, alternating), and the command end to
+end; MB/s and tokens/s, and the ratio to the all-cores baseline. `--big-gb`: a corpus of that size through the
+command in a process pinned to N cores, with the peak RSS of the driver and its workers. bench/README-prepare.md
+has the details. Writes prepare.json or prepare_big.json.
 """
 
 from __future__ import annotations
@@ -168,7 +143,7 @@ def row(name: str, seconds: float, text_bytes: int, tokens: int) -> dict:
             "tokens_per_s": round(tokens / seconds), "text_bytes": text_bytes, "tokens": tokens}
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None):
     p = argparse.ArgumentParser(prog="python -m bench.prepare", description=__doc__.split("\n")[0])
     p.add_argument("--num-cpus", type=int, default=2)
     p.add_argument("--scale", type=int, default=8, help="also measure the corpus repeated this many times")
@@ -178,54 +153,36 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--big-cpus", type=int, nargs="+", default=[1, 2], help="cores of each --big-gb run")
     p.add_argument("--dir", default=None, help="--big-gb: where to write the corpus and the dataset (default: the "
                                                "system temp folder)")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.big_gb:
         return big_mode(args)
 
     import ray
 
-    from minilm import tokenizer as T
-    from minilm.corpus import write_demo_corpus
-
     rows: list[dict] = []
     notes: dict = {"loadavg_at_start": os.getloadavg()}
     with tempfile.TemporaryDirectory(prefix="bench-prepare-") as tmp:
         tmp = Path(tmp)
-        t0 = time.perf_counter()
-        info = write_demo_corpus(tmp / "demo.jsonl")
-        notes["corpus_extract_s"] = round(time.perf_counter() - t0, 3)
-        texts = [json.loads(line)["text"] for line in (tmp / "demo.jsonl").read_text(encoding="utf-8").splitlines()]
+        info, texts, tok, tok_path = demo_inputs(tmp, notes)
         text_bytes = sum(len(t.encode()) for t in texts)
-        t0 = time.perf_counter()
-        tok = T.train_tokenizer(texts, T.DEFAULT_VOCAB_SIZE)
-        notes["tokenizer_train_s"] = round(time.perf_counter() - t0, 3)
-        tok_path = T.save_tokenizer(tok, tmp / "tokenizer.json")
         tokens = sum(len(e.ids) + 1 for e in tok.encode_batch_fast(texts, add_special_tokens=False))
         big = tmp / "demo-x.jsonl"
         big.write_bytes((tmp / "demo.jsonl").read_bytes() * args.scale)
 
-        # end to end, as a user runs it: its own local Ray, tokenizer trained on the input
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "true"}
-        env.pop("RAY_ADDRESS", None)
-        t0 = time.perf_counter()
-        r = subprocess.run([sys.executable, "-m", "ray_jobs.prepare", "--input", str(tmp / "demo.jsonl"), "--output",
-                            str(tmp / "e2e"), "--num-cpus", str(args.num_cpus), "--seq-len", str(args.seq_len)],
-                           cwd=ROOT, env=env, capture_output=True, text=True)
-        e2e = time.perf_counter() - t0
-        if r.returncode != 0:
-            print(r.stderr, file=sys.stderr)
+        e2e = end_to_end(tmp, args, notes)
+        if e2e is None:
             return 1
-        notes["end_to_end_summary_line"] = r.stderr.strip().splitlines()[-1]
 
         for scale, corpus in ((1, tmp / "demo.jsonl"), (args.scale, big)):
             label = "demo" if scale == 1 else f"demo x{scale}"
             all_texts = texts * scale
-            rows.append(row(f"{label}: encode_batch_fast, 1 process, all cores", baseline(tok, all_texts, args.repeats,
-                                                                                           True),
-                            text_bytes * scale, tokens * scale))
-            rows.append(row(f"{label}: encode_batch_fast, 1 process, 1 core", baseline(tok, all_texts, args.repeats,
-                                                                                        False),
-                            text_bytes * scale, tokens * scale))
+            for cores, parallel in (("all cores", True), ("1 core", False)):
+                rows.append(row(f"{label}: encode_batch_fast, 1 process, {cores}",
+                                baseline(tok, all_texts, args.repeats, parallel), text_bytes * scale, tokens * scale))
             if scale == 1:
                 rows.append(row(f"{label}: python -m ray_jobs.prepare end to end (Ray start, BPE training)", e2e,
                                 text_bytes, tokens))
@@ -236,30 +193,12 @@ def main(argv: list[str] | None = None) -> int:
                 cold = prepare_once(corpus, tmp / "out", tok_path, args.seq_len)
                 rows.append(row(f"{label}: prepare, cold (first run on a fresh Ray, {args.num_cpus} CPUs)",
                                 cold["elapsed_s"], text_bytes, tokens))
-            variants = {f"prepare, warm ({args.num_cpus} CPUs)": prepare_once,
-                         f"the same through Ray Data, warm ({args.num_cpus} CPUs)": prepare_ray_data,
-                         "the same in one process, no Ray": prepare_one_process}
-            timed: dict[str, list[dict]] = {name: [] for name in variants}
-            for _ in range(args.repeats):  # alternating, so background load hits every variant alike
-                for name, fn in variants.items():
-                    timed[name].append(fn(corpus, tmp / "out", tok_path, args.seq_len))
-            for name, runs in timed.items():
-                best = min(runs, key=lambda st: st["elapsed_s"])
-                rows.append(row(f"{label}: {name}", best["elapsed_s"], text_bytes * scale, tokens * scale))
-                rows[-1]["driver_cpu_s"] = round(best["driver_cpu_s"], 3)
+            rows += warm_rows(label, corpus, tmp, tok_path, args, text_bytes * scale, tokens * scale)
         for r in rows:
             base = next(b for b in rows if b["name"].split(":")[0] == r["name"].split(":")[0])
             r["vs_encode_batch_all_cores"] = round(r["mb_per_s"] / base["mb_per_s"], 3)
         ray.shutdown()
-
-    width = max(len(r["name"]) for r in rows)
-    print(f"{'':{width}}  {'seconds':>8}  {'MB/s':>7}  {'tokens/s':>10}  {'x baseline':>10}  {'driver CPU s':>12}")
-    for r in rows:
-        cpu = f"{r['driver_cpu_s']:.2f}" if "driver_cpu_s" in r else ""
-        print(f"{r['name']:{width}}  {r['seconds']:8.3f}  {r['mb_per_s']:7.2f}  {r['tokens_per_s']:10,}  "
-              f"{r['vs_encode_batch_all_cores']:10.2f}  {cpu:>12}")
-    for k, v in notes.items():
-        print(f"{k}: {v}")
+    print_rows(rows, notes)
     result = {
         "rows": rows, "notes": notes,
         "corpus": {"documents": info["documents"], "text_bytes": text_bytes, "tokens": tokens, "scale": args.scale},
@@ -269,6 +208,66 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(f"wrote {write_json('prepare.json', result)}")
     return 0
+
+
+def demo_inputs(tmp: Path, notes: dict):
+    """The demo corpus written to tmp/demo.jsonl and a tokenizer trained on it (both timed into `notes`)."""
+    from minilm import tokenizer as T
+    from minilm.corpus import write_demo_corpus
+
+    t0 = time.perf_counter()
+    info = write_demo_corpus(tmp / "demo.jsonl")
+    notes["corpus_extract_s"] = round(time.perf_counter() - t0, 3)
+    texts = [json.loads(line)["text"] for line in (tmp / "demo.jsonl").read_text(encoding="utf-8").splitlines()]
+    t0 = time.perf_counter()
+    tok = T.train_tokenizer(texts, T.DEFAULT_VOCAB_SIZE)
+    notes["tokenizer_train_s"] = round(time.perf_counter() - t0, 3)
+    return info, texts, tok, T.save_tokenizer(tok, tmp / "tokenizer.json")
+
+
+def warm_rows(label: str, corpus: Path, tmp: Path, tok_path: Path, args, text_bytes: int, tokens: int) -> list[dict]:
+    """Prepare on the warm Ray, through Ray Data and in one process, alternating `--repeats` times (so background
+    load hits every variant alike): the best of each."""
+    variants = {f"prepare, warm ({args.num_cpus} CPUs)": prepare_once,
+                f"the same through Ray Data, warm ({args.num_cpus} CPUs)": prepare_ray_data,
+                "the same in one process, no Ray": prepare_one_process}
+    timed: dict[str, list[dict]] = {name: [] for name in variants}
+    for _ in range(args.repeats):
+        for name, fn in variants.items():
+            timed[name].append(fn(corpus, tmp / "out", tok_path, args.seq_len))
+    rows = []
+    for name, runs in timed.items():
+        best = min(runs, key=lambda st: st["elapsed_s"])
+        rows.append({**row(f"{label}: {name}", best["elapsed_s"], text_bytes, tokens),
+                     "driver_cpu_s": round(best["driver_cpu_s"], 3)})
+    return rows
+
+
+def end_to_end(tmp: Path, args, notes: dict) -> float | None:
+    """`python -m ray_jobs.prepare` as a user runs it (its own local Ray, a tokenizer trained on the input): its
+    seconds, or None (its error printed) if it failed."""
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "true"}
+    env.pop("RAY_ADDRESS", None)
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "ray_jobs.prepare", "--input", str(tmp / "demo.jsonl"), "--output",
+                        str(tmp / "e2e"), "--num-cpus", str(args.num_cpus), "--seq-len", str(args.seq_len)],
+                       cwd=ROOT, env=env, capture_output=True, text=True)
+    if r.returncode != 0:
+        print(r.stderr, file=sys.stderr)
+        return None
+    notes["end_to_end_summary_line"] = r.stderr.strip().splitlines()[-1]
+    return time.perf_counter() - t0
+
+
+def print_rows(rows: list[dict], notes: dict) -> None:
+    width = max(len(r["name"]) for r in rows)
+    print(f"{'':{width}}  {'seconds':>8}  {'MB/s':>7}  {'tokens/s':>10}  {'x baseline':>10}  {'driver CPU s':>12}")
+    for r in rows:
+        cpu = f"{r['driver_cpu_s']:.2f}" if "driver_cpu_s" in r else ""
+        print(f"{r['name']:{width}}  {r['seconds']:8.3f}  {r['mb_per_s']:7.2f}  {r['tokens_per_s']:10,}  "
+              f"{r['vs_encode_batch_all_cores']:10.2f}  {cpu:>12}")
+    for k, v in notes.items():
+        print(f"{k}: {v}")
 
 
 # ---- --big-gb ---------------------------------------------------------------------------------------------

@@ -3,18 +3,9 @@
     python -m bench.scale                                   # 0.25B and 1B tokens, 2 ranks, 200k samples each
     python -m bench.scale --tokens 0.25e9 1e9 2e9 --samples 200000 --dir /mnt/big
 
-For each size, writes a synthetic prepared dataset straight in the prepared format (random token
-ids below --vocab-size, written by `minilm.packing.ShardWriter` with its manifest; no text, no
-tokenizer run), drops its pages from the page cache, then runs the real stream
-(`ray_jobs.stream.RankStream`, each with its Ray Data reader actor) for 2 ranks of a world of 2,
-in 2 Ray actors at once, over one epoch's random order of the whole set: each rank reads
---samples sequences from positions spread over all of it. While they run, every rank process and
-every reader actor is sampled for RSS (psutil, every 0.2 s). Reported per process: RSS before the
-stream, after its first step, at the end, the peak, and the growth (end and peak minus the RSS
-after the first step, and minus before the stream for the ranks); the page cache the dataset then
-occupies (mincore of its files); tokens/s per rank. The dataset is deleted after each size, also
-on failure. Joins the Ray in RAY_ADDRESS or starts a local one. Writes scale.json to bench/results/
-(or $MINILM_BENCH_RESULTS).
+For each size: a synthetic prepared dataset (`write_synthetic`), its pages dropped, then the real stream for 2 ranks
+in 2 Ray actors over one epoch's random order, every rank and reader sampled for RSS; the growth per process, the
+page cache the dataset occupies, tokens/s per rank. bench/README.md has the details. Writes scale.json.
 """
 
 from __future__ import annotations
@@ -31,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .common import environment, write_json
+from .common import add_model_args, environment, write_json
 
 MB = 1 << 20
 
@@ -255,9 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=float, nargs="+", default=[0.25e9, 1e9], help="dataset sizes, in tokens")
     p.add_argument("--samples", type=int, default=200_000, help="sequences each rank reads")
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--vocab-size", type=int, default=6400)
-    p.add_argument("--micro-batch-size", type=int, default=32)
+    add_model_args(p, ("seq_len", "vocab_size", "micro_batch_size"), seq_len=512, micro_batch_size=32)
     p.add_argument("--accumulation", type=int, default=4)
     p.add_argument("--dir", default=None, help="where to write the datasets (default: the system temp folder)")
     args = p.parse_args(argv)

@@ -1,63 +1,32 @@
-"""Throughput and MFU of one optimizer step, dense vs MoE with the same active parameters (CPU or one GPU).
+"""Throughput and MFU of one optimizer step: dense vs MoE at equal active parameters, eager vs compiled.
 
     python -m bench.step                                   # hidden 512, 4 layers, seq 256, micro-batch 8, fp32, CPU
-    python -m bench.step --steps 4 --warmup 1              # quicker
-    python -m bench.step --dtype both                      # add a bf16-autocast pair of rows
-    python -m bench.step --compile                         # add torch.compile'd rows (minilm.step.prepare_model)
-    python -m bench.step --device cuda --dtype bf16 --compile --hidden-size 768 --num-hidden-layers 16 --seq-len 1024
-    python -m bench.step --no-moe ...                      # the dense model only (bench/gpu_check.sh)
-    python -m bench.step --ab positions --dtype bf16       # one change of the GPU step, before vs after (below)
+    python -m bench.step --dtype both --compile            # bf16 rows too, and torch.compile'd ones
+    python -m bench.step --experts 4 8 --top-k 1 2         # MoE: 4 and 8 experts, top-1 and top-2
+    python -m bench.step --dispatch split grouped          # the MoE layer's two dispatches side by side
+    python -m bench.step --no-moe --device cuda --dtype bf16 --compile --hidden-size 768 --num-hidden-layers 16
     python -m bench.step --estimate h200                   # the roofline of each phase and the predicted MFU
 
-For each dtype it measures, in this process: the matmul peak (n^3, best of 10, before and after the
-steps; the larger counts; n = 2048 on CPU, 8192 on GPU) and `minilm.step.optimizer_step`
-(accumulation 1) for the dense model and for the MoE model (4 experts, top-1: the same active FFN
-width), and with --compile for both again with `prepare_model(compile=True)`. All configurations
-alternate step by step, so background load hits them alike; warm-up steps (which include the
-compilation) are excluded. MFU = flops_per_token(seq_len) * tokens/s / measured peak; on a GPU listed in
-minilm.progress.GPU_PEAK_BF16 also against its data-sheet peak (the figure the training loop's MFU uses).
-Writes step.json to bench/results/ (or $MINILM_BENCH_RESULTS).
-
---ab CHANGE: the step as it is ("after") against the same step with that one change undone ("before", the
-code it replaced, kept below), the two models built alike and alternating step by step on the same batches,
-dense, accumulation 1: the ratio of their median steps (> 1: the change is faster) and the largest relative
-difference of their losses. CHANGE is one of AB_CHANGES:
-  positions    seq_len positions fed and scored (before: the row's seq_len + 1, the last output dropped)
-  chunked-ce   the head and loss chunk by chunk, gradients in the forward (before: fp32 logits of the batch)
-  residual     the residual stream in autocast's dtype (before: fp32, the embedding's output dtype)
-  gqa          SDPA's own GQA (before: K and V repeated to every query head)
-  bucket-view  DDP's gradient_as_bucket_view (a 1-rank gloo group; before: gradients copied to the buckets)
-  muon         Muon's update batched by shape (before: a loop over the parameters); --optimizer muon
-
---estimate h200: nothing runs. For the GPU check's 26M and 104M rows (seq 512, vocab 6400, the heads of
---num-attention-heads / --num-key-value-heads), the FLOPs and bytes of each phase of a compiled bf16 step, each
-phase's roofline time against the H200's ceilings (KINDS.md's measured 790 TFLOP/s and 4.3 TB/s; flash attention
-at ATTENTION_EFFICIENCY of the matmul rate), their sum as the predicted step, and the predicted MFU (minilm's
-6N + 12LHT FLOPs per token over the 989.5 TFLOP/s data sheet): the first GPU run compares its rows and its
-profiled step's kernels against these, phase by phase. Writes step-estimate.json.
+Every configuration runs `minilm.step.optimizer_step` (accumulation 1) on the same batches, all alternating step
+by step (`common.alternate`), warm-up steps (the compilation) untimed. A MoE model has the dense model's active
+FFN width (each expert 1/top-k of it). MFU is against the matmul peak measured before and after (the larger), and
+the data sheet's on a GPU minilm.progress lists. The GPU check's rows time one configuration with the same
+`build` and `figures`. Writes step.json (details: bench/README.md).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import inspect
 import statistics
 import sys
-import tempfile
 
 import torch
-import torch.nn.functional as F
 
 from minilm import loss as L
-from minilm import model as M
 from minilm.config import ModelConfig, TrainConfig
-from minilm.distributed import leave_process_group
-from minilm.model import CausalLMOutput, MiniMindForCausalLM
-from minilm.muon import NS_COEFFICIENTS
+from minilm.model import MiniMindForCausalLM, MoEFeedForward
 from minilm.progress import datasheet_peak, measured_matmul_peak
 from minilm.step import (
-    DTYPE_NAMES,
     TORCH_DTYPES,
     configure_backends,
     make_grad_scaler,
@@ -67,274 +36,143 @@ from minilm.step import (
 )
 
 from .common import add_model_args, alternate, environment, write_json
-from .gpu_check import MFU_GOALS
+
+MFU_GOALS = {"26m": 0.30, "104m": 0.45}  # compiled bf16, H100/H200 class (nanochat: ~46% at its d18)
+MOE_TARGET = 1.10  # MoE / dense step time on CPU
 
 
-def build(args, use_moe: bool, compile_: bool) -> MiniMindForCausalLM:
-    # A micro-batch row is seq_len + 1 ids: row[:, :-1] fed, row[:, 1:] scored.
+def model_config(args, experts: int = 0, top_k: int = 1, document_mask: bool = False) -> ModelConfig:
+    """The dense model of the flags, or MoE with experts 1/top_k as wide as its FFN (the same active FLOPs)."""
+    dense = ModelConfig(hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers,
+                        num_attention_heads=args.num_attention_heads, num_key_value_heads=args.num_key_value_heads,
+                        vocab_size=args.vocab_size, max_position_embeddings=args.seq_len + 1,
+                        document_mask=document_mask)
+    if not experts:
+        return dense
+    if dense.intermediate_size % top_k:
+        raise SystemExit(f"error: intermediate size {dense.intermediate_size} is not divisible by top-k {top_k}")
+    return ModelConfig(**{**dense.to_dict(), "use_moe": True, "num_experts": experts, "num_experts_per_tok": top_k,
+                          "intermediate_size": dense.intermediate_size // top_k})
+
+
+def build(cfg: ModelConfig, train_cfg: TrainConfig, device: torch.device):
+    """The model (seed 0, the same weights for every configuration of a size) prepared as the loop prepares it."""
     torch.manual_seed(0)
-    cfg = ModelConfig(hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers,
-                      num_attention_heads=args.num_attention_heads, num_key_value_heads=args.num_key_value_heads,
-                      vocab_size=args.vocab_size, max_position_embeddings=args.seq_len + 1, use_moe=use_moe,
-                      num_experts=4, num_experts_per_tok=1)
-    model = MiniMindForCausalLM(cfg).to(args.device).train()
-    return prepare_model(model, TrainConfig(compile=compile_), args.device)
+    model = prepare_model(MiniMindForCausalLM(cfg).to(device).train(), train_cfg, device)
+    return model, make_optimizer(model, train_cfg)
+
+
+def random_batches(args, n: int, device: torch.device) -> list[torch.Tensor]:
+    """n micro-batches of seq_len + 1 ids (row[:, :-1] fed, row[:, 1:] scored), the same for every configuration."""
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_len + 1), generator=gen).to(device)
+            for _ in range(n)]
+
+
+def stepper(model, optimizer, batches, dtype, dispatch: str = "auto"):
+    """step(i): optimizer step i on batches[i], done when its loss is on the host."""
+    scaler = make_grad_scaler(dtype, batches[0].device.type)
+
+    def step(i: int) -> None:
+        MoEFeedForward.dispatch = dispatch
+        float(optimizer_step(model, optimizer, scaler, [batches[i]], lr=1e-4, grad_clip=1.0, dtype=dtype).loss)
+    return step
+
+
+def figures(model, times: list[float], args, peak: float, sheet: float | None) -> dict:
+    """A row's figures from its timed steps: step time, tokens/s, MFU (measured and data-sheet peak), expert load."""
+    step_s = statistics.median(times)
+    tokens = args.micro_batch_size * args.seq_len
+    load = model.expert_load()
+    return {"params": model.num_params(), "active_params": model.num_params(active=True),
+            "flops_per_token": model.flops_per_token(args.seq_len), "tokens_per_step": tokens,
+            "step_s_median": step_s, "step_s_min": min(times), "step_s_max": max(times), "step_s_all": times,
+            "tokens_per_s": tokens / step_s, "achieved_flops": model.flops_per_token(args.seq_len) * tokens / step_s,
+            "peak_flops": peak, "peak_flops_datasheet": sheet,
+            "mfu": model.estimate_mfu(tokens / step_s, args.seq_len, peak),
+            "mfu_best_step": model.estimate_mfu(tokens / min(times), args.seq_len, peak),
+            "mfu_datasheet": model.estimate_mfu(tokens / step_s, args.seq_len, sheet) if sheet else None,
+            "max_expert_share": float(load.max()) if load is not None else None}
+
+
+def configs(args) -> list[tuple[str, int, int, str, bool]]:
+    """(name, experts, top-k, dispatch, compile) of every configuration: dense, each MoE, each again compiled."""
+    named = args.dispatch != ["auto"]
+    moe = [(f"moe {e}x top-{k}" + (f" {d}" if named else ""), e, k, d)
+           for e in ([] if args.no_moe else args.experts) for k in args.top_k for d in args.dispatch]
+    eager = [("dense", 0, 1, "auto"), *moe]
+    return [(*c, False) for c in eager] + ([(f"{c[0]}+compile", *c[1:], True) for c in eager] if args.compile else [])
 
 
 def bench_dtype(args, dtype_name: str) -> dict:
-    dtype = TORCH_DTYPES[dtype_name]
-    device = torch.device(args.device)
+    dtype, device = TORCH_DTYPES[dtype_name], torch.device(args.device)
     peak_before = measured_matmul_peak(dtype, n=args.peak_size, repeats=10, device=device)
-    configs = [("dense", False, False)] + ([] if args.no_moe else [("moe", True, False)])
-    if args.compile:
-        configs += [("dense+compile", False, True)] + ([] if args.no_moe else [("moe+compile", True, True)])
-    runs = {}
-    for name, use_moe, compile_ in configs:
-        model = build(args, use_moe, compile_)
-        gen = torch.Generator().manual_seed(1)
-        runs[name] = {
-            "model": model, "compile": compile_,
-            "optimizer": make_optimizer(model, TrainConfig(optimizer="adamw", lr=1e-4)),
-            "scaler": make_grad_scaler(dtype, device.type),
-            "batches": [torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_len + 1),
-                                      generator=gen).to(device) for _ in range(args.warmup + args.steps)],
-        }
-
-    def step_fn(r):
-        def step(i: int) -> None:
-            m = optimizer_step(r["model"], r["optimizer"], r["scaler"], [r["batches"][i]], lr=1e-4, grad_clip=1.0,
-                               dtype=dtype)
-            float(m.loss)  # the step is done when its loss is on the host
-        return step
-
-    times = alternate({name: step_fn(r) for name, r in runs.items()}, args.steps, args.warmup, device)
-    # Measured before and after the steps; the larger is the less disturbed by other load on the host.
+    batches = random_batches(args, args.warmup + args.steps, device)
+    runs, steps = {}, {}
+    for name, experts, top_k, dispatch, compile_ in configs(args):
+        model, optimizer = build(model_config(args, experts, top_k), TrainConfig(lr=1e-4, compile=compile_), device)
+        runs[name] = (model, experts, top_k, dispatch, compile_)
+        steps[name] = stepper(model, optimizer, batches, dtype, dispatch)
+    times = alternate(steps, args.steps, args.warmup, device)
+    MoEFeedForward.dispatch = "auto"  # the process's default, as it was
     peak_after = measured_matmul_peak(dtype, n=args.peak_size, repeats=10, device=device)
-    peak = max(peak_before, peak_after)
+    peak = max(peak_before, peak_after)  # the less disturbed by other load on the host
     sheet = datasheet_peak(torch.cuda.get_device_name(device), dtype) if device.type == "cuda" else None
     rows = []
-    tokens = args.micro_batch_size * args.seq_len
-    for name, r in runs.items():
-        model, t = r["model"], times[name]
-        step_s = statistics.median(t)
-        tps = tokens / step_s
-        load = model.expert_load()
-        rows.append({
-            "config": name, "dtype": dtype_name, "compile": r["compile"],
-            "params": model.num_params(), "active_params": model.num_params(active=True),
-            "flops_per_token": model.flops_per_token(args.seq_len),
-            "step_s_median": step_s, "step_s_min": min(t), "step_s_max": max(t), "step_s_all": t,
-            "tokens_per_step": tokens, "tokens_per_s": tps,
-            "achieved_flops": model.flops_per_token(args.seq_len) * tps,
-            "mfu": model.estimate_mfu(tps, args.seq_len, peak),
-            "mfu_best_step": model.estimate_mfu(tokens / min(t), args.seq_len, peak),
-            "mfu_datasheet": model.estimate_mfu(tps, args.seq_len, sheet) if sheet else None,
-            "max_expert_share": float(load.max()) if load is not None else None,
-        })
-    by = {r["config"]: r for r in rows}
-    ratios = {}
-    if not args.no_moe:
-        ratios.update({"moe_over_dense": by["moe"]["step_s_median"] / by["dense"]["step_s_median"],
-                       "moe_over_dense_min": by["moe"]["step_s_min"] / by["dense"]["step_s_min"]})
-    if args.compile:
-        # > 1: compile made the step faster by that factor; < 1: slower
-        ratios.update({"compile_speedup_dense": by["dense"]["step_s_median"] / by["dense+compile"]["step_s_median"],
-                       "compile_speedup_dense_min": by["dense"]["step_s_min"] / by["dense+compile"]["step_s_min"]})
-    if args.compile and not args.no_moe:
-        ratios.update({
-            "moe_over_dense_compiled": by["moe+compile"]["step_s_median"] / by["dense+compile"]["step_s_median"],
-            "compile_speedup_moe": by["moe"]["step_s_median"] / by["moe+compile"]["step_s_median"],
-            "compile_speedup_moe_min": by["moe"]["step_s_min"] / by["moe+compile"]["step_s_min"],
-        })
+    for name, (model, experts, top_k, dispatch, compile_) in runs.items():
+        dense = times["dense+compile" if compile_ else "dense"]
+        eager = times.get(name.removesuffix("+compile"))
+        rows.append({"config": name, "dtype": dtype_name, "compile": compile_, "experts": experts,
+                     "top_k": top_k if experts else None, "dispatch": dispatch if experts else None,
+                     **figures(model, times[name], args, peak, sheet),
+                     "over_dense": statistics.median(times[name]) / statistics.median(dense),
+                     "over_dense_min": min(times[name]) / min(dense),
+                     # > 1: compile made the step faster by that factor
+                     "compile_speedup": statistics.median(eager) / statistics.median(times[name])
+                     if compile_ else None})
     return {"dtype": dtype_name, "peak_flops": peak, "peak_flops_before": peak_before, "peak_flops_after": peak_after,
-            "peak_flops_datasheet": sheet, "rows": rows, **ratios}
+            "peak_flops_datasheet": sheet, "rows": rows}
 
 
-# ---- --ab: one change of the GPU step, before vs after ------------------------------------------------------------
-
-AB_CHANGES = ("positions", "chunked-ce", "residual", "gqa", "bucket-view", "muon")
-
-
-def forward_whole_rows(self, input_ids, labels=None, past_key_values=None, use_cache=False, targets=None,
-                       reduction="mean"):
-    """Before `positions`: the whole row (seq_len + 1 ids) through the model, the last position's output dropped."""
-    hidden, _ = self.model(torch.cat([input_ids, targets[:, -1:]], dim=1))
-    return CausalLMOutput(None, M.head_loss(hidden[:, :-1], self.lm_head.weight, targets, reduction),
-                          self.aux_loss())
-
-
-def head_loss_eager(hidden, weight, targets, reduction="mean"):
-    """Before `chunked-ce`: the head over the whole batch, its logits in fp32, torch's cross entropy."""
-    logits = F.linear(hidden, weight).float()
-    nats = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction=reduction)
-    return nats.view(targets.shape) if reduction == "none" else nats
-
-
-def model_forward_fp32_residual(self, input_ids, past_key_values=None, use_cache=False):
-    """Before `residual`: MiniMindModel.forward with the embedding's fp32 output as the residual stream."""
-    t = input_ids.shape[1]
-    cos, sin = self.freqs_cos[:t], self.freqs_sin[:t]
-    x = self.dropout(self.embed_tokens(input_ids))
-    mask = self.attention_mask(input_ids) if self.document_mask else None
-    for layer in self.layers:
-        x, _ = layer(x, cos, sin, None, False, mask)
-    return self.norm(x), [None] * len(self.layers)
-
-
-class LoopMuon(torch.optim.Optimizer):
-    """Before `muon`: minilm.muon.Muon as it was, one parameter at a time (the same arithmetic)."""
-
-    _step_supports_amp_scaling = True
-
-    def __init__(self, params, lr, *, momentum=0.95, nesterov=True, ns_steps=5, betas=(0.9, 0.95), eps=1e-8,
-                 weight_decay=0.0):
-        super().__init__(params, {"lr": lr, "lr_ratio": 1.0, "weight_decay": weight_decay, "use_muon": False,
-                                  "momentum": momentum, "nesterov": nesterov, "ns_steps": ns_steps,
-                                  "betas": tuple(betas), "eps": eps})
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        skip = getattr(self, "found_inf", None)
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    (self._muon if group["use_muon"] else self._adamw)(p, group, skip)
-
-    def _muon(self, p, group, skip):
-        state = self.state[p]
-        if not state:
-            state["momentum_buffer"] = torch.zeros_like(p)
-        buf, g, beta, lr = state["momentum_buffer"], p.grad, group["momentum"], group["lr"]
-        new_buf = buf.lerp(g, 1 - beta)
-        direction = g.lerp(new_buf, beta) if group["nesterov"] else new_buf
-        a, b, c = NS_COEFFICIENTS
-        x = direction.to(torch.bfloat16)
-        wide = x.shape[0] > x.shape[1]
-        x = x.T.contiguous() if wide else x
-        x = x / (x.norm() + 1e-7)
-        for _ in range(group["ns_steps"]):
-            gram = x @ x.T
-            x = a * x + (b * gram + c * gram @ gram) @ x
-        update = (x.T if wide else x).to(p.dtype) * max(1.0, p.shape[0] / p.shape[1]) ** 0.5
-        self._commit(buf, new_buf, skip)
-        self._commit(p, p * (1 - lr * group["weight_decay"]) - lr * update, skip)
-
-    def _adamw(self, p, group, skip):
-        state = self.state[p]
-        if not state:
-            state.update(step=torch.zeros((), device=p.device), exp_avg=torch.zeros_like(p),
-                         exp_avg_sq=torch.zeros_like(p))
-        (beta1, beta2), lr, g = group["betas"], group["lr"], p.grad
-        step = state["step"] + 1
-        exp_avg = state["exp_avg"].lerp(g, 1 - beta1)
-        exp_avg_sq = state["exp_avg_sq"] * beta2 + (1 - beta2) * g * g
-        denom = (exp_avg_sq / (1 - beta2 ** step)).sqrt() + group["eps"]
-        new_p = p * (1 - lr * group["weight_decay"]) - lr * (exp_avg / (1 - beta1 ** step)) / denom
-        for old, new in ((state["step"], step), (state["exp_avg"], exp_avg), (state["exp_avg_sq"], exp_avg_sq),
-                         (p, new_p)):
-            self._commit(old, new, skip)
-
-    @staticmethod
-    def _commit(old, new, skip):
-        old.copy_(new if skip is None else torch.where(skip > 0, old, new))
+def print_results(results: list[dict], args) -> None:
+    header = (f"{'config':<24} {'dtype':<5} {'params':>8} {'active':>8} {'step s':>8} {'min s':>8} {'tokens/s':>10} "
+              f"{'GFLOP/s':>9} {'MFU':>6} {'best':>6} {'/dense':>7}")
+    print("step s = median optimizer step; MFU from the median, best = of the fastest step; /dense = median step "
+          "over the dense one's (same compile)")
+    print(header + "\n" + "-" * len(header))
+    for res in results:
+        for r in res["rows"]:
+            print(f"{r['config']:<24} {r['dtype']:<5} {r['params'] / 1e6:>7.1f}M {r['active_params'] / 1e6:>7.1f}M "
+                  f"{r['step_s_median']:>8.4f} {r['step_s_min']:>8.4f} {r['tokens_per_s']:>10.0f} "
+                  f"{r['achieved_flops'] / 1e9:>9.1f} {r['mfu']:>6.1%} {r['mfu_best_step']:>6.1%} "
+                  f"{r['over_dense']:>6.2f}x")
+    for res in results:
+        print(f"matmul peak ({res['dtype']}, {args.peak_size}^3, best of 10): {res['peak_flops_before'] / 1e9:.1f} "
+              f"GFLOP/s before, {res['peak_flops_after'] / 1e9:.1f} after the steps; MFU uses the larger")
+        if res["peak_flops_datasheet"]:
+            print(f"  against the data-sheet peak ({res['peak_flops_datasheet'] / 1e12:.1f} TFLOP/s): MFU "
+                  + ", ".join(f"{r['config']} {r['mfu_datasheet']:.1%}" for r in res["rows"]))
+        if any(r["mfu"] > 1 for r in res["rows"]):
+            print("  warning: MFU > 100%: the peak was measured while the host was busier than during the steps")
+        by_name = {r["config"]: r for r in res["rows"]}
+        for r in res["rows"]:
+            how = f"{res['dtype']}{', compiled' if r['compile'] else ''}, {r['experts']} experts, top-{r['top_k']}"
+            if r["experts"]:
+                dispatch = f", {r['dispatch']} dispatch" if r["dispatch"] != "auto" else ""
+                print(f"MoE / dense step time ({how}{dispatch}): {r['over_dense']:.2f}x median, "
+                      f"{r['over_dense_min']:.2f}x best (target <= {MOE_TARGET:.2f}x)"
+                      + ("" if r["over_dense"] <= MOE_TARGET else "  ABOVE TARGET"))
+            split = by_name.get(r["config"].replace(" grouped", " split"))
+            if r["dispatch"] == "grouped" and split:
+                print(f"grouped / split dispatch step time ({how}): "
+                      f"{r['step_s_median'] / split['step_s_median']:.2f}x median, "
+                      f"{r['step_s_min'] / split['step_s_min']:.2f}x best")
+            if r["compile"]:
+                print(f"compile speed-up, eager / compiled step ({res['dtype']}, {r['config']}; > 1: compile is "
+                      f"faster): {r['compile_speedup']:.2f}x median")
 
 
-class NoBucketView(torch.nn.parallel.DistributedDataParallel):
-    """Before `bucket-view`: DDP copying each gradient into its bucket and back (what wrap_ddp asks for, less that)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **{**kwargs, "gradient_as_bucket_view": False})
-
-    __init__.__signature__ = inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__)
-
-
-@contextlib.contextmanager
-def patched(obj, name: str, value):
-    saved = getattr(obj, name)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        setattr(obj, name, saved)
-
-
-# What undoes a change for the "before" arm's steps (bucket-view and muon: another DDP, another optimizer instead)
-UNDO = {
-    "positions": lambda: patched(MiniMindForCausalLM, "forward", forward_whole_rows),
-    "chunked-ce": lambda: patched(M, "head_loss", head_loss_eager),
-    "residual": lambda: patched(M.MiniMindModel, "forward", model_forward_fp32_residual),
-    "gqa": lambda: patched(M, "SDPA_GQA", False),
-}
-
-
-def ab_arms(change: str, args):
-    """{"before": (model, optimizer, context), "after": ...}: the same weights; the context undoes the change
-    for the "before" arm's steps only."""
-    from minilm.trainer import wrap_ddp
-
-    train_cfg = TrainConfig(lr=1e-4, optimizer=args.optimizer)
-    arms = {}
-    for arm in ("before", "after"):
-        model = build(args, use_moe=False, compile_=False)
-        optimizer = make_optimizer(model, train_cfg)
-        if arm == "before" and change == "muon":
-            optimizer = LoopMuon(optimizer.param_groups, lr=train_cfg.lr)
-        context = UNDO.get(change, contextlib.nullcontext) if arm == "before" else contextlib.nullcontext
-        if change == "bucket-view":
-            ddp = NoBucketView if arm == "before" else torch.nn.parallel.DistributedDataParallel
-            with patched(torch.nn.parallel, "DistributedDataParallel", ddp):
-                model = wrap_ddp(model, torch.device(args.device))
-        arms[arm] = (model, optimizer, context)
-    return arms
-
-
-def ab_main(args) -> int:
-    import torch.distributed as dist
-
-    dtype = TORCH_DTYPES["bf16" if args.dtype == "both" else args.dtype]
-    device = torch.device(args.device)
-    group = tempfile.TemporaryDirectory() if args.ab == "bucket-view" else None
-    if group:
-        dist.init_process_group("gloo", init_method=f"file://{group.name}/rendezvous", rank=0, world_size=1)
-    try:
-        arms = ab_arms(args.ab, args)
-        gen = torch.Generator().manual_seed(1)
-        batches = [torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_len + 1), generator=gen)
-                   .to(device) for _ in range(args.warmup + args.steps)]
-        losses: dict[str, list[float]] = {arm: [] for arm in arms}
-
-        def step_fn(arm):
-            model, optimizer, context = arms[arm]
-            scaler = make_grad_scaler(dtype, device.type)
-
-            def step(i: int) -> None:
-                with context():
-                    m = optimizer_step(model, optimizer, scaler, [batches[i]], lr=1e-4, grad_clip=1.0, dtype=dtype)
-                losses[arm].append(float(m.loss))
-            return step
-
-        times = alternate({arm: step_fn(arm) for arm in arms}, args.steps, args.warmup, device)
-    finally:
-        if group:
-            arms = {}  # DDP goes while its group lives (gloo's destructor can hang after)
-            leave_process_group()
-            group.cleanup()
-    before, after = (statistics.median(times[a]) for a in ("before", "after"))
-    worst = max(abs(a - b) / abs(b) for a, b in zip(losses["before"], losses["after"], strict=True))
-    result = {"change": args.ab, "dtype": DTYPE_NAMES[dtype], "optimizer": args.optimizer,
-              "step_s": {k: statistics.median(v) for k, v in times.items()}, "step_s_all": times,
-              "before_over_after": before / after, "before_over_after_min": min(times["before"]) / min(times["after"]),
-              "losses": losses, "max_relative_loss_difference": worst}
-    print(f"--ab {args.ab} ({result['dtype']}, {result['optimizer']}): before {before:.4f} s, after {after:.4f} s "
-          f"median step; before / after {before / after:.3f}x median, {result['before_over_after_min']:.3f}x best "
-          f"(> 1: the change is faster); losses {losses['after'][0]:.5f} -> {losses['after'][-1]:.5f}, the arms "
-          f"within {worst:.1e} (relative) over {len(losses['after'])} steps")
-    path = write_json(f"step-ab-{args.ab}.json", {"args": vars(args), "environment": environment(), **result})
-    print(f"wrote {path}")
-    return 0
-
-
-# ---- --estimate: the roofline of each phase on a GPU, and the MFU it predicts -------------------------------------
+# ---- --estimate: the roofline of each phase on a GPU, and the MFU it predicts ------------------------------
 
 # The ceilings: H200 SXM, dense bf16 (fp32 accumulation) and HBM3e, from the data sheet and as KINDS.md measured them on
 # the lent machine (an 8192^3 bf16 matmul: 769-798 TFLOP/s; a device-to-device copy: ~4.3 TB/s, reads + writes).
@@ -434,11 +272,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=["fp32", "bf16", "both"], default="fp32")
     p.add_argument("--device", default="cpu", help="cpu or cuda (one GPU)")
     p.add_argument("--compile", action="store_true", help="add rows with torch.compile'd blocks")
+    p.add_argument("--experts", type=int, nargs="+", default=[4], help="the MoE rows' expert counts")
+    p.add_argument("--top-k", type=int, nargs="+", default=[1], help="the MoE rows' experts per token")
+    p.add_argument("--dispatch", nargs="+", choices=["auto", "split", "grouped"], default=["auto"],
+                   help="the MoE layer's dispatch(es) to time (minilm.model.MoEFeedForward.dispatch)")
     p.add_argument("--no-moe", action="store_true", help="the dense model only (no MoE rows)")
     p.add_argument("--peak-size", type=int, default=None, help="n of the n^3 matmul peak (default 2048 CPU, 8192 GPU)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
-    p.add_argument("--ab", choices=AB_CHANGES, default=None, help="one change of the GPU step, before vs after")
-    p.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw", help="--ab's optimizer")
     p.add_argument("--estimate", choices=sorted(HARDWARE), default=None,
                    help="print the roofline of each phase and the predicted MFU on that GPU (nothing is run)")
     args = p.parse_args(argv)
@@ -447,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         return estimate_main(args)
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")
+    if any(k < 1 or k > e for e in args.experts for k in args.top_k):
+        p.error("every --top-k must be in [1, every --experts]")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: this torch sees no CUDA device")
@@ -456,10 +298,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     configure_backends(device)  # TF32 on Ampere+ GPUs; nothing on CPU
-    if args.ab:
-        args.optimizer = "muon" if args.ab == "muon" else args.optimizer
-        return ab_main(args)
-
     env = environment()
     where = env.get("gpu", "") if device.type == "cuda" else f"{env['cpu']}, {env['torch_threads']} torch threads"
     print(f"# {where}, torch {env['torch']}, load average {env['load_average']}")
@@ -467,41 +305,8 @@ def main(argv: list[str] | None = None) -> int:
           f"seq {args.seq_len}, micro-batch {args.micro_batch_size}, accumulation 1, "
           f"{args.steps} timed steps after {args.warmup} warm-up, device {args.device}")
     results = [bench_dtype(args, d) for d in (("fp32", "bf16") if args.dtype == "both" else (args.dtype,))]
-
-    header = (f"{'config':<14} {'dtype':<5} {'params':>8} {'active':>8} {'step s':>8} {'min s':>8} {'tokens/s':>10} "
-              f"{'GFLOP/s':>9} {'peak':>9} {'MFU':>6} {'best':>6}")
-    print("step s = median optimizer step; tokens/s, GFLOP/s and MFU from the median; best = MFU of the fastest "
-          "step; peak = matmul GFLOP/s")
-    print(header)
-    print("-" * len(header))
-    for res in results:
-        for r in res["rows"]:
-            print(f"{r['config']:<14} {r['dtype']:<5} {r['params'] / 1e6:>7.1f}M {r['active_params'] / 1e6:>7.1f}M "
-                  f"{r['step_s_median']:>8.4f} {r['step_s_min']:>8.4f} {r['tokens_per_s']:>10.0f} "
-                  f"{r['achieved_flops'] / 1e9:>9.1f} {res['peak_flops'] / 1e9:>9.1f} {r['mfu']:>6.1%} "
-                  f"{r['mfu_best_step']:>6.1%}")
-    for res in results:
-        print(f"matmul peak ({res['dtype']}, {args.peak_size}^3, best of 10): {res['peak_flops_before'] / 1e9:.1f} "
-              f"GFLOP/s before, {res['peak_flops_after'] / 1e9:.1f} after the steps; MFU uses the larger")
-        if res["peak_flops_datasheet"]:
-            print(f"  against the data-sheet peak ({res['peak_flops_datasheet'] / 1e12:.1f} TFLOP/s): MFU "
-                  + ", ".join(f"{r['config']} {r['mfu_datasheet']:.1%}" for r in res["rows"]))
-        if any(r["mfu"] > 1 for r in res["rows"]):
-            print("  warning: MFU > 100%: the peak was measured while the host was busier than during the steps")
-    for res in results:
-        if "moe_over_dense" in res:
-            ratio = res["moe_over_dense"]
-            print(f"MoE / dense step time ({res['dtype']}): {ratio:.2f}x median, {res['moe_over_dense_min']:.2f}x best "
-                  f"(target <= 1.10x){'' if ratio <= 1.10 else '  ABOVE TARGET'}")
-        if args.compile:
-            line = (f"compile speed-up = eager / compiled step time ({res['dtype']}; > 1: compile is faster): "
-                    f"dense {res['compile_speedup_dense']:.2f}x median ({res['compile_speedup_dense_min']:.2f}x best)")
-            if "compile_speedup_moe" in res:
-                line += (f", MoE {res['compile_speedup_moe']:.2f}x median ({res['compile_speedup_moe_min']:.2f}x "
-                         f"best); compiled MoE / dense {res['moe_over_dense_compiled']:.2f}x")
-            print(line)
-    path = write_json("step.json", {"args": vars(args), "environment": env, "results": results})
-    print(f"wrote {path}")
+    print_results(results, args)
+    print(f"wrote {write_json('step.json', {'args': vars(args), 'environment': env, 'results': results})}")
     return 0
 
 

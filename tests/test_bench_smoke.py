@@ -31,32 +31,25 @@ def written(results: Path, name: str) -> dict:
 def test_step(tmp_path):
     out = run_bench("bench.step", [*TINY_MODEL, "--seq-len", "32", "--micro-batch-size", "2", "--steps", "2",
                                    "--warmup", "1", "--peak-size", "256"], tmp_path)
-    assert "MoE / dense step time (fp32):" in out
+    assert "MoE / dense step time (fp32, 4 experts, top-1):" in out
     result = written(tmp_path, "step.json")["results"][0]
-    assert [r["config"] for r in result["rows"]] == ["dense", "moe"]
+    assert [r["config"] for r in result["rows"]] == ["dense", "moe 4x top-1"]
     assert result["rows"][0]["active_params"] <= result["rows"][1]["active_params"] < result["rows"][1]["params"]
 
 
-def test_moe(tmp_path):
-    out = run_bench("bench.moe", [*TINY_MODEL, "--seq-len", "32", "--micro-batch-size", "2", "--steps", "1",
-                                  "--warmup", "0", "--dtype", "bf16"], tmp_path)
+def test_step_moe_experts_and_top_k(tmp_path):
+    # bench.step's MoE rows (once bench.moe): every expert count and top-k at the dense model's active width
+    out = run_bench("bench.step", [*TINY_MODEL, "--seq-len", "32", "--micro-batch-size", "2", "--steps", "1",
+                                   "--warmup", "0", "--dtype", "bf16", "--experts", "4", "8", "--top-k", "1", "2",
+                                   "--peak-size", "256"], tmp_path)
     for experts in (4, 8):
         for k in (1, 2):
             assert f"MoE / dense step time (bf16, {experts} experts, top-{k}):" in out
-    rows = written(tmp_path, "moe.json")["results"][0]["rows"]
+    rows = written(tmp_path, "step.json")["results"][0]["rows"]
     dense_active = rows[0]["active_params"]
     for r in rows[1:]:  # equal active parameters, up to the router (hidden x experts per layer)
         assert 0 < r["active_params"] - dense_active <= 2 * 64 * r["experts"]
-
-
-def test_packing(tmp_path):
-    out = run_bench("bench.packing", ["--corpus-kb", "48", "--vocab-size", "512", "--hidden-size", "64",
-                                      "--num-hidden-layers", "2", "--seq-len", "64", "--micro-batch-size", "2",
-                                      "--steps", "2", "--warmup", "0"], tmp_path)
-    assert "packed / padded useful tokens per second:" in out
-    layouts = written(tmp_path, "packing.json")["layouts"]
-    assert layouts["packed"]["corpus_useful_fraction"] == 1.0
-    assert layouts["padded"]["corpus_useful_fraction"] < 1.0
+        assert r["active_params"] < r["params"]
 
 
 def test_checkpoint(tmp_path):

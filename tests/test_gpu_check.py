@@ -24,8 +24,11 @@ import torch
 from helpers import ROOT
 
 from bench import gpu_check as G
+from bench import gpu_plan as P
 from bench.gpu_bundle import canonical, image_packages, image_versions
-from bench.gpu_check import FILES, SPECS, Part, Runner, make_plan, table_rows
+from bench.gpu_check import Runner
+from bench.gpu_plan import FILES, SPECS, Part, make_plan
+from bench.gpu_table import table_rows
 
 PARTS = [spec.name for spec in SPECS]  # every part, in the plan's order
 # No CPU build of the image's torch 2.11 is on PyPI (its Linux wheel is the CUDA 13.0 build: 530 MB, and GBs of
@@ -220,7 +223,7 @@ def test_the_plan_fits_the_budget_with_a_fifth_to_spare(device):
     if device == "cpu":
         assert plan.left == []  # the dry run runs every part
     # the lent GPU: one command of 600 s, the bundle's install and the results inside it
-    assert device == "cpu" or G.BUDGET["cuda"] + G.INSTALL_S + G.RESULTS_S <= G.COMMAND_S <= G.DEVICE_S - G.MACHINE_START_S
+    assert device == "cpu" or P.BUDGET["cuda"] + P.INSTALL_S + P.RESULTS_S <= P.COMMAND_S <= P.DEVICE_S - P.MACHINE_START_S
 
 
 def test_the_parts_never_run_on_a_gpu_come_before_the_refinements():

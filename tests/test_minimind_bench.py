@@ -12,6 +12,7 @@ import textwrap
 import pytest
 from helpers import run_module
 
+from bench import corpora as C
 from bench import minimind as B
 from minilm.tokenizer import save_tokenizer, train_tokenizer
 
@@ -110,11 +111,11 @@ def test_kjv_corpora_group_verses_and_chapters(tmp_path):
     passages = B.corpus_documents("kjv-passages", str(kjv))
     assert sum(p.count(".") for p in passages) == len(lines)  # every verse once
     shortest = min(len(line.split(" ", 1)[1]) for line in lines)
-    assert all(len(p) < B.PASSAGE_CHARS + 2 * shortest + 20 for p in passages)  # closed once PASSAGE_CHARS is reached
-    assert sum(len(p) >= B.PASSAGE_CHARS for p in passages) >= len(passages) // 2  # only a chapter's end is shorter
+    assert all(len(p) < C.PASSAGE_CHARS + 2 * shortest + 20 for p in passages)  # closed once PASSAGE_CHARS is reached
+    assert sum(len(p) >= C.PASSAGE_CHARS for p in passages) >= len(passages) // 2  # only a chapter's end is shorter
     chapters = B.corpus_documents("kjv-chapters", str(kjv))
-    assert len(chapters) == 3 * -(-40 // B.CHAPTERS_PER_DOC)  # groups never cross a book
-    assert chapters[0].count("\n\n") == B.CHAPTERS_PER_DOC - 1 and "Ge 1 1." in chapters[0]
+    assert len(chapters) == 3 * -(-40 // C.CHAPTERS_PER_DOC)  # groups never cross a book
+    assert chapters[0].count("\n\n") == C.CHAPTERS_PER_DOC - 1 and "Ge 1 1." in chapters[0]
     assert chapters[-1].endswith("1Sa 40 10.")
     with pytest.raises(B.BenchError, match="found 0 chapters"):
         bad = tmp_path / "bad.txt"
@@ -126,11 +127,11 @@ def test_the_chinese_corpus_is_one_document_per_fortune_without_colour_escapes(t
     (tmp_path / "chinese").write_text("要有礼貌\n\n请保持礼貌。\n    -- Debian\n%\n\x1b[1m善意推定\x1b[0m，请始终假设\n%\n短\n")
     (tmp_path / "tang300").write_text("床前明月光，疑是地上霜。\n举头望明月，低头思故乡。\n")
     (tmp_path / "song100").write_text("明月几时有？把酒问青天。\n%\n")
-    assert B.zh_fortunes(tmp_path) == ["要有礼貌\n\n请保持礼貌。\n    -- Debian", "善意推定，请始终假设",
+    assert C.zh_fortunes(tmp_path) == ["要有礼貌\n\n请保持礼貌。\n    -- Debian", "善意推定，请始终假设",
                                        "床前明月光，疑是地上霜。\n举头望明月，低头思故乡。", "明月几时有？把酒问青天。"]
     (tmp_path / "song100").unlink()
     with pytest.raises(B.BenchError, match="apt-get install fortunes-zh"):
-        B.zh_fortunes(tmp_path)
+        C.zh_fortunes(tmp_path)
 
 
 def test_time_to_reach_a_loss_interpolates_between_checkpoints():

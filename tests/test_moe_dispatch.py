@@ -185,16 +185,17 @@ def test_a_torch_without_grouped_mm_takes_the_split_dispatch(monkeypatch):
     assert model_module.grouped_mm_kernel_on is grouped_mm_kernel_on
 
 
-def test_bench_moe_times_both_dispatches_side_by_side(tmp_path, monkeypatch, capsys):
-    from bench import moe as bench_moe
+def test_bench_step_times_both_dispatches_side_by_side(tmp_path, monkeypatch, capsys):
+    from bench import step as bench_step
 
     monkeypatch.setenv("MINILM_BENCH_RESULTS", str(tmp_path))
-    assert bench_moe.main(["--hidden-size", "64", "--num-hidden-layers", "1", "--vocab-size", "256", "--seq-len", "16",
-                           "--micro-batch-size", "2", "--steps", "1", "--warmup", "0", "--dtype", "fp32",
-                           "--experts", "4", "--top-k", "2", "--dispatch", "split", "grouped"]) == 0
+    assert bench_step.main(["--hidden-size", "64", "--num-hidden-layers", "1", "--vocab-size", "256", "--seq-len",
+                            "16", "--micro-batch-size", "2", "--steps", "1", "--warmup", "0", "--dtype", "fp32",
+                            "--experts", "4", "--top-k", "2", "--dispatch", "split", "grouped",
+                            "--peak-size", "128"]) == 0
     out = capsys.readouterr().out
     assert "grouped / split dispatch step time (fp32, 4 experts, top-2): " in out
-    rows = json.loads((tmp_path / "moe.json").read_text())["results"][0]["rows"]
+    rows = json.loads((tmp_path / "step.json").read_text())["results"][0]["rows"]
     assert [(r["config"], r["dispatch"]) for r in rows] == [
         ("dense", None), ("moe 4x top-2 split", "split"), ("moe 4x top-2 grouped", "grouped")]
     assert MoEFeedForward.dispatch == "auto"  # the benchmark leaves the process's default as it found it

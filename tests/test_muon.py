@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from minilm.config import ConfigError, ModelConfig, TrainConfig
 from minilm.distributed import leave_process_group
 from minilm.model import MiniMindForCausalLM
-from minilm.muon import Muon, orthogonalize
+from minilm.muon import NS_COEFFICIENTS, Muon, orthogonalize
 from minilm.step import make_grad_scaler, make_optimizer, optimizer_step, set_lr
 
 SEQ, MICRO, ACCUMULATION, VOCAB = 16, 2, 2, 64
@@ -153,13 +153,70 @@ def test_found_inf_zero_is_an_ordinary_step():
                                                      strict=True))
 
 
+class LoopMuon(torch.optim.Optimizer):
+    """minilm.muon.Muon as it was before its update was batched by shape: one parameter at a time, the same
+    arithmetic (the reference of test_the_batched_update_is_the_per_parameter_loop)."""
+
+    _step_supports_amp_scaling = True
+
+    def __init__(self, params, lr, *, momentum=0.95, nesterov=True, ns_steps=5, betas=(0.9, 0.95), eps=1e-8,
+                 weight_decay=0.0):
+        super().__init__(params, {"lr": lr, "lr_ratio": 1.0, "weight_decay": weight_decay, "use_muon": False,
+                                  "momentum": momentum, "nesterov": nesterov, "ns_steps": ns_steps,
+                                  "betas": tuple(betas), "eps": eps})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        skip = getattr(self, "found_inf", None)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    (self._muon if group["use_muon"] else self._adamw)(p, group, skip)
+
+    def _muon(self, p, group, skip):
+        state = self.state[p]
+        if not state:
+            state["momentum_buffer"] = torch.zeros_like(p)
+        buf, g, beta, lr = state["momentum_buffer"], p.grad, group["momentum"], group["lr"]
+        new_buf = buf.lerp(g, 1 - beta)
+        direction = g.lerp(new_buf, beta) if group["nesterov"] else new_buf
+        a, b, c = NS_COEFFICIENTS
+        x = direction.to(torch.bfloat16)
+        wide = x.shape[0] > x.shape[1]
+        x = x.T.contiguous() if wide else x
+        x = x / (x.norm() + 1e-7)
+        for _ in range(group["ns_steps"]):
+            gram = x @ x.T
+            x = a * x + (b * gram + c * gram @ gram) @ x
+        update = (x.T if wide else x).to(p.dtype) * max(1.0, p.shape[0] / p.shape[1]) ** 0.5
+        self._commit(buf, new_buf, skip)
+        self._commit(p, p * (1 - lr * group["weight_decay"]) - lr * update, skip)
+
+    def _adamw(self, p, group, skip):
+        state = self.state[p]
+        if not state:
+            state.update(step=torch.zeros((), device=p.device), exp_avg=torch.zeros_like(p),
+                         exp_avg_sq=torch.zeros_like(p))
+        (beta1, beta2), lr, g = group["betas"], group["lr"], p.grad
+        step = state["step"] + 1
+        exp_avg = state["exp_avg"].lerp(g, 1 - beta1)
+        exp_avg_sq = state["exp_avg_sq"] * beta2 + (1 - beta2) * g * g
+        denom = (exp_avg_sq / (1 - beta2 ** step)).sqrt() + group["eps"]
+        new_p = p * (1 - lr * group["weight_decay"]) - lr * (exp_avg / (1 - beta1 ** step)) / denom
+        for old, new in ((state["step"], step), (state["exp_avg"], exp_avg), (state["exp_avg_sq"], exp_avg_sq),
+                         (p, new_p)):
+            self._commit(old, new, skip)
+
+    @staticmethod
+    def _commit(old, new, skip):
+        old.copy_(new if skip is None else torch.where(skip > 0, old, new))
+
+
 def test_the_batched_update_is_the_per_parameter_loop():
     # Muon's matrices are updated by foreach ops with the Newton-Schulz matmuls batched over same-shape matrices (a
     # few launches per shape, not ~40 per parameter); its AdamW part by torch's fused AdamW kernel. Against the loop
-    # they replaced (bench.step.LoopMuon, --ab muon's "before"), skipped steps included: the matrices and their
-    # momentum bit for bit, the AdamW parameters and moments to float rounding (another order of the same formula).
-    from bench.step import LoopMuon
-
+    # they replaced (LoopMuon above), skipped steps included: the matrices and their momentum bit for bit, the
+    # AdamW parameters and moments to float rounding (another order of the same formula).
     model_a, opt_a = fresh()
     model_b, _ = fresh()
     opt_b = LoopMuon(make_optimizer(model_b, muon_cfg()).param_groups, lr=1e-3)
