@@ -4,7 +4,7 @@
 
 Every byte-level BPE token spells fixed bytes, so the bytes of a target are a table lookup
 (`token_byte_lengths`); special tokens spell none and count in neither sum. `score_rows` scores
-training rows (`val_bpb`); `evaluate_documents` scores whole documents from their start (`bench.quality`).
+training rows (`val_bpb`); `evaluate_documents` scores whole documents from their start (`bench.minimind` scores with it).
 """
 
 from __future__ import annotations

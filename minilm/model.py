@@ -122,7 +122,7 @@ class MoEFeedForward(nn.Module):
     "grouped" runs each projection of all experts as one `torch._grouped_mm` over group offsets that
     stay on the device, with fixed shapes. `dispatch = "auto"` (the default) takes "grouped" where
     that op has its sync-free kernel (CUDA, bf16, compute capability 9.x or 10.x; elsewhere it reads
-    the offsets on the host itself) and "split" everywhere else; tests and bench/moe.py set it.
+    the offsets on the host itself) and "split" everywhere else; tests and `bench.step --dispatch` set it.
     """
 
     dispatch = "auto"  # "auto" | "grouped" | "split", for every MoE layer of the process
