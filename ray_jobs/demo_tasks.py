@@ -21,6 +21,7 @@ import re
 import sys
 from pathlib import Path
 
+from minilm import checkpoint as C
 from minilm.corpus import _source_files, demo_corpus_documents, stdlib_dir
 
 from .cli import ArgumentParser, command, fail
@@ -78,25 +79,26 @@ def comment_documents(n: int, min_chars: int = 200) -> list[str]:
     return docs
 
 
-FILES = ("cloze.jsonl", "comments.jsonl", "prompts.txt", "tasks.yaml")
+TASKS_YAML = ("# made by python -m ray_jobs.demo_tasks from this Python's standard library\n"
+              "tasks:\n"
+              "  - {name: cloze, kind: hellaswag, path: cloze.jsonl}\n"
+              "  - {name: comments, kind: bpb, path: comments.jsonl}\n"
+              "  - {name: samples, kind: generate, path: prompts.txt, max_new_tokens: 24}\n")
 
 
 def write_tasks(out: Path, items: int = 200, documents: int = 100) -> Path:
-    """The task files in `out`: a new or empty folder, or one holding exactly an earlier output of this command."""
-    if out.exists() and (not out.is_dir() or not {p.name for p in out.iterdir()} <= set(FILES)):
-        raise OSError(f"{out} holds other files; choose a new or empty folder")
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "cloze.jsonl", "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(item) + "\n" for item in cloze_items(items))
-    with open(out / "comments.jsonl", "w", encoding="utf-8") as f:
-        f.writelines(json.dumps({"text": doc}) + "\n" for doc in comment_documents(documents))
-    (out / "prompts.txt").write_text("".join(p + "\n" for p in PROMPTS), encoding="utf-8")
-    (out / "tasks.yaml").write_text(
-        "# made by python -m ray_jobs.demo_tasks from this Python's standard library\n"
-        "tasks:\n"
-        "  - {name: cloze, kind: hellaswag, path: cloze.jsonl}\n"
-        "  - {name: comments, kind: bpb, path: comments.jsonl}\n"
-        "  - {name: samples, kind: generate, path: prompts.txt, max_new_tokens: 24}\n", encoding="utf-8")
+    """The task files in `out` by the export rule: a new or empty folder, or one holding exactly an earlier output
+    of this command (its marker says so: a user's own tasks.yaml there is never replaced)."""
+    C.check_output(out)  # refused before the standard library is read
+
+    def lines(rows):
+        return "".join(json.dumps(r) + "\n" for r in rows).encode()
+
+    files = {"cloze.jsonl": lines(cloze_items(items)),
+             "comments.jsonl": lines({"text": doc} for doc in comment_documents(documents)),
+             "prompts.txt": "".join(p + "\n" for p in PROMPTS).encode(), "tasks.yaml": TASKS_YAML.encode()}
+    C.write_export(out, {name: lambda f, data=data: C.write_bytes(f, data) for name, data in files.items()},
+                   "demo-tasks")
     return out / "tasks.yaml"
 
 
@@ -108,7 +110,7 @@ def build_parser() -> ArgumentParser:
     return p
 
 
-@command()
+@command(C.CheckpointError)
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.items < 1 or args.documents < 1:

@@ -143,6 +143,20 @@ def test_the_demo_task_list_reads_and_refuses_a_folder_of_other_files(tmp_path):
     assert (tmp_path / "other" / "notes.txt").read_text() == "mine" and len(list((tmp_path / "other").iterdir())) == 1
 
 
+def test_demo_tasks_never_replaces_a_users_own_task_files(tmp_path, capsys):
+    """A folder holding the very names demo_tasks writes (a user's tasks.yaml and prompts.txt), without its marker,
+    is not its earlier output: refused in one line, both files untouched."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "tasks.yaml").write_text("tasks: [my own]\n")
+    (mine / "prompts.txt").write_text("my prompt\n")
+    assert demo_tasks.main(["--output", str(mine)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "holds other files" in err, err
+    assert (mine / "tasks.yaml").read_text() == "tasks: [my own]\n" and (mine / "prompts.txt").read_text() == \
+        "my prompt\n" and len(list(mine.iterdir())) == 2
+
+
 # ---- end to end ---------------------------------------------------------------------------------------
 
 TEXT = ["the quick brown fox jumps over the lazy dog", "the lazy dog sleeps", "a quick fox"]

@@ -33,7 +33,7 @@ from ..step import TORCH_DTYPES
 
 MARKER = "COMPLETE.json"
 RESUME_FILES = ("model.safetensors", "optimizer.pt", "scaler.pt", "state.json")
-EXPORT_KINDS = ("weights", "hf")  # a marker's "kind" that `write_export` may replace
+EXPORT_KINDS = ("weights", "hf", "demo-tasks")  # a marker's "kind" that `write_export` may replace
 # state.json's format: a change an older reader would misread bumps it (and adds a fixture under tests/fixtures/).
 STATE_FORMAT = 1
 # What a resume reads from state.json (train_config must hold the seed).
@@ -196,9 +196,10 @@ def save_resume_state(path: str | os.PathLike, *, model: torch.nn.Module, optimi
 
 # ---- reading ---------------------------------------------------------------------------------------
 
-def parse_marker(raw: bytes | None, where: Path | str) -> dict[str, str]:
+def parse_marker(raw: bytes | None, where: Path | str, weights: bool = True) -> dict[str, str]:
     """The files a marker vouches for; CheckpointError unless it is a mapping of file names to hashes that names
-    the weights (a hand-edited or foreign marker is "not complete", never taken)."""
+    the weights (unless `weights` is False: a folder of task files), so a hand-edited or foreign marker is "not
+    complete", never taken."""
     if raw is None:
         raise CheckpointError(f"checkpoint {where} is incomplete: {MARKER} is missing (the write did not finish)")
     try:
@@ -206,7 +207,7 @@ def parse_marker(raw: bytes | None, where: Path | str) -> dict[str, str]:
     except (ValueError, KeyError, TypeError, RecursionError) as e:
         raise CheckpointError(f"checkpoint {where}: {MARKER} is unreadable ({type(e).__name__}: {str(e)[:80]})") from None
     if not (isinstance(files, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in files.items())
-            and "model.safetensors" in files):
+            and ("model.safetensors" in files or not weights)):
         raise CheckpointError(f"checkpoint {where}: {MARKER} does not list its files with their hashes and the "
                               f"weights (edited, or not written by minilm)")
     for name in files:  # the one rule for names that become paths
@@ -331,11 +332,12 @@ def check_output(path: Path) -> bool:
         return False
     try:
         raw = (path / MARKER).read_bytes()
-        files, kind = parse_marker(raw, path), json.loads(raw).get("kind")
+        kind = json.loads(raw).get("kind")
+        files = parse_marker(raw, path, weights=kind != "demo-tasks")
         # an export of an earlier minilm has no kind: weights beside a config, no resume state
         ours = (kind in EXPORT_KINDS or kind is None and "config.json" in files and "state.json" not in files) \
             and entries == {MARKER, *files}
-    except (OSError, CheckpointError):
+    except (OSError, CheckpointError, ValueError, AttributeError):  # AttributeError: a marker that is no mapping
         ours = False
     if not ours:
         entries = entries or {path.name}
