@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from .fsio import write_atomic
+
 # Dense bf16 tensor-core peak FLOP/s (fp32 accumulation) from NVIDIA's data sheets, keyed by the exact name
 # torch.cuda.get_device_name() reports (an L40S is not an L4); Ampere and later only. An unlisted name (an older
 # GPU, a MIG slice, a figure not checked) gets a measured matmul peak instead.
@@ -120,9 +122,7 @@ class MetricsLog:
                 kept.append(line)
             else:
                 dropped += 1
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(k + "\n" for k in kept))
-        os.replace(tmp, self.path)
+        write_atomic(self.path, "".join(k + "\n" for k in kept))
         return dropped
 
     def append(self, record: dict) -> None:
