@@ -15,6 +15,8 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
+from .fsio import write_atomic
+
 MIN_CHARS = 80
 MAX_BYTES = 4 << 20  # UTF-8 bytes of text, all documents together
 SKIP_DIRS = frozenset({
@@ -96,12 +98,7 @@ def write_demo_corpus(path: str | os.PathLike, max_bytes: int = MAX_BYTES) -> di
     """Write the demo corpus as MiniMind-style JSONL to `path`; {"path", "documents", "text_bytes", "bytes"}."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    docs = text_bytes = 0
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8", newline="\n") as f:
-        for doc in demo_corpus_documents(max_bytes=max_bytes):
-            f.write(json.dumps({"text": doc}, ensure_ascii=False) + "\n")
-            docs += 1
-            text_bytes += len(doc.encode("utf-8"))
-    os.replace(tmp, path)
-    return {"path": str(path), "documents": docs, "text_bytes": text_bytes, "bytes": path.stat().st_size}
+    docs = list(demo_corpus_documents(max_bytes=max_bytes))  # a few MB: written whole, then renamed into place
+    write_atomic(path, "".join(json.dumps({"text": doc}, ensure_ascii=False) + "\n" for doc in docs))
+    return {"path": str(path), "documents": len(docs), "text_bytes": sum(len(d.encode("utf-8")) for d in docs),
+            "bytes": path.stat().st_size}

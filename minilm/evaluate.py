@@ -35,7 +35,7 @@ from .bpb import evaluate_documents, token_byte_lengths
 from .config import TrainConfig
 from .data import file_sha256
 from .model import MiniMindForCausalLM
-from .tokenizer import BOS_ID, EOS_ID, load_tokenizer, vocab_size_of
+from .tokenizer import BOS_ID, EOS_ID
 
 LETTERS = "ABCD"
 # Each kind's options and their defaults; any other key of a task entry is refused.
@@ -394,7 +394,7 @@ def identify(path: str | os.PathLike) -> Checkpoint:
 def find_tokenizer(checkpoint: Checkpoint, given: str | os.PathLike | None) -> Path:
     """--tokenizer, else the checkpoint's own tokenizer.json (in its weights/ export, or the export's), else that of
     another checkpoint of its run folder: with --export-every N only every N-th has one, and a run keeps its
-    tokenizer (`check_tokenizer` holds it to the checkpoint's SHA-256)."""
+    tokenizer (`checkpoint.open_tokenizer` holds it to the checkpoint's SHA-256)."""
     if given:
         return Path(given)
     own = [checkpoint.path / "weights" / "tokenizer.json", checkpoint.path / "tokenizer.json"]
@@ -406,39 +406,13 @@ def find_tokenizer(checkpoint: Checkpoint, given: str | os.PathLike | None) -> P
                     f"run: give --tokenizer, the tokenizer.json of the data the model was trained on")
 
 
-def load_model(checkpoint: Checkpoint, device: str | torch.device = "cpu") -> tuple[MiniMindForCausalLM, dict | None]:
-    """The model in eval mode (fp32) and the checkpoint's state.json (None for an export). Only the weights of a
-    resume checkpoint are read, not its optimizer state."""
-    if not checkpoint.resume:
-        model, _ = C.load_pretrained(checkpoint.path, device=str(device))
-        return model, None
-    C.verify(checkpoint.path)
-    state = C.read_state(checkpoint.path, ("optimizer_step", "model_config"))
-    model = C.files.load_model(checkpoint.path, lambda: state["model_config"], "checkpoint")
-    return model.to(device).eval(), state
-
-
-def check_tokenizer(path: Path, model: MiniMindForCausalLM, state: dict | None):
-    """The tokenizer, refused when it cannot be the model's: more ids than the model embeds, or not the file the
-    checkpoint's data was prepared with (state.json keeps its SHA-256)."""
-    tokenizer = load_tokenizer(path)
-    if vocab_size_of(tokenizer) > model.config.vocab_size:
-        raise TaskError(f"{path} has {vocab_size_of(tokenizer)} tokens but the model embeds only "
-                        f"vocab_size={model.config.vocab_size}: not the tokenizer this model was trained with")
-    trained = (state or {}).get("tokenizer_sha256")
-    if trained and file_sha256(path) != trained:
-        raise TaskError(f"{path} is not the tokenizer this checkpoint's data was prepared with (SHA-256 "
-                        f"{file_sha256(path)[:12]}, state.json has {trained[:12]})")
-    return tokenizer
-
-
 def evaluate_checkpoint(path: str | os.PathLike, tasks: list[Task], *, tokenizer: str | os.PathLike | None = None,
                         device: str | torch.device = "cpu") -> list[dict]:
     """Every task on one checkpoint (a resume checkpoint folder or a weights export): one record each."""
     checkpoint = identify(path)
     tokenizer_path = find_tokenizer(checkpoint, tokenizer)
-    model, state = load_model(checkpoint, device)
-    tok = check_tokenizer(tokenizer_path, model, state)
+    model, state = C.open_weights(checkpoint.path, device)
+    tok = C.open_tokenizer(tokenizer_path, model.config, (state or {}).get("tokenizer_sha256"))
     seq_len = ((state or {}).get("train_config") or {}).get("seq_len") or TrainConfig().seq_len
     records = []
     for task in tasks:
@@ -488,4 +462,4 @@ def format_metrics(metrics: dict[str, float]) -> str:
 
 __all__ = ["ChoiceItem", "Checkpoint", "Task", "TaskError", "choice_loglikelihoods", "choice_metrics",
            "evaluate_checkpoint", "fewshot_prefix", "find_tokenizer", "format_metrics", "greedy_continuations",
-           "identify", "load_model", "load_tasks", "read_choice", "read_documents", "read_hellaswag", "read_prompts"]
+           "identify", "load_tasks", "read_choice", "read_documents", "read_hellaswag", "read_prompts"]

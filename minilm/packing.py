@@ -18,7 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .data import FORMAT, MANIFEST, TOKEN_DTYPES, TOKENIZER_FILE, fsync_dir, pid_alive
+from . import fsio
+from .data import FORMAT, MANIFEST, TOKEN_DTYPES, TOKENIZER_FILE
 from .rows import BestFitRows, BestFitStats
 from .tokenizer import BOS_ID, EOS_ID
 
@@ -223,12 +224,7 @@ def build_manifest(result: PackResult, *, tokenizer: dict, inputs: list[dict], d
 
 def write_manifest(directory: str | os.PathLike, manifest: dict) -> Path:
     path = Path(directory) / MANIFEST
-    tmp = path.with_name(MANIFEST + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    fsio.write_atomic(path, json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
     return path
 
 
@@ -260,7 +256,7 @@ def describe_existing(path: Path) -> str | None:
 
 
 class AtomicOutput:
-    """Builds DIR in `DIR.tmp-<pid>` and renames it into place on `commit()`.
+    """Builds DIR in its staging folder beside it (`fsio.staging_dir`) and renames it into place on `commit()`.
 
     An existing prepared dataset is replaced only with `overwrite`; anything else there is never deleted."""
 
@@ -276,34 +272,17 @@ class AtomicOutput:
                 raise OutputError(f"output {self.final} already holds {existing}; pass --overwrite to replace "
                                   f"it (this is refused even when the inputs are the same)")
         self.final.parent.mkdir(parents=True, exist_ok=True)
-        self._remove_stale_temps()
-        self.tmp = self.final.with_name(f"{self.final.name}.tmp-{os.getpid()}")
-        if self.tmp.exists():
-            shutil.rmtree(self.tmp)
-        self.tmp.mkdir()
+        fsio.sweep_staging(self.final.parent)  # left by a prepare that was killed
+        self.tmp, self.replace = fsio.staging_dir(self.final.parent, self.final.name), existing is not None
+        self.tmp.mkdir(mode=0o750)
         self.committed = False
-
-    def _remove_stale_temps(self) -> None:
-        pattern = re.compile(re.escape(self.final.name) + r"\.(tmp|old)-(\d+)")
-        for p in self.final.parent.iterdir():
-            m = pattern.fullmatch(p.name)
-            if m and p.is_dir() and int(m.group(2)) != os.getpid() and not pid_alive(int(m.group(2))):
-                shutil.rmtree(p, ignore_errors=True)
 
     def commit(self) -> Path:
         """Move the finished temp folder to DIR (replacing an old dataset there)."""
         if not (self.tmp / MANIFEST).is_file():
             raise RuntimeError("commit() before the manifest was written")
-        fsync_dir(self.tmp)
-        old = None
-        if self.final.exists():
-            old = self.final.with_name(f"{self.final.name}.old-{os.getpid()}")
-            os.rename(self.final, old)
-        os.rename(self.tmp, self.final)
-        fsync_dir(self.final.parent)
+        fsio.publish(self.tmp, self.final, self.replace)
         self.committed = True
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
         return self.final
 
     def abort(self) -> None:

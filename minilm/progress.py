@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from .fsio import write_atomic
 from .jsonl import append_jsonl, read_jsonl
 
 # Dense bf16 tensor-core peak FLOP/s (fp32 accumulation) from NVIDIA's data sheets, keyed by the exact name
@@ -114,9 +115,7 @@ class MetricsLog:
         # A torn last line from a killed process, or a line that is not a record, goes too.
         kept = [json.dumps(r, sort_keys=True) for r in self.read()
                 if isinstance(r, dict) and r.get("optimizer_step", 0) <= optimizer_step]
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(k + "\n" for k in kept))
-        os.replace(tmp, self.path)
+        write_atomic(self.path, "".join(k + "\n" for k in kept))
 
     def append(self, record: dict) -> None:
         append_jsonl(self.path, [record], sort_keys=True)

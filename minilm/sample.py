@@ -15,7 +15,7 @@ import torch
 from . import checkpoint as C
 from .cli import ArgumentParser, command, fail
 from .config import ConfigError
-from .evaluate import TaskError, check_tokenizer, find_tokenizer, identify, load_model
+from .evaluate import TaskError, find_tokenizer, identify
 from .tokenizer import TokenizerError
 
 
@@ -60,8 +60,9 @@ def load(path: str, tokenizer: str | None = None):
     own weights/ export when it has one, else its fp32 weights; the tokenizer found as ray_jobs.evaluate finds it."""
     checkpoint = identify(C.resolve(path))
     export = checkpoint.path / "weights"
-    model, state = load_model(identify(export) if checkpoint.resume and (export / C.MARKER).is_file() else checkpoint)
-    return model, check_tokenizer(find_tokenizer(checkpoint, tokenizer), model, state)
+    model, state = C.open_weights(export if checkpoint.resume and (export / C.MARKER).is_file() else checkpoint.path)
+    return model, C.open_tokenizer(find_tokenizer(checkpoint, tokenizer), model.config,
+                                   (state or {}).get("tokenizer_sha256"))
 
 
 if __name__ == "__main__":

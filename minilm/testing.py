@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .fsio import write_atomic
+
 SWITCH = "MINILM_TESTING"
 PREFIX = "MINILM_TEST_"
 
@@ -95,9 +97,7 @@ class FaultHooks:
         if self.checkpoint_delay_s <= 0 or (self.checkpoint_delay_step is not None and step != self.checkpoint_delay_step):
             return
         if self.checkpoint_paused_file:
-            tmp = Path(self.checkpoint_paused_file + ".tmp")
-            tmp.write_text(str(path))
-            os.replace(tmp, self.checkpoint_paused_file)
+            write_atomic(self.checkpoint_paused_file, str(path))
         time.sleep(self.checkpoint_delay_s)
 
 

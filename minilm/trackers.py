@@ -18,6 +18,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from . import tracker_backends
+from .fsio import write_atomic
 from .safety import redact
 from .tracker_backends import Backend, TrackerError, mlflow_tracking_uri
 
@@ -235,9 +236,8 @@ class Trackers:
         if self.sidecar is None:
             return
         entries = {b.kind: {**b.state(), "last_step": b.high_water} for b in self.backends}
-        tmp = self.sidecar.with_name(self.sidecar.name + ".tmp")
-        tmp.write_text(json.dumps({"version": STATE_VERSION, "trackers": entries}, indent=1, sort_keys=True))
-        os.replace(tmp, self.sidecar)  # whole or not at all, even if the worker is killed mid-write
+        # whole or not at all, even if the worker is killed mid-write
+        write_atomic(self.sidecar, json.dumps({"version": STATE_VERSION, "trackers": entries}, indent=1, sort_keys=True))
 
 
 def _sidecar_last_step(path: Path | None, kind: str, state: dict[str, Any]) -> int:

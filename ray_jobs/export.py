@@ -18,9 +18,8 @@ from pathlib import Path
 from minilm import checkpoint as C
 from minilm.config import ConfigError, ModelConfig
 from minilm.hf import export_hf
-from minilm.model import MiniMindForCausalLM
 from minilm.step import TORCH_DTYPES
-from minilm.tokenizer import TokenizerError, load_tokenizer, vocab_size_of
+from minilm.tokenizer import TokenizerError
 
 from .cli import ArgumentParser, command, fail
 
@@ -46,10 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.checkpoint = C.resolve(args.checkpoint)  # RUN/best: the checkpoint its best.json names
         C.check_output(Path(args.output))  # refused before the checkpoint is read
-        resume = C.load_resume_state(args.checkpoint, keys=("model_config",))
-        config = ModelConfig.from_dict(resume.state["model_config"])
-        model = MiniMindForCausalLM(config)
-        model.load_state_dict(resume.model_state, strict=True)
+        model, _ = C.open_weights(args.checkpoint)
+        config = model.config
         tokenizer = tokenizer_path(args, config)
         params = f"{model.num_params() / 1e6:.2f}M parameters, {args.dtype}"
         if args.format == "hf":
@@ -85,10 +82,7 @@ def tokenizer_path(args: argparse.Namespace, config: ModelConfig) -> Path | None
             return None
         if args.format != "hf":
             return path  # the run's own tokenizer, checked when the data was prepared
-    tok = load_tokenizer(path)
-    if vocab_size_of(tok) > config.vocab_size:
-        raise TokenizerError(f"{path} has {vocab_size_of(tok)} tokens but the model embeds only "
-                             f"vocab_size={config.vocab_size}: not the tokenizer this model was trained with")
+    C.open_tokenizer(path, config)
     return path
 
 

@@ -20,6 +20,7 @@ import torch
 
 from minilm import checkpoint as C
 from minilm import data as D
+from minilm import fsio
 from minilm.distributed import CollectiveError, collective_failure, collective_timeout_s
 from minilm.options import RunSpec
 from minilm.trainer import Dataset, Preempted, Trainer
@@ -101,7 +102,8 @@ class RayStorage:
         storage = ray.train.get_context().get_storage()
         self.folder = C.RunFolder(storage.experiment_fs_path, storage.storage_filesystem, download=download,
                                   display=display)
-        self.staging = Path(tempfile.gettempdir())
+        # a private folder of this user's on the node: in the shared temp folder another user could plant a link
+        self.staging = fsio.private_folder(Path(tempfile.gettempdir()) / f"minilm-staging-{os.getuid()}")
         self.name, self._async_reports = name, False  # rank 0: a checkpoint may still be uploading
 
     def report(self, metrics: dict, save: C.PendingSave | None) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -297,6 +298,8 @@ def test_a_resume_hashes_each_file_once_per_node(run_data, tmp_path, monkeypatch
     again and refused."""
     run_dir = tmp_path / "once"
     assert make_trainer(run_data, run_dir, run_kwargs={"exit_after_steps": 8}).fit() == "exited"
+    for f in (run_dir / "checkpoint_00000008").rglob("*"):  # older than fsio.RACY_NS: a fresher one is not stamped
+        os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns - 10**10))
     hashed = []
     real = C.file_sha256
     monkeypatch.setattr(C.files, "file_sha256", lambda f: hashed.append(Path(f)) or real(f))

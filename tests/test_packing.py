@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from minilm import fsio
 from minilm import packing as P
 from minilm import rows as R
 from minilm.data import DataError, SequenceStore, file_sha256, open_prepared
@@ -173,7 +174,7 @@ def finished(out: P.AtomicOutput, docs=([5, 6, 7],) * 8):
 def test_atomic_output_appears_only_on_commit(tmp_path):
     final = tmp_path / "data" / "tok"
     out = P.AtomicOutput(final)
-    assert out.tmp.parent == final.parent and out.tmp.name == f"tok.tmp-{os.getpid()}"
+    assert out.tmp.parent == final.parent and out.tmp == fsio.staging_dir(final.parent, "tok")  # this host's, pid's
     write_dataset(out.tmp, [[5, 6, 7]] * 8, 3, 4)
     assert not final.exists()
     out.commit()
@@ -249,13 +250,15 @@ def test_empty_existing_folder_is_used(tmp_path):
 
 
 def test_stale_temp_folders_are_removed(tmp_path):
-    dead = tmp_path / "tok.tmp-999999999"  # no such pid
+    dead = fsio.staging_dir(tmp_path, "tok", 999999999)  # no such pid
     dead.mkdir()
     (dead / "shard-00000.parquet").write_bytes(b"x")
-    alive = tmp_path / f"tok.tmp-{os.getppid()}"  # a live process: maybe another prepare
+    alive = fsio.staging_dir(tmp_path, "tok", os.getppid())  # a live process: maybe another prepare
     alive.mkdir()
-    other = tmp_path / "other.tmp-999999999"
+    other = tmp_path / "other.tmp-999999999"  # not a staging folder: the user's own
+    elsewhere = tmp_path / f"{fsio.STAGING}elsewhere-999999999-tok"  # another host's: not ours to judge
     other.mkdir()
+    elsewhere.mkdir()
     out = P.AtomicOutput(tmp_path / "tok")
-    assert not dead.exists() and alive.exists() and other.exists()
+    assert not dead.exists() and alive.exists() and other.exists() and elsewhere.exists()
     out.abort()

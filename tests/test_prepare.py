@@ -19,6 +19,7 @@ import pytest
 
 from minilm import tokenizer as T
 from minilm.data import DataError, SequenceStore, file_sha256, open_prepared
+from minilm.fsio import staging_dir
 from ray_jobs import prepare as PR
 from ray_jobs import prepare_inputs as PI
 from ray_jobs import prepare_pipeline as PP
@@ -561,7 +562,7 @@ def test_failure_midway_leaves_nothing(ray_cluster, capsys, tmp_path, tok_path, 
                                          str(tok_path), "--seq-len", str(SEQ), "--rows-per-shard", "5"])
     with pytest.raises(OSError, match="No space left"):
         PR.run(args, [])
-    assert len(calls) == 3 and calls[0].parent.name.startswith("out.tmp-")
+    assert len(calls) == 3 and calls[0].parent == staging_dir(tmp_path, "out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl"]
     with pytest.raises(DataError):
         open_prepared(tmp_path / "out")
@@ -583,7 +584,7 @@ def _start_and_wait_for_temp(tmp_path, src, tok_path, env):
     proc = subprocess.Popen([sys.executable, "-m", "ray_jobs.prepare", "--input", str(src), "--output",
                              str(tmp_path / "out"), "--tokenizer", str(tok_path), "--seq-len", str(SEQ)],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    temp = tmp_path / f"out.tmp-{proc.pid}"
+    temp = staging_dir(tmp_path, "out", proc.pid)
     deadline = time.monotonic() + 60
     while not temp.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)

@@ -24,8 +24,8 @@ from runs import tiny_args
 from minilm import checkpoint as C
 from minilm import data as D
 from minilm import train
-from minilm.checkpoint.resume import staging_dir
 from minilm.distributed import AGREEMENT_DELAY
+from minilm.fsio import STAGING, staging_dir
 from minilm.train import LocalLauncher
 from minilm.trainer import Dataset, RunOptions, Trainer
 from ray_jobs import export, pretrain
@@ -253,9 +253,9 @@ def test_staging_left_by_a_dead_process_is_swept_at_the_next_start_and_a_live_on
     run_dir = tmp_path / "run"
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    dead = staging_dir(run_dir, "00000008").with_name(f"{C.files.STAGING}{os.uname().nodename}-{gone.pid}-00000008")
+    dead = staging_dir(run_dir, "00000008", gone.pid)
     live = staging_dir(run_dir, "00000012")  # this process's
-    other = run_dir / f"{C.files.STAGING}elsewhere-{gone.pid}-00000008"  # another host's: not ours to judge
+    other = run_dir / f"{STAGING}elsewhere-{gone.pid}-00000008"  # another host's: not ours to judge
     for folder in (dead, live, other):
         folder.mkdir(parents=True)
         (folder / "model.safetensors").write_bytes(b"0" * 1000)

@@ -13,8 +13,6 @@ import hashlib
 import io
 import json
 import os
-import shutil
-import socket
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,12 +20,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
+from .. import fsio
 from ..config import ModelConfig
-from ..data import cache_root, file_sha256, fsync_dir
-from ..data.verified import file_key, node_lock
+from ..data import cache_root, file_sha256
 from ..safety import check_name
 from ..step import TORCH_DTYPES
 
@@ -39,7 +37,6 @@ STATE_FORMAT = 1
 # What a resume reads from state.json (train_config must hold the seed).
 STATE_KEYS = ("optimizer_step", "world_size", "accumulation_steps", "global_batch_size", "model_config",
               "train_config", "data_fingerprint", "nonfinite_guard")
-STAGING = ".minilm-staging-"  # + host-pid-what: a folder being written, swept once its process is gone
 
 
 class CheckpointError(RuntimeError):
@@ -55,7 +52,7 @@ def write_folder(path: Path, writers: dict[str, Callable[[Path], str]], step: in
     `hooks` is for the fault tests only."""
     name = path.name
     try:
-        path.mkdir(mode=0o750, parents=True, exist_ok=True)
+        path.mkdir(mode=0o750, parents=True)  # a new folder: never one (or a link) that was there before
         digests = {}
         for name, write in writers.items():
             if hooks:
@@ -74,9 +71,7 @@ def write_marker(path: Path, files: list[str] | tuple[str, ...], digests: dict[s
     """COMPLETE.json naming `files` with their SHA-256 (`digests`, taken as written; else read here), then the
     folder fsynced: once the marker exists, so do the bytes it vouches for."""
     marker = {"kind": kind, "files": {name: (digests or {}).get(name) or file_sha256(path / name) for name in files}}
-    write_bytes(path / (MARKER + ".tmp"), json.dumps(marker, indent=2, sort_keys=True).encode())
-    os.replace(path / (MARKER + ".tmp"), path / MARKER)  # atomic: the marker appears whole or not at all
-    fsync_dir(path)
+    fsio.write_atomic(path / MARKER, json.dumps(marker, indent=2, sort_keys=True), mode=0o640)
 
 
 def is_disk_full(e: BaseException) -> bool:
@@ -117,8 +112,8 @@ class _HashingFile(io.RawIOBase):
 
 
 def _write(f: Path, fill: Callable[[_HashingFile], None]) -> str:
-    """Create `f` (owner and group may read it), `fill` it, fsync it; its SHA-256."""
-    with open(os.open(f, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640), "wb", buffering=0) as raw:
+    """Create `f` as a new file (owner and group may read it), `fill` it, fsync it; its SHA-256."""
+    with fsio.create(f, 0o640, buffering=0) as raw:
         out = _HashingFile(raw)
         try:
             fill(out)
@@ -218,7 +213,7 @@ def parse_marker(raw: bytes | None, where: Path | str, weights: bool = True) -> 
 def verify(path: str | os.PathLike, once_per_node: bool = False) -> None:
     """Raise CheckpointError unless `path` holds a complete checkpoint whose files match their hashes.
     `once_per_node` (a resume): the node's first process hashes under a lock and leaves a stamp in the node's cache
-    (the marker's SHA-256, each file's size, mtime and inode) that the other ranks trust while nothing changes."""
+    (`fsio.NodeStamp`, for this marker) that the other ranks trust while nothing changes."""
     path = Path(path)
     try:
         found = path.is_dir()
@@ -235,29 +230,17 @@ def verify(path: str | os.PathLike, once_per_node: bool = False) -> None:
             raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing")
     if not once_per_node:
         return _check_hashes(path, files)
-    key = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:32]
-    stamps = cache_root() / "verified-checkpoints"
-    with node_lock(stamps / f"{key}.lock"):
-        stamp = {"marker_sha256": hashlib.sha256((path / MARKER).read_bytes()).hexdigest(),
-                 "files": {name: file_key(path / name) for name in files}}
-        try:
-            if json.loads((stamps / f"{key}.json").read_text()) == stamp:
-                return
-        except (OSError, ValueError):
-            pass
-        _check_hashes(path, files)
-        try:
-            tmp = stamps / f"{key}.json.tmp-{os.getpid()}"
-            tmp.write_text(json.dumps(stamp))
-            os.replace(tmp, stamps / f"{key}.json")
-        except OSError:
-            pass  # no writable cache: the next process hashes again
+    marker = hashlib.sha256((path / MARKER).read_bytes()).hexdigest()
+    with fsio.NodeStamp(cache_root() / "verified-checkpoints", path, marker) as stamp:
+        _check_hashes(path, files, stamp)
 
 
-def _check_hashes(path: Path, files: dict[str, str]) -> None:
+def _check_hashes(path: Path, files: dict[str, str], stamp: fsio.NodeStamp | None = None) -> None:
     for name, digest in files.items():
-        if file_sha256(path / name) != digest:
+        if (stamp is None or stamp.known(name) != [digest]) and file_sha256(path / name) != digest:
             raise CheckpointError(f"checkpoint {path} is corrupt: {name} does not match its SHA-256 in {MARKER}")
+        if stamp is not None:
+            stamp.vouch(name, digest)
 
 
 @dataclass
@@ -349,18 +332,10 @@ def check_output(path: Path) -> bool:
 
 def write_export(path: Path, writers: dict[str, Callable[[Path], str]], kind: str, step: int | None = None) -> Path:
     """Write an export folder beside `path` and rename it into place, replacing only an earlier export of minilm."""
-    old = path.with_name(f"{STAGING}{socket.gethostname()}-{os.getpid()}-{path.name}-old")
-    staged = old.with_name(old.name.removesuffix("-old"))
-    try:
-        replace = check_output(path)
+    replace = check_output(path)
+    with fsio.staged(path) as staged:
         write_folder(staged, writers, step, kind=kind, shown=path)
-        if path.exists():
-            os.replace(path, old) if replace else path.rmdir()  # an earlier export, or an empty folder
-        os.replace(staged, path)
-        fsync_dir(path.parent)
-    finally:
-        for leftover in (staged, old):
-            shutil.rmtree(leftover, ignore_errors=True)
+        fsio.publish(staged, path, replace)
     return path
 
 
@@ -398,35 +373,67 @@ def write_weights_export(path: str | os.PathLike, model_state: dict[str, torch.T
     return write_export(Path(path), writers, "weights", step)
 
 
-def load_model(path: Path, config: Callable[[], dict], what: str = "weights"):
-    """The model of a verified folder: built from `config()` (a ModelConfig dict), its `model.safetensors` loaded.
-    A config or weights this version cannot use (the hashes matched) is one CheckpointError line."""
+def open_weights(path: str | os.PathLike, device: str | torch.device = "cpu"):
+    """(model in eval mode, state.json or None) of a verified resume checkpoint or weights export, in fp32 on
+    `device`. Its model_config (an export's config.json) is checked by type and range, and the weights' names and
+    shapes against it, before the model is allocated; whatever does not fit is one CheckpointError line."""
     from ..model import MiniMindForCausalLM
 
+    path = Path(path)
+    verify(path)
+    what = "checkpoint" if (path / "state.json").is_file() else "weights"
+    state = read_state(path, ("optimizer_step", "model_config")) if what == "checkpoint" else None
     try:
-        model = MiniMindForCausalLM(ModelConfig.from_dict(config()).validate())
+        raw = state["model_config"] if state else json.loads((path / "config.json").read_text())
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{what} {path}: its model_config is a {type(raw).__name__}, not a mapping of fields")
+        config = ModelConfig.from_dict(raw).validate()
+        with torch.device("meta"):  # the shapes this config makes, nothing allocated
+            expected = {k: list(v.shape) for k, v in MiniMindForCausalLM(config).state_dict().items()}
+        with safe_open(str(path / "model.safetensors"), "pt") as f:
+            found = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 (not a dict)
+        wrong = next((k for k in sorted(expected.keys() | found.keys()) if found.get(k) != expected.get(k)), None)
+        if wrong is not None:
+            raise CheckpointError(f"{what} {path}: its weights do not match its model_config: {wrong} is "
+                                  f"{found.get(wrong, 'missing')}, the config makes it {expected.get(wrong, 'absent')}")
+        model = MiniMindForCausalLM(config)
         model.load_state_dict(load_file(str(path / "model.safetensors")), strict=True)
+    except CheckpointError:
+        raise
     except Exception as e:
         why = " ".join(str(e).split())[:200]  # one line, whatever the error's own layout
         raise CheckpointError(f"{what} {path} could not be loaded: {type(e).__name__}: {why}") from None
-    return model
+    return model.to(device).eval(), state
+
+
+def open_tokenizer(path: Path, config: ModelConfig, trained_sha256: str | None = None):
+    """The tokenizer at `path`, refused (one TokenizerError line) when it cannot be the model's: more ids than it
+    embeds, or not the file its data was prepared with (`trained_sha256`, which state.json keeps)."""
+    from ..tokenizer import TokenizerError, load_tokenizer, vocab_size_of
+
+    tokenizer = load_tokenizer(path)
+    if vocab_size_of(tokenizer) > config.vocab_size:
+        raise TokenizerError(f"{path} has {vocab_size_of(tokenizer)} tokens but the model embeds only "
+                             f"vocab_size={config.vocab_size}: not the tokenizer this model was trained with")
+    if trained_sha256 and file_sha256(path) != trained_sha256:
+        raise TokenizerError(f"{path} is not the tokenizer this checkpoint's data was prepared with (SHA-256 "
+                             f"{file_sha256(path)[:12]}, state.json has {trained_sha256[:12]})")
+    return tokenizer
 
 
 def load_pretrained(path: str | os.PathLike, device: str = "cpu", dtype: torch.dtype = torch.float32):
     """(model in eval mode, tokenizer or None) from a weights export folder."""
-    path = Path(path)
-    verify(path)
-    model = load_model(path, lambda: json.loads((path / "config.json").read_text()))
-    model.to(device=device, dtype=dtype).eval()
+    model, _ = open_weights(path, device)
     tokenizer = None
-    if (path / "tokenizer.json").is_file():
+    if (Path(path) / "tokenizer.json").is_file():
         from tokenizers import Tokenizer
 
-        tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
-    return model, tokenizer
+        tokenizer = Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
+    return model.to(dtype=dtype), tokenizer
 
 
 __all__ = ["MARKER", "RESUME_FILES", "STATE_FORMAT", "STATE_KEYS", "CheckpointError", "ResumeState", "check_output",
            "export_weights", "file_sha256", "is_disk_full", "load_pretrained", "load_resume_state", "model_tensors",
+           "open_tokenizer", "open_weights",
            "read_state", "save_resume_state", "verify", "write_bytes", "write_error", "write_export", "write_marker",
            "write_resume_state", "write_safetensors", "write_weights_export"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -23,11 +24,11 @@ from typing import Any, Protocol
 import torch
 
 from ..config import ModelConfig, TrainConfig
-from ..data import fsync_dir
 from ..eval_log import scored_checkpoints
+from ..fsio import publish, staging_dir, sweep_staging
 from . import files as F
 from .best import pinned
-from .resume import RunFolder, staging_dir, sweep_staging
+from .resume import RunFolder
 
 
 class Cadence:
@@ -175,8 +176,7 @@ class LocalStorage:
 
     def move_in(self, staged: Path, step: int) -> str:
         name = self.folder.next_name(step)
-        os.replace(staged, self.folder.local / name)
-        fsync_dir(self.folder.local)
+        publish(staged, self.folder.local / name)
         return name
 
 
@@ -241,7 +241,10 @@ class CheckpointManager:
 
     def _start(self, step, model, optimizer, scaler, state, export, blocking) -> PendingSave:
         snap = self.snapshot.take(model, optimizer, scaler, live=blocking)
-        save = PendingSave(staging_dir(self.storage.staging, f"{step:08d}"), step, blocking, self.published)
+        path = staging_dir(self.storage.staging, f"{step:08d}")
+        if path.exists():  # this process's own failed save of the step (rmtree refuses a link)
+            shutil.rmtree(path, ignore_errors=True)
+        save = PendingSave(path, step, blocking, self.published)
         self._thread = threading.Thread(target=self._write, args=(save, snap, state, export),
                                         name=f"minilm-checkpoint-writer-{step}", daemon=True)
         self.pending = save

@@ -23,9 +23,9 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from ..config import ModelConfig
-from ..data import fsync_dir, pid_alive
 from ..errors import UsageError
-from .files import MARKER, STAGING, CheckpointError, parse_marker, parse_state, verify
+from ..fsio import fsync_dir, pid_alive, write_atomic
+from .files import MARKER, CheckpointError, parse_marker, parse_state, verify
 
 LEASE = "lease.json"
 CHECKPOINT_NAME = re.compile(r"checkpoint_\d{8}(_\d+)?")  # not Ray's checkpoint_manager_snapshot.json
@@ -67,11 +67,7 @@ class RunFolder:
     def write(self, rel: str, data: bytes) -> None:
         if self.local is not None:  # atomic, readable by owner and group
             self.local.mkdir(mode=0o750, parents=True, exist_ok=True)
-            tmp = self.local / f"{rel}.tmp-{os.getpid()}"
-            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640), "wb") as f:
-                f.write(data)
-            os.replace(tmp, self.local / rel)
-            return
+            return write_atomic(self.local / rel, data, mode=0o640)
         with self.fs.open_output_stream(self._path(rel)) as f:
             f.write(data)
 
@@ -232,20 +228,6 @@ class Lease:
                 break
 
 
-def sweep_staging(root: Path) -> list[Path]:
-    """Remove the staging folders under `root` left by processes of this host that are gone (a crash mid-write)."""
-    swept, mine = [], re.compile(re.escape(f"{STAGING}{socket.gethostname()}-") + r"(\d+)-.*")
-    for p in root.glob(f"{STAGING}*") if root.is_dir() else []:
-        if (m := mine.fullmatch(p.name)) and not pid_alive(int(m[1])):
-            shutil.rmtree(p, ignore_errors=True)
-            swept.append(p)
-    return swept
-
-
-def staging_dir(root: Path, what: str) -> Path:
-    return root / f"{STAGING}{socket.gethostname()}-{os.getpid()}-{what}"
-
-
 # ---- --resume ---------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -400,4 +382,4 @@ def check_origin(folder: RunFolder | None, origin: str | None, model_config: Mod
 
 
 __all__ = ["LEASE", "PREDATED_VALUES", "ConfigChange", "Lease", "ResumeDecision", "RunFolder", "decide_resume", "check_origin", "check_resume", "checkpoint_dtype",
-           "config_changes", "plan_resume", "resume_problems", "sweep_staging"]
+           "config_changes", "plan_resume", "resume_problems"]

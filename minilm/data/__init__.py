@@ -32,15 +32,14 @@ from .order import (
     split_ids,
     steps_per_epoch,
 )
-from .remote import COPY_CHUNK, _copy_verified, fsync_dir, materialise, open_local, open_prepared, pid_alive
+from .remote import COPY_CHUNK, _copy_verified, materialise, open_local, open_prepared
 from .store import MAX_OPEN_SHARDS, LocalRankStream, RowsInMemory, SequenceStore
-from .verified import RACY_NS, record_verified, verify_hashes
+from .verified import record_verified, verify_hashes
 
 __all__ = [
-    "COPY_CHUNK", "FORMAT", "MANIFEST", "MAX_OPEN_SHARDS", "RACY_NS", "TOKENIZER_FILE", "TOKEN_DTYPES", "VAL_SEED",
+    "COPY_CHUNK", "FORMAT", "MANIFEST", "MAX_OPEN_SHARDS", "TOKENIZER_FILE", "TOKEN_DTYPES", "VAL_SEED",
     "DataError", "DataPosition", "LocalRankStream", "PreparedData", "RankOrder", "RowsInMemory", "SequenceStore",
     "_copy_verified", "cache_root", "check_compatible", "check_manifest", "check_val_samples", "epoch_order",
-    "file_sha256",
-    "fsync_dir", "is_remote", "materialise", "open_local", "open_prepared", "pid_alive", "record_verified", "split_ids",
+    "file_sha256", "is_remote", "materialise", "open_local", "open_prepared", "record_verified", "split_ids",
     "steps_per_epoch", "token_dtype_for", "verify_hashes",
 ]

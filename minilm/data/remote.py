@@ -9,6 +9,7 @@ import os
 import shutil
 from pathlib import Path
 
+from ..fsio import create, node_lock, publish, staged, write_atomic
 from ..safety import join_uri
 from .format import (
     MANIFEST,
@@ -22,7 +23,7 @@ from .format import (
     check_manifest,
     is_remote,
 )
-from .verified import node_lock, record_verified, verify_hashes
+from .verified import record_verified, verify_hashes
 
 COPY_CHUNK = 8 << 20
 
@@ -124,23 +125,15 @@ def materialise(remote: PreparedData, cache: Path | None = None) -> PreparedData
             except DataError:
                 pass  # a damaged copy: make it again
             shutil.rmtree(target)
-        for stale in cache.glob(f"{target.name}.tmp-*"):  # left by a killed copier (we hold the lock)
-            shutil.rmtree(stale, ignore_errors=True)
         _check_space(cache, remote)
-        tmp = cache / f"{target.name}.tmp-{os.getpid()}"
-        tmp.mkdir(parents=True)
-        try:
+        with staged(target) as tmp:  # what a killed copier left is swept (we hold the lock)
+            tmp.mkdir(mode=0o750)
             fs, root = _remote_fs(remote.uri)
             for name, size, sha in _files(remote.manifest):
                 _copy_verified(fs, f"{root}/{name}", tmp / name, size, sha, join_uri(remote.uri, name))
-            _write_synced(tmp / MANIFEST, json.dumps(remote.manifest, indent=2).encode())
-            fsync_dir(tmp)
-            os.rename(tmp, target)
-            fsync_dir(cache)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        local = PreparedData(target, remote.manifest)
-        record_verified(local)
+            write_atomic(tmp / MANIFEST, json.dumps(remote.manifest, indent=2))
+            publish(tmp, target)
+        record_verified(PreparedData(target, remote.manifest))
     return open_prepared(target)
 
 
@@ -156,7 +149,7 @@ def _check_space(cache: Path, remote: PreparedData) -> None:
 def _copy_verified(fs, src: str, dst: Path, size: int | None, sha: str, where: str) -> None:
     h, copied = hashlib.sha256(), 0
     try:
-        with fs.open_input_stream(src) as f, open(dst, "wb") as out:
+        with fs.open_input_stream(src) as f, create(dst) as out:
             while chunk := f.read(COPY_CHUNK):
                 h.update(chunk)
                 out.write(chunk)
@@ -169,34 +162,3 @@ def _copy_verified(fs, src: str, dst: Path, size: int | None, sha: str, where: s
         raise DataError(_size_message(where, copied, size))
     if h.hexdigest() != sha:
         raise DataError(_hash_mismatch(where, h.hexdigest(), sha))
-
-
-def _write_synced(path: Path, payload: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(payload)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def pid_alive(pid: int) -> bool:
-    """Is process `pid` of this host alive (staging and leases of a process that is gone may be taken)?"""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        pass
-    return True
-
-
-def fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

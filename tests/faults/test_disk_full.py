@@ -2,7 +2,7 @@
 intact, and `--resume auto` (once there is space) ends bitwise equal to an uninterrupted run.
 
 The unit tests need no Ray: a real tiny tmpfs where mounting one works (root), a path that fails with ENOSPC
-without root (a symlink to /dev/full), and an ENOSPC injected by the writer's test hook. The run stopped by a
+without root (the file created on /dev/full instead), and an ENOSPC injected by the writer's test hook. The run stopped by a
 full disk and resumed: tests/test_trainer.py.
 """
 
@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from minilm import checkpoint as C
+from minilm import fsio
 from minilm.config import ModelConfig, TrainConfig
 from minilm.model import MiniMindForCausalLM
 from minilm.step import make_grad_scaler, make_optimizer, optimizer_step
@@ -72,10 +73,12 @@ def full_device(tmp_path: Path) -> Path:
         pytest.skip(f"no way to get ENOSPC from the OS here: no tmpfs mount, no /dev/full, no mknod ({e})")
 
 
-def full_from(folder: Path, name: str, device: Path) -> None:
-    """Without root: `folder/name` becomes a link to a full device, so writing it fails with ENOSPC."""
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / name).symlink_to(device)
+def full_from(monkeypatch, folder: Path, name: str, device: Path) -> None:
+    """Without root: creating `folder/name` opens a full device instead, so writing it fails with ENOSPC from the OS
+    (minilm creates its files exclusively and never through a link, so a planted link would not do)."""
+    real = fsio.create
+    monkeypatch.setattr(fsio, "create", lambda f, *a, **k: open(device, "wb", buffering=0)
+                        if Path(f) == folder / name else real(f, *a, **k))
 
 
 def assert_full_disk_leaves_a_clean_state(error: C.CheckpointError, good: Path, bad: Path, model) -> None:
@@ -91,7 +94,7 @@ def assert_full_disk_leaves_a_clean_state(error: C.CheckpointError, good: Path, 
     assert all(torch.equal(loaded.model_state[k], v) for k, v in model.state_dict().items())
 
 
-def test_checkpoint_into_a_full_tmpfs_is_one_clear_error(tmp_path):
+def test_checkpoint_into_a_full_tmpfs_is_one_clear_error(tmp_path, monkeypatch):
     model, optimizer, scaler = trained_state()
     probe = save(tmp_path / "probe", 4, model, optimizer, scaler)
     pages = sum(math.ceil(f.stat().st_size / 4096) for f in probe.iterdir())
@@ -100,7 +103,7 @@ def test_checkpoint_into_a_full_tmpfs_is_one_clear_error(tmp_path):
     with tiny_tmpfs(tmp_path / "disk", int(pages * 1.5) * 4096) as mounted:
         disk = mounted or tmp_path / "disk"
         if mounted is None:
-            full_from(disk / "checkpoint_00000008", "optimizer.pt", full_device(tmp_path))
+            full_from(monkeypatch, disk / "checkpoint_00000008", "optimizer.pt", full_device(tmp_path))
         good = save(disk / "checkpoint_00000004", 4, model, optimizer, scaler)
         with pytest.raises(C.CheckpointError) as e:
             save(disk / "checkpoint_00000008", 8, model, optimizer, scaler)
@@ -134,11 +137,11 @@ def test_a_full_disk_while_exporting_weights_is_one_clear_error(tmp_path):
         assert sorted(p.name for p in disk.iterdir()) == []  # nothing left behind: its space given back
 
 
-def test_a_full_disk_during_the_background_write_is_one_clear_error(tmp_path):
+def test_a_full_disk_during_the_background_write_is_one_clear_error(tmp_path, monkeypatch):
     """The checkpoint manager's background writer into a tmpfs run folder with room for one checkpoint and a half:
     the training thread's report returns, and waiting for the save raises the same one line naming the folder it was
     staged in; the previous checkpoint stays intact. (The run this stops, in-process: tests/test_trainer.py.)"""
-    from minilm.checkpoint.resume import staging_dir
+    from minilm.fsio import staging_dir
 
     model, optimizer, scaler = trained_state()
     probe = save(tmp_path / "probe", 4, model, optimizer, scaler)
@@ -146,7 +149,7 @@ def test_a_full_disk_during_the_background_write_is_one_clear_error(tmp_path):
     with tiny_tmpfs(tmp_path / "disk", int(pages * 1.5) * 4096) as mounted:
         disk = mounted or tmp_path / "disk"
         if mounted is None:
-            full_from(staging_dir(disk, "00000008"), "optimizer.pt", full_device(tmp_path))
+            full_from(monkeypatch, staging_dir(disk, "00000008"), "optimizer.pt", full_device(tmp_path))
         manager = C.CheckpointManager(C.LocalStorage(disk), TrainConfig(), rank=0, device=torch.device("cpu"),
                                       say=lambda m: None)
         for step in (4, 8):
