@@ -103,7 +103,7 @@ def test_a_model_config_that_does_not_fit_the_weights_is_one_line_in_every_comma
         assert export.main(["--checkpoint", str(ckpt), "--output", str(tmp_path / "out")]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1 and "do not match its model_config" in err
-        assert sample.main(["--weights", str(ckpt), "--tokenizer", str(tmp_path / "none.json")]) == 2
+        assert sample.main(["--checkpoint", str(ckpt), "--tokenizer", str(tmp_path / "none.json")]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1 and "do not match its model_config" in err
     bad = write_checkpoint(tmp_path / "bad", {**CFG.to_dict(), "num_attention_heads": "four"})
