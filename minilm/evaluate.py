@@ -35,6 +35,7 @@ from .bpb import evaluate_documents, token_byte_lengths
 from .config import TrainConfig
 from .data import file_sha256
 from .model import MiniMindForCausalLM
+from .safety import check_name
 from .tokenizer import BOS_ID, EOS_ID
 
 LETTERS = "ABCD"
@@ -235,10 +236,10 @@ def load_task(entry: Any, listing: Path, number: int) -> Task:
         raise TaskError(f"{where}: expected a mapping with name, kind and path")
     entry = dict(entry)
     name, kind, file = entry.pop("name", None), entry.pop("kind", None), entry.pop("path", None)
-    if not isinstance(name, str) or not name.strip():
-        raise TaskError(f"{where}: 'name' must be a non-empty string")
+    # the name keys scores as eval/<name>/<metric> (and --eval-best): one path part, the rule for names
+    check_name(name, f"{where}: 'name'", TaskError)
     where = f"task list {listing}, task {name!r}"
-    if kind not in OPTIONS:
+    if not isinstance(kind, str) or kind not in OPTIONS:
         raise TaskError(f"{where}: 'kind' must be one of {', '.join(OPTIONS)}, got {kind!r}")
     options = task_options(kind, entry, where)
     if not isinstance(file, str) or not file:
@@ -268,6 +269,9 @@ def task_options(kind: str, entry: dict, where: str) -> dict[str, Any]:
     if unknown:
         raise TaskError(f"{where}: unknown option {unknown[0]!r} for kind {kind} (options: {', '.join(OPTIONS[kind])})")
     options = {**OPTIONS[kind], **entry}
+    if options.get("fewshot_path") is not None and not isinstance(options["fewshot_path"], str):
+        # never str() of what YAML built: an alias bomb there would expand until memory is gone
+        raise TaskError(f"{where}: fewshot_path must name a file, got a {type(options['fewshot_path']).__name__}")
     for key in ("fewshot", "limit", "batch_size", "window", "stride", "max_new_tokens"):
         value, least = options.get(key), {"fewshot": 0, "window": 2}.get(key, 1)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):

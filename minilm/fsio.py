@@ -57,6 +57,8 @@ def write_atomic(path: str | os.PathLike, data: bytes | str, mode: int = 0o666) 
 
 def pid_alive(pid: int) -> bool:
     """Is process `pid` of this host alive (staging and leases of a process that is gone may be taken)?"""
+    if not 0 < pid <= 1 << 22:  # Linux's largest pid_max; 0 and -1 would ask about a whole process group
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import netrc
 import os
+import socket
 import subprocess
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -75,9 +76,31 @@ def check_trackers(kinds: str | Iterable[str] | None, options: Mapping[str, Any]
             for module, package in tracker_backends.MLFLOW_SQL:
                 why = f"MLflow's SQL store ({uri.split(':', 1)[0]}) needs {package}"
                 tracker_backends.require_installed("mlflow", module, package, why=why)
+        _check_reachable(uri)
     if "wandb" in names:
         _check_wandb_credentials()
     return names
+
+
+REACH_TIMEOUT_S = 5.0
+
+
+def _check_reachable(uri: str) -> None:
+    """An MLflow server (http, https) that does not answer is refused in seconds: MLflow's own retries would hold the
+    start for minutes before its error."""
+    parts = urlparse(uri)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        raise TrackerError(f"--mlflow-uri {redact(uri)}: its port is not a number") from None
+    try:
+        socket.create_connection((parts.hostname, port), timeout=REACH_TIMEOUT_S).close()
+    except OSError as e:
+        raise TrackerError(f"--mlflow-uri {redact(uri)}: nothing answers at {parts.hostname}:{port} within "
+                           f"{REACH_TIMEOUT_S:g} s ({e.strerror or type(e).__name__}): start the MLflow server, or "
+                           f"leave --mlflow-uri out for a SQLite file in the run folder") from None
 
 
 def _check_wandb_credentials() -> None:

@@ -103,3 +103,75 @@ def test_two_branches_abandoned_within_one_second_are_both_kept(tmp_path, monkey
     assert [p.name for p in moved] == ["abandoned-20261204-120000", "abandoned-20261204-120000-1"]
     assert [(p / "metrics.jsonl").read_text() for p in moved] == ["first", "second"]
     assert [(p / "checkpoint_00000004" / "weights").read_text() for p in moved] == ["first", "second"]
+
+
+def test_a_fresh_start_moves_the_branchs_evaluation_state_aside_with_it(finished, tmp_path):
+    """--resume never --abandon-newer: the scores of the abandoned branch (eval.jsonl, best.json, eval-pending.json)
+    go with its checkpoints, so the new run never takes them for its own; decided first, moved only by apply()."""
+    from minilm import checkpoint as C
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished, run_dir)
+    for name in ("eval.jsonl", "best.json", "eval-pending.json"):
+        (run_dir / name).write_text(f"the old branch's {name}\n")
+    folder = C.RunFolder(run_dir)
+    before = tree(run_dir)
+    decision = C.decide_resume(folder, "never", abandon_newer=True)
+    assert tree(run_dir) == before and decision.origin is None
+    decision.apply(folder, lambda _: None)
+    moved = next(p for p in run_dir.iterdir() if p.name.startswith("abandoned-"))
+    for name in ("eval.jsonl", "best.json", "eval-pending.json", "metrics.jsonl"):
+        assert not (run_dir / name).exists() and (moved / name).is_file(), name
+    assert (moved / "best.json").read_text() == "the old branch's best.json\n" and folder.checkpoints() == []
+
+
+@pytest.mark.parametrize("lease", ['{"host": "h", "pid": 1, "heartbeat": null}', '{"host": "h", "pid": 1, '
+                                   '"heartbeat": "soon"}', '{"host": "h", "pid": 1, "heartbeat": NaN}',
+                                   '{"host": ["h"], "pid": 1, "heartbeat": 1}', '{"host": "h", "pid": "1", '
+                                   '"heartbeat": 1}', '[1, 2]', '"x"'])
+def test_a_lease_of_the_wrong_shape_is_no_lease(tmp_path, lease):
+    """lease.json is read as another party wrote it: a null or text heartbeat, a list for a host, text for a pid is
+    no live run (taken over at the next start), never a traceback."""
+    from minilm import checkpoint as C
+
+    (tmp_path / "lease.json").write_text(lease)
+    held = C.Lease(C.RunFolder(tmp_path))
+    assert held.holder() is None and not held.live()
+    held.take().release()
+    assert not (tmp_path / "lease.json").exists()
+
+
+@pytest.mark.parametrize("pid", [0, -1, 2**40])
+def test_a_crafted_pid_is_not_a_live_process(pid):
+    from minilm.fsio import pid_alive
+
+    assert pid_alive(pid) is False
+
+
+@pytest.mark.parametrize("entry, message", [
+    ("{name: a, kind: [bpb], path: held.jsonl}", "'kind' must be one of"),
+    ("{name: a/b, kind: bpb, path: held.jsonl}", "'name' 'a/b' is not a safe name"),
+    ("{name: a, kind: choice, path: held.jsonl, fewshot: 1, fewshot_path: [1, 2]}", "fewshot_path must name a file"),
+])
+def test_a_task_list_entry_of_the_wrong_type_is_one_line(tmp_path, entry, message):
+    """Task lists are trusted by type only: a list for a kind, a name that is no single path part (it keys
+    eval/<name>/<metric>), a path option that is no string (an alias bomb there would expand without end)."""
+    from minilm.evaluate import TaskError, load_tasks
+
+    (tmp_path / "held.jsonl").write_text('{"text": "the cat"}\n')
+    (tmp_path / "tasks.yaml").write_text(f"tasks:\n  - {entry}\n")
+    with pytest.raises(TaskError, match="^task list ") as e:
+        load_tasks(tmp_path / "tasks.yaml")
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_yaml_alias_bomb_in_a_path_option_is_refused_at_once(tmp_path):
+    from minilm.evaluate import TaskError, load_tasks
+
+    bomb = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n" for p, c in zip("abcdefgh", "bcdefghi", strict=True))
+    (tmp_path / "held.jsonl").write_text('{"ctx": "a", "endings": ["b", "c"], "label": 0}\n')
+    (tmp_path / "tasks.yaml").write_text(bomb + "tasks:\n  - {name: t, kind: choice, path: held.jsonl, fewshot: 1, "
+                                                "fewshot_path: *i}\n")
+    with pytest.raises(TaskError, match="fewshot_path must name a file, got a list"):
+        load_tasks(tmp_path / "tasks.yaml")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -327,7 +328,21 @@ def test_mlflow_sql_store_needs_sqlalchemy(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "sqlalchemy", None)
     with pytest.raises(T.TrackerError, match=r"sqlalchemy.*pip install 'minilm\[mlflow\]'"):
         T.check_trackers(["mlflow"], run_dir=tmp_path)
-    T.check_trackers(["mlflow"], {"mlflow_uri": "http://127.0.0.1:5000"}, run_dir=None)  # a server needs no SQL
+    with socket.create_server(("127.0.0.1", 0)) as server:  # a server (here: a port that answers) needs no SQL
+        T.check_trackers(["mlflow"], {"mlflow_uri": f"http://127.0.0.1:{server.getsockname()[1]}"}, run_dir=None)
+
+
+def test_an_mlflow_server_that_does_not_answer_is_refused_in_seconds():
+    """MLflow's own retries held the start ~270 s before its error: the driver's check says it at once, one line,
+    the URI's password redacted."""
+    pytest.importorskip("mlflow")
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]  # closed below: nothing listens there any more
+    t0 = time.monotonic()
+    with pytest.raises(T.TrackerError) as e:
+        T.check_trackers(["mlflow"], {"mlflow_uri": f"http://u:pw@127.0.0.1:{port}"}, run_dir=None)
+    assert time.monotonic() - t0 < T.REACH_TIMEOUT_S + 1 and "\n" not in str(e.value)
+    assert str(e.value).startswith(f"--mlflow-uri http://***@127.0.0.1:{port}: nothing answers at 127.0.0.1:{port}")
 
 
 @pytest.mark.parametrize("flags, kinds", [

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import shutil
@@ -203,7 +204,10 @@ class Lease:
             held = json.loads(self.folder.read(LEASE) or b"null")
         except (ValueError, OSError):
             return None
-        return held if isinstance(held, dict) else None
+        # a lease another party wrote is trusted by type only: a host, a pid and a finite heartbeat, else none is held
+        ok = isinstance(held, dict) and isinstance(held.get("host"), str) and type(held.get("pid")) is int and \
+            type(held.get("heartbeat")) in (int, float) and math.isfinite(held["heartbeat"])
+        return held if ok else None
 
     def _beat(self) -> None:
         self.folder.write(LEASE, json.dumps({**self.me, "heartbeat": time.time()}).encode())
