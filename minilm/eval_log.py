@@ -58,8 +58,9 @@ def append_records(path: Path, records: list[dict], done: set[tuple]) -> None:
 
 
 def scored_checkpoints(run_dir: str | os.PathLike) -> set[str]:
-    """The checkpoint folders RUN/eval.jsonl holds a record of (a score or an error)."""
-    return {Path(str(r.get("checkpoint", ""))).name for r in read_records(Path(run_dir) / EVAL_LOG)[0]}
+    """The checkpoint folders RUN/eval.jsonl holds a score of (a failed scoring is no score: it is tried again)."""
+    return {Path(str(r.get("checkpoint", ""))).name for r in read_records(Path(run_dir) / EVAL_LOG)[0]
+            if "error" not in r}
 
 
 class EvalInbox:

@@ -62,6 +62,8 @@ class Evaluator:
         self.done = scored_keys(self.output)  # (step, weights SHA-256, fingerprint) of every score in eval.jsonl
         self.seen: set[str] = set()  # checkpoint folders looked at (scored, handed out, or nothing left to score)
         self.running: dict = {}  # ObjectRef -> (checkpoint name, its identity, the tasks it scores)
+        self.failed: set[str] = set()  # scoring failed: pinned until a later scoring (pruning keeps them)
+        self.scored: set[str] = set()  # scored since the last pin: unpinned for every evaluator
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="minilm-evaluator", daemon=True)
         self._remote = None
@@ -155,6 +157,10 @@ class Evaluator:
                             "step": ckpt.step, "weights_sha256": ckpt.weights_sha256, "error": why,
                             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")} for t in todo]
             self.record(name, records)
+            if any("error" in r for r in records):
+                self.failed.add(name)  # pinned for the next scoring (a resubmit's, or `evaluate --follow`)
+            else:
+                self.scored.add(name)
         if ready:
             self.pin()
 
@@ -177,7 +183,8 @@ class Evaluator:
 
     def pin(self) -> None:
         """The checkpoints handed out and not scored yet: pruning keeps them (and the best one) until they are."""
-        C.write_pending(self.folder, sorted(self.running_names()))
+        C.write_pending(self.folder, sorted(self.running_names() | self.failed), scored=tuple(self.scored))
+        self.scored.clear()
 
 
 def score_checkpoint(path: str, tasks: list[Task], fingerprints: list[str], tokenizer: str | None,

@@ -270,3 +270,57 @@ def test_evaluate_of_run_best_scores_the_best_checkpoint(run, tmp_path, capsys):
                           "--output", str(out)]) == 0
     [record] = [json.loads(line) for line in out.read_text().splitlines()]
     assert record["checkpoint"] == str(run / "checkpoint_00000002") and record["step"] == 2
+
+
+# ---- the one writer protocol of the evaluation state (#44 class 2) ----------------------------------------------
+
+def test_a_score_landing_between_prunings_two_reads_keeps_the_new_best(tmp_path, monkeypatch):
+    """A deterministic interleaving: right after pruning's first read of the evaluation state, an evaluator writes
+    checkpoint 12's (better) score and unpins it. Whichever file pruning reads first, 12 is pinned: the evaluator
+    unpins only after best.json names it, and pinned() reads the pending list before best.json."""
+    from minilm.checkpoint import best as B
+
+    run = tmp_path / "run"
+    marked(run, 8, 12)
+    folder = C.RunFolder(run)
+    update(folder, "held/bpb", 8, 2.0)
+    C.write_pending(folder, ["checkpoint_00000012"])  # handed out for scoring
+    landed = []
+
+    def interleaved(real):
+        def read(*args):
+            result = real(*args)
+            if not landed:  # the evaluator's whole step, between pruning's two reads (once: it reads best.json too)
+                landed.append(None)
+                landed[0] = update(folder, "held/bpb", 12, 1.0)
+                C.write_pending(folder, [], scored=("checkpoint_00000012",))
+            return result
+        return read
+
+    monkeypatch.setattr(B, "read_best", interleaved(B.read_best))
+    monkeypatch.setattr(B, "read_pending", interleaved(B.read_pending))
+    assert "checkpoint_00000012" in B.pinned(folder) and landed == [True]
+
+
+def test_two_evaluators_keep_each_others_pins_and_a_failed_scoring_stays_pinned(tmp_path, monkeypatch):
+    """The driver's evaluator and `evaluate --follow` each replace only their own list; a checkpoint scored by one
+    leaves every list; one whose scoring failed is no score (scored_checkpoints) and stays pinned until scored."""
+    from minilm.checkpoint import best as B
+    from minilm.eval_log import scored_checkpoints
+
+    run = tmp_path / "run"
+    marked(run, 4, 8, 12)
+    folder = C.RunFolder(run)
+    monkeypatch.setattr(B, "owner", lambda: "driver")
+    C.write_pending(folder, ["checkpoint_00000004", "checkpoint_00000008"])
+    monkeypatch.setattr(B, "owner", lambda: "follow")
+    C.write_pending(folder, ["checkpoint_00000012"])
+    assert C.read_pending(folder) == {"checkpoint_00000004", "checkpoint_00000008", "checkpoint_00000012"}
+    C.write_pending(folder, [], scored=("checkpoint_00000008",))  # follow scored 8 (and 12)
+    monkeypatch.setattr(B, "owner", lambda: "driver")
+    assert C.read_pending(folder) == {"checkpoint_00000004"}
+    assert (run / B.EVAL_LOCK).is_file()
+    (run / "eval.jsonl").write_text(
+        json.dumps({"task": "held", "checkpoint": "checkpoint_00000004", "step": 4, "error": "lost node"}) + "\n" +
+        json.dumps({"task": "held", "checkpoint": "checkpoint_00000008", "step": 8, "metrics": {"bpb": 1.0}}) + "\n")
+    assert scored_checkpoints(run) == {"checkpoint_00000008"}

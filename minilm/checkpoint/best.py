@@ -1,27 +1,34 @@
 """The run's best checkpoint by one eval metric, and the checkpoints pruning must leave alone.
 
-`best.json` in the run folder names the best checkpoint so far; `eval-pending.json` names those queued for evaluation.
-Both are written by the run's evaluator (one writer per run folder: the Ray driver) and read by
-`CheckpointManager.prune`, which never deletes a `pinned` checkpoint. `resolve` turns RUN/best into that checkpoint's
-folder for `ray_jobs.export`, `ray_jobs.evaluate` and `minilm.sample`.
+`best.json` in the run folder names the best checkpoint so far; `eval-pending.json` names those queued for evaluation,
+by evaluator (the driver's, and any `ray_jobs.evaluate --follow` beside it). Every change to either is made under the
+run folder's evaluation lock (`eval.lock`), the one writer protocol; `CheckpointManager.prune` never deletes a
+`pinned` checkpoint. `resolve` turns RUN/best into that checkpoint's folder for `ray_jobs.export`,
+`ray_jobs.evaluate` and `minilm.sample`.
 
-The evaluator's order keeps a checkpoint pinned throughout: `write_pending` with it before it is evaluated,
-`update_best` with its score, then `write_pending` without it.
+The order keeps a checkpoint pinned throughout: an evaluator pins it before it is scored, `update_best` writes its
+score, and only then is it unpinned; `pinned` reads the pending list before best.json, so a score that lands between
+the two reads is seen in one or the other. A checkpoint whose scoring failed stays pinned for the next scoring.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
+import socket
 import time
 from pathlib import Path
 
 from ..errors import UsageError
+from ..fsio import node_lock
 from .files import MARKER, CheckpointError, parse_marker
 from .resume import CHECKPOINT_NAME, LEASE, RunFolder
 
 BEST = "best.json"
 PENDING = "eval-pending.json"
+EVAL_LOCK = "eval.lock"  # held while best.json or eval-pending.json changes
 BEST_NAME = "best"  # the last component of RUN/best, as a --checkpoint or --weights
 # Metrics where lower is better; higher is better for accuracies (`acc`, `acc_norm`, any name ending in `acc`).
 LOWER_IS_BETTER = frozenset({"bpb", "nats_per_token", "loss", "val_loss", "val_bpb"})
@@ -99,14 +106,25 @@ def update_best(folder: RunFolder, metric: str, checkpoint: str, step: int, valu
     metric, mode = canonical(metric)
     if not math.isfinite(value):
         return False
-    best = read_best(folder)
-    if best is not None and best["metric"] == metric and holds(folder, best):
-        if not (value < best["value"] if mode == "min" else value > best["value"]):
-            return False
-    record = {"checkpoint": checkpoint, "step": int(step), "metric": metric, "mode": mode, "value": float(value),
-              "weights_sha256": weights_sha256, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    folder.write(BEST, json.dumps(record, indent=2, sort_keys=True).encode())
+    with eval_lock(folder):  # two evaluators never both compare against the same old best
+        best = read_best(folder)
+        if best is not None and best["metric"] == metric and holds(folder, best):
+            if not (value < best["value"] if mode == "min" else value > best["value"]):
+                return False
+        record = {"checkpoint": checkpoint, "step": int(step), "metric": metric, "mode": mode, "value": float(value),
+                  "weights_sha256": weights_sha256, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        folder.write(BEST, json.dumps(record, indent=2, sort_keys=True).encode())
     return True
+
+
+@contextlib.contextmanager
+def eval_lock(folder: RunFolder):
+    """The run folder's evaluation lock (local and shared storage: evaluation reads checkpoints from a file system)."""
+    if folder.local is None:
+        yield
+        return
+    with node_lock(folder.local / EVAL_LOCK):
+        yield
 
 
 def holds(folder: RunFolder, best: dict) -> bool:
@@ -119,25 +137,47 @@ def holds(folder: RunFolder, best: dict) -> bool:
     return files["model.safetensors"] == best["weights_sha256"]
 
 
-def write_pending(folder: RunFolder, names: list[str]) -> None:
-    """The checkpoints queued for evaluation (the whole list, replacing the previous one)."""
-    folder.write(PENDING, json.dumps({"checkpoints": sorted(set(names))}, indent=2).encode())
+def owner() -> str:
+    """This evaluator's key in eval-pending.json."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def write_pending(folder: RunFolder, names: list[str], scored: tuple[str, ...] = ()) -> None:
+    """This evaluator's checkpoints queued for evaluation (replacing its earlier list, never another evaluator's);
+    `scored` (scored now) leave every evaluator's list. A list of an evaluator that is gone stays until scored."""
+    with eval_lock(folder):
+        owners = {**_pending_owners(folder), owner(): sorted(set(names))}
+        owners = {o: sorted(set(n) - set(scored)) for o, n in owners.items()}
+        owners = {o: n for o, n in owners.items() if n}
+        union = sorted(set().union(*owners.values())) if owners else []
+        folder.write(PENDING, json.dumps({"checkpoints": union, "owners": owners}, indent=2, sort_keys=True).encode())
+
+
+def _pending_owners(folder: RunFolder) -> dict[str, list[str]]:
+    """eval-pending.json's lists by evaluator; a missing or damaged file is none (it only pins, it chooses nothing),
+    a file of an older minilm (one list) is one evaluator's."""
+    try:
+        pending = json.loads(folder.read(PENDING) or b"null")
+        owners = pending.get("owners", {"": pending["checkpoints"]})
+    except (ValueError, RecursionError, TypeError, KeyError, AttributeError):
+        return {}
+    if not isinstance(owners, dict):
+        return {}
+    return {str(o): [n for n in names if isinstance(n, str) and CHECKPOINT_NAME.fullmatch(n)]
+            for o, names in owners.items() if isinstance(names, list)}
 
 
 def read_pending(folder: RunFolder) -> set[str]:
-    """The checkpoints queued for evaluation; a missing or damaged file is none (it only pins, it chooses nothing)."""
-    try:
-        names = json.loads(folder.read(PENDING) or b"null")["checkpoints"]
-    except (ValueError, RecursionError, TypeError, KeyError):
-        return set()
-    return {n for n in names if isinstance(n, str) and CHECKPOINT_NAME.fullmatch(n)} if isinstance(names, list) else set()
+    """The checkpoints queued for evaluation, by any evaluator."""
+    return set().union(*_pending_owners(folder).values())
 
 
 def pinned(folder: RunFolder) -> set[str]:
     """The checkpoints pruning keeps whatever --keep-checkpoints says: the best one and those pending evaluation.
     A damaged best.json raises (pruning then deletes nothing rather than guess)."""
+    pending = read_pending(folder)  # first: the evaluator unpins only after it wrote best.json
     best = read_best(folder)
-    return read_pending(folder) | ({best["checkpoint"]} if best else set())
+    return pending | ({best["checkpoint"]} if best else set())
 
 
 def resolve(path: str) -> str:
