@@ -31,7 +31,7 @@ class RunPlan:
     data: Any  # what the launcher opened: minilm.data.PreparedData or minilm.trainer.Dataset (num_sequences)
     steps: StepPlan
     notes: list[str] = field(default_factory=list)  # shown under the start line
-    eval_tasks: list = field(default_factory=list)  # --eval-tasks, read and checked (minilm.evaluate.Task)
+    eval_tasks: list = field(default_factory=list)  # --eval-tasks, read and checked (minilm.tasks.Task)
     folder: C.RunFolder | None = None
     lease: C.Lease | None = None
     state: dict | None = None  # state.json of the checkpoint a fresh start continues

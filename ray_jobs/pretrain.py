@@ -73,11 +73,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 class RunPlan(run_plan.RunPlan):
-    """minilm.run's plan with what a Ray run adds: the train_loop_config every worker gets."""
-
-    @property
-    def prepared(self) -> D.PreparedData:
-        return self.data
+    """minilm.run's plan with what a Ray run adds: the train_loop_config every worker gets (`data` is the
+    PreparedData every worker opens)."""
 
     def config(self, opts: RayOptions | None = None) -> dict:
         """The train_loop_config every worker gets, one object; `opts` for a run of its own (a Tune trial)."""
@@ -294,7 +291,7 @@ def start(plan: RunPlan) -> int:
     console = quiet_console(plan)
     print(f"run {opts.name}: storage {redact_uri(join_uri(opts.storage_path, opts.name))}, "
           f"data {redact_uri(opts.data_dir)} "
-          f"({plan.prepared.num_sequences} sequences, {plan.steps.steps_per_epoch} steps per epoch), "
+          f"({plan.data.num_sequences} sequences, {plan.steps.steps_per_epoch} steps per epoch), "
           f"workers {opts.num_workers} x {opts.cpus_per_worker:g} CPU(s)"
           + (f"; Ray's own messages: {console.log_path}" if console.installed else ""), flush=True)
     for note in plan.notes:
@@ -324,7 +321,7 @@ def start_evaluator(plan: RunPlan):
     from .evaluator import Evaluator
 
     opts = plan.opts
-    tokenizer = plan.prepared.tokenizer_path if not D.is_remote(opts.data_dir) else None  # else the checkpoints'
+    tokenizer = plan.data.tokenizer_path if not D.is_remote(opts.data_dir) else None  # else the checkpoints'
     tokenizer = tokenizer if tokenizer is not None and tokenizer.is_file() else None
     print(f"eval  {len(plan.eval_tasks)} task(s) from {opts.eval_tasks} on each new checkpoint, on "
           f"{','.join(f'{k}={v:g}' for k, v in opts.eval_resources.items())} per checkpoint; scores to "

@@ -124,7 +124,7 @@ def check_space(dims: dict[str, SearchDim], plan: RunPlan) -> None:
             m, t = apply_params(plan.model_cfg, plan.train_cfg, {dim.name: value})
             try:
                 check_options(m, t, plan.opts)
-                plan_steps(t, plan.prepared.num_sequences, (plan.opts.workers[0],))
+                plan_steps(t, plan.data.num_sequences, (plan.opts.workers[0],))
             except (ConfigError, UsageError, D.DataError) as e:
                 raise UsageError(f"--search {dim.name}: value {value!r} gives an invalid run: {e}") from None
 
