@@ -175,3 +175,13 @@ def test_a_yaml_alias_bomb_in_a_path_option_is_refused_at_once(tmp_path):
                                                 "fewshot_path: *i}\n")
     with pytest.raises(TaskError, match="fewshot_path must name a file, got a list"):
         load_tasks(tmp_path / "tasks.yaml")
+
+
+def test_an_evaluate_output_file_that_is_not_utf8_is_one_line(tmp_path):
+    """`ray_jobs.evaluate --output` naming a file of other bytes: one line naming it and the line, no traceback."""
+    from minilm.errors import UsageError
+    from minilm.eval_log import scored_keys
+
+    (tmp_path / "out.jsonl").write_bytes(b"\xff\xfe not text\n")
+    with pytest.raises(UsageError, match=r"out\.jsonl:1: not a record of ray_jobs\.evaluate \(choose another"):
+        scored_keys(tmp_path / "out.jsonl")
