@@ -77,7 +77,7 @@ class RunOptions:
                                        "logged and used", action="store_true")
     run_dir: str | None = None  # checkpoints, metrics.jsonl, world_size.csv (local storage)
     run_id: str = ""
-    resume_path: str | None = None  # what the run continues when its folder holds no checkpoint (plan_resume's)
+    resume_path: str | None = None  # what the run continues when its folder holds no checkpoint (decide_resume's)
     started_at: float | None = None  # when the command started (time.time()): --exit-after-minutes counts from it
     trackers: list[str] = field(default_factory=list)  # --tracker, checked
     tracker_group: str | None = None  # one W&B group / MLflow tag for the trials of a sweep

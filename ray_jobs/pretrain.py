@@ -128,7 +128,7 @@ class RayLaunch(run_plan.Launch):
 
     def check(self, model_cfg: ModelConfig, train_cfg: TrainConfig, opts: RayOptions) -> None:
         opts.name = check_name(opts.name or time.strftime("minilm-%Y%m%d-%H%M%S"), "--name")  # STORAGE/NAME
-        check_options(model_cfg, train_cfg, opts)
+        check_world_sizes(train_cfg, self.world_sizes(opts), where=f"--num-workers {opts.num_workers}: ")
         if "://" not in opts.storage_path:
             opts.storage_path = str(Path(opts.storage_path).expanduser().resolve())
             opts.run_dir = str(Path(opts.storage_path) / opts.name)

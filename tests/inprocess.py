@@ -46,7 +46,9 @@ def run_local(data_dir: Path, run_dir: Path, *, record: Path | None = None, resu
     run = RunOptions(name=Path(run_dir).name, run_dir=str(run_dir), exit_after_steps=exit_after_steps,
                      keep_checkpoints=keep_checkpoints)
     Path(run_dir).mkdir(parents=True, exist_ok=True)
-    run.resume_path = C.plan_resume(C.RunFolder(run_dir), resume, abandon_newer, lines.append)
+    decision = C.decide_resume(C.RunFolder(run_dir), resume, abandon_newer)
+    decision.apply(C.RunFolder(run_dir), lines.append)
+    run.resume_path = decision.origin
     if record:
         Path(record).mkdir(parents=True, exist_ok=True)
     trainer = Trainer(model_cfg, train_cfg, run, data, launcher, hooks=fault_hooks)

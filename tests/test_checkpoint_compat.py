@@ -120,7 +120,7 @@ def test_the_ray_driver_refuses_such_a_state_json_before_any_worker(tmp_path):
     run_dir, _ = resumable_copy(FORMATS[-1], tmp_path)
     edit_state(run_dir / CHECKPOINT, lambda s: s.pop("global_batch_size"))
     folder = C.RunFolder(run_dir)
-    origin = C.plan_resume(folder, "auto")  # the driver's choice, made before Ray starts
+    origin = C.decide_resume(folder, "auto").origin  # the driver's choice, made before Ray starts
     with pytest.raises(C.CheckpointError, match="state.json lacks global_batch_size"):
         C.check_origin(folder, origin, None, None, None, False)
 

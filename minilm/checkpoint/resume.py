@@ -1,9 +1,9 @@
 """Which checkpoint a run continues, and who may write its folder: the rules every entry point follows.
 
 `RunFolder` is a run's folder on any storage (a local path, or s3:// / gs:// through pyarrow). Its `Lease` keeps one
-live run in it; `plan_resume` applies --resume under the lease (`ray_jobs.pretrain`'s driver, `minilm.train`'s rank
+live run in it; `decide_resume` applies --resume under the lease (`ray_jobs.pretrain`'s driver, `minilm.train`'s rank
 0); every (re)started process then continues the newest complete checkpoint of the folder, else the one
-`plan_resume` chose (`CheckpointManager.load`).
+`decide_resume` chose (`CheckpointManager.load`).
 """
 
 from __future__ import annotations
@@ -283,13 +283,6 @@ def decide_resume(folder: RunFolder | None, resume: str, abandon_newer: bool = F
     return ResumeDecision(origin, tuple(names) + (logs if fresh else ()), () if fresh else logs, listed, start)
 
 
-def plan_resume(folder: RunFolder | None, resume: str, abandon_newer: bool = False, say=print) -> str | None:
-    """`decide_resume` carried out at once (for callers with nothing left to check): the checkpoint to continue."""
-    decision = decide_resume(folder, resume, abandon_newer)
-    decision.apply(folder, say)
-    return decision.origin
-
-
 # ---- what may change across a resume ---------------------------------------------------------------
 
 # Train-config fields added after checkpoints were first written, and the value every checkpoint that lacks one ran
@@ -375,7 +368,7 @@ def check_resume(state: dict[str, Any], where, model_config: ModelConfig, train_
 
 def check_origin(folder: RunFolder | None, origin: str | None, model_config: ModelConfig, train_config,
                  data_fingerprint: str, allow_config_change: bool, say=print) -> dict[str, Any] | None:
-    """The state.json of the checkpoint a fresh start continues (`plan_resume`'s), `check_resume`d with a note for
+    """The state.json of the checkpoint a fresh start continues (`decide_resume`'s), `check_resume`d with a note for
     each change it makes."""
     if origin is None:
         return None
@@ -386,4 +379,4 @@ def check_origin(folder: RunFolder | None, origin: str | None, model_config: Mod
 
 
 __all__ = ["LEASE", "PREDATED_VALUES", "ConfigChange", "Lease", "ResumeDecision", "RunFolder", "decide_resume", "check_origin", "check_resume", "checkpoint_dtype",
-           "config_changes", "plan_resume", "resume_problems"]
+           "config_changes", "resume_problems"]
