@@ -31,7 +31,8 @@ def write_result(path: str, result: dict) -> None:
 
 
 def stream_rate(argv: list[str]) -> int:
-    """Drive one rank's `RankStream` (world size 1, micro-batches to --device) with nothing else in the loop."""
+    """One rank's `RankStream` (world size 1, micro-batches to --device) with nothing else in the loop: bench.data's
+    `rank_stream_rate` on the prepared data."""
     p = argparse.ArgumentParser(prog="python -m bench.gpu_check stream-rate")
     add_model_args(p)
     p.add_argument("--data", required=True)
@@ -40,32 +41,22 @@ def stream_rate(argv: list[str]) -> int:
     p.add_argument("--device", default="cpu", help="where the micro-batches go (cuda: pinned, async copies)")
     args = p.parse_args(argv)
     import numpy as np
-    import torch
 
     from minilm import data as D
     from ray_jobs.cli import ensure_ray
 
-    ensure_ray()
-    from ray_jobs.stream import RankStream
+    from .data import rank_stream_rate
 
+    ensure_ray()
     prepared = D.open_prepared(args.data)
     D.check_compatible(prepared, vocab_size=args.vocab_size, seq_len=args.seq_len)
     train_ids = np.arange(prepared.num_sequences, dtype=np.int64)
     per_epoch = D.steps_per_epoch(len(train_ids), args.global_batch_size)
-    stream = RankStream(args.data, D.RankOrder(train_ids, 0, per_epoch, args.global_batch_size, 1, 0, 0),
-                        args.steps + 1, args.micro_batch_size, torch.device(args.device))
-    t0 = time.perf_counter()
-    stream.next_step()
-    start_s, t0, tokens = time.perf_counter() - t0, time.perf_counter(), 0
-    for _ in range(args.steps):
-        micro_batches, _ = stream.next_step()
-        tokens += sum(b.shape[0] * (b.shape[1] - 1) for b in micro_batches)
-    if stream.device.type == "cuda":
-        torch.cuda.synchronize(stream.device)  # the last copies have landed
-    elapsed = time.perf_counter() - t0
-    print(f"pipeline start {start_s:.2f} s; {args.steps} steps of {args.global_batch_size} x {args.seq_len} tokens in "
-          f"{elapsed:.2f} s ({per_epoch} steps per epoch)")
-    print(f"stream delivery rate: {tokens / elapsed:,.0f} tokens/s")
+    order = D.RankOrder(train_ids, 0, per_epoch, args.global_batch_size, 1, 0, 0)
+    found = rank_stream_rate(args.data, order, args.steps, args.micro_batch_size, args.device)
+    print(f"pipeline start {found['start_s']:.2f} s; {args.steps} steps of {args.global_batch_size} x {args.seq_len} "
+          f"tokens in {found['seconds']:.2f} s ({per_epoch} steps per epoch)")
+    print(f"stream delivery rate: {found['tokens_per_s']:,.0f} tokens/s")
     return 0
 
 
