@@ -53,11 +53,12 @@ MODEL_ARGS = {"hidden_size": 512, "num_hidden_layers": 4, "num_attention_heads":
               "vocab_size": 6400, "seq_len": 256, "micro_batch_size": 8}  # issue #7's reference config
 
 
-def add_model_args(p, keys=tuple(MODEL_ARGS), **defaults) -> None:
+def add_model_args(p, keys=tuple(MODEL_ARGS), helps: dict | None = None, **defaults) -> None:
     """The model and batch flags every benchmark takes: those of `keys`, each default from `defaults`, else
-    MODEL_ARGS'."""
+    MODEL_ARGS', each help from `helps`."""
     for key in keys:
-        p.add_argument("--" + key.replace("_", "-"), type=int, default=defaults.get(key, MODEL_ARGS.get(key)))
+        p.add_argument("--" + key.replace("_", "-"), type=int, default=defaults.get(key, MODEL_ARGS.get(key)),
+                       help=(helps or {}).get(key))
 
 
 def load_average() -> list[float] | None:

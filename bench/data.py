@@ -179,11 +179,28 @@ class NoRead:
         return {"sample_id": ids, "input_ids": np.zeros((len(ids), self.row_len), np.int32)}
 
 
+def rank_stream_rate(data_dir: str, order: D.RankOrder, steps: int, micro_batch: int, device="cpu") -> dict:
+    """One rank's `RankStream` driven alone for `steps` optimizer steps after its first (the pipeline's start, not
+    counted), copies to a CUDA device waited for: its start and delivery rate. The GPU check's stream part too."""
+    from ray_jobs.stream import RankStream
+
+    stream = RankStream(data_dir, order, steps + 1, micro_batch, torch.device(device))
+    t0 = time.perf_counter()
+    stream.next_step()
+    start_s, t0, tokens, micro_batches = time.perf_counter() - t0, time.perf_counter(), 0, None
+    for _ in range(steps):
+        micro_batches, _ = stream.next_step()
+        tokens += sum(b.shape[0] * (b.shape[1] - 1) for b in micro_batches)
+    if stream.device.type == "cuda":
+        torch.cuda.synchronize(stream.device)  # the last copies have landed
+    seconds = time.perf_counter() - t0
+    del stream, micro_batches  # its Ray Data iterators go while Ray is up
+    return {"start_s": start_s, "seconds": seconds, "tokens_per_s": tokens / seconds}
+
+
 def stream_child(args) -> int:
     """One measurement, in a process already pinned to its cores: prints one JSON line."""
     import ray
-
-    from ray_jobs.stream import RankStream
 
     spec = json.loads(args.child)
     data = D.open_prepared(spec["data"])
@@ -206,9 +223,8 @@ def stream_child(args) -> int:
             next_batch()
         return (steps - 1) * G * seq / (time.perf_counter() - t0)
 
-    stream = RankStream(spec["data"], D.RankOrder(train_ids, 1, spe, G, 1, 0, 0), steps, m, "cpu")
-    stream_rate = rate(stream.next_step)
-    del stream
+    stream_rate = rank_stream_rate(spec["data"], D.RankOrder(train_ids, 1, spe, G, 1, 0, 0), steps - 1, m)
+    stream_rate = stream_rate["tokens_per_s"]
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True
     noread = ray.data.range(steps * G).map_batches(

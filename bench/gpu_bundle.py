@@ -2,6 +2,7 @@
 
     bash bench/gpu_bundle.sh                                   # cp312 (the image's python) into gpu-bundle/
     bash bench/gpu_bundle.sh --python-version 3.11 --output /tmp/b311   # its twin for this machine (the rehearsal)
+    make gpu-bundle                                            # the first line, then --verify gpu-bundle
 
 The lent machine reaches no package registry and takes at most 64 MiB of working tree a call, so its missing
 packages travel as wheels (its rules: /work/.library/device/README.md). What is missing: the requirements of
@@ -168,13 +169,53 @@ def build(python_version: str, out: Path, *, ray_version: str = RAY_VERSION, lim
     return manifest
 
 
+def verify(out: Path, limit_mib: float = LIMIT_MIB) -> str:
+    """The bundle in `out` is what the lent machine can install: the wheels bundle.json lists and no other, each one
+    whole (every member in its RECORD with its hash), none of a package the image holds (it would shadow the
+    image's), Ray's among them, install.sh there, all under the limit; then pip's dry run installs them offline
+    for the bundle's python and the machine's platforms. Returns a one-line summary; raises BundleError."""
+    if not (out / "bundle.json").is_file() or not (out / "install.sh").is_file():
+        raise BundleError(f"{out} has no bundle.json or install.sh: build it with make gpu-bundle")
+    manifest = json.loads((out / "bundle.json").read_text())
+    wheels = {w.name: w.stat().st_size for w in out.glob("*.whl")}
+    if wheels != manifest["wheels"]:
+        raise BundleError(f"{out}: its wheels differ from bundle.json's list (rebuild it)")
+    image = image_packages()
+    for name in wheels:
+        if canonical(name.split("-")[0]) in image:
+            raise BundleError(f"{name} is a package the image holds: the carried copy would shadow the image's")
+        with zipfile.ZipFile(out / name) as z:
+            record = next(n for n in z.namelist() if n.endswith(".dist-info/RECORD") and n.count("/") == 1)
+            for row in csv.reader(io.StringIO(z.read(record).decode())):
+                if row and row[1] and record_hash(z.read(row[0])) != row[1]:
+                    raise BundleError(f"{name}: {row[0]} does not match its RECORD")
+    if not any(name.startswith("ray-") for name in wheels):
+        raise BundleError(f"{out} holds no ray wheel")
+    total = sum(wheels.values()) + (out / "install.sh").stat().st_size
+    if total > limit_mib * 2**20:
+        raise BundleError(f"the bundle in {out} is {total / 2**20:.1f} MiB, over the {limit_mib:g} MiB limit")
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--no-index",
+                               "--no-deps", "--target", tmp, *pip_target_flags(manifest["python_version"]),
+                               *map(str, sorted(out.glob("*.whl")))], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise BundleError(f"pip would not install {out}'s wheels for cp{manifest['python_version']}: "
+                          f"{last_error(proc.stderr)}")
+    return (f"{out}: {len(wheels)} wheels, {total / 2**20:.1f} MiB, whole and installable offline for "
+            f"cp{manifest['python_version'].replace('.', '')}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench/gpu_bundle.sh", description=__doc__.split("\n")[0])
     p.add_argument("--python-version", default="3.12", help="the target python, X.Y (default 3.12: the image's)")
     p.add_argument("--output", default=str(ROOT / "gpu-bundle"), help="the bundle folder (default gpu-bundle/)")
     p.add_argument("--ray-version", default=RAY_VERSION)
+    p.add_argument("--verify", metavar="DIR", default=None, help="check a built bundle instead of building one")
     args = p.parse_args(argv)
     try:
+        if args.verify:
+            print(verify(Path(args.verify)))
+            return 0
         m = build(args.python_version, Path(args.output), ray_version=args.ray_version)
     except BundleError as e:
         print(f"error: bench/gpu_bundle.sh: {e}", file=sys.stderr)

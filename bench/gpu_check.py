@@ -5,12 +5,14 @@
     python -m bench.gpu_check --plan             # the plan alone: every part in order, its limit, the total
     python -m bench.gpu_check --only ray-job,export   # a rerun of some parts (what they need is added)
 
-Each part is a subprocess in its own process group with its hard limit, in the order of `SPECS` while their limits
-fit 80% of the budget (`SPARE`); the preflight's measured cold start rescales the rest (`replan`). The timings are
-the benchmarks' own: a row is `bench.step`'s build and figures (bench/gpu_parts.py), the checkpoint parts are
-`bench.checkpoint`, the Trainer and Ray job parts read their metrics as `bench.overhead` does. Results: three files
-in $OUT, else $MINILM_BENCH_RESULTS, else bench/results/gpu, rewritten after every part. docs/gpu.md has the parts,
-the goals, the budget and the code paths that differ on the lent image's torch.
+Each part is a subprocess in its own process group with its hard limit, in the order of `SPECS` (the preflight, the
+headline rows, the parts never run on a GPU, the refinements); each starts only when its limit fits the time actually
+left (`no_room`), so time the parts before it did not use runs it; the preflight's measured cold start rescales the
+later limits (`rescale`). Ray (ray.init included) and NCCL run only inside parts. The timings are the benchmarks'
+own: a row is `bench.step`'s build and figures (bench/gpu_parts.py), the checkpoint parts are `bench.checkpoint`,
+the Trainer and Ray job parts read their metrics as `bench.overhead` does. Results: three files in $OUT, else
+$MINILM_BENCH_RESULTS, else bench/results/gpu, rewritten after every part. docs/gpu.md has the parts, the goals,
+the budget and the code paths that differ on the lent image's torch.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ import shutil
 import signal
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,7 +40,6 @@ from .gpu_plan import (
     RAY_MODULES,
     ROWS,
     SPEC,
-    LocalRay,
     Part,
     Plan,
     Runner,
@@ -48,6 +48,7 @@ from .gpu_plan import (
     Stopped,
     make_plan,
     on_signal,
+    users,
 )
 from .gpu_table import describe_row, failed_parts, format_table, save_results
 
@@ -93,10 +94,11 @@ def row_part(c: Check, name: str) -> None:
     path = c.r.results / f"{name}.json"
     args = ["-m", "bench.gpu_check", "row", "--name", name, "--json", str(path), "--device", c.device,
             "--dtype", "bf16", *c.s.row_args, *flags(shape, *SHAPE_KEYS), *extra, *c.s.row_extra.get(name, [])]
-    row = c.json_part(name, args, path)
+    part = c.r.run(name, args)
+    row = json.loads(path.read_text()) if path.is_file() else None  # written before the profiler: kept if it fails
     if row is not None:
         c.fig.setdefault("rows", {})[name] = row
-        c.r.parts[name].note = describe_row(row)
+        part.note = describe_row(row) + ("" if part.status == "ok" else f"; then {part.status}: {part.note}")
         print(f"[{name}] row: {c.r.parts[name].note}", flush=True)
         c.r.after_part()
 
@@ -263,8 +265,31 @@ def stream_part(c: Check) -> None:
                            "to": c.device}
 
 
+def ray_start_part(c: Check) -> None:
+    """The one local Ray of the Ray parts (each part's driver joins it through RAY_ADDRESS), started by
+    `ray-keeper` in a process of its own under this part's limit, stopped after the last Ray part; none when
+    RAY_ADDRESS names a cluster already."""
+    missing = missing_modules(RAY_MODULES)
+    if missing:
+        c.gates["ray"] = (f"needs {', '.join(missing)} in this python: build the bundle (make gpu-bundle) and run "
+                          f"bash bench/gpu_check.sh --bundle gpu-bundle")
+        c.r.skip("ray-start", c.gates["ray"])
+        return
+    if c.r.env.get("RAY_ADDRESS"):
+        c.r.parts["ray-start"] = Part("ray-start", "ok", note=f"the cluster at RAY_ADDRESS={c.r.env['RAY_ADDRESS']}")
+        return
+    path = c.r.results / "ray.json"
+    part = c.r.run("ray-start", ["-m", "bench.gpu_check", "ray-keeper", "--json", str(path), "--object-store-bytes",
+                                 str(c.s.object_store_bytes), *(["--gpu"] if c.device == "cuda" else [])], ready=path)
+    if part.status == "ok":
+        info = json.loads(path.read_text())
+        c.r.env.update(RAY_ADDRESS=info.pop("address"), **info.pop("env"))
+        c.fig["ray"] = info
+        part.note = f"a local Ray on {info['node_ip']}, {info['num_cpus']:g} CPUs"
+
+
 P = functools.partial
-PART_RUNS = {"preflight": preflight_part, "ddp1-26m": P(group_part, name="ddp1-26m", command="ddp1"),
+PART_RUNS = {"preflight": preflight_part, "ray-start": ray_start_part, "ddp1-26m": P(group_part, name="ddp1-26m", command="ddp1"),
              "trainer-ddp1-26m": P(group_part, name="trainer-ddp1-26m", command="trainer-ddp1"),
              "fp16": fp16_part, "trainer": trainer_part,
              "checkpoint-104m": P(checkpoint_part, name="checkpoint-104m", stall=False),
@@ -276,81 +301,71 @@ PART_RUNS = {"preflight": preflight_part, "ddp1-26m": P(group_part, name="ddp1-2
 
 # ---- main ---------------------------------------------------------------------------------------------------
 
-def blocked(c: Check, spec: Spec) -> str | None:
-    """Why a part cannot run now (a closed gate, a part it needs that did not succeed), or None."""
+def blocked(c: Check, spec: Spec) -> tuple[str, str] | None:
+    """(status, why) when a part cannot run: skipped behind a closed gate or a need that did not succeed, left
+    behind a need that was left."""
     if spec.ray and "ray" in c.gates:
-        return f"Ray gate closed: {c.gates['ray']}"
+        return "skipped", f"Ray gate closed: {c.gates['ray']}"
     if spec.name in ROWS and "--compile" in ROWS[spec.name][1] and "compile" in c.gates:
-        return f"compile gate closed: {c.gates['compile']}"
+        return "skipped", f"compile gate closed: {c.gates['compile']}"
     for need in spec.needs:
         done = c.r.parts.get(need)
         if done is None or done.status != "ok":
-            return f"needs {need}, which {'did not run' if done is None else done.status}"
+            status = "left" if done is not None and done.status == "left" else "skipped"
+            return status, f"needs {need}, which {'did not run' if done is None else done.status}"
     return None
 
 
-def join_ray(c: Check, ray: LocalRay) -> None:
-    """Start (or join) the one Ray of the Ray parts; a failure closes the Ray gate."""
-    missing = missing_modules(RAY_MODULES)
-    if missing:
-        c.gates["ray"] = (f"needs {', '.join(missing)} in this python: build the bundle (bash bench/gpu_bundle.sh) "
-                          f"and run bash bench/gpu_check.sh --bundle gpu-bundle")
-        return
-    try:
-        c.r.env["RAY_ADDRESS"] = ray.address(c.device == "cuda")
-    except Exception as e:  # noqa: BLE001  (whatever ray.init raises, the Ray parts cannot run)
-        c.gates["ray"] = f"could not start a local Ray: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
-        return
-    c.fig["ray"] = ray.info
-    # ray.init turns token auth on for the Ray it starts and says so in this process's environment only; the parts'
-    # drivers also take LocalRay's settings
-    c.r.env.update({k: v for k, v in os.environ.items()
-                    if k.startswith(("RAY_AUTH", "RAY_memory_monitor", "RAY_ENABLE_WINDOWS_OR_OSX"))})
+MIN_START_S = 10  # a headline row starts with at least this much left, whatever its limit
 
 
-def replan(c: Check, plan: Plan, queue: list[tuple[str, float]], only: set[str] | None) -> list[tuple[str, float]]:
+def no_room(c: Check, name: str, queue: list[str]) -> str | None:
+    """Why a part does not start now, from the time actually left: its limit (and, for a part others need, the
+    cheapest of them after it) must fit; a headline row starts with what there is. None: it starts."""
+    left, limit = c.r.left(), c.r.limits[name]
+    if SPEC[name].headline:
+        return None if left >= MIN_START_S else f"{left:.0f} s left"
+    after = [c.r.limits[n] for n in users(name, queue)]
+    need = limit + min(after, default=0.0)
+    if need <= left:
+        return None
+    return f"its {limit:.0f} s limit{' and its cheapest user' if after else ''} did not fit the {left:.0f} s left"
+
+
+def rescale(c: Check, plan: Plan, queue: list[str], only: set[str] | None) -> None:
     """After the preflight (the cold start, measured): if it took longer than assumed, every later limit grows by
-    as much (up to 2x) and the rest is planned again within the time left; what no longer fits is left."""
+    as much (up to 2x); the parts then start as the time left allows, most valuable first."""
     part = c.r.parts.get("preflight")
     scale = part.wall_s / ASSUME[c.device].cold_start if part is not None and part.status == "ok" else 1.0
     if scale <= 1.1:
-        return queue
-    left_s = c.r.deadline - time.monotonic()
-    new = make_plan(c.device, left_s, only, done=tuple(c.r.parts), scale=min(scale, 2.0), compiled={"tiny"})
+        return
+    new = make_plan(c.device, c.r.left(), only, done=tuple(c.r.parts), scale=min(scale, 2.0), compiled={"tiny"})
     print(f"[plan] the cold start took {part.wall_s:.0f} s, {scale:.1f}x the {ASSUME[c.device].cold_start:g} s "
-          f"assumed: the rest re-planned within the {left_s:.0f} s left", flush=True)
+          f"assumed: every later limit x{new.scale:.2f}, within the {c.r.left():.0f} s left", flush=True)
     print("\n".join(new.lines()[2:]), flush=True)
-    plan.scale, plan.parts, plan.left = new.scale, [*plan.parts[:1], *new.parts], [*plan.left, *new.left]
-    mark_left(c, new)
-    c.r.limits.update(dict(new.parts))
-    return list(new.parts)
+    plan.scale = new.scale
+    c.r.limits.update({n: lim for n, lim in new.limits.items() if n in queue})
 
 
-def mark_left(c: Check, plan: Plan) -> None:
-    for name, limit in plan.left:
-        c.r.parts[name] = Part(name, "left", note=f"left for a rerun (its {limit:.0f} s limit did not fit): --only {name}")
-
-
-def run_parts(c: Check, plan: Plan, ray: LocalRay, only: set[str] | None) -> None:
-    """The plan's parts in order, each as its gates and needs allow; the local Ray from the first Ray part to the
-    last."""
-    queue = list(plan.parts)
-    c.r.limits.update(dict(queue))
-    mark_left(c, plan)
+def run_parts(c: Check, plan: Plan, only: set[str] | None) -> None:
+    """Every planned part in order of value, each started only when the time actually left allows it (`no_room`),
+    so time the parts before it did not use runs it; the local Ray stopped after the last Ray part."""
+    queue = [n for n in SPEC if n in plan.limits]
+    c.r.limits.update(plan.limits)
     while queue:
-        name, _ = queue.pop(0)
-        spec = SPEC[name]
-        if spec.ray and "ray" not in c.gates and "RAY_ADDRESS" not in c.r.env:
-            join_ray(c, ray)
-        why = blocked(c, spec)
+        name = queue.pop(0)
+        why = blocked(c, SPEC[name])
+        room = None if why else no_room(c, name, queue)
         if why:
-            c.r.skip(name, why)
+            c.r.skip(name, why[1], why[0])
+        elif room:
+            c.r.skip(name, f"left for a rerun ({room}): --only {name}", "left")
         else:
             PART_RUNS[name](c)
         if name == "preflight":
-            queue = replan(c, plan, queue, only)
-        if ray.started and not any(SPEC[n].ray for n, _ in queue):
-            ray.stop()  # the rest runs without Ray's processes beside it
+            rescale(c, plan, queue, only)
+        if c.r.kept is not None and not any(SPEC[n].ray for n in queue):
+            c.r.stop_kept()  # the rest runs without Ray's processes beside it
             c.r.env.pop("RAY_ADDRESS", None)
 
 
@@ -362,6 +377,9 @@ def check(argv: list[str]) -> int:
     p.add_argument("--only", default=None, help="comma-separated part names: run these (and what they need) alone")
     p.add_argument("--plan", action="store_true", help="print the plan (the parts, their limits, the total) and exit")
     p.add_argument("--keep-work", action="store_true", help="keep the data, runs, logs and export (a temporary folder)")
+    p.add_argument("--bundle", default=None, help="the bundle bench/gpu_check.sh installed (for the results)")
+    p.add_argument("--bundle-error", default=None,
+                   help="why bench/gpu_check.sh could not install the bundle: the Ray parts are skipped, saying so")
     args = p.parse_args(argv)
     only = args.only = set(args.only.split(",")) if args.only else None
     if only and only - set(SPEC):
@@ -395,23 +413,28 @@ def run_check(args, plan: Plan, budget: float) -> int:
     print("\n".join(plan.lines()), flush=True)
     head = {"title": title, "environment": env, "device": args.device, "plan": plan}
     work = Path(tempfile.mkdtemp(prefix="minilm-gpu-check-"))
-    ray = LocalRay(s.object_store_bytes)
     runner = Runner(sys.executable, budget, work, {**os.environ, "PYTHONUNBUFFERED": "1"})
     c = Check(runner, s, args.device, work, {})
     runner.after_part = lambda: save_results(dest, runner, c.fig, head, gpu)
+    if args.bundle_error:  # a result that says so, and every part that needs no bundle
+        c.gates["ray"] = f"the bundle did not install: {args.bundle_error}"
+        runner.record(Part("bundle", "failed", note=args.bundle_error))
+    elif args.bundle:
+        runner.record(Part("bundle", "ok", note=f"installed from {args.bundle}"))
+    runner.after_part()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, on_signal)
     final = "finished"
     try:
-        run_parts(c, plan, ray, args.only)
+        run_parts(c, plan, args.only)
     except Stopped as e:
         final = f"stopped by {e} during {next(reversed(runner.parts), 'the start')}"
         print(f"\n{final}", flush=True)
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, signal.SIG_IGN)  # the results are written once, whatever comes next
+        runner.stop_kept()
         runner.kill_all()
-        ray.stop()
         rows = save_results(dest, runner, c.fig, head, gpu, final)
         if args.keep_work:
             print(f"work folder kept: {work}")
@@ -423,8 +446,9 @@ def run_check(args, plan: Plan, budget: float) -> int:
     print(f"wrote {', '.join(str(dest / f) for f in FILES)}")
     if failed:
         print(f"failed: {', '.join(failed)}")
-    if plan.left:
-        print(f"left for a rerun: python -m bench.gpu_check --only {','.join(n for n, _ in plan.left)}")
+    left = [n for n, p in runner.parts.items() if p.status == "left"]
+    if left:
+        print(f"left for a rerun: python -m bench.gpu_check --only {','.join(left)}")
     return 1 if failed or final != "finished" else 0
 
 

@@ -7,7 +7,8 @@
 #   bash bench/gpu_check.sh --device cpu          # dry run: tiny configs through the same commands (minutes on 2 cores)
 #
 # --bundle DIR: the wheels bench/gpu_bundle.sh built (Ray and what it needs that the image lacks), installed first
-# by DIR/install.sh, the lent machine's own install line (into $MINILM_BUNDLE_SITE, default /tmp/site).
+# by DIR/install.sh, the lent machine's own install line (into $MINILM_BUNDLE_SITE, default /tmp/site); make
+# gpu-bundle builds and verifies it. Without it the check still runs, the Ray parts skipped, the results saying why.
 # Python: $PYTHON, else .venv/bin/python, else python3. It needs torch (a CUDA build for the GPU run), numpy and
 # safetensors; the Ray parts also need ray[train,data] >= 2.60, pyarrow, tokenizers and pyyaml, and are skipped,
 # with one line saying so, without them. The whole command stays within $MINILM_COMMAND_S (600 s on the GPU, the
@@ -29,7 +30,7 @@ while [ $# -gt 0 ]; do
         --only) extra+=(--only "${2:?--only needs part names}"); shift 2 ;;
         --only=*) extra+=("$1"); shift ;;
         --plan) extra+=(--plan); shift ;;
-        -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
         *) echo "error: bench/gpu_check.sh: unknown argument $1 (only --device cpu|cuda, --bundle DIR, --only PARTS, --plan)" >&2; exit 2 ;;
     esac
 done
@@ -39,20 +40,36 @@ case "$device" in
     *) echo "error: bench/gpu_check.sh: --device must be cpu or cuda, got $device" >&2; exit 2 ;;
 esac
 
+# A bundle that is missing or does not install is one error line, and the check still runs every part that needs
+# no bundle, its result files saying why the rest were skipped (a lent call is not to be lost to it).
+bundle_error=
 if [ -n "$bundle" ]; then
-    [ -d "$bundle" ] || { echo "error: bench/gpu_check.sh: --bundle: no folder $bundle" >&2; exit 2; }
-    bundle="$(cd "$bundle" && pwd)"
-    [ -f "$bundle/install.sh" ] || { echo "error: bench/gpu_check.sh: --bundle: $bundle has no install.sh (build it with bench/gpu_bundle.sh)" >&2; exit 2; }
+    if [ ! -d "$bundle" ]; then
+        bundle_error="--bundle: no folder $bundle"
+    elif [ ! -f "$bundle/install.sh" ]; then
+        bundle_error="--bundle: $bundle has no install.sh (build it with make gpu-bundle)"
+    else
+        bundle="$(cd "$bundle" && pwd)"
+    fi
 fi
 cd "$(dirname "$0")/.."
 python="${PYTHON:-}"
 if [ -z "$python" ]; then
     if [ -x .venv/bin/python ]; then python=.venv/bin/python; else python=python3; fi
 fi
-if [ -n "$bundle" ]; then
+bundle_flags=()
+if [ -n "$bundle" ] && [ -z "$bundle_error" ]; then
     # shellcheck source=/dev/null
-    PYTHON="$python" . "$bundle/install.sh" || { echo "error: bench/gpu_check.sh: installing the bundle $bundle failed (its pip output above)" >&2; exit 2; }
-    echo "# bundle installed in $((SECONDS - start)) s"
+    if PYTHON="$python" . "$bundle/install.sh"; then
+        echo "# bundle installed in $((SECONDS - start)) s"
+        bundle_flags=("--bundle=$bundle")
+    else
+        bundle_error="installing the bundle $bundle failed (its pip output above)"
+    fi
+fi
+if [ -n "$bundle_error" ]; then
+    echo "error: bench/gpu_check.sh: $bundle_error" >&2
+    bundle_flags=("--bundle-error=$bundle_error")
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the repo's packages, installed or not
 "$python" - <<'PY'
@@ -65,4 +82,5 @@ if missing:
 PY
 limit=$((command_s - (SECONDS - start) - 10))
 budget=$((limit - 30))
-exec timeout --kill-after=8 "$limit" "$python" -m bench.gpu_check --device "$device" --budget "$budget" "${extra[@]}"
+exec timeout --kill-after=8 "$limit" "$python" -m bench.gpu_check --device "$device" --budget "$budget" \
+    "${bundle_flags[@]}" "${extra[@]}"

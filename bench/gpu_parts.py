@@ -4,13 +4,17 @@
     ddp1          DDP in a 1-rank process group against the same model without DDP                -> --json
     trainer-ddp1  minilm's Trainer plain, then DDP-wrapped in a 1-rank process group              -> --json
     stream-rate   one rank's `ray_jobs.stream.RankStream` driven alone: its delivery rate
+    ray-keeper    the local Ray of the Ray parts: started, described in --json, kept up until SIGTERM
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -19,12 +23,16 @@ from .common import add_model_args
 
 
 def write_result(path: str, result: dict) -> None:
+    """Whole or not at all: the check reads a part's file the moment it appears."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(result, indent=2) + "\n")
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    os.replace(tmp, path)
 
 
 def stream_rate(argv: list[str]) -> int:
-    """Drive one rank's `RankStream` (world size 1, micro-batches to --device) with nothing else in the loop."""
+    """One rank's `RankStream` (world size 1, micro-batches to --device) with nothing else in the loop: bench.data's
+    `rank_stream_rate` on the prepared data."""
     p = argparse.ArgumentParser(prog="python -m bench.gpu_check stream-rate")
     add_model_args(p)
     p.add_argument("--data", required=True)
@@ -33,33 +41,62 @@ def stream_rate(argv: list[str]) -> int:
     p.add_argument("--device", default="cpu", help="where the micro-batches go (cuda: pinned, async copies)")
     args = p.parse_args(argv)
     import numpy as np
-    import torch
 
     from minilm import data as D
     from ray_jobs.cli import ensure_ray
 
-    ensure_ray()
-    from ray_jobs.stream import RankStream
+    from .data import rank_stream_rate
 
+    ensure_ray()
     prepared = D.open_prepared(args.data)
     D.check_compatible(prepared, vocab_size=args.vocab_size, seq_len=args.seq_len)
     train_ids = np.arange(prepared.num_sequences, dtype=np.int64)
     per_epoch = D.steps_per_epoch(len(train_ids), args.global_batch_size)
-    stream = RankStream(args.data, D.RankOrder(train_ids, 0, per_epoch, args.global_batch_size, 1, 0, 0),
-                        args.steps + 1, args.micro_batch_size, torch.device(args.device))
-    t0 = time.perf_counter()
-    stream.next_step()
-    start_s, t0, tokens = time.perf_counter() - t0, time.perf_counter(), 0
-    for _ in range(args.steps):
-        micro_batches, _ = stream.next_step()
-        tokens += sum(b.shape[0] * (b.shape[1] - 1) for b in micro_batches)
-    if stream.device.type == "cuda":
-        torch.cuda.synchronize(stream.device)  # the last copies have landed
-    elapsed = time.perf_counter() - t0
-    print(f"pipeline start {start_s:.2f} s; {args.steps} steps of {args.global_batch_size} x {args.seq_len} tokens in "
-          f"{elapsed:.2f} s ({per_epoch} steps per epoch)")
-    print(f"stream delivery rate: {tokens / elapsed:,.0f} tokens/s")
+    order = D.RankOrder(train_ids, 0, per_epoch, args.global_batch_size, 1, 0, 0)
+    found = rank_stream_rate(args.data, order, args.steps, args.micro_batch_size, args.device)
+    print(f"pipeline start {found['start_s']:.2f} s; {args.steps} steps of {args.global_batch_size} x {args.seq_len} "
+          f"tokens in {found['seconds']:.2f} s ({per_epoch} steps per epoch)")
+    print(f"stream delivery rate: {found['tokens_per_s']:,.0f} tokens/s")
     return 0
+
+
+def ray_keeper(argv: list[str]) -> int:
+    """Start the local Ray every Ray part joins (through RAY_ADDRESS), write its address, node and the settings its
+    drivers must share to --json, and keep it up until SIGTERM. A process of its own, so that the check holds
+    ray.init to a part's limit. On 127.0.0.1: the lent machine has no network, and Ray finds a node's address by
+    routing towards one. A fixed object store and no memory monitor: Ray would size both from the MemTotal of a VM
+    whose memory starts small and grows as it is used. The GPU's 16 cores as they are; the CPU dry run's 2 as
+    ray_jobs.cli.ensure_ray counts them (more logical CPUs than cores: a worker must leave Ray Data some)."""
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_check ray-keeper")
+    p.add_argument("--json", required=True)
+    p.add_argument("--gpu", action="store_true")
+    p.add_argument("--object-store-bytes", type=int, required=True)
+    args = p.parse_args(argv)
+    # Read by the raylet this init starts and by the drivers and workers after it: no memory monitor, and 127.0.0.1
+    # for this node (Ray's own choice when it is not meant to form a cluster; otherwise it probes a route to 8.8.8.8
+    # and, unreachable, falls back to resolving the host name: ray._private.services).
+    os.environ.update(RAY_memory_monitor_refresh_ms="0", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+    import ray
+
+    cores = os.cpu_count() or 2
+    ray.init(address="local", num_cpus=cores if args.gpu else max(8, 2 * cores), num_gpus=1 if args.gpu else 0,
+             object_store_memory=args.object_store_bytes, _node_ip_address="127.0.0.1", include_dashboard=False,
+             log_to_driver=False, logging_level="ERROR")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        node = ray.nodes()[0]
+        # ray.init turns token auth on for the Ray it starts and says so in this process's environment only
+        shared = {k: v for k, v in os.environ.items()
+                  if k.startswith(("RAY_AUTH", "RAY_memory_monitor", "RAY_ENABLE_WINDOWS_OR_OSX"))}
+        write_result(args.json, {"address": ray.get_runtime_context().gcs_address, "env": shared,
+                                 "node_ip": node["NodeManagerAddress"], "num_cpus": node["Resources"].get("CPU"),
+                                 "object_store_bytes": int(node["Resources"].get("object_store_memory", 0)),
+                                 "memory_monitor_refresh_ms": os.environ["RAY_memory_monitor_refresh_ms"]})
+        print(f"ray-keeper: a local Ray at {ray.get_runtime_context().gcs_address}", flush=True)
+        while True:
+            time.sleep(3600)
+    finally:
+        ray.shutdown()
 
 
 class DynamoCounts:
@@ -87,6 +124,31 @@ class DynamoCounts:
 
         return {"graph_breaks": sum(counters["graph_break"].values()),
                 "graphs": counters["stats"].get("unique_graphs", 0), "recompiles": self.recompiles}
+
+
+SDPA_OPS = {"_scaled_dot_product_flash_attention": "flash", "_scaled_dot_product_cudnn_attention": "cudnn",
+            "_scaled_dot_product_efficient_attention": "efficient", "_scaled_dot_product_attention_math": "math",
+            "_scaled_dot_product_flash_attention_for_cpu": "flash (CPU)",
+            "_scaled_dot_product_fused_attention_overrideable": "overrideable"}
+
+
+def sdpa_kernel(cfg, batch: int, seq: int, dtype, device) -> dict:
+    """Which kernel SDPA runs for this row: a 1-layer model of the row's config (its head dim, GQA, mask) on a batch
+    of the row's shape, one forward + backward under autocast as the step runs it, the profiler naming the ops."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from minilm.model import MiniMindForCausalLM
+
+    model = MiniMindForCausalLM(type(cfg)(**{**cfg.to_dict(), "num_hidden_layers": 1})).to(device).train()
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device=device)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            model(ids[:, :-1], targets=ids[:, 1:]).loss.backward()
+    ran = {SDPA_OPS[k] for k in (e.key.removeprefix("aten::") for e in prof.key_averages()) if k in SDPA_OPS}
+    return {"kernel": " + ".join(sorted(ran)) or "none found", "batch": batch, "seq": seq, "dtype": str(dtype),
+            "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
+            "document_mask": cfg.document_mask}
 
 
 def row_args(argv: list[str]):
@@ -128,7 +190,9 @@ def row(argv: list[str]) -> int:
                                 device=device)
     train_cfg = TrainConfig(lr=1e-4, compile=args.compile, activation_checkpointing=args.activation_checkpointing,
                             optimizer=args.optimizer)
-    model, optimizer = build(model_config(args, 4 if args.moe else 0, 1, args.document_mask), train_cfg, device)
+    cfg = model_config(args, 4 if args.moe else 0, 1, args.document_mask)
+    sdpa = sdpa_kernel(cfg, args.micro_batch_size, args.seq_len, dtype, device)
+    model, optimizer = build(cfg, train_cfg, device)
     dispatch = None
     if args.moe:  # what "auto" resolves to here: grouped where grouped_mm has its sync-free kernel
         grouped = model.moe_layers()[0].grouped_kernel and dtype == torch.bfloat16
@@ -142,7 +206,6 @@ def row(argv: list[str]) -> int:
         t0 = time.perf_counter()
         step(i)
         times.append(time.perf_counter() - t0)
-    profile = profiled_step(step, len(batches) - 1, device) if args.profile else None
     warm, timed = times[:args.warmup], times[args.warmup:]
     sheet = datasheet_peak(torch.cuda.get_device_name(device), dtype) if device.type == "cuda" else None
     if device.type == "cuda":
@@ -157,10 +220,17 @@ def row(argv: list[str]) -> int:
               # the warm-up steps' time beyond as many steady steps: compilation and autotuning
               "compile_s": max(0.0, sum(warm) - len(warm) * statistics.median(timed)) if args.compile else None,
               "document_mask": args.document_mask, "optimizer": args.optimizer,
-              "activation_checkpointing": args.activation_checkpointing, "profile": profile, "moe_dispatch": dispatch,
-              **(counts.read() if counts else {"graph_breaks": None, "graphs": None, "recompiles": None})}
-    write_result(args.json, result)
-    print(f"row {args.name}: {result['tokens_per_s']:,.0f} tok/s, MFU {result['mfu']:.1%} of the measured peak")
+              "activation_checkpointing": args.activation_checkpointing, "profile": None, "moe_dispatch": dispatch,
+              "sdpa": sdpa, **(counts.read() if counts else {"graph_breaks": None, "graphs": None, "recompiles": None})}
+    write_result(args.json, result)  # before the profiler: its failure loses nothing
+    if args.profile:
+        try:
+            result["profile"] = profiled_step(step, len(batches) - 1, device)
+        except Exception as e:  # noqa: BLE001  (the profiler's failure is a note on a row already measured)
+            result["profile"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+        write_result(args.json, result)
+    print(f"row {args.name}: {result['tokens_per_s']:,.0f} tok/s, MFU {result['mfu']:.1%} of the measured peak, "
+          f"SDPA {sdpa['kernel']}")
     return 0
 
 
@@ -364,4 +434,4 @@ def trainer_ddp1(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"stream-rate": stream_rate, "row": row, "ddp1": ddp1, "trainer-ddp1": trainer_ddp1}
+COMMANDS = {"ray-keeper": ray_keeper, "stream-rate": stream_rate, "row": row, "ddp1": ddp1, "trainer-ddp1": trainer_ddp1}

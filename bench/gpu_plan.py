@@ -48,7 +48,7 @@ class Part:
 DEVICE_S, COMMAND_S = 900, 600
 MACHINE_START_S, INSTALL_S, RESULTS_S = 150, 30, 30  # "a minute or more" to start; pip of ~40 MB of wheels
 # Seconds for the parts. The CPU dry run's is a cap only (it takes ~3 minutes): room for a CI box 2x slower than
-# this one, whose slower cold start rescales every limit (`replan`), with every part still in the plan.
+# this one, whose slower cold start rescales every limit (`gpu_check.rescale`), with every part still in the plan.
 BUDGET = {"cuda": COMMAND_S - INSTALL_S - RESULTS_S, "cpu": 2400}
 SPARE = 0.2  # of the budget no plan uses: the limits are estimates, and the machine may be slower still
 
@@ -79,31 +79,35 @@ ASSUME = {
 
 @dataclass(frozen=True)
 class Spec:
-    """One part of the check, in the plan's order (value: never run on a GPU first, refinements last)."""
+    """One part of the check, in the order of value: the preflight, the headline rows, the parts never run on a GPU,
+    the refinements."""
 
     name: str
     work: tuple[float, float]  # seconds once started (GPU, CPU dry run): steps, saves, reads
     graph: str | None = None  # the compiled block graph it compiles; the first part of each compiles it cold
-    ray: bool = False  # its driver joins the local Ray
+    ray: bool = False  # it runs in or against the local Ray (needs the bundle on the lent machine)
     train: bool = False  # it starts a Ray Train run
     needs: tuple[str, ...] = ()  # parts whose results it takes
+    headline: bool = False  # a goal's figure: it starts whatever the preflight took, with the time there is
     what: str = ""
 
 
 SPECS = (
-    Spec("preflight", (0, 0), graph="tiny", what="versions, cold start; gates: Ray import, compile, flash"),
-    Spec("step-26m-eager", (4, 2), what="the 26M step: the Trainer's and the Ray job's reference"),
+    Spec("preflight", (0, 0), graph="tiny", what="versions, cold start; gates: Ray import, compile"),
+    Spec("step-104m-compiled", (5, 2), graph="104m", headline=True, what="headline: 104M compiled, MFU goal 45%"),
+    Spec("step-26m-compiled", (4, 3), graph="26m", headline=True,
+         what="headline: 26M compiled, MFU goal 30%; a profiled step"),
     Spec("ddp1-26m", (5, 3), what="never run: DDP over NCCL, an all-reduce on the device"),
     Spec("trainer-ddp1-26m", (8, 4), graph="26m", what="never run: the Trainer DDP-wrapped in an NCCL group"),
     Spec("moe-26m-compiled", (3, 2), graph="26m-moe", what="never run: the grouped MoE dispatch, compiled"),
     Spec("checkpoint-stall-104m", (15, 6), what="never run: the async checkpoint's stall on the device"),
-    Spec("prepare", (8, 8), ray=True, what="the demo corpus through Ray Data"),
+    Spec("step-26m-eager", (4, 2), what="the 26M eager step: the Trainer's and the Ray job's reference"),
+    Spec("ray-start", (10, 12), ray=True, what="the local Ray of the Ray parts, started in its own process"),
+    Spec("prepare", (8, 8), ray=True, needs=("ray-start",), what="the demo corpus through Ray Data"),
     Spec("ray-job", (6, 3), ray=True, train=True, needs=("prepare",), what="never run: the 1-GPU Ray job, half"),
     Spec("ray-job-resume", (6, 3), ray=True, train=True, needs=("ray-job",), what="never run: ... resumed to the end"),
     Spec("export", (3, 2), needs=("ray-job-resume",), what="the last checkpoint exported"),
     Spec("sample", (3, 1), needs=("export",), what="text sampled from the export"),
-    Spec("step-104m-compiled", (5, 2), graph="104m", what="headline: 104M compiled, MFU goal 45%"),
-    Spec("step-26m-compiled", (4, 3), graph="26m", what="headline: 26M compiled, MFU goal 30%; a profiled step"),
     Spec("fp16", (10, 6), what="fp16 with the GradScaler: an overflow skipped"),
     Spec("docmask-26m-compiled", (3, 2), graph="26m-docmask", what="--document-mask, compiled"),
     Spec("muon-26m-compiled", (4, 2), graph="26m", what="Muon, compiled"),
@@ -115,7 +119,11 @@ SPECS = (
     Spec("stream", (8, 6), ray=True, needs=("prepare",), what="Ray Data stream delivery to the device"),
 )
 SPEC = {s.name: s for s in SPECS}
-RAY_PARTS = tuple(s.name for s in SPECS if s.ray)
+
+
+def users(name: str, among) -> list[str]:
+    """The parts among `among` that take `name`'s results."""
+    return [n for n in among if name in SPEC[n].needs]
 
 
 def part_limit(spec: Spec, a: Assume, device: str, cold_graphs: set[str], scale: float = 1.0) -> float:
@@ -131,10 +139,14 @@ def part_limit(spec: Spec, a: Assume, device: str, cold_graphs: set[str], scale:
 
 @dataclass
 class Plan:
+    """The parts sure to run in this call (`parts`: their limits fit (1 - SPARE) of the budget, back to back), and
+    the rest in order (`left`): at run time each part starts when its limit fits the time actually left, so the
+    time the sure parts do not use runs the left ones, in this order."""
+
     device: str
     budget: float
     parts: list[tuple[str, float]]  # (part, limit) in the order they run
-    left: list[tuple[str, float]]  # parts that did not fit, with their limits
+    left: list[tuple[str, float]]  # the parts that start only if the time left allows, in order
     added: list[str]  # parts --only did not name but a named one needs
     scale: float = 1.0
 
@@ -142,14 +154,15 @@ class Plan:
     def total(self) -> float:
         return sum(limit for _, limit in self.parts)
 
-    def limit(self, name: str) -> float:
-        return dict(self.parts)[name]
+    @property
+    def limits(self) -> dict[str, float]:
+        return dict(self.parts + self.left)
 
     def lines(self) -> list[str]:
         a = ASSUME[self.device]
         head = [f"# plan ({'the lent GPU' if self.device == 'cuda' else 'the CPU dry run'}): parts in order of value, "
-                f"each limit = {a.margin:g} x (start + work + compile + Ray Train start), within {1 - SPARE:.0%} of "
-                f"the {self.budget:.0f} s budget",
+                f"each limit = {a.margin:g} x (start + work + compile + Ray Train start); the first call's parts "
+                f"fit {1 - SPARE:.0%} of the {self.budget:.0f} s budget",
                 f"#   assumed: cold start {a.cold_start:g} s, a start {a.start:g} s, a new block graph's compile "
                 f"{a.compile_cold:g} s, from the cache {a.compile_warm:g} s, a Ray Train start {a.train_start:g} s"
                 + (f"; rescaled x{self.scale:.2f} from the measured cold start" if self.scale != 1.0 else "")]
@@ -161,8 +174,8 @@ class Plan:
                 enumerate(self.parts, 1)]
         tail = [f"  added for --only: {', '.join(self.added)} (needed by the parts named)"] if self.added else []
         if self.left:
-            tail.append(f"  left for a rerun (over the budget): {', '.join(f'{n} {lim:.0f} s' for n, lim in self.left)}"
-                        f"; python -m bench.gpu_check --only {','.join(n for n, _ in self.left)}")
+            tail.append(f"  then, each as the time left allows: {', '.join(f'{n} {lim:.0f} s' for n, lim in self.left)}"
+                        f"; what none reaches: python -m bench.gpu_check --only PARTS")
         return [*head, *body, *tail, f"total {self.total:.0f} s of {self.budget:.0f} s"]
 
 
@@ -178,25 +191,29 @@ def with_needs(names: set[str]) -> set[str]:
 
 def make_plan(device: str, budget: float, only: set[str] | None = None, done: tuple[str, ...] = (),
               scale: float = 1.0, compiled: set[str] = frozenset()) -> Plan:
-    """The parts (all, or `only` and what they need), in SPECS order, while their limits fit (1 - SPARE) x budget;
-    a part that does not fit is left for a rerun, and so is every part that needs it. `done` parts (already run:
-    a re-plan after the preflight) keep their place and count nothing; `compiled`: graphs already compiled."""
+    """The parts (all, or `only` and what they need) in SPECS order: the headline rows and those whose limits fit
+    (1 - SPARE) x budget back to back are sure (`parts`); the rest, those whose needs are not sure, and those whose
+    every user is not sure are `left`, in order. `done` parts (a re-plan after the preflight) are not planned again;
+    `compiled`: graphs already compiled."""
     a = ASSUME[device]
     wanted = with_needs(only) if only else set(SPEC)
     cold_graphs = {s.graph for s in SPECS if s.graph} - set(compiled)
-    parts, left, total = [], [], 0.0
-    for spec in SPECS:
-        if spec.name not in wanted or spec.name in done:
-            continue
-        limit = part_limit(spec, a, device, cold_graphs, scale)
-        if total + limit > (1 - SPARE) * budget or any(n in dict(left) for n in spec.needs):
-            left.append((spec.name, limit))
-            continue
-        parts.append((spec.name, limit))
-        total += limit
+    names = [s.name for s in SPECS if s.name in wanted and s.name not in done]
+    limits, sure, total = {}, [], 0.0
+    for name in names:
+        spec = SPEC[name]
+        limits[name] = part_limit(spec, a, device, cold_graphs, scale)
         cold_graphs.discard(spec.graph)
+        fits = total + limits[name] <= (1 - SPARE) * budget and all(n in sure or n in done for n in spec.needs)
+        if spec.headline or fits:
+            sure.append(name)
+            total += limits[name]
+    for name in reversed(names):  # a part kept only for its users goes when they all went
+        if name in sure and users(name, names) and not users(name, sure):
+            sure.remove(name)
     added = sorted(wanted - set(only)) if only else []
-    return Plan(device, budget, parts, left, added, scale)
+    return Plan(device, budget, [(n, limits[n]) for n in sure], [(n, limits[n]) for n in names if n not in sure],
+                added, scale)
 
 
 @dataclass
@@ -245,48 +262,61 @@ def on_signal(signum, _frame):
 
 
 class Runner:
-    """Runs each part as a subprocess in its own process group with its limit (`limits`, the plan's), never past
-    the overall budget; its output goes to work/logs/<part>.log, and `after_part` runs after every part (the
-    results are rewritten)."""
+    """Runs each part as a subprocess in its own process group with its limit (`limits`), never past the overall
+    budget (`clock`: time.monotonic, a fake one in the rehearsal's tests); its output goes to work/logs/<part>.log,
+    and `after_part` runs after every part (the results are rewritten)."""
 
-    def __init__(self, python: str, budget_s: float, work: Path, env: dict, after_part=None):
-        self.python, self.deadline, self.work, self.env = python, time.monotonic() + budget_s, work, env
+    def __init__(self, python: str, budget_s: float, work: Path, env: dict, after_part=None, clock=time.monotonic):
+        self.python, self.clock, self.work, self.env = python, clock, work, env
+        self.deadline = clock() + budget_s
         self.logs, self.results = work / "logs", work / "results"
         self.parts: dict[str, Part] = {}
         self.limits: dict[str, float] = {}
         self.groups: list[int] = []  # every part's process group, killed again at exit
+        self.kept: subprocess.Popen | None = None  # a part that stays up for the parts after it (the local Ray)
         self.after_part = after_part or (lambda: None)
         self.logs.mkdir(parents=True, exist_ok=True)
         self.results.mkdir(parents=True, exist_ok=True)
 
-    def skip(self, name: str, why: str) -> Part:
-        part = self.parts[name] = Part(name, "skipped", note=why)
-        print(f"[{name}] skipped: {why}", flush=True)
+    def left(self) -> float:
+        return self.deadline - self.clock()
+
+    def skip(self, name: str, why: str, status: str = "skipped") -> Part:
+        part = self.parts[name] = Part(name, status, note=why)
+        print(f"[{name}] {status}: {why}", flush=True)
         return part
 
-    def run(self, name: str, args: list[str], env: dict | None = None) -> Part:
-        left = self.deadline - time.monotonic()
+    def run(self, name: str, args: list[str], env: dict | None = None, ready: Path | None = None) -> Part:
+        """The part to its end, or with `ready` until it writes that file: it then stays up (`kept`) until
+        `stop_kept`."""
+        left = self.left()
         if left < 5:
             return self.skip(name, "out of time (--budget)")
         timeout = min(self.limits[name], left)
         print(f"[{name}] {' '.join(args)}  (limit {timeout:.0f} s)", flush=True)
-        t0 = time.monotonic()
-        proc = subprocess.Popen([self.python, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        t0 = self.clock()
+        log = (self.logs / f"{name}.log").open("w+") if ready else subprocess.PIPE  # a kept part outlives a pipe
+        proc = subprocess.Popen([self.python, *args], stdout=log, stderr=subprocess.STDOUT, text=True,
                                 env={**self.env, **(env or {})}, start_new_session=True)
         self.groups.append(proc.pid)
+        status = None
         try:
-            out, _ = proc.communicate(timeout=timeout)
-            status = "ok" if proc.returncode == 0 else "failed"
+            out, status = wait_ready(proc, ready, timeout) if ready else (proc.communicate(timeout=timeout)[0], None)
+            status = status or ("ok" if proc.returncode == 0 else "failed")
         except subprocess.TimeoutExpired:
-            out = stop_group(proc)
-            status = "timeout"
+            out, status = stop_group(proc), "timeout"
         except BaseException:  # Stopped: the part in flight goes first, then the check writes its results
             out = stop_group(proc, grace_s=5)
-            self.record(Part(name, "stopped", time.monotonic() - t0, note="stopped by a signal", output=out))
+            self.record(Part(name, "stopped", self.clock() - t0, note="stopped by a signal", output=out))
             raise
         finally:
-            kill_group(proc.pid)  # what the part left behind in its group (a local Ray's processes, say)
-        part = Part(name, status, time.monotonic() - t0, output=out or "")
+            if status != "ok" or not ready:
+                kill_group(proc.pid)  # what the part left behind in its group (a local Ray's processes, say)
+        if ready:
+            log.seek(0)
+            out = log.read()
+        self.kept = proc if ready and status == "ok" else self.kept
+        part = Part(name, status, self.clock() - t0, output=out or "")
         if status == "failed":
             part.note = f"exit {proc.returncode}: {last_line(part.output)}"
         elif status == "timeout":
@@ -296,6 +326,12 @@ class Runner:
         self.after_part()
         return part
 
+    def stop_kept(self) -> None:
+        if self.kept is not None:
+            stop_group(self.kept)
+            kill_group(self.kept.pid)
+            self.kept = None
+
     def record(self, part: Part) -> None:
         (self.logs / f"{part.name}.log").write_text(part.output)
         self.parts[part.name] = part
@@ -303,6 +339,18 @@ class Runner:
     def kill_all(self) -> None:
         for pgid in self.groups:
             kill_group(pgid)
+
+
+def wait_ready(proc: subprocess.Popen, ready: Path, timeout: float) -> tuple[str, str | None]:
+    """Wait until the process writes `ready` ("ok"), ends first (its exit status decides), or `timeout` passes."""
+    t0 = time.monotonic()
+    while not ready.is_file():
+        if proc.poll() is not None:
+            return "", "failed" if proc.returncode else "ok"
+        if time.monotonic() - t0 > timeout:
+            raise subprocess.TimeoutExpired(proc.args, timeout)
+        time.sleep(0.2)
+    return "", "ok"
 
 
 def kill_group(pgid: int) -> None:
@@ -331,42 +379,3 @@ def last_line(text: str) -> str:
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     errors = [line for line in lines if line.startswith("error:") or "Error" in line.split(":")[0]]
     return (errors or lines or ["(no output)"])[-1][:200]
-
-
-class LocalRay:
-    """One local Ray for every Ray part (each part's driver joins it through RAY_ADDRESS), stopped after the last;
-    none when RAY_ADDRESS names a cluster already. On 127.0.0.1: the lent machine has no network, and Ray finds a
-    node's address by routing towards one. A fixed object store and no memory monitor: Ray would size both from
-    the MemTotal of a VM whose memory starts small and grows as it is used. As many CPUs as cores."""
-
-    def __init__(self, object_store_bytes: int):
-        self.started, self.object_store_bytes, self.info = False, object_store_bytes, {}
-
-    def address(self, gpu: bool) -> str:
-        if os.environ.get("RAY_ADDRESS"):
-            return os.environ["RAY_ADDRESS"]
-        # Read by the raylet this init starts and by the drivers and workers after it: no memory monitor, and
-        # 127.0.0.1 for this node (Ray's own choice when it is not meant to form a cluster; otherwise it probes a
-        # route to 8.8.8.8 and, unreachable, falls back to resolving the host name: ray._private.services).
-        os.environ.update(RAY_memory_monitor_refresh_ms="0", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
-        import ray
-
-        cores = os.cpu_count() or 2
-        # The lent machine's 16 cores as they are; the CPU dry run's 2 as ray_jobs.cli.ensure_ray counts them (more
-        # logical CPUs than cores: a worker must leave Ray Data some).
-        ray.init(address="local", num_cpus=cores if gpu else max(8, 2 * cores), num_gpus=1 if gpu else 0,
-                 object_store_memory=self.object_store_bytes, _node_ip_address="127.0.0.1", include_dashboard=False,
-                 log_to_driver=False, logging_level="ERROR")
-        self.started = True
-        node = ray.nodes()[0]
-        self.info = {"node_ip": node["NodeManagerAddress"], "num_cpus": node["Resources"].get("CPU"),
-                     "object_store_bytes": int(node["Resources"].get("object_store_memory", 0)),
-                     "memory_monitor_refresh_ms": os.environ["RAY_memory_monitor_refresh_ms"]}
-        return ray.get_runtime_context().gcs_address
-
-    def stop(self) -> None:
-        if self.started:
-            import ray
-
-            ray.shutdown()
-            self.started = False

@@ -1,5 +1,5 @@
 """The GPU check's first part, `python -m bench.gpu_check preflight --json PATH`: versions, the cold start's phases,
-and the gates (Ray import, compile, flash) whose closing skips the parts behind them."""
+and the gates (Ray import, compile) whose closing skips the parts behind them."""
 
 from __future__ import annotations
 
@@ -78,18 +78,6 @@ def tiny_compiled_step(device) -> float:
     return time.perf_counter() - t0
 
 
-def flash_at_check_shape(device) -> None:
-    """SDPA restricted to the flash kernel at the 26M rows' attention shape: raises if that kernel cannot run."""
-    import torch
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    q, k, v = (torch.randn(32, 8, 512, 64, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
-    torch.cuda.synchronize(device)
-
-
 def gate(gates: dict, name: str, found: dict, phase: str, fn, why: str):
     """Run fn as a timed phase; an exception closes the gate `name` with `why` and the error."""
     t0 = time.perf_counter()
@@ -116,7 +104,8 @@ def preflight(argv: list[str]) -> int:
     device, cuda = torch.device(args.device), args.device.startswith("cuda")
     found: dict = {"torch": torch.__version__, "python": sys.version.split()[0], "cuda": torch.version.cuda,
                    "phases_s": {"process_start": started_s}}
-    gates: dict[str, str | None] = {"ray": None, "compile": None, "flash": None}
+    # SDPA's kernel is each row's own result, found at its shape (gpu_parts.sdpa_kernel)
+    gates: dict[str, str | None] = {"ray": None, "compile": None}
     if cuda:
         t0 = time.perf_counter()
         torch.ones(1, device=device).add_(1).item()
@@ -139,9 +128,6 @@ def preflight(argv: list[str]) -> int:
         compile_s = gate(gates, "compile", found, "compile", lambda: tiny_compiled_step(device),
                          f"compiled forward+backward on {device.type}")
         found.update({"compile_s": compile_s} if compile_s is not None else {})
-    if cuda and gate(gates, "flash", found, "flash", lambda: flash_at_check_shape(device) or True,
-                     "SDPA's flash kernel at the check's shape"):
-        found["sdpa_flash"] = "runs at (32, 8, 512, 64) bf16 causal"
     found["gates"] = gates
     parts = [f"torch {found['torch']}", f"python {found['python']}"]
     parts += [f"{k} {found[k]}" for k in ("gpu", "capability", "cuda", "driver", "triton", "ray", "numpy", "pyarrow")

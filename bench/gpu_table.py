@@ -27,8 +27,11 @@ def describe_row(row: dict) -> str:
                  f"{row['recompiles']} recompile(s)")
     if row.get("moe_dispatch"):
         text += f", MoE dispatch {row['moe_dispatch']}"
+    if row.get("sdpa"):
+        text += f", SDPA {row['sdpa']['kernel']}"
     if row.get("profile"):
-        text += f"; profiled step: flash attention {'used' if row['profile']['flash'] else 'NOT used'}"
+        text += (f"; profiler failed: {row['profile']['error']}" if "error" in row["profile"] else
+                 f"; profiled step: flash attention {'used' if row['profile']['flash'] else 'NOT used'}")
     return text
 
 
@@ -43,6 +46,8 @@ def table_rows(parts: dict[str, Part], fig: dict, gpu: bool) -> list[dict]:
     part's failure (FAILED, TIMEOUT, STOPPED, SKIPPED with its reason)."""
     rows: list[dict] = []
     add = adder(parts, gpu, rows)
+    if "bundle" in parts:
+        add("bundle install (Ray and what it needs)", "bundle", parts["bundle"].note, "installs")
     add("preflight", "preflight", (fig.get("preflight") or {}).get("line", ""))
     step_rows(add, fig)
     fp16_row(add, rows, fig)
@@ -135,6 +140,7 @@ def job_rows(add, fig: dict, parts: dict[str, Part]) -> None:
         if part == "ray-job-resume" and "ray-job-resume" in parts:
             result += f"; {parts['ray-job-resume'].note}"
         add(check, part, result, f">= {RAY_GOAL:.2f}x the eager step", None if ratio is None else ratio >= RAY_GOAL)
+    add("the local Ray (ray-start)", "ray-start", parts["ray-start"].note if "ray-start" in parts else "", "starts")
     add("prepare the demo corpus", "prepare", parts["prepare"].note if "prepare" in parts else "", "completes")
     add("export + sample", "sample", repr((fig.get("sample") or "")[:80]), "text comes out")
     fastest = measured.get("step-26m-compiled") or eager

@@ -34,7 +34,7 @@ from minilm.model import MiniMindForCausalLM
 from minilm.step import make_grad_scaler, make_optimizer, optimizer_step, resolve_dtype
 from ray_jobs.cli import DEMO_PRESET, ensure_ray
 
-from .common import environment, load_average, write_json
+from .common import add_model_args, environment, load_average, write_json
 from .overhead_train import REPORT_INTERVALS_S, print_ddp, print_report_blocking, report_blocking, two_workers
 
 # Issue #17's tiny config: steps of a few ms, so a fixed cost per step shows.
@@ -375,10 +375,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--omp-wait-policy", choices=["active", "passive"],
                    help="OMP_WAIT_POLICY of every part-1 run (default: unset, libgomp's spin-then-sleep)")
     p.add_argument("--data", help="prepared data dir for part 1 (default: the built-in demo corpus)")
-    for name in SHAPE_KEYS:
-        p.add_argument("--" + name.replace("_", "-"), type=int,
-                       help=f"default {FIXED_COST_PRESET[name]} in part 1, {DEMO_PRESET[name]} in part 2")
-    p.add_argument("--vocab-size", type=int, default=6400)
+    add_model_args(p, (*SHAPE_KEYS, "vocab_size"), **dict.fromkeys(SHAPE_KEYS),  # each part's own defaults
+                   helps={n: f"default {FIXED_COST_PRESET[n]} in part 1, {DEMO_PRESET[n]} in part 2" for n in SHAPE_KEYS})
     p.add_argument("--reports", type=int, default=4, help="part 3: reports timed per interval (the first is not counted)")
     p.add_argument("--report-intervals", type=seconds_list, default=REPORT_INTERVALS_S,
                    help="part 3: seconds between reports, comma-separated")

@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .common import write_json
+from .common import add_model_args, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -148,7 +148,7 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--num-cpus", type=int, default=2)
     p.add_argument("--scale", type=int, default=8, help="also measure the corpus repeated this many times")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--seq-len", type=int, default=512)
+    add_model_args(p, ("seq_len",), seq_len=512)
     p.add_argument("--big-gb", type=float, default=0, help="prepare a corpus of this many GB instead (see above)")
     p.add_argument("--big-cpus", type=int, nargs="+", default=[1, 2], help="cores of each --big-gb run")
     p.add_argument("--dir", default=None, help="--big-gb: where to write the corpus and the dataset (default: the "

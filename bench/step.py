@@ -5,7 +5,7 @@
     python -m bench.step --experts 4 8 --top-k 1 2         # MoE: 4 and 8 experts, top-1 and top-2
     python -m bench.step --dispatch split grouped          # the MoE layer's two dispatches side by side
     python -m bench.step --no-moe --device cuda --dtype bf16 --compile --hidden-size 768 --num-hidden-layers 16
-    python -m bench.step --estimate h200                   # the roofline of each phase and the predicted MFU
+    python -m bench.step --estimate h200                   # each phase's time on an H200, the predicted MFU range
 
 Every configuration runs `minilm.step.optimizer_step` (accumulation 1) on the same batches, all alternating step
 by step (`common.alternate`), warm-up steps (the compilation) untimed. A MoE model has the dense model's active
@@ -172,23 +172,28 @@ def print_results(results: list[dict], args) -> None:
                       f"faster): {r['compile_speedup']:.2f}x median")
 
 
-# ---- --estimate: the roofline of each phase on a GPU, and the MFU it predicts ------------------------------
+# ---- --estimate: each phase's time on a GPU, added up, and the MFU range it predicts ------------------------
 
-# The ceilings: H200 SXM, dense bf16 (fp32 accumulation) and HBM3e, from the data sheet and as KINDS.md measured them on
-# the lent machine (an 8192^3 bf16 matmul: 769-798 TFLOP/s; a device-to-device copy: ~4.3 TB/s, reads + writes).
-# PyTorch's flash attention (FlashAttention-2's kernels) at head dim 64 reaches about a third of the dense peak on
-# Hopper (its authors' figures for the H100: ~330 TFLOP/s forward, less backward): ATTENTION_EFFICIENCY.
+# H200 SXM, dense bf16 (fp32 accumulation) and HBM3e. Ceilings (not reached by this step): the data sheet's, and as
+# KINDS.md measured them on the lent machine (an 8192^3 bf16 matmul: 769-798 TFLOP/s; a device-to-device copy:
+# ~4.3 TB/s, reads + writes). The rates the phases run at, (fast, mid, slow), assumed until a lent GPU measures
+# them: the blocks' GEMMs have K = hidden (768 or 512), which Hopper runs at ~600 TFLOP/s at K = 768, not the
+# large-GEMM 790, and less at 512; SDPA's flash kernel (FA2's: ~200 TFLOP/s forward, ~150 backward at head dim 128,
+# causal, seq 512 on an H100, less at head dim 96 or 64), forward + backward (the backward 2.5x the forward's
+# FLOPs): ~110-180 TFLOP/s; Inductor's elementwise kernels (norms with their reductions) 65-90% of the copy rate.
 HARDWARE = {"h200": {"name": "NVIDIA H200", "bf16_datasheet": 989.5e12, "bf16_measured": 790e12,
-                     "hbm_datasheet": 4.8e12, "hbm_measured": 4.3e12, "launch_s": 5e-6}}
-ATTENTION_EFFICIENCY = 0.35
+                     "hbm_datasheet": 4.8e12, "hbm_measured": 4.3e12, "launch_s": 5e-6,
+                     "gemm": {768: (660e12, 600e12, 540e12), 512: (600e12, 520e12, 440e12)},
+                     "attention": (180e12, 140e12, 110e12), "hbm": (3.9e12, 3.4e12, 2.8e12)}}
 # The GPU check's two shapes (bench/gpu_check.py GPU): (name, hidden, layers, micro-batch), seq 512, vocab 6400
 ESTIMATE_SIZES = (("26m", 512, 8, 32), ("104m", 768, 16, 128))
+CASES = ("fast", "mid", "slow")
 
 
-def estimate_phases(cfg: ModelConfig, batch: int, seq: int, hw: dict) -> list[dict]:
-    """FLOPs and bytes of each phase of one compiled bf16 optimizer step (`prepare_model(compile=True)`: the
-    blocks' elementwise work fused, the head chunked, fused AdamW), and each one's roofline time against the
-    measured ceilings: max(FLOPs / matmul rate, bytes / bandwidth)."""
+def phase_work(cfg: ModelConfig, batch: int, seq: int) -> list[tuple[str, str, float, float]]:
+    """(phase, how it runs, FLOPs, bytes) of one compiled bf16 optimizer step (`prepare_model(compile=True)`: each
+    block one graph, the head and loss eager in chunks, fused AdamW). How: "gemm" and "attention" at their rate
+    (their own reads and writes inside it), "memory" at the bandwidth, "gemm+memory" the two one after the other."""
     n, h, i, v, layers = batch * seq, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_hidden_layers
     kv = cfg.num_key_value_heads * cfg.head_dim
     block_params = h * (h + 2 * kv) + h * h + 3 * h * i  # q, k, v, o, gate, up, down
@@ -197,68 +202,85 @@ def estimate_phases(cfg: ModelConfig, batch: int, seq: int, hw: dict) -> list[di
     # Each matmul reads its input and writes its output in the forward; the backward reads the output's gradient
     # and the input again and writes the input's gradient: ~3x the forward's activation bytes.
     matmul_bytes = 3 * bf16 * n * layers * (h + (h + 2 * kv) + h + h + h + 2 * i + i + h)
-    # Fused elementwise work per layer and token (values read + written, bf16): the two RMSNorms, the q/k norms and
-    # RoPE, the two residual adds, SwiGLU's silu * up; the backward about twice the forward.
+    # Elementwise work per layer and token (values read + written, bf16), what Inductor's fusion still leaves
+    # between the matmuls: the two RMSNorms, the q/k norms and RoPE, the two residual adds, SwiGLU's silu * up; the
+    # backward about twice the forward (~106 GB a step at 104M).
     elementwise = 3 * bf16 * n * layers * (2 * h + 2 * h + 2 * (h + 2 * kv) + 2 * 3 * h + 3 * i)
     attention_flops = layers * 3.5 * 2 * batch * cfg.num_attention_heads * seq * seq * cfg.head_dim  # causal
-    # The chunked head: the logits in bf16, their fp32 copy, logsumexp, softmax - one-hot, its bf16 copy (~34 bytes
-    # per logit over forward and gradient); its three matmuls are counted as FLOPs.
+    # The eager chunked head: the logits in bf16, their fp32 copy, logsumexp, softmax - one-hot, its bf16 copy (~34
+    # bytes per logit over forward and gradient) between its three matmuls, none overlapping.
     head_bytes = 34 * n * v + 3 * bf16 * n * h
     # Per parameter: autocast's bf16 copy (read fp32, write bf16), the gradient's cast and accumulation, the clip's
     # norm and scaling, fused AdamW (param, grad, two moments read; param and moments written).
     weight_bytes = params * (f32 + bf16 + bf16 + f32 + 2 * f32 + 3 * f32 + 4 * f32 + 3 * f32)
-    phases = [
-        ("block matmuls (q, k, v, o, gate, up, down), fwd + bwd", 6 * n * layers * block_params, matmul_bytes, 1.0),
-        ("attention (flash, causal), fwd + bwd", attention_flops, 4 * bf16 * n * layers * (h + 2 * kv) * 3,
-         ATTENTION_EFFICIENCY),
-        ("norms, RoPE, SwiGLU, residual (fused), fwd + bwd", 0, elementwise, 1.0),
-        ("head matmul + chunked cross entropy", 6 * n * h * v, head_bytes, 1.0),
-        ("embedding lookup + its gradient", 0, n * h * (f32 + bf16 + f32) + v * h * f32, 1.0),
-        ("weights: bf16 casts, grad, clip, fused AdamW", 0, weight_bytes, 1.0),
-    ]
-    out = []
-    for name, flops, nbytes, efficiency in phases:
-        t_flops = flops / (hw["bf16_measured"] * efficiency)
-        t_bytes = nbytes / hw["hbm_measured"]
-        out.append({"phase": name, "flops": flops, "bytes": nbytes, "compute_s": t_flops, "memory_s": t_bytes,
-                    "time_s": max(t_flops, t_bytes), "bound": "compute" if t_flops >= t_bytes else "memory"})
-    # Kernel launches: the host queues them while the GPU works, so they cost time only if they outrun it.
-    kernels = layers * 50 + 15 * -(-n * v // L.HEAD_CHUNK_LOGITS) + 40
-    out.append({"phase": f"host: ~{kernels} kernel launches (overlap the device's work)", "flops": 0, "bytes": 0,
-                "compute_s": 0.0, "memory_s": 0.0, "time_s": kernels * hw["launch_s"], "bound": "host"})
+    return [("block matmuls (q, k, v, o, gate, up, down), fwd + bwd", "gemm", 6 * n * layers * block_params,
+             matmul_bytes),
+            ("attention (flash, causal), fwd + bwd", "attention", attention_flops,
+             4 * bf16 * n * layers * (h + 2 * kv) * 3),
+            ("norms, RoPE, SwiGLU, residual, fwd + bwd", "memory", 0, elementwise),
+            ("head matmuls + chunked cross entropy (eager)", "gemm+memory", 6 * n * h * v, head_bytes),
+            ("embedding lookup + its gradient", "memory", 0, n * h * (f32 + bf16 + f32) + v * h * f32),
+            ("weights: bf16 casts, grad, clip, fused AdamW", "memory", 0, weight_bytes)]
+
+
+def estimate_phases(cfg: ModelConfig, batch: int, seq: int, hw: dict) -> list[dict]:
+    """Each phase's time at the fast, mid and slow rates (compute_s + memory_s at mid = time_s; `range_s` fast to
+    slow), and the host's kernel launches, which overlap the device's work."""
+    out, gemm = [], hw["gemm"][min(hw["gemm"], key=lambda k: abs(k - cfg.hidden_size))]
+    for name, how, flops, nbytes in phase_work(cfg, batch, seq):
+        rate = hw["attention"] if how == "attention" else gemm
+        times = [(flops / rate[c] if how != "memory" else 0.0, nbytes / hw["hbm"][c] if "memory" in how else 0.0)
+                 for c in range(3)]
+        compute_s, memory_s = times[1]
+        out.append({"phase": name, "runs": how, "flops": flops, "bytes": nbytes, "compute_s": compute_s,
+                    "memory_s": memory_s, "time_s": compute_s + memory_s, "range_s": [sum(times[0]), sum(times[2])],
+                    "bound": "memory" if how == "memory" else "compute" if how != "gemm+memory" else "both"})
+    kernels = cfg.num_hidden_layers * 50 + 15 * -(-batch * seq * cfg.vocab_size // L.HEAD_CHUNK_LOGITS) + 40
+    host = kernels * hw["launch_s"]
+    out.append({"phase": f"host: ~{kernels} kernel launches (overlap the device's work)", "runs": "host", "flops": 0,
+                "bytes": 0, "compute_s": 0.0, "memory_s": 0.0, "time_s": host, "range_s": [host, host], "bound": "host"})
     return out
+
+
+def estimate_size(args, name: str, hidden: int, layers: int, batch: int, hw: dict) -> dict:
+    cfg = ModelConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=args.num_attention_heads,
+                      num_key_value_heads=args.num_key_value_heads, vocab_size=args.vocab_size,
+                      max_position_embeddings=args.seq_len + 1)
+    model = MiniMindForCausalLM(cfg)
+    phases = estimate_phases(cfg, batch, args.seq_len, hw)
+    device = [p for p in phases if p["bound"] != "host"]
+    host = phases[-1]["time_s"]
+    step_s = max(sum(p["time_s"] for p in device), host)
+    step_range = [max(sum(p["range_s"][k] for p in device), host) for k in (0, 1)]
+    tokens = batch * args.seq_len
+    mfu = [model.estimate_mfu(tokens / t, args.seq_len, hw["bf16_datasheet"]) for t in (step_s, *step_range)]
+    print(f"\n{name}: hidden {hidden}, {layers} layers, {cfg.num_attention_heads}/{cfg.num_key_value_heads} heads of "
+          f"dim {cfg.head_dim}, vocab {cfg.vocab_size}, {model.num_params() / 1e6:.1f}M parameters; micro-batch "
+          f"{batch} x seq {args.seq_len} = {tokens:,} tokens; compiled bf16 step")
+    print(f"  {'phase':<52} {'TFLOP':>8} {'GB':>8} {'compute ms':>10} {'memory ms':>9} {'time ms':>8} {'range ms':>13}")
+    for p in phases:
+        print(f"  {p['phase']:<52} {p['flops'] / 1e12:>8.2f} {p['bytes'] / 1e9:>8.2f} {p['compute_s'] * 1e3:>10.2f} "
+              f"{p['memory_s'] * 1e3:>9.2f} {p['time_s'] * 1e3:>8.2f} "
+              f"{p['range_s'][0] * 1e3:>6.2f}-{p['range_s'][1] * 1e3:.2f}")
+    print(f"  predicted step {step_s * 1e3:.1f} ms ({step_range[0] * 1e3:.1f}-{step_range[1] * 1e3:.1f}), "
+          f"{tokens / step_s:,.0f} tokens/s; model FLOPs {model.flops_per_token(args.seq_len) * tokens / 1e12:.1f} "
+          f"TFLOP (minilm's 6N + 12LHT per token); predicted MFU {mfu[0]:.1%} of the data sheet (range "
+          f"{mfu[2]:.1%}-{mfu[1]:.1%}; goal {MFU_GOALS[name]:.0%}): the phases added, each at the rate it runs at")
+    return {"size": name, "hidden": hidden, "layers": layers, "micro_batch": batch, "seq_len": args.seq_len,
+            "params": model.num_params(), "phases": phases, "step_s": step_s, "step_s_range": step_range,
+            "tokens_per_s": tokens / step_s, "mfu_datasheet": mfu[0], "mfu_datasheet_range": [mfu[2], mfu[1]]}
 
 
 def estimate_main(args) -> int:
     hw = HARDWARE[args.estimate]
-    print(f"# {hw['name']}: bf16 {hw['bf16_datasheet'] / 1e12:.0f} TFLOP/s data sheet, {hw['bf16_measured'] / 1e12:.0f} "
-          f"measured; HBM {hw['hbm_datasheet'] / 1e12:.1f} TB/s data sheet, {hw['hbm_measured'] / 1e12:.1f} measured "
-          f"(the roofline uses the measured); flash attention at {ATTENTION_EFFICIENCY:.0%} of the matmul rate")
-    results = []
-    for name, hidden, layers, batch in ESTIMATE_SIZES:
-        cfg = ModelConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=args.num_attention_heads,
-                          num_key_value_heads=args.num_key_value_heads, vocab_size=args.vocab_size,
-                          max_position_embeddings=args.seq_len + 1)
-        model = MiniMindForCausalLM(cfg)
-        phases = estimate_phases(cfg, batch, args.seq_len, hw)
-        device_s = sum(p["time_s"] for p in phases if p["bound"] != "host")
-        step_s = max(device_s, phases[-1]["time_s"])
-        tokens = batch * args.seq_len
-        mfu = model.estimate_mfu(tokens / step_s, args.seq_len, hw["bf16_datasheet"])
-        print(f"\n{name}: hidden {hidden}, {layers} layers, {cfg.num_attention_heads}/{cfg.num_key_value_heads} heads, "
-              f"vocab {cfg.vocab_size}, {model.num_params() / 1e6:.1f}M parameters; micro-batch {batch} x seq "
-              f"{args.seq_len} = {tokens:,} tokens; compiled bf16 step")
-        print(f"  {'phase':<52} {'TFLOP':>8} {'GB':>8} {'compute ms':>10} {'memory ms':>9} {'time ms':>8}  bound")
-        for p in phases:
-            print(f"  {p['phase']:<52} {p['flops'] / 1e12:>8.2f} {p['bytes'] / 1e9:>8.2f} {p['compute_s'] * 1e3:>10.2f} "
-                  f"{p['memory_s'] * 1e3:>9.2f} {p['time_s'] * 1e3:>8.2f}  {p['bound']}")
-        print(f"  predicted step {step_s * 1e3:.1f} ms, {tokens / step_s:,.0f} tokens/s; model FLOPs "
-              f"{model.flops_per_token(args.seq_len) * tokens / 1e12:.1f} TFLOP (minilm's 6N + 12LHT per token); "
-              f"predicted MFU {mfu:.1%} of the data sheet (goal {MFU_GOALS[name]:.0%}; every phase at its "
-              f"ceiling, back to back: an upper bound the measured row is held against)")
-        results.append({"size": name, "hidden": hidden, "layers": layers, "micro_batch": batch, "seq_len": args.seq_len,
-                        "params": model.num_params(), "phases": phases, "step_s": step_s, "tokens_per_s": tokens / step_s,
-                        "mfu_datasheet": mfu})
+    print(f"# {hw['name']}: ceilings bf16 {hw['bf16_datasheet'] / 1e12:.0f} TFLOP/s data sheet, "
+          f"{hw['bf16_measured'] / 1e12:.0f} measured (the roofline of a large GEMM), HBM "
+          f"{hw['hbm_datasheet'] / 1e12:.1f} TB/s data sheet, {hw['hbm_measured'] / 1e12:.1f} measured; the phases "
+          f"run at (fast-mid-slow) GEMMs " + ", ".join(f"at K = {k} " + "-".join(f"{r / 1e12:.0f}" for r in rates)
+                                                      for k, rates in hw["gemm"].items())
+          + " TFLOP/s, flash attention (FA2) " + "-".join(f"{r / 1e12:.0f}" for r in hw["attention"])
+          + " TFLOP/s, elementwise " + "-".join(f"{r / 1e12:.1f}" for r in hw["hbm"]) + " TB/s")
+    results = [estimate_size(args, *size, hw) for size in ESTIMATE_SIZES]
     print(f"\nwrote {write_json('step-estimate.json', {'hardware': hw, 'sizes': results})}")
     return 0
 
@@ -280,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peak-size", type=int, default=None, help="n of the n^3 matmul peak (default 2048 CPU, 8192 GPU)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--estimate", choices=sorted(HARDWARE), default=None,
-                   help="print the roofline of each phase and the predicted MFU on that GPU (nothing is run)")
+                   help="print each phase's predicted time and the MFU range on that GPU (nothing is run)")
     args = p.parse_args(argv)
     if args.estimate:
         args.seq_len = 512 if "--seq-len" not in (argv or sys.argv) else args.seq_len  # the GPU check's

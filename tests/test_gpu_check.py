@@ -124,8 +124,8 @@ def test_rehearsal_on_the_image_packages_and_the_bundle(gpu_bundle, tmp_path):
     assert sorted(p.name for p in out.rglob("*")) == sorted(FILES)  # 3 files, no folder: within the 8 that return
     result = json.loads((out / "gpu_check.json").read_text())
     assert [name for name, _ in result["plan"]["parts"]] == PARTS and result["plan"]["left"] == []
-    assert {name: part["status"] for name, part in result["parts"].items()} == dict.fromkeys(PARTS, "ok")
-    assert all(part["wall_s"] <= part["limit_s"] for part in result["parts"].values())
+    assert {name: part["status"] for name, part in result["parts"].items()} == dict.fromkeys(["bundle", *PARTS], "ok")
+    assert all(part["wall_s"] <= part["limit_s"] for name, part in result["parts"].items() if name != "bundle")
     assert result["finished"] == "finished"
     table = {row["check"]: row for row in result["table"]}
     assert table["step 104M bf16 compiled"]["goal"] == ">= 45% MFU"
@@ -133,7 +133,7 @@ def test_rehearsal_on_the_image_packages_and_the_bundle(gpu_bundle, tmp_path):
     assert table["preflight"]["result"].startswith(f"torch {torch.__version__}") and "ray 2.60.0" in table["preflight"]["result"]
     figures = result["figures"]
     pre = figures["preflight"]
-    assert pre["gates"] == {"ray": None, "compile": None, "flash": None} and "compile_s" not in pre  # CUDA's
+    assert pre["gates"] == {"ray": None, "compile": None} and "compile_s" not in pre  # CUDA's
     assert pre["phases_s"]["process_start"] > 0 and pre["phases_s"]["import_ray"] > 0
     assert figures["ray"]["node_ip"] == "127.0.0.1" and figures["ray"]["object_store_bytes"] == G.CPU.object_store_bytes
     assert figures["ray"]["memory_monitor_refresh_ms"] == "0"
@@ -143,6 +143,10 @@ def test_rehearsal_on_the_image_packages_and_the_bundle(gpu_bundle, tmp_path):
         assert row["tokens_per_s"] > 0 and row["peak_memory_bytes"] > 0, name
         assert (row["compile_s"] is not None) == name.endswith("-compiled"), name
         assert f"[{name}] row: {row['tokens_per_s']:,.0f} tok/s" in proc.stdout  # printed as it was measured
+        # SDPA's kernel at the row's own shape: its head dim, GQA (8 query, 4 KV heads) and mask
+        assert row["sdpa"]["kernel"] in ("flash (CPU)", "math") and row["sdpa"]["seq"] == G.CPU.small["seq_len"], name
+        assert (row["sdpa"]["heads"], row["sdpa"]["kv_heads"], row["sdpa"]["document_mask"]) == (
+            8, 4, name.startswith("docmask")), name
     assert rows["step-26m-compiled"]["graph_breaks"] == 0 and rows["step-26m-compiled"]["recompiles"] == 0
     profile = rows["step-26m-compiled"]["profile"]  # one profiled step: its top ops (CPU here)
     assert profile["of"] == "cpu" and len(profile["top"]) == 10 and all(t["us"] > 0 for t in profile["top"])
@@ -215,29 +219,37 @@ def test_a_part_never_runs_past_its_limit_or_the_budget(tmp_path):
 
 # ---- the plan --------------------------------------------------------------------------------------------------
 
+HEADLINE = ["step-104m-compiled", "step-26m-compiled"]
+NEVER_RUN = ["ddp1-26m", "trainer-ddp1-26m", "moe-26m-compiled", "checkpoint-stall-104m", "ray-job", "ray-job-resume"]
+REFINEMENTS = ["fp16", "docmask-26m-compiled", "muon-26m-compiled", "ac-104m-compiled", "step-104m-eager",
+               "moe-26m-eager", "trainer", "checkpoint-104m", "stream"]
+
+
 @pytest.mark.parametrize("device", ["cuda", "cpu"])
 def test_the_plan_fits_the_budget_with_a_fifth_to_spare(device):
     plan = make_plan(device, G.BUDGET[device])
     assert plan.total <= 0.8 * G.BUDGET[device] and plan.parts[0][0] == "preflight"
     assert [n for n, _ in plan.parts] == [n for n in PARTS if n not in dict(plan.left)]  # in the order of value
+    assert [n for n, _ in plan.left] == [n for n in PARTS if n not in dict(plan.parts)]  # the rest, in order
     if device == "cpu":
         assert plan.left == []  # the dry run runs every part
     # the lent GPU: one command of 600 s, the bundle's install and the results inside it
     assert device == "cpu" or P.BUDGET["cuda"] + P.INSTALL_S + P.RESULTS_S <= P.COMMAND_S <= P.DEVICE_S - P.MACHINE_START_S
 
 
-def test_the_parts_never_run_on_a_gpu_come_before_the_refinements():
+def test_the_headline_rows_come_first_then_the_parts_never_run_on_a_gpu():
     plan = make_plan("cuda", G.BUDGET["cuda"])
     planned = [n for n, _ in plan.parts]
-    never_run = ["ddp1-26m", "trainer-ddp1-26m", "moe-26m-compiled", "checkpoint-stall-104m", "ray-job",
-                 "ray-job-resume"]
-    refinements = ["fp16", "docmask-26m-compiled", "muon-26m-compiled", "ac-104m-compiled", "step-104m-eager",
-                   "moe-26m-eager", "trainer", "checkpoint-104m", "stream"]
-    assert set(never_run) <= set(planned)  # all of them fit the first command
-    assert max(PARTS.index(n) for n in never_run) < min(PARTS.index(n) for n in refinements)
+    assert planned[:3] == ["preflight", *HEADLINE]  # both in the first call, whatever else fits
+    assert max(PARTS.index(n) for n in NEVER_RUN) < min(PARTS.index(n) for n in REFINEMENTS)
+    # a part kept only for its users is not planned without one: prepare and the Ray start go with the Ray job
+    assert ("prepare" in planned) == ("ray-job" in planned or "stream" in planned)
+    assert ("ray-start" in planned) == ("prepare" in planned)
     # the first compiled part of a block graph pays the compilation, a later one reads Inductor's cache
     everything = dict(make_plan("cuda", 10_000).parts)
-    assert everything["trainer-ddp1-26m"] > everything["muon-26m-compiled"]
+    assert everything["step-26m-compiled"] > everything["muon-26m-compiled"]
+    # a budget too small for anything else still plans the headline rows
+    assert [n for n, _ in make_plan("cuda", 100).parts] == ["preflight", *HEADLINE]
 
 
 def test_plan_prints_alone_and_ends_with_its_total():
@@ -247,68 +259,118 @@ def test_plan_prints_alone_and_ends_with_its_total():
     lines = proc.stdout.splitlines()
     plan = make_plan("cuda", G.BUDGET["cuda"])
     assert lines[-1] == f"total {plan.total:.0f} s of {G.BUDGET['cuda']} s"
-    assert [line.split()[1] for line in lines if re.match(r"\s+\d+\. ", line)] == [n for n, _ in plan.parts]
-    assert any(line.startswith("  left for a rerun") and "--only step-104m-compiled," in line for line in lines)
+    first_call = [line.split()[1] for line in lines if re.match(r"\s+\d+\. ", line)]
+    assert first_call == [n for n, _ in plan.parts] and set(HEADLINE) <= set(first_call)
+    assert any(line.startswith("  then, each as the time left allows: ") and "ray-job 55 s" in line for line in lines)
 
 
 def test_only_adds_what_the_named_parts_need():
     plan = make_plan("cpu", G.BUDGET["cpu"], only={"sample", "step-26m-eager"})
-    assert [n for n, _ in plan.parts] == ["step-26m-eager", "prepare", "ray-job", "ray-job-resume", "export", "sample"]
-    assert plan.added == ["export", "prepare", "ray-job", "ray-job-resume"]
+    assert [n for n, _ in plan.parts] == ["step-26m-eager", "ray-start", "prepare", "ray-job", "ray-job-resume",
+                                          "export", "sample"]
+    assert plan.added == ["export", "prepare", "ray-job", "ray-job-resume", "ray-start"]
 
 
-def fake_parts(monkeypatch, preflight) -> list[str]:
-    """Every part a stand-in that says ok (and records its name), the preflight `preflight`; no Ray started."""
-    ran = []
-    monkeypatch.setattr(G, "PART_RUNS", {n: (lambda c, n=n: ran.append(n) or c.r.parts.setdefault(n, Part(n, "ok")))
-                                         for n in PARTS})
-    G.PART_RUNS["preflight"] = lambda c: ran.append("preflight") or preflight(c)
-    monkeypatch.setattr(G, "join_ray", lambda c, ray: c.r.env.update(RAY_ADDRESS="stand-in"))
-    return ran
+class FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
 
 
-def test_a_slow_cold_start_leaves_the_least_valuable_parts(tmp_path, monkeypatch):
-    # The preflight took 2x the cold start assumed: every later limit doubles, the rest is planned again within the
-    # time left, and what no longer fits is left for a rerun, marked so, never failed.
-    cold = 2 * G.ASSUME["cuda"].cold_start
-    ran = fake_parts(monkeypatch, lambda c: c.r.parts.setdefault("preflight", Part("preflight", "ok", wall_s=cold)))
-    runner = Runner(sys.executable, budget_s=G.BUDGET["cuda"], work=tmp_path, env={})
-    plan = make_plan("cuda", G.BUDGET["cuda"])
-    G.run_parts(G.Check(runner, G.GPU, "cuda", tmp_path, {}), plan, G.LocalRay(0), None)
-    planned_first = [n for n, _ in make_plan("cuda", G.BUDGET["cuda"]).parts]
-    assert plan.scale == 2.0 and ran == [n for n, _ in plan.parts] == planned_first[:len(ran)]
-    assert len(ran) < len(planned_first) and all(runner.parts[n].status == "left" for n, _ in plan.left)
+def rehearse(tmp_path, monkeypatch, device: str, budget: float, took, preflight=None):
+    """The check's loop with every part a stand-in on a fake clock (no process, no sleep): part `name` takes
+    took(name, limit) seconds, capped at its limit and the time left; `preflight(c)` may close gates. Returns the
+    parts in the order they ran, the runner and the plan."""
+    clock, ran = FakeClock(), []
+
+    def fake(c, name):
+        seconds = min(took(name, c.r.limits[name]), c.r.limits[name], c.r.left())
+        clock.t += seconds
+        ran.append(name)
+        c.r.parts[name] = Part(name, "ok", wall_s=seconds)
+        if name == "preflight" and preflight:
+            preflight(c)
+
+    monkeypatch.setattr(G, "PART_RUNS", {n: (lambda c, n=n: fake(c, n)) for n in PARTS})
+    runner = Runner(sys.executable, budget_s=budget, work=tmp_path, env={}, clock=clock)
+    plan = make_plan(device, budget)
+    G.run_parts(G.Check(runner, G.GPU if device == "cuda" else G.CPU, device, tmp_path, {}), plan, None)
+    assert clock.t <= budget + 1e-9  # never past the budget
+    return ran, runner, plan
+
+
+def test_time_the_parts_leave_runs_the_parts_left(tmp_path, monkeypatch):
+    # Every part takes a third of its limit: the time the first call's parts leave starts the parts the plan could
+    # not promise, in order of value, each when its limit fits what is actually left.
+    ran, runner, plan = rehearse(tmp_path, monkeypatch, "cuda", G.BUDGET["cuda"], lambda n, limit: limit / 3)
+    assert plan.left and {n for n, _ in plan.parts} <= set(ran)
+    pulled = [n for n, _ in plan.left if n in ran]
+    assert {"ray-start", "prepare", "ray-job", "ray-job-resume"} <= set(pulled)  # pulled forward
+    assert ran == [n for n in PARTS if n in ran]  # in the order of value
+    for name in (n for n, _ in plan.left if n not in ran):
+        assert runner.parts[name].status == "left" and runner.parts[name].note.startswith("left for a rerun (")
+
+
+@pytest.mark.parametrize("budget", [G.BUDGET["cuda"], 220])
+def test_a_slow_preflight_still_runs_both_headline_rows(tmp_path, monkeypatch, budget):
+    # The preflight took its whole limit, 1.5x the cold start assumed, and every part its whole limit: every later
+    # limit grows 1.5x, the least valuable parts are left (never failed), the headline rows run even where their
+    # limits no longer fit, and no part runs whose users were all left.
+    ran, runner, plan = rehearse(tmp_path, monkeypatch, "cuda", budget, lambda n, limit: limit)
+    assert plan.scale == 1.5 and ran[:3] == ["preflight", *HEADLINE]
+    assert all(runner.parts[n].status == "ok" for n in HEADLINE)
+    left = [n for n, p in runner.parts.items() if p.status == "left"]
+    assert left and left == [n for n in PARTS if n in left] and PARTS.index(left[-1]) == len(PARTS) - 1
+    for name in ran:  # a part others need ran only with one of them after it
+        needed_by = P.users(name, PARTS)
+        assert not needed_by or any(n in ran for n in needed_by), name
     unscaled = dict(make_plan("cuda", 10_000, compiled={"tiny"}).parts)
-    assert all(runner.limits[n] >= 2 * unscaled[n] - 5 for n in ran[1:])
+    assert all(runner.limits[n] >= 1.5 * unscaled[n] - 5 for n in ran[1:])
+    if budget < G.BUDGET["cuda"]:
+        assert ran == ["preflight", *HEADLINE]  # the 26M row ran in less than its limit, the rest left
+        assert runner.parts["step-26m-compiled"].wall_s < runner.limits["step-26m-compiled"]
 
 
 @pytest.mark.parametrize("gate", ["ray", "compile"])
 def test_a_closed_gate_skips_only_what_is_behind_it(tmp_path, monkeypatch, gate):
     def preflight(c):
-        c.r.parts["preflight"] = Part("preflight", "ok", wall_s=1)
         c.gates[gate] = "import ray.train.torch, ray.data: ModuleNotFoundError" if gate == "ray" else "no compiler"
 
-    ran = fake_parts(monkeypatch, preflight)
-    runner = Runner(sys.executable, budget_s=10_000, work=tmp_path, env={})
-    G.run_parts(G.Check(runner, G.CPU, "cpu", tmp_path, {}), make_plan("cpu", 10_000), G.LocalRay(0), None)
+    ran, runner, _ = rehearse(tmp_path, monkeypatch, "cpu", 10_000, lambda n, limit: 1, preflight)
     skipped = {n for n, p in runner.parts.items() if p.status == "skipped"}
     if gate == "ray":  # and what needs their results
-        assert skipped == {"prepare", "ray-job", "ray-job-resume", "export", "sample", "stream"}
+        assert skipped == {"ray-start", "prepare", "ray-job", "ray-job-resume", "export", "sample", "stream"}
     else:
         assert skipped == {n for n in G.ROWS if n.endswith("-compiled")}
         assert "trainer-ddp1-26m" in ran  # it runs, eager
     assert set(ran) | skipped == set(PARTS) and all(runner.parts[n].status == "ok" for n in ran)
 
 
-@pytest.mark.parametrize("where, says", [("missing", "no folder"), ("empty", "has no install.sh")])
-def test_a_bad_bundle_is_one_error_line(tmp_path, where, says):
-    folder = tmp_path / where
-    if where == "empty":
+@pytest.mark.parametrize("where, says", [("missing", "no folder"), ("empty", "has no install.sh"),
+                                         ("failing", "installing the bundle")])
+def test_a_bad_bundle_is_one_error_line_and_a_result_file(tmp_path, where, says):
+    # A bundle missing or failing to install: one error line, then the check runs the parts that need no bundle,
+    # skips the Ray parts saying why, and writes its result files with the bundle's failure in them.
+    folder, out = tmp_path / where, tmp_path / "out"
+    if where != "missing":
         folder.mkdir()
-    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--bundle", str(folder)],
-                          capture_output=True, text=True, timeout=30)
-    assert proc.returncode == 2 and proc.stderr.startswith("error: bench/gpu_check.sh: --bundle: ")
-    assert says in proc.stderr and len(proc.stderr.splitlines()) == 1
+    if where == "failing":
+        (folder / "install.sh").write_text("false\n")
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "MINILM_COMMAND_S": "120"}
+    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--device", "cpu", "--bundle", str(folder),
+                           "--only", "prepare"], capture_output=True, text=True, timeout=120, env=env)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: bench/gpu_check.sh: ") and says in errors[0]
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    result = json.loads((out / "gpu_check.json").read_text())
+    assert result["parts"]["bundle"]["status"] == "failed" and says in result["parts"]["bundle"]["note"]
+    assert result["parts"]["prepare"]["status"] == "skipped" and "the bundle did not install" in (
+        result["parts"]["prepare"]["note"])
+    table = {row["check"]: row for row in result["table"]}
+    assert table["bundle install (Ray and what it needs)"]["status"] == "FAILED"
+    assert "bundle" in (out / "gpu_check-summary.txt").read_text()
 
 
 def test_unknown_part_is_one_error_line():
