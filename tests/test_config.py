@@ -85,20 +85,13 @@ TRAIN_CASES = [
 ]
 
 
-@pytest.mark.parametrize("overrides,message", MODEL_CASES, ids=[str(c[0]) for c in MODEL_CASES])
-def test_model_config_rule_reports_its_message(overrides, message):
-    cfg = ModelConfig(**overrides)
-    with pytest.raises(ConfigError) as ei:
-        cfg.validate()
-    assert any(message in p for p in ei.value.problems), ei.value.problems
-    assert message in str(ei.value)
+CASES = [(ModelConfig, *c) for c in MODEL_CASES] + [(TrainConfig, *c) for c in TRAIN_CASES]
 
 
-@pytest.mark.parametrize("overrides,message", TRAIN_CASES, ids=[str(c[0]) for c in TRAIN_CASES])
-def test_train_config_rule_reports_its_message(overrides, message):
-    cfg = TrainConfig(**overrides)
+@pytest.mark.parametrize("cls,overrides,message", CASES, ids=[f"{c[0].__name__}-{c[1]}" for c in CASES])
+def test_each_config_rule_reports_its_message(cls, overrides, message):
     with pytest.raises(ConfigError) as ei:
-        cfg.validate()
+        cls(**overrides).validate()
     assert any(message in p for p in ei.value.problems), ei.value.problems
     assert message in str(ei.value)
 
