@@ -197,7 +197,7 @@ def write_all(*writers):
     return lambda tmp: [w(tmp) for w in writers]
 
 
-# (case, what it writes into {tmp}, the inputs and flags, what the one error must say)
+# (case, what it writes into {tmp}, the inputs and flags, what stderr must say: its one error and any warnings)
 INPUT_ERRORS = [
     ("utf8-jsonl", write_file("corpus.jsonl", b'{"text": "ok"}\n{"text": "caf\xe9"}\n'), ["{tmp}/corpus.jsonl"],
      ["corpus.jsonl:2: invalid UTF-8 (byte 0xe9 at column 14)"]),
@@ -210,6 +210,10 @@ INPUT_ERRORS = [
     ("csv", write_file("data.csv", "text\nhello\n"), ["{tmp}/data.csv"], ["unsupported file type '.csv'"]),
     ("no-input-files", lambda tmp: ((tmp / "only").mkdir(), (tmp / "only" / "README.md").write_text("x")),
      ["{tmp}/only"], ["warning: ignoring 1 file(s) of unsupported type", "no input files found"]),
+    ("no-usable-record", write_file("corpus.jsonl", '{"text": 1}\n{"txt": "x"}\nnot json\n{"text": ""}\n'),
+     ["{tmp}/corpus.jsonl", "--on-bad-record", "skip"],
+     ["the inputs hold no usable record (1 empty_text, 1 malformed_json, 1 missing_text_field, 1 non_string_text)",
+      "warning: skipping ", "corpus.jsonl:3: malformed JSON"]),
     ("bad-tokenizer", write_all(lambda tmp: write_jsonl(tmp / "c.jsonl", DOCS[:5]), write_file("tok.json", "{}")),
      ["{tmp}/c.jsonl", "--tokenizer", "{tmp}/tok.json"], ["tok.json is not a tokenizers JSON file"]),
     ("missing-tokenizer", lambda tmp: write_jsonl(tmp / "c.jsonl", DOCS[:5]),
