@@ -222,7 +222,10 @@ class CudaRules:
         self.set_devices.append(index)
 
     def __enter__(self) -> CudaRules:
+        # torch._dynamo before the patches: a tensor placed on "cuda" imports it, and imported under the patches it
+        # keeps the patched autocast queries in its tables for the rest of the process (a later compile then breaks).
         import pytest
+        import torch._dynamo  # noqa: F401
 
         self.patch = pytest.MonkeyPatch()
         c = torch.cuda

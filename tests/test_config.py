@@ -82,23 +82,20 @@ TRAIN_CASES = [
     ({"betas": (-0.1, 0.95)}, "betas must be two numbers in [0, 1)"),
     ({"warmup_steps": 10, "max_steps": 10},
      "warmup_steps (10) must be smaller than the total optimizer steps (10)"),
+    ({"optimizer": "sgd"}, "optimizer must be one of adamw, muon"),
+    ({"optimizer": "muon", "muon_lr": 0}, "muon_lr must be a positive number"),
+    ({"embedding_lr_ratio": 0.0}, "embedding_lr_ratio must be a positive number"),
+    ({"muon_momentum": 1.0}, "muon_momentum must be in"),
 ]
 
 
-@pytest.mark.parametrize("overrides,message", MODEL_CASES, ids=[str(c[0]) for c in MODEL_CASES])
-def test_model_config_rule_reports_its_message(overrides, message):
-    cfg = ModelConfig(**overrides)
-    with pytest.raises(ConfigError) as ei:
-        cfg.validate()
-    assert any(message in p for p in ei.value.problems), ei.value.problems
-    assert message in str(ei.value)
+CASES = [(ModelConfig, *c) for c in MODEL_CASES] + [(TrainConfig, *c) for c in TRAIN_CASES]
 
 
-@pytest.mark.parametrize("overrides,message", TRAIN_CASES, ids=[str(c[0]) for c in TRAIN_CASES])
-def test_train_config_rule_reports_its_message(overrides, message):
-    cfg = TrainConfig(**overrides)
+@pytest.mark.parametrize("cls,overrides,message", CASES, ids=[f"{c[0].__name__}-{c[1]}" for c in CASES])
+def test_each_config_rule_reports_its_message(cls, overrides, message):
     with pytest.raises(ConfigError) as ei:
-        cfg.validate()
+        cls(**overrides).validate()
     assert any(message in p for p in ei.value.problems), ei.value.problems
     assert message in str(ei.value)
 

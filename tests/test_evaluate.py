@@ -315,13 +315,3 @@ def test_cli_on_a_run_folder_skips_torn_and_corrupt_checkpoints(tokenizer, tmp_p
     code = cli.main(["--checkpoint", str(corrupt), *argv[2:]])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith(f"error: checkpoint {corrupt} is corrupt") and err.count("\n") == 1, err
-
-
-@pytest.mark.parametrize("argv, what", [
-    (["--tasks", "t.yaml", "--output", "o.jsonl"], "give --checkpoint"),
-])  # a missing checkpoint, run folder or task list: tests/test_bad_config.py
-def test_cli_usage_errors_are_one_line(tmp_path, task_list, monkeypatch, capsys, argv, what):
-    monkeypatch.chdir(tmp_path)
-    assert cli.main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and what in err and err.count("\n") == 1, err

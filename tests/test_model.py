@@ -255,19 +255,13 @@ def test_moe_aux_loss_hand_computed():
     assert moe.aux_loss.item() == 0.0  # no load balancing bookkeeping in eval
 
 
-def test_moe_output_is_prob_weighted_expert():
-    moe, x, routes = routed_moe(norm_topk_prob=False)
+@pytest.mark.parametrize("norm_topk_prob", [False, True])
+def test_moe_top1_output_is_the_expert_weighted_by_its_prob_or_with_norm_topk_prob_by_one_as_minimind(norm_topk_prob):
+    moe, x, routes = routed_moe(norm_topk_prob=norm_topk_prob)
     y = moe(x)
-    p_hi = math.exp(2) / (math.exp(2) + 3)
+    weight = 1.0 if norm_topk_prob else math.exp(2) / (math.exp(2) + 3)
     for n, e in enumerate(routes):
-        torch.testing.assert_close(y[0, n], p_hi * moe.experts[e](x[0, n]))
-
-
-def test_moe_top1_with_norm_topk_prob_weights_the_expert_by_one_as_minimind():
-    moe, x, routes = routed_moe(norm_topk_prob=True)
-    y = moe(x)
-    for n, e in enumerate(routes):
-        torch.testing.assert_close(y[0, n], moe.experts[e](x[0, n]))
+        torch.testing.assert_close(y[0, n], weight * moe.experts[e](x[0, n]))
 
 
 def test_moe_gradients_reach_router_and_every_expert():

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
-from minilm.config import ConfigError, ModelConfig, TrainConfig
+from minilm.config import ModelConfig, TrainConfig
 from minilm.distributed import leave_process_group
 from minilm.model import MiniMindForCausalLM
 from minilm.muon import NS_COEFFICIENTS, Muon, orthogonalize
@@ -240,15 +240,7 @@ def test_the_batched_update_is_the_per_parameter_loop():
     assert not torch.equal(next(model_a.parameters()), next(fresh()[0].parameters()))  # it moved
 
 
-def test_muon_settings_are_validated():
-    with pytest.raises(ConfigError, match="optimizer must be one of adamw, muon"):
-        TrainConfig(optimizer="sgd").validate()
-    with pytest.raises(ConfigError, match="muon_lr must be a positive number"):
-        TrainConfig(optimizer="muon", muon_lr=0).validate()
-    with pytest.raises(ConfigError, match="embedding_lr_ratio must be a positive number"):
-        TrainConfig(embedding_lr_ratio=0.0).validate()
-    with pytest.raises(ConfigError, match="muon_momentum must be in"):
-        TrainConfig(muon_momentum=1.0).validate()
+def test_muon_takes_only_matrices():  # its settings' rules: TRAIN_CASES in tests/test_config.py
     with pytest.raises(ValueError, match="2-D"):
         Muon([{"params": [torch.nn.Parameter(torch.zeros(3))], "use_muon": True}], lr=1e-3)
 

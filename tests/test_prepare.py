@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import tree
 
 from minilm import tokenizer as T
 from minilm.data import DataError, SequenceStore, file_sha256, open_prepared
@@ -168,110 +169,77 @@ def test_malformed_json_cli(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_invalid_utf8_jsonl(capsys, tmp_path):
-    src = tmp_path / "corpus.jsonl"
-    src.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
-    code, err = prep(capsys, "--input", src, "--output", tmp_path / "out")
+def write_file(name: str, data: bytes | str):
+    return lambda tmp: (tmp / name).write_bytes(data if isinstance(data, bytes) else data.encode())
+
+
+def write_parquet(name: str, columns: dict):
+    def write(tmp: Path) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table(columns), tmp / name)
+    return write
+
+
+def write_datasets(name: str, *, splits: bool = False, damaged: bool = False):
+    def write(tmp: Path) -> None:
+        import datasets
+
+        ds = datasets.Dataset.from_dict({"text": ["a"] if splits else ["a", "b"]})
+        (datasets.DatasetDict({"train": ds}) if splits else ds).save_to_disk(tmp / name)
+        for f in (tmp / name).glob("*.arrow") if damaged else ():
+            f.unlink()
+    return write
+
+
+def write_all(*writers):
+    return lambda tmp: [w(tmp) for w in writers]
+
+
+# (case, what it writes into {tmp}, the inputs and flags, what stderr must say: its one error and any warnings)
+INPUT_ERRORS = [
+    ("utf8-jsonl", write_file("corpus.jsonl", b'{"text": "ok"}\n{"text": "caf\xe9"}\n'), ["{tmp}/corpus.jsonl"],
+     ["corpus.jsonl:2: invalid UTF-8 (byte 0xe9 at column 14)"]),
+    ("utf8-txt", write_file("notes.txt", b"line one\nline two\nbad \xff byte\n"), ["{tmp}/notes.txt"],
+     ["notes.txt:3: invalid UTF-8 (byte 0xff at column 5)"]),
+    ("empty-file", write_all(lambda tmp: write_jsonl(tmp / "a.jsonl", DOCS[:5]), write_file("b.jsonl", "\n\n")),
+     ["{tmp}/a.jsonl", "{tmp}/b.jsonl"], ["b.jsonl: the input is empty (no records)"]),
+    ("missing-path", lambda tmp: None, ["{tmp}/nope.jsonl"], ["nope.jsonl does not exist"]),
+    ("no-glob-match", lambda tmp: None, ["{tmp}/*.jsonl"], ["no file matches this pattern"]),
+    ("csv", write_file("data.csv", "text\nhello\n"), ["{tmp}/data.csv"], ["unsupported file type '.csv'"]),
+    ("no-input-files", lambda tmp: ((tmp / "only").mkdir(), (tmp / "only" / "README.md").write_text("x")),
+     ["{tmp}/only"], ["warning: ignoring 1 file(s) of unsupported type", "no input files found"]),
+    ("no-usable-record", write_file("corpus.jsonl", '{"text": 1}\n{"txt": "x"}\nnot json\n{"text": ""}\n'),
+     ["{tmp}/corpus.jsonl", "--on-bad-record", "skip"],
+     ["the inputs hold no usable record (1 empty_text, 1 malformed_json, 1 missing_text_field, 1 non_string_text)",
+      "warning: skipping ", "corpus.jsonl:3: malformed JSON"]),
+    ("bad-tokenizer", write_all(lambda tmp: write_jsonl(tmp / "c.jsonl", DOCS[:5]), write_file("tok.json", "{}")),
+     ["{tmp}/c.jsonl", "--tokenizer", "{tmp}/tok.json"], ["tok.json is not a tokenizers JSON file"]),
+    ("missing-tokenizer", lambda tmp: write_jsonl(tmp / "c.jsonl", DOCS[:5]),
+     ["{tmp}/c.jsonl", "--tokenizer", "{tmp}/no.json"], ["no.json does not exist"]),
+    ("parquet-no-column", write_parquet("nocol.parquet", {"body": ["a", "b"]}), ["{tmp}/nocol.parquet"],
+     ["nocol.parquet: row 1: no 'text' column (columns: body)"]),
+    ("parquet-ints", write_parquet("ints.parquet", {"text": [1, 2]}), ["{tmp}/ints.parquet"],
+     ["ints.parquet: row 1: column 'text' has type int64, not string"]),
+    ("parquet-nulls", write_parquet("nulls.parquet", {"text": ["ok", None, "x"]}), ["{tmp}/nulls.parquet"],
+     ["nulls.parquet: row 2: 'text' is null, not a string"]),
+    ("parquet-junk", write_file("junk.parquet", b"not parquet at all"), ["{tmp}/junk.parquet"],
+     ["junk.parquet: not a readable parquet file"]),
+    ("dataset-dict", write_datasets("dd", splits=True), ["{tmp}/dd"],
+     ["is a datasets DatasetDict (splits: train)", os.path.join("{tmp}", "dd", "train")]),
+    ("damaged-datasets", write_datasets("ds", damaged=True), ["{tmp}/ds"], ["ds: cannot load the datasets folder"]),
+]
+
+
+@pytest.mark.parametrize("write, args, needles", [c[1:] for c in INPUT_ERRORS], ids=[c[0] for c in INPUT_ERRORS])
+def test_bad_input_is_one_clear_error(capsys, tmp_path, write, args, needles):
+    write(tmp_path)
+    before = tree(tmp_path)
+    code, err = prep(capsys, "--input", *[a.format(tmp=tmp_path) for a in args], "--output", tmp_path / "out")
     assert code == 2
-    assert_clean_error(err, "corpus.jsonl:2: invalid UTF-8 (byte 0xe9 at column 14)")
-
-
-def test_invalid_utf8_txt(capsys, tmp_path):
-    src = tmp_path / "notes.txt"
-    src.write_bytes(b"line one\nline two\nbad \xff byte\n")
-    code, err = prep(capsys, "--input", src, "--output", tmp_path / "out")
-    assert code == 2
-    assert_clean_error(err, "notes.txt:3: invalid UTF-8 (byte 0xff at column 5)")
-
-
-def test_empty_file_is_an_error(capsys, tmp_path):
-    write_jsonl(tmp_path / "a.jsonl", DOCS[:5])
-    (tmp_path / "b.jsonl").write_text("\n\n")
-    code, err = prep(capsys, "--input", tmp_path / "a.jsonl", tmp_path / "b.jsonl", "--output", tmp_path / "out")
-    assert code == 2
-    assert_clean_error(err, "b.jsonl: the input is empty (no records)")
-
-
-def test_missing_path(capsys, tmp_path):
-    code, err = prep(capsys, "--input", tmp_path / "nope.jsonl", "--output", tmp_path / "out")
-    assert code == 2
-    assert_clean_error(err, "nope.jsonl does not exist")
-    code, err = prep(capsys, "--input", str(tmp_path / "*.jsonl"), "--output", tmp_path / "out")
-    assert code == 2
-    assert_clean_error(err, "no file matches this pattern")
-
-
-def test_unsupported_inputs(capsys, tmp_path):
-    (tmp_path / "data.csv").write_text("text\nhello\n")
-    code, err = prep(capsys, "--input", tmp_path / "data.csv", "--output", tmp_path / "out")
-    assert code == 2
-    assert_clean_error(err, "unsupported file type '.csv'")
-    (tmp_path / "only").mkdir()
-    (tmp_path / "only" / "README.md").write_text("x")
-    code, err = prep(capsys, "--input", tmp_path / "only", "--output", tmp_path / "out")
-    assert code == 2
-    assert "warning: ignoring 1 file(s) of unsupported type" in err
-    assert_clean_error(err, "no input files found")
-
-
-def test_no_usable_record(capsys, tmp_path):
-    src = tmp_path / "corpus.jsonl"
-    src.write_text('{"text": 1}\n{"txt": "x"}\nnot json\n{"text": ""}\n')
-    code, err = prep(capsys, "--input", src, "--output", tmp_path / "out", "--on-bad-record", "skip")
-    assert code == 2
-    assert_clean_error(err, "the inputs hold no usable record (1 empty_text, 1 malformed_json, "
-                            "1 missing_text_field, 1 non_string_text)")
-    assert "warning: skipping " in err and "corpus.jsonl:3: malformed JSON" in err
-    assert list(tmp_path.iterdir()) == [src]
-
-
-def test_bad_tokenizer(capsys, tmp_path):
-    src = write_jsonl(tmp_path / "c.jsonl", DOCS[:5])
-    (tmp_path / "tok.json").write_text("{}")
-    code, err = prep(capsys, "--input", src, "--output", tmp_path / "out", "--tokenizer", tmp_path / "tok.json")
-    assert code == 2
-    assert_clean_error(err, "tok.json is not a tokenizers JSON file")
-    code, err = prep(capsys, "--input", src, "--output", tmp_path / "out", "--tokenizer", tmp_path / "no.json")
-    assert code == 2
-    assert_clean_error(err, "no.json does not exist")
-    assert not (tmp_path / "out").exists()
-
-
-def test_parquet_errors(capsys, tmp_path):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    pq.write_table(pa.table({"body": ["a", "b"]}), tmp_path / "nocol.parquet")
-    pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "ints.parquet")
-    pq.write_table(pa.table({"text": ["ok", None, "x"]}), tmp_path / "nulls.parquet")
-    (tmp_path / "junk.parquet").write_bytes(b"not parquet at all")
-    for name, needle in [("nocol", "nocol.parquet: row 1: no 'text' column (columns: body)"),
-                         ("ints", "ints.parquet: row 1: column 'text' has type int64, not string"),
-                         ("nulls", "nulls.parquet: row 2: 'text' is null, not a string"),
-                         ("junk", "junk.parquet: not a readable parquet file")]:
-        code, err = prep(capsys, "--input", tmp_path / f"{name}.parquet", "--output", tmp_path / "out")
-        assert code == 2
-        assert_clean_error(err, needle)
-
-
-def test_dataset_dict_is_refused(capsys, tmp_path):
-    import datasets
-
-    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["a"]})}).save_to_disk(tmp_path / "dd")
-    code, err = prep(capsys, "--input", tmp_path / "dd", "--output", tmp_path / "out")
-    assert code == 2
-    assert_clean_error(err, "is a datasets DatasetDict (splits: train)", os.path.join(str(tmp_path / "dd"), "train"))
-
-
-def test_damaged_datasets_folder(capsys, tmp_path):
-    import datasets
-
-    datasets.Dataset.from_dict({"text": ["a", "b"]}).save_to_disk(tmp_path / "ds")
-    for f in (tmp_path / "ds").glob("*.arrow"):
-        f.unlink()
-    code, err = prep(capsys, "--input", tmp_path / "ds", "--output", tmp_path / "out")
-    assert code == 2
-    assert_clean_error(err, "ds: cannot load the datasets folder")
+    assert_clean_error(err, *[n.format(tmp=tmp_path) for n in needles])
+    assert tree(tmp_path) == before  # no output, no temporary folder left behind
 
 
 def test_existing_output_is_refused(capsys, tmp_path):

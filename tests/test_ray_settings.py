@@ -10,32 +10,22 @@ from ray_jobs.cli import RayOptions as RunOptions
 POLL = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
 
 
-def build(tmp_path):
-    from ray_jobs.cli import RayOptions as RunOptions
+@pytest.mark.parametrize("users", [None, "1.5"])
+def test_the_train_controller_polls_every_tenth_of_a_second_unless_the_user_set_it(monkeypatch, tmp_path, users):
+    """Ray Train's controller takes one report per worker per poll (2 s by default) and a report made sooner blocks
+    until then; the job asks for 0.1 s, which Ray hands from the process that calls fit() to the controller. A poll
+    interval the user set wins."""
+    from ray.train.v2._internal.constants import get_env_vars_to_propagate
+
     from ray_jobs.pretrain import make_trainer
 
-    opts = RunOptions(use_gpu="false", cpus_per_worker=1.0, storage_path=str(tmp_path), name="poll", num_workers="1")
-    return make_trainer({}, opts)
-
-
-def test_the_train_controller_polls_every_tenth_of_a_second(monkeypatch, tmp_path):
-    """Ray Train's controller takes one report per worker per poll (2 s by default) and a report made sooner blocks
-    until then; the job asks for 0.1 s, which Ray hands from the process that calls fit() to the controller."""
-    from ray.train.v2._internal.constants import get_env_vars_to_propagate
-
-    monkeypatch.setenv(POLL, "")  # recorded, so the value the job sets is undone after the test
-    monkeypatch.delenv(POLL)
-    assert POLL not in get_env_vars_to_propagate()
-    build(tmp_path)
-    assert get_env_vars_to_propagate()[POLL] == "0.1"
-
-
-def test_a_poll_interval_the_user_set_wins(monkeypatch, tmp_path):
-    from ray.train.v2._internal.constants import get_env_vars_to_propagate
-
-    monkeypatch.setenv(POLL, "1.5")
-    build(tmp_path)
-    assert get_env_vars_to_propagate()[POLL] == "1.5"
+    monkeypatch.setenv(POLL, users or "")  # recorded, so the value the job sets is undone after the test
+    if users is None:
+        monkeypatch.delenv(POLL)
+        assert POLL not in get_env_vars_to_propagate()
+    make_trainer({}, RunOptions(use_gpu="false", cpus_per_worker=1.0, storage_path=str(tmp_path), name="poll",
+                                num_workers="1"))
+    assert get_env_vars_to_propagate()[POLL] == (users or "0.1")
 
 
 @pytest.mark.parametrize(("threads", "cores", "local_workers", "expected"),
@@ -73,23 +63,22 @@ def test_auto_cpus_on_a_local_ray_share_the_cores(monkeypatch, cores, workers, e
     assert pretrain.auto_cpus_per_worker(workers, True, RunOptions()) == expected
 
 
-def test_auto_cpus_on_a_cluster_leave_one_cpu_per_node_for_ray_data(monkeypatch):
-    assert auto(monkeypatch, [{"CPU": 8}], 1) == 7.0
-    assert auto(monkeypatch, [{"CPU": 8}], 2) == 3.0
-    assert auto(monkeypatch, [{"CPU": 8}, {"CPU": 16}], 4) == 3.0  # 2 a node, the smaller node decides
-    assert auto(monkeypatch, [{"CPU": 2}], 4) == 1.0  # at least one
-
-
-def test_auto_cpus_leave_room_for_tune_trial_actors(monkeypatch):
-    """A 1-worker trial on an 8-CPU node: 7 CPUs for the worker plus the trial's 0.1 left Ray Data 0.9 CPUs, less
-    than one task needs, and the trial's stream never started (the sweep hung at step 0)."""
-    assert auto(monkeypatch, [{"CPU": 8}], 1, reserved=0.1) == 6.0
-    assert auto(monkeypatch, [{"CPU": 8}], 2, reserved=0.2) == 3.0
-
-
-def test_auto_cpus_on_gpu_nodes_are_the_cpus_per_gpu(monkeypatch):
-    assert auto(monkeypatch, [{"CPU": 96, "GPU": 8}], 16, gpu=True) == 11.0
-    assert auto(monkeypatch, [{"CPU": 4, "GPU": 8}], 8, gpu=True) == 1.0
+@pytest.mark.parametrize("nodes, workers, gpu, reserved, expected", [
+    # on a cluster, one CPU per node left for Ray Data
+    ([{"CPU": 8}], 1, False, 0.0, 7.0),
+    ([{"CPU": 8}], 2, False, 0.0, 3.0),
+    ([{"CPU": 8}, {"CPU": 16}], 4, False, 0.0, 3.0),  # 2 a node, the smaller node decides
+    ([{"CPU": 2}], 4, False, 0.0, 1.0),  # at least one
+    # room for Tune's trial actors: a 1-worker trial on an 8-CPU node took 7 CPUs for the worker plus the trial's
+    # 0.1, which left Ray Data 0.9 CPUs, less than one task needs (the sweep hung at step 0)
+    ([{"CPU": 8}], 1, False, 0.1, 6.0),
+    ([{"CPU": 8}], 2, False, 0.2, 3.0),
+    # on GPU nodes, the CPUs per GPU
+    ([{"CPU": 96, "GPU": 8}], 16, True, 0.0, 11.0),
+    ([{"CPU": 4, "GPU": 8}], 8, True, 0.0, 1.0),
+])
+def test_auto_cpus_on_a_cluster(monkeypatch, nodes, workers, gpu, reserved, expected):
+    assert auto(monkeypatch, nodes, workers, gpu, reserved) == expected
 
 
 def test_cuda_nccl_and_torch_settings_reach_the_workers(monkeypatch):

@@ -42,6 +42,14 @@ SECRET = "hunter2"
     ("s3://b/y?endpoint_override=http://u:pw@host&region=x", "s3://b/y?endpoint_override=http://***@host&region=x"),
     ("DataError('gs://b/x?token=hunter2')", "DataError('gs://b/x?token=***')"),
     ("plain text, /a/path and s3://bucket/key?region=eu-west-1", "plain text, /a/path and s3://bucket/key?region=eu-west-1"),
+    # storage URIs as the driver's start line prints them (test_options.py)
+    ("s3://bucket/runs?region=eu-west-1&access_key=AKIAX&secret_key=s%2Fecret",
+     "s3://bucket/runs?region=eu-west-1&access_key=***&secret_key=***"),
+    ("s3://bucket/runs?session_token=abc&endpoint_override=http%3A%2F%2Fuser%3Apass%40minio%3A9000",
+     "s3://bucket/runs?session_token=***&endpoint_override=http://***@minio:9000"),
+    ("s3://AKIAX:secret@bucket/runs", "s3://***@bucket/runs"),
+    ("gs://bucket/runs", "gs://bucket/runs"),
+    ("/local/runs", "/local/runs"),
 ])
 def test_redact_removes_credentials_from_any_text(text, shown):
     assert redact(text) == shown

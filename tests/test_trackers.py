@@ -30,9 +30,12 @@ from minilm.tracker_backends import Backend, flatten_hparams
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 FIRST_STEPS, CHECKPOINT_STEP, REDO_STEPS = (4, 8, 12), 8, (12, 16, 20)
+# A fixed code version (code_dir: not a checkout; git_commit given): the subprocess's HPARAMS equal this process's
+# even when a commit lands on the repository during the run (test_hparams_flatten_and_code_version reads git).
 HPARAMS = T.run_hparams({"hidden_size": 64, "num_hidden_layers": 2, "use_moe": True},
                         {"lr": 1e-3, "betas": [0.9, 0.95], "global_batch_size": 32},
-                        world_size=2, data_fingerprint="fp-123", tokenizer_sha256="tok-456")
+                        world_size=2, data_fingerprint="fp-123", tokenizer_sha256="tok-456", code_dir=TESTS,
+                        git_commit="0123456789abcdef0123456789abcdef01234567")
 OPTIONS = {"mlflow_experiment": "tests", "wandb_project": "minilm-tests"}
 
 
@@ -201,8 +204,7 @@ def test_mlflow_keeps_one_run_and_never_appends_a_redone_step(killed_run):
     assert expected[12]["loss"] == jsonl_points(killed_run)[12]["loss"]
     # Hyperparameters once, from the first attempt (world size 2), and the code version when known.
     assert run.data.params == {k: str(v) for k, v in flatten_hparams(HPARAMS).items()}
-    if "git_commit" in HPARAMS:
-        assert run.data.tags["mlflow.source.git.commit"] == HPARAMS["git_commit"]
+    assert run.data.tags["mlflow.source.git.commit"] == HPARAMS["git_commit"]
 
 
 def test_mlflow_high_water_mark_without_a_run_folder(tmp_path):
