@@ -35,10 +35,6 @@ class Source:
 SUPPORTED = "inputs are .jsonl, .txt, .parquet and datasets save_to_disk folders"
 
 
-def _is_hf_dataset(p: Path) -> bool:
-    return (p / "dataset_info.json").is_file() and (p / "state.json").is_file()
-
-
 def _is_hf_dict(p: Path) -> bool:
     return (p / "dataset_dict.json").is_file()
 
@@ -85,7 +81,7 @@ class _Inputs:
     def add_path(self, spec_path: str, explicit: bool, top: str) -> None:
         p = Path(spec_path)
         if p.is_dir():
-            if _is_hf_dataset(p):
+            if (p / "dataset_info.json").is_file() and (p / "state.json").is_file():  # a datasets Dataset
                 self.add(p, spec_path, "hf")
             elif _is_hf_dict(p):
                 splits = ""
