@@ -167,9 +167,8 @@ class LocalLaunch(Launch):
     def folder(self, opts: LocalOptions) -> C.RunFolder | None:
         return C.RunFolder(opts.run_dir) if opts.run_dir else None
 
-    def dtype(self, plan: RunPlan) -> str:  # a resume keeps its precision; `auto` is settled by every rank after
-        saved = C.checkpoint_dtype(plan.state) if plan.state else None
-        return saved if plan.train_cfg.dtype == "auto" and saved else plan.train_cfg.dtype
+    def dtype(self, plan: RunPlan) -> str:  # a fresh `auto` is settled by every rank after (agreed_dtype)
+        return C.resumed_dtype(plan.train_cfg.dtype, plan.state)
 
 
 def start(argv: list[str] | None) -> tuple[Trainer, RunPlan]:

@@ -173,8 +173,9 @@ class RayLaunch(run_plan.Launch):
         return C.RunFolder(join_uri(opts.storage_path, opts.name),
                            display=redact_uri(join_uri(opts.storage_path.split("?", 1)[0], opts.name)))
 
-    def dtype(self, plan: RunPlan) -> str:
-        return run_dtype(plan.train_cfg.dtype, plan.state, plan.opts)
+    def dtype(self, plan: RunPlan) -> str:  # one precision for every rank and restart: a fresh `auto` probed once
+        dtype = C.resumed_dtype(plan.train_cfg.dtype, plan.state)
+        return dtype if dtype != "auto" else probe_dtype(plan.opts)
 
     def act(self, plan: RunPlan) -> None:
         plan.folder.delete(RAY_SNAPSHOT)  # Ray would refuse an index naming a checkpoint minilm pruned or moved aside
@@ -243,16 +244,6 @@ def auto_cpus_per_worker(workers: int, local: bool, opts: RayOptions, reserved_c
         return 1.0
     per_node = -(-workers // len(nodes))
     return float(max(1, int(min(r["CPU"] for r in nodes) - 1 - math.ceil(reserved_cpus)) // per_node))
-
-
-def run_dtype(requested: str, saved: dict | None, opts: RayOptions) -> str:
-    """The one precision of every rank and restart: the checkpoint's when resuming (`auto`, or a change
-    `config_changes` let through), else --dtype, `auto` probed once where a worker would run."""
-    if saved is not None:
-        before = C.checkpoint_dtype(saved)
-        if before and (requested == "auto" or requested == before):
-            return before
-    return requested if requested != "auto" else probe_dtype(opts)
 
 
 def probe_dtype(opts: RayOptions) -> str:

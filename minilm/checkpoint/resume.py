@@ -315,6 +315,12 @@ def checkpoint_dtype(state: dict[str, Any]) -> str | None:
     return None if dtype in (None, "auto") else dtype
 
 
+def resumed_dtype(requested: str, state: dict[str, Any] | None) -> str:
+    """--dtype of a run that continues `state` (None: a fresh start): `auto` keeps the checkpoint's precision."""
+    saved = checkpoint_dtype(state) if state else None
+    return saved if requested == "auto" and saved else requested
+
+
 def config_changes(state: dict[str, Any], train_config) -> list[ConfigChange]:
     """What a resumed run changes against the checkpoint's train config (the FIXED fields, and those inert in this
     config, aside: the optimizer is FIXED, so a field inert here was inert in the checkpoint's run too)."""
@@ -380,4 +386,4 @@ def check_origin(folder: RunFolder | None, origin: str | None, model_config: Mod
 
 
 __all__ = ["LEASE", "PREDATED_VALUES", "ConfigChange", "Lease", "ResumeDecision", "RunFolder", "decide_resume", "check_origin", "check_resume", "checkpoint_dtype",
-           "config_changes", "resume_problems"]
+           "config_changes", "resume_problems", "resumed_dtype"]
