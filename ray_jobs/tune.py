@@ -19,6 +19,7 @@ import argparse
 import csv
 import dataclasses
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -339,8 +340,6 @@ TRIAL_CPUS = 0.1  # the Tune trial function itself only waits on its TorchTraine
 
 
 def sweep(plan: RunPlan, dims, num_samples, concurrent, scheduler, grace, metric, resume: str) -> int:
-    import os
-
     # val_loss comes only every --eval-every steps; the reports between carry loss but not val_loss
     os.environ.setdefault("TUNE_DISABLE_STRICT_METRIC_CHECKING", "1")
     from ray import tune
