@@ -155,7 +155,3 @@ def evaluate_documents(model: torch.nn.Module, documents: Sequence[Sequence[int]
     model.train(was_training)
     return {"bpb": bits_per_byte(float(nats), num_bytes), "nats": float(nats), "bytes": num_bytes,
             "tokens": tokens, "windows": len(pieces)}
-
-
-__all__ = ["token_byte_lengths", "token_bytes", "bits_per_byte", "score_rows", "document_windows",
-           "evaluate_documents", "byte_level_alphabet"]

@@ -73,6 +73,38 @@ class ConfigError(ValueError):
         super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in self.problems))
 
 
+def _int_from(low: int):
+    return lambda v: _is_int(v) and v >= low
+
+
+# What a value must be, in an error's words, and its test. The float fields' type (a finite number) is checked before
+# (`_type_problems`); the int fields' tests take a value of any type.
+RULES = {"a positive integer": _int_from(1), "an integer >= 0": _int_from(0), "an integer >= 1": _int_from(1),
+         "an integer >= 0 (and < 2**32)": lambda v: _int_from(0)(v) and v < 1 << 32,
+         "a positive number": lambda v: v > 0, "> 0": lambda v: v > 0, ">= 0": lambda v: v >= 0,
+         "in [0, 1)": lambda v: 0 <= v < 1, "in [0, 1]": lambda v: 0 <= v <= 1, "in (0, 1]": lambda v: 0 < v <= 1}
+# Each field's rule; a field that may be unset (None) is checked only when set.
+MODEL_SIZES = dict.fromkeys(("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                             "vocab_size", "intermediate_size", "max_position_embeddings"), "a positive integer")
+MODEL_RANGES = {"bos_token_id": "an integer >= 0", "eos_token_id": "an integer >= 0", "pad_token_id": "an integer >= 0",
+                "rope_theta": "> 0", "rms_norm_eps": "> 0", "dropout": "in [0, 1)", "router_aux_loss_coef": ">= 0"}
+TRAIN_RANGES = {"seed": "an integer >= 0 (and < 2**32)", "lr": "a positive number", "muon_lr": "a positive number",
+                "embedding_lr_ratio": "a positive number", "warmup_steps": "an integer >= 0",
+                "min_lr_ratio": "in [0, 1]", "decay_fraction": "in (0, 1]",
+                **dict.fromkeys(("epochs", "max_steps", "micro_batch_size", "global_batch_size", "seq_len", "log_every",
+                                 "checkpoint_every", "max_nonfinite_steps", "export_every", "eval_every"),
+                                "an integer >= 1"),
+                "val_samples": "an integer >= 0", "grad_clip": "> 0", "weight_decay": ">= 0",
+                "checkpoint_every_minutes": "a positive number", "muon_momentum": "in [0, 1)"}
+UNSET_OK = frozenset({"max_steps", "eval_every", "checkpoint_every_minutes"})
+
+
+def _range_problems(cfg, rules: dict[str, str]) -> list[str]:
+    values = {name: getattr(cfg, name) for name in rules}
+    return [f"{name} must be {rule}, got {values[name]!r}" for name, rule in rules.items()
+            if not (values[name] is None and name in UNSET_OK) and not RULES[rule](values[name])]
+
+
 # The most numbers one model may hold: far past any model minilm trains, well inside torch's int64 sizes.
 MAX_NUMBERS = 10**13
 
@@ -124,11 +156,7 @@ class ModelConfig:
         p = _type_problems(self)
         if p:
             return p  # the checks below compare values, which a value of the wrong type cannot
-        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                     "vocab_size", "intermediate_size", "max_position_embeddings"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                p.append(f"{name} must be a positive integer, got {v!r}")
+        p = _range_problems(self, MODEL_SIZES)
         if not p:
             if self.hidden_size % self.num_attention_heads:
                 p.append(f"num_attention_heads ({self.num_attention_heads}) must divide hidden_size "
@@ -138,23 +166,13 @@ class ModelConfig:
             if self.num_attention_heads % self.num_key_value_heads:
                 p.append(f"num_key_value_heads ({self.num_key_value_heads}) must divide num_attention_heads "
                          f"({self.num_attention_heads})")
-        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            if not _is_int(getattr(self, name)) or getattr(self, name) < 0:
-                p.append(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
-        if not self.rope_theta > 0:
-            p.append(f"rope_theta must be > 0, got {self.rope_theta!r}")
-        if not self.rms_norm_eps > 0:
-            p.append(f"rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
-        if not 0.0 <= self.dropout < 1.0:
-            p.append(f"dropout must be in [0, 1), got {self.dropout!r}")
+        p += _range_problems(self, MODEL_RANGES)
         if self.use_moe:
             if not isinstance(self.num_experts, int) or self.num_experts < 1:
                 p.append(f"num_experts must be >= 1, got {self.num_experts!r}")
             elif not isinstance(self.num_experts_per_tok, int) or not 1 <= self.num_experts_per_tok <= self.num_experts:
                 p.append(f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
                          f"got {self.num_experts_per_tok!r}")
-        if self.router_aux_loss_coef < 0:
-            p.append(f"router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef!r}")
         if not p:  # a mistyped size (an extra digit or ten) is refused here, not by torch's overflow deep inside
             if (n := self.num_params()) > MAX_NUMBERS:
                 p.append(f"the model would have {_rough(n)} parameters, more than {MAX_NUMBERS:.0e}: "
@@ -229,25 +247,7 @@ class TrainConfig:
         p = _type_problems(self)
         if p:
             return p
-        if not _is_int(self.seed) or not 0 <= self.seed < 1 << 32:
-            p.append(f"seed must be an integer >= 0 (and < 2**32), got {self.seed!r}")
-        for name in ("lr", "muon_lr", "embedding_lr_ratio"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-                p.append(f"{name} must be a positive number, got {v!r}")
-        if not _is_int(self.warmup_steps) or self.warmup_steps < 0:
-            p.append(f"warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            p.append(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
-        if not (isinstance(self.decay_fraction, (int, float)) and 0.0 < self.decay_fraction <= 1.0):
-            p.append(f"decay_fraction must be in (0, 1], got {self.decay_fraction!r}")
-        for name in ("epochs", "max_steps", "micro_batch_size", "global_batch_size", "seq_len", "log_every",
-                     "checkpoint_every", "max_nonfinite_steps", "export_every", "eval_every"):
-            v = getattr(self, name)
-            if (v is not None or name not in ("max_steps", "eval_every")) and (not _is_int(v) or v < 1):
-                p.append(f"{name} must be an integer >= 1, got {v!r}")
-        if not _is_int(self.val_samples) or self.val_samples < 0:
-            p.append(f"val_samples must be an integer >= 0, got {self.val_samples!r}")
+        p = _range_problems(self, TRAIN_RANGES)
         if _is_int(self.micro_batch_size) and _is_int(self.global_batch_size) and \
                 self.micro_batch_size >= 1 and self.global_batch_size >= 1:
             if self.global_batch_size % self.micro_batch_size:
@@ -258,22 +258,12 @@ class TrainConfig:
                     accumulation_steps(self.global_batch_size, self.micro_batch_size, world_size)
                 except ConfigError as e:
                     p.extend(e.problems)
-        if not (isinstance(self.grad_clip, (int, float)) and self.grad_clip > 0):
-            p.append(f"grad_clip must be > 0, got {self.grad_clip!r}")
         for name, choices in CHOICES.items():
             if getattr(self, name) not in choices:
                 p.append(f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
-        if not (isinstance(self.weight_decay, (int, float)) and self.weight_decay >= 0):
-            p.append(f"weight_decay must be >= 0, got {self.weight_decay!r}")
         betas = tuple(self.betas) if isinstance(self.betas, (list, tuple)) else ()
         if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas):
             p.append(f"betas must be two numbers in [0, 1), got {self.betas!r}")
-        minutes = self.checkpoint_every_minutes
-        if minutes is not None and not (isinstance(minutes, (int, float)) and not isinstance(minutes, bool)
-                                        and math.isfinite(minutes) and minutes > 0):
-            p.append(f"checkpoint_every_minutes must be a positive number, got {minutes!r}")
-        if not (isinstance(self.muon_momentum, (int, float)) and 0.0 <= self.muon_momentum < 1.0):
-            p.append(f"muon_momentum must be in [0, 1), got {self.muon_momentum!r}")
         return p + self.steps_problems(total_steps if total_steps is not None else self.max_steps)
 
     def steps_problems(self, total_steps: int | None) -> list[str]:
@@ -364,7 +354,3 @@ def _from_dict(cls, d: dict[str, Any], what: str):
     if unknown:
         raise ConfigError([f"unknown {what} field(s): {', '.join(unknown)} (known: {', '.join(sorted(known))})"])
     return cls(**d)
-
-
-__all__ = ["ConfigError", "ModelConfig", "TrainConfig", "accumulation_steps", "check_fits", "valid_world_sizes", "DTYPES",
-           "OPTIMIZERS", "CHECKPOINT_MODES"]

@@ -431,7 +431,3 @@ class MiniMindForCausalLM(nn.Module):
             if eos_token_id is not None and bool((nxt == eos_token_id).all()):
                 break
         return ids
-
-
-__all__ = ["CausalLMOutput", "MiniMindForCausalLM", "MoEFeedForward", "FeedForward", "Attention", "RMSNorm",
-           "rope_tables", "apply_rope"]

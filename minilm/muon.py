@@ -162,6 +162,3 @@ def muon_param_groups(model: torch.nn.Module, *, lr: float, muon_lr: float, weig
         {"params": adam_decay, "lr_ratio": embedding_lr_ratio, "weight_decay": weight_decay / embedding_lr_ratio},
         {"params": adam_no_decay, "lr_ratio": 1.0, "weight_decay": 0.0},
     ]
-
-
-__all__ = ["Muon", "orthogonalize", "muon_param_groups", "NS_COEFFICIENTS"]

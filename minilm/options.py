@@ -244,10 +244,6 @@ def plan_steps(train_cfg: TrainConfig, num_sequences: int, world_sizes: Iterable
     return StepPlan(per_epoch, total)
 
 
-__all__ = ["Configs", "RunOptions", "RunSpec", "StepPlan", "add_run_flags", "build_configs", "check_configs",
-           "check_world_sizes", "plan_steps"]
-
-
 def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 

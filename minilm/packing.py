@@ -230,10 +230,6 @@ def write_manifest(directory: str | os.PathLike, manifest: dict) -> Path:
 
 # ---- the output directory, written atomically ----------------------------------------------------
 
-def _ours(name: str) -> bool:
-    return name in (MANIFEST, MANIFEST + ".tmp", TOKENIZER_FILE) or bool(_SHARD_RE.fullmatch(name))
-
-
 def describe_existing(path: Path) -> str | None:
     """None when `path` is free to write (absent or empty); else what is there, in words."""
     if not path.exists():
@@ -250,7 +246,7 @@ def describe_existing(path: Path) -> str | None:
                     f"fingerprint {str(m.get('fingerprint'))[:12]})")
         except (OSError, ValueError):
             return "a prepared dataset with an unreadable manifest.json"
-    if all(_ours(n) for n in names):
+    if all(n in (MANIFEST, MANIFEST + ".tmp", TOKENIZER_FILE) or _SHARD_RE.fullmatch(n) for n in names):
         return "an incomplete prepared dataset (no manifest.json)"
     return f"other files ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
 

@@ -196,7 +196,3 @@ def document_starts(rows: np.ndarray, *, bos_id: int = BOS_ID, eos_id: int = EOS
     starts[:, 1:] |= rows[:, :-1] == eos_id
     starts[:, 0] = True
     return starts
-
-
-__all__ = ["padded_document_rows", "pack_documents", "packed_rows", "bos_aligned_rows", "best_fit_rows", "iter_bos_aligned_rows",
-           "BestFitRows", "BestFitStats", "document_starts", "rows_note"]

@@ -246,7 +246,8 @@ def load_task(entry: Any, listing: Path, number: int) -> Task:
         raise TaskError(f"{where}: {file_path} has no items to score")
     sha = file_sha256(file_path)
     scored = {k: v for k, v in options.items() if k not in ("batch_size", "fewshot_path")}  # what moves the scores
-    fingerprint = _sha256_json({"kind": kind, "file": sha, "options": scored, "fewshot_file": shot_sha})
+    identity = {"kind": kind, "file": sha, "options": scored, "fewshot_file": shot_sha}
+    fingerprint = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
     return Task(name, kind, file_path, options, items, fewshot, sha, fingerprint)
 
 
@@ -267,16 +268,9 @@ def task_options(kind: str, entry: dict, where: str) -> dict[str, Any]:
 
 
 def _existing(file: str, listing: Path, where: str) -> Path:
-    path = _resolve(file, listing)
+    path = Path(file).expanduser()
+    path = (path if path.is_absolute() else listing.parent / path).resolve()
     if not path.is_file():
         raise TaskError(f"{where}: {path} does not exist")
     return path
 
-
-def _resolve(file: str, listing: Path) -> Path:
-    p = Path(file).expanduser()
-    return (p if p.is_absolute() else listing.parent / p).resolve()
-
-
-def _sha256_json(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()

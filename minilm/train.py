@@ -64,16 +64,13 @@ class LocalLauncher:
                  device: torch.device | str = "cpu", run_dir: str | os.PathLike | None = None, say=print):
         self.data, self.micro_batch_size = data, micro_batch_size
         self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
-        self.storage, self._say, self.sigterm = C.LocalStorage(run_dir), say, False
+        self.storage, self.say, self.sigterm = C.LocalStorage(run_dir), say, False  # say: a line for a person
 
     def batches(self, order: D.RankOrder, total_steps: int) -> D.LocalRankStream:
         return D.LocalRankStream(self.data.store, order, total_steps, self.micro_batch_size, self.device)
 
     def stop_flags(self) -> tuple[bool, bool]:
         return self.sigterm, False
-
-    def say(self, message: str) -> None:
-        self._say(message)
 
 
 def sequences_from_tokens(tokens: np.ndarray, seq_len: int) -> torch.Tensor:
@@ -140,7 +137,29 @@ class LocalLaunch(Launch):
         opts.name = opts.name or (run_dir.name if run_dir else "local")
 
     def open_data(self, model_cfg: ModelConfig, train_cfg: TrainConfig, opts: LocalOptions, notes: list) -> Dataset:
-        return load_data(opts, model_cfg, train_cfg, notes)
+        if opts.data:
+            prepared = D.open_local(opts.data)  # a remote URI is copied to this node once, as for ray_jobs.pretrain
+            D.check_compatible(prepared, vocab_size=model_cfg.vocab_size, seq_len=train_cfg.seq_len)
+            notes.append(rows_note(prepared.manifest, opts.data))
+            return Dataset.prepared(prepared)
+        if opts.tokens:
+            path = Path(opts.tokens)
+            if not path.is_file():
+                raise UsageError(f"--tokens {path}: file not found")
+            ids = np.load(path)  # allow_pickle is off: never code from the file
+            if not isinstance(ids, np.ndarray) or ids.ndim != 1 or ids.dtype.kind not in "iu":
+                raise UsageError(f"--tokens {path}: expected a .npy file of a 1-D array of integer token ids")
+            lo, hi = (int(ids.min()), int(ids.max())) if ids.size else (0, 0)  # checked once here, not per batch
+            if lo < 0 or hi >= model_cfg.vocab_size:
+                raise UsageError(f"--tokens {path}: token id {lo if lo < 0 else hi} is outside the vocabulary "
+                                 f"[0, {model_cfg.vocab_size})")
+            rows = sequences_from_tokens(ids, train_cfg.seq_len)
+        else:
+            if not 0 < opts.random_tokens <= 1 << 30:  # held in memory as int64: past 8 GB it is a typo
+                raise UsageError(f"--random-tokens must be in [1, 2**30], got {opts.random_tokens}")
+            rng = np.random.default_rng(train_cfg.seed)
+            rows = sequences_from_tokens(rng.integers(0, model_cfg.vocab_size, opts.random_tokens), train_cfg.seq_len)
+        return Dataset.in_memory(rows.numpy())
 
     def world_sizes(self, opts: LocalOptions) -> range:
         return range(self.world_size, self.world_size + 1)
@@ -148,9 +167,8 @@ class LocalLaunch(Launch):
     def folder(self, opts: LocalOptions) -> C.RunFolder | None:
         return C.RunFolder(opts.run_dir) if opts.run_dir else None
 
-    def dtype(self, plan: RunPlan) -> str:  # a resume keeps its precision; `auto` is settled by every rank after
-        saved = C.checkpoint_dtype(plan.state) if plan.state else None
-        return saved if plan.train_cfg.dtype == "auto" and saved else plan.train_cfg.dtype
+    def dtype(self, plan: RunPlan) -> str:  # a fresh `auto` is settled by every rank after (agreed_dtype)
+        return C.resumed_dtype(plan.train_cfg.dtype, plan.state)
 
 
 def start(argv: list[str] | None) -> tuple[Trainer, RunPlan]:
@@ -227,32 +245,6 @@ def run_cli(argv: list[str] | None) -> int:
         print(f"done: {outcome} at optimizer step {trainer.step}/{trainer.total_steps} in {time.time() - t0:.1f}s"
               + (f", final loss {last['loss']:.4f}" if last else ""), flush=True)
     return 0
-
-
-def load_data(opts: RunOptions, model_cfg: ModelConfig, train_cfg: TrainConfig, notes: list) -> Dataset:
-    if opts.data:
-        prepared = D.open_local(opts.data)  # a remote URI is copied to this node once, as for ray_jobs.pretrain
-        D.check_compatible(prepared, vocab_size=model_cfg.vocab_size, seq_len=train_cfg.seq_len)
-        notes.append(rows_note(prepared.manifest, opts.data))
-        return Dataset.prepared(prepared)
-    if opts.tokens:
-        path = Path(opts.tokens)
-        if not path.is_file():
-            raise UsageError(f"--tokens {path}: file not found")
-        ids = np.load(path)  # allow_pickle is off: never code from the file
-        if not isinstance(ids, np.ndarray) or ids.ndim != 1 or ids.dtype.kind not in "iu":
-            raise UsageError(f"--tokens {path}: expected a .npy file of a 1-D array of integer token ids")
-        lo, hi = (int(ids.min()), int(ids.max())) if ids.size else (0, 0)  # checked once here, not per batch
-        if lo < 0 or hi >= model_cfg.vocab_size:
-            raise UsageError(f"--tokens {path}: token id {lo if lo < 0 else hi} is outside the vocabulary "
-                             f"[0, {model_cfg.vocab_size})")
-        rows = sequences_from_tokens(ids, train_cfg.seq_len)
-    else:
-        if not 0 < opts.random_tokens <= 1 << 30:  # held in memory as int64: past 8 GB it is a typo
-            raise UsageError(f"--random-tokens must be in [1, 2**30], got {opts.random_tokens}")
-        rng = np.random.default_rng(train_cfg.seed)
-        rows = sequences_from_tokens(rng.integers(0, model_cfg.vocab_size, opts.random_tokens), train_cfg.seq_len)
-    return Dataset.in_memory(rows.numpy())
 
 
 def agreed_dtype(name: str, device: torch.device) -> str:

@@ -169,8 +169,5 @@ def row_text(record: dict) -> str:
     return text
 
 
-__all__ = ["build_parser", "main", "run_checkpoints"]
-
-
 if __name__ == "__main__":
     sys.exit(main())

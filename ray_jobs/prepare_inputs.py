@@ -35,10 +35,6 @@ class Source:
 SUPPORTED = "inputs are .jsonl, .txt, .parquet and datasets save_to_disk folders"
 
 
-def _is_hf_dataset(p: Path) -> bool:
-    return (p / "dataset_info.json").is_file() and (p / "state.json").is_file()
-
-
 def _is_hf_dict(p: Path) -> bool:
     return (p / "dataset_dict.json").is_file()
 
@@ -77,24 +73,15 @@ class _Inputs:
             shown = os.path.join(display, child.name)
             if child.name.startswith(".") or self.excluded(child):
                 continue
-            if child.is_dir():
-                if _is_hf_dataset(child):
-                    self.add(child, shown, "hf")
-                elif not _is_hf_dict(child):
-                    self.walk(child, shown, top)
-                else:
-                    self.ignored.setdefault(top, []).append(shown + "/ (a DatasetDict)")
-            elif child.is_file():
-                kind = FORMATS.get(child.suffix.lower())
-                if kind:
-                    self.add(child, shown, kind)
-                else:
-                    self.ignored.setdefault(top, []).append(shown)
+            if child.is_dir() and _is_hf_dict(child):  # named, not refused, inside a folder
+                self.ignored.setdefault(top, []).append(shown + "/ (a DatasetDict)")
+            else:
+                self.add_path(shown, explicit=False, top=top)  # `shown` is the child's path
 
     def add_path(self, spec_path: str, explicit: bool, top: str) -> None:
         p = Path(spec_path)
         if p.is_dir():
-            if _is_hf_dataset(p):
+            if (p / "dataset_info.json").is_file() and (p / "state.json").is_file():  # a datasets Dataset
                 self.add(p, spec_path, "hf")
             elif _is_hf_dict(p):
                 splits = ""

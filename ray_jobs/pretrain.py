@@ -173,8 +173,9 @@ class RayLaunch(run_plan.Launch):
         return C.RunFolder(join_uri(opts.storage_path, opts.name),
                            display=redact_uri(join_uri(opts.storage_path.split("?", 1)[0], opts.name)))
 
-    def dtype(self, plan: RunPlan) -> str:
-        return run_dtype(plan.train_cfg.dtype, plan.state, plan.opts)
+    def dtype(self, plan: RunPlan) -> str:  # one precision for every rank and restart: a fresh `auto` probed once
+        dtype = C.resumed_dtype(plan.train_cfg.dtype, plan.state)
+        return dtype if dtype != "auto" else probe_dtype(plan.opts)
 
     def act(self, plan: RunPlan) -> None:
         plan.folder.delete(RAY_SNAPSHOT)  # Ray would refuse an index naming a checkpoint minilm pruned or moved aside
@@ -215,10 +216,7 @@ def check_eval_options(opts: RayOptions, run_dir: Path | None) -> list:
 
 def check_eval_resources(resources: dict[str, float]) -> None:
     """An evaluation task that no node could ever run would wait forever: refused before training starts."""
-    import ray
-
-    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
-    if not any(all(r.get(k, 0) >= v for k, v in resources.items()) for r in nodes):
+    if not nodes_with(resources):
         spec = ",".join(f"{k}={v:g}" for k, v in resources.items())
         raise UsageError(f"--eval-resources {spec}: no node of this Ray cluster has that much (ray status shows what "
                          f"each node offers)")
@@ -231,11 +229,7 @@ def auto_cpus_per_worker(workers: int, local: bool, opts: RayOptions, reserved_c
     shared among the workers it would host (GPU runs: its CPUs per GPU)."""
     if local:
         return float(max(1, available_cores() // max(1, workers)))
-    import ray
-
-    custom = opts.resources_per_worker
-    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU", 0) >= 1
-             and all(n["Resources"].get(k, 0) >= v for k, v in custom.items())]
+    nodes = nodes_with({"CPU": 1, **opts.resources_per_worker})  # its custom resources are never CPU or GPU
     if uses_gpu(opts):
         per_gpu = [(r["CPU"] - 1) // r["GPU"] for r in nodes if r.get("GPU", 0) >= 1]
         return float(max(1, int(min(per_gpu)))) if per_gpu else 1.0
@@ -243,16 +237,6 @@ def auto_cpus_per_worker(workers: int, local: bool, opts: RayOptions, reserved_c
         return 1.0
     per_node = -(-workers // len(nodes))
     return float(max(1, int(min(r["CPU"] for r in nodes) - 1 - math.ceil(reserved_cpus)) // per_node))
-
-
-def run_dtype(requested: str, saved: dict | None, opts: RayOptions) -> str:
-    """The one precision of every rank and restart: the checkpoint's when resuming (`auto`, or a change
-    `config_changes` let through), else --dtype, `auto` probed once where a worker would run."""
-    if saved is not None:
-        before = C.checkpoint_dtype(saved)
-        if before and (requested == "auto" or requested == before):
-            return before
-    return requested if requested != "auto" else probe_dtype(opts)
 
 
 def probe_dtype(opts: RayOptions) -> str:
@@ -275,6 +259,14 @@ def probe_dtype(opts: RayOptions) -> str:
         print(f"warning: no worker-like slot free within 3 minutes to probe --dtype auto: using {fallback} "
               f"(set --dtype to choose)", file=sys.stderr, flush=True)
         return fallback
+
+
+def nodes_with(resources: dict[str, float]) -> list[dict]:
+    """The resources of each alive node of the cluster that offers at least `resources`."""
+    import ray
+
+    return [n["Resources"] for n in ray.nodes()
+            if n.get("Alive") and all(n["Resources"].get(k, 0) >= v for k, v in resources.items())]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -19,6 +19,7 @@ import argparse
 import csv
 import dataclasses
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -223,13 +224,11 @@ def plot_trials(rows: list[dict], dims: dict[str, SearchDim], path: Path):
     except ImportError:
         print(f"note: {path.name} not drawn: matplotlib is not installed (pip install 'minilm[plot]')")
         return None
-    runs = [plot.RunCurves(trial_label(r, dims), plot.in_step_order(r["_records"])) for r in rows]
+    runs = []
+    for r in rows:
+        values = ", ".join(f"{d}={r[d]:g}" if isinstance(r[d], (int, float)) else f"{d}={r[d]}" for d in dims)
+        runs.append(plot.RunCurves(f"{r['trial']} ({values})", plot.in_step_order(r["_records"])))
     return plot.save_figure(runs, path)
-
-
-def trial_label(row: dict, dims: dict[str, SearchDim]) -> str:
-    values = ", ".join(f"{d}={row[d]:g}" if isinstance(row[d], (int, float)) else f"{d}={row[d]}" for d in dims)
-    return f"{row['trial']} ({values})"
 
 
 # ---- the command -----------------------------------------------------------------------------------
@@ -341,8 +340,6 @@ TRIAL_CPUS = 0.1  # the Tune trial function itself only waits on its TorchTraine
 
 
 def sweep(plan: RunPlan, dims, num_samples, concurrent, scheduler, grace, metric, resume: str) -> int:
-    import os
-
     # val_loss comes only every --eval-every steps; the reports between carry loss but not val_loss
     os.environ.setdefault("TUNE_DISABLE_STRICT_METRIC_CHECKING", "1")
     from ray import tune

@@ -178,6 +178,3 @@ def cap_threads(local_workers: int) -> None:
     share = max(1, available_cores() // max(1, local_workers))
     if torch.get_num_threads() > share:
         torch.set_num_threads(share)
-
-
-__all__ = ["train_func", "RayLauncher", "RayStorage", "Preempted"]

@@ -173,11 +173,9 @@ class Lease:
         local = self.folder.local
         self.created = [p for p in (local, *local.parents) if not p.exists()] if local is not None else []
         held = self.holder()
-        if held is not None and (held.get("host"), held.get("pid")) != (self.me["host"], self.me["pid"]):
-            age = time.time() - float(held.get("heartbeat", 0))
-            who = f"pid {held.get('pid')} on {held.get('host')}, heartbeat {age:.0f} s ago"
-            gone = held.get("host") == self.me["host"] and not pid_alive(int(held.get("pid", 0)))
-            if age < LEASE_STALE_S and not gone:
+        if held is not None and not self.mine(held):
+            who = f"pid {held['pid']} on {held['host']}, heartbeat {time.time() - held['heartbeat']:.0f} s ago"
+            if self.live(held):
                 raise UsageError(f"run folder {self.folder.display} is in use by a live run ({who}): wait for it to "
                                  f"end (or stop it), or use another --name")
             self.say(f"note: taking over run folder {self.folder.display} from a run that is gone ({who})")
@@ -191,13 +189,17 @@ class Lease:
         self._thread.start()
         return self
 
-    def live(self) -> bool:
-        """Another process runs in the folder: its heartbeat is fresh, and on this host its process is there."""
-        held = self.holder()
-        if held is None or (held.get("host"), held.get("pid")) == (self.me["host"], self.me["pid"]):
+    def live(self, held: dict | None = None) -> bool:
+        """Another process runs in the folder (`held`: its lease, else read now): its heartbeat is fresh, and on this
+        host its process is there."""
+        held = self.holder() if held is None else held
+        if held is None or self.mine(held):
             return False
-        fresh = time.time() - float(held.get("heartbeat", 0)) < LEASE_STALE_S
-        return fresh and (held.get("host") != self.me["host"] or pid_alive(int(held.get("pid", 0))))
+        fresh = time.time() - held["heartbeat"] < LEASE_STALE_S
+        return fresh and (held["host"] != self.me["host"] or pid_alive(held["pid"]))
+
+    def mine(self, held: dict) -> bool:
+        return (held.get("host"), held.get("pid")) == (self.me["host"], self.me["pid"])
 
     def holder(self) -> dict | None:
         try:
@@ -221,8 +223,7 @@ class Lease:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        held = self.holder() or {}
-        if (held.get("host"), held.get("pid")) == (self.me["host"], self.me["pid"]):
+        if self.mine(self.holder() or {}):
             with contextlib.suppress(OSError):
                 self.folder.delete(LEASE)
         for folder in self.created:  # a run refused before it wrote anything leaves no folder behind
@@ -314,6 +315,12 @@ def checkpoint_dtype(state: dict[str, Any]) -> str | None:
     return None if dtype in (None, "auto") else dtype
 
 
+def resumed_dtype(requested: str, state: dict[str, Any] | None) -> str:
+    """--dtype of a run that continues `state` (None: a fresh start): `auto` keeps the checkpoint's precision."""
+    saved = checkpoint_dtype(state) if state else None
+    return saved if requested == "auto" and saved else requested
+
+
 def config_changes(state: dict[str, Any], train_config) -> list[ConfigChange]:
     """What a resumed run changes against the checkpoint's train config (the FIXED fields, and those inert in this
     config, aside: the optimizer is FIXED, so a field inert here was inert in the checkpoint's run too)."""
@@ -379,4 +386,4 @@ def check_origin(folder: RunFolder | None, origin: str | None, model_config: Mod
 
 
 __all__ = ["LEASE", "PREDATED_VALUES", "ConfigChange", "Lease", "ResumeDecision", "RunFolder", "decide_resume", "check_origin", "check_resume", "checkpoint_dtype",
-           "config_changes", "resume_problems"]
+           "config_changes", "resume_problems", "resumed_dtype"]
