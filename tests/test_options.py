@@ -123,7 +123,7 @@ def test_a_null_or_empty_value_of_an_option_that_needs_one_is_one_line_naming_it
 
 
 def test_plan_steps_matches_the_arithmetic_on_a_grid():
-    grid = itertools.product(range(1, 14), (0, 1, 3), (2, 4, 6), (1, 2), (None, 1, 5), (1, 3), (0, 2), (1, 2, 3))
+    grid = itertools.product(range(1, 14), (0, 1, 3), (2, 4, 6), (1, 2), (None, 1, 5), (1, 3), (0, 2), (1, 2, 3, 5))
     checked = 0
     for n, val, g, m, max_steps, epochs, warmup, world in grid:
         if val >= n:
@@ -132,7 +132,7 @@ def test_plan_steps_matches_the_arithmetic_on_a_grid():
                           warmup_steps=warmup)
         per_epoch = (n - val) // g
         total = max_steps if max_steps is not None else per_epoch * epochs
-        if g % (m * world):
+        if world > g:  # any world size up to one sequence per worker keeps the global batch
             expected = UsageError
         elif per_epoch == 0:
             expected = D.DataError
@@ -152,8 +152,9 @@ def test_plan_steps_names_what_does_not_fit():
     cfg = TrainConfig(global_batch_size=8, micro_batch_size=2)
     with pytest.raises(D.DataError, match="^data/x: 7 training sequences do not fill one global batch of 8$"):
         plan_steps(dataclasses.replace(cfg, val_samples=3), 10, where="data/x: ")
-    with pytest.raises(UsageError, match="world size[(]s[)] 3 cannot keep .* valid world sizes: 1, 2, 4$"):
-        plan_steps(cfg, 100, (2, 3))
+    assert plan_steps(cfg, 100, (2, 3, 8)).steps_per_epoch == 12  # uneven sizes take uneven slices
+    with pytest.raises(UsageError, match="world size[(]s[)] 9 cannot keep .* valid world sizes: 1-8$"):
+        plan_steps(cfg, 100, (2, 9))
     with pytest.raises(ConfigError, match=r"warmup_steps \(3\) must be smaller than the total optimizer steps \(3\)"):
         plan_steps(dataclasses.replace(cfg, warmup_steps=3, epochs=1), 24)
 
