@@ -17,7 +17,7 @@ from minilm.options import RunOptions, build_configs, plan_steps
 from minilm.step import DTYPE_NAMES, TORCH_DTYPES, resolve_dtype_name
 from minilm.train import LocalOptions
 from minilm.train import build_parser as train_parser
-from ray_jobs.cli import RayOptions, redact_uri
+from ray_jobs.cli import ELASTIC_MAX_FAILURES, RayOptions, redact_uri
 from ray_jobs.pretrain import build_parser as pretrain_parser
 
 # The run flags users type today: a rename or a lost flag is a broken command line.
@@ -64,7 +64,10 @@ def test_flags_win_over_yaml_and_values_arrive_typed():
     configs = build_configs(args, yaml_values, RayOptions)
     run = configs.run
     assert (run.keep_checkpoints, run.cpus_per_worker, run.resources_per_worker) == (7, 2.5, {"slot": 1.0})
-    assert (run.workers, configs.train.val_samples, run.storage_path, run.max_failures) == ((2, 4), 8, "./runs", 0)
+    assert (run.workers, configs.train.val_samples, run.storage_path, run.max_failures) == ((2, 4), 8, "./runs", None)
+    assert run.failures == ELASTIC_MAX_FAILURES > 0  # a range resizes by default; a fixed size does not:
+    assert build_configs(pretrain_parser().parse_args(["--num-workers", "3"]), {}, RayOptions).run.failures == 0
+    assert build_configs(pretrain_parser().parse_args(["--max-failures", "2"]), yaml_values, RayOptions).run.failures == 2
     assert build_configs(pretrain_parser().parse_args(["--resources-per-worker", "a=1,b=2"]), {},
                          RayOptions).run.resources_per_worker == {"a": 1.0, "b": 2.0}
     assert build_configs(pretrain_parser().parse_args([]), {"use_gpu": True}, RayOptions).run.use_gpu == "true"
