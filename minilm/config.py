@@ -250,10 +250,7 @@ class TrainConfig:
         p = _range_problems(self, TRAIN_RANGES)
         if _is_int(self.micro_batch_size) and _is_int(self.global_batch_size) and \
                 self.micro_batch_size >= 1 and self.global_batch_size >= 1:
-            if self.global_batch_size % self.micro_batch_size:
-                p.append(f"global_batch_size ({self.global_batch_size}) must be a multiple of "
-                         f"micro_batch_size ({self.micro_batch_size})")
-            elif world_size is not None:
+            if world_size is not None:
                 try:
                     accumulation_steps(self.global_batch_size, self.micro_batch_size, world_size)
                 except ConfigError as e:
@@ -300,22 +297,18 @@ def check_fits(model: ModelConfig, train: TrainConfig) -> None:
 
 
 def accumulation_steps(global_batch_size: int, micro_batch_size: int, world_size: int) -> int:
-    """Micro-steps per optimizer step so that every step sees exactly `global_batch_size` sequences."""
-    per_step = micro_batch_size * world_size
-    if world_size < 1 or global_batch_size % per_step:
-        raise ConfigError([
-            f"global_batch_size {global_batch_size} is not divisible by micro_batch_size {micro_batch_size} "
-            f"x world size {world_size}; world sizes that keep it: "
-            f"{', '.join(map(str, valid_world_sizes(global_batch_size, micro_batch_size))) or 'none'}"
-        ])
-    return global_batch_size // per_step
+    """Micro-batches of rank 0 (the most of any rank) per optimizer step of `global_batch_size` sequences: its slice
+    of ceil(G / W) sequences in micro-batches of at most `micro_batch_size` (minilm.data.rank_micro_batches)."""
+    if not 1 <= world_size <= global_batch_size:
+        raise ConfigError([f"world size {world_size} does not fit global_batch_size {global_batch_size}: every "
+                           f"worker needs at least one sequence; world sizes that keep it: 1-{global_batch_size}"])
+    per_rank = -(-global_batch_size // world_size)
+    return -(-per_rank // micro_batch_size)
 
 
 def valid_world_sizes(global_batch_size: int, micro_batch_size: int, limit: int = 1024) -> list[int]:
-    if micro_batch_size < 1 or global_batch_size % micro_batch_size:
-        return []
-    n = global_batch_size // micro_batch_size
-    return [w for w in range(1, min(n, limit) + 1) if n % w == 0]
+    """Every world size that keeps the global batch: 1 to one sequence per worker (uneven sizes take uneven slices)."""
+    return list(range(1, min(global_batch_size, limit) + 1)) if micro_batch_size >= 1 else []
 
 
 def _is_int(v: Any) -> bool:

@@ -22,7 +22,6 @@ from .config import (
     TrainConfig,
     check_fits,
     field_kinds,
-    valid_world_sizes,
 )
 from .errors import UsageError
 
@@ -219,12 +218,12 @@ class StepPlan:
 
 
 def check_world_sizes(train_cfg: TrainConfig, world_sizes: Iterable[int], where: str = "") -> None:
-    valid = valid_world_sizes(train_cfg.global_batch_size, train_cfg.micro_batch_size)
-    bad = [w for w in world_sizes if w not in valid]
+    """Any world size from 1 to global_batch_size keeps the global batch (uneven sizes take uneven slices)."""
+    bad = [w for w in world_sizes if not 1 <= w <= train_cfg.global_batch_size]
     if bad:
         raise UsageError(f"{where}world size(s) {', '.join(map(str, bad))} cannot keep global_batch_size "
-                         f"{train_cfg.global_batch_size} with micro_batch_size {train_cfg.micro_batch_size}; "
-                         f"valid world sizes: {', '.join(map(str, valid)) or 'none'}")
+                         f"{train_cfg.global_batch_size}: every worker needs at least one sequence; valid world "
+                         f"sizes: 1-{train_cfg.global_batch_size}")
 
 
 def plan_steps(train_cfg: TrainConfig, num_sequences: int, world_sizes: Iterable[int] = (1,), where: str = "") -> StepPlan:

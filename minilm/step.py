@@ -1,8 +1,9 @@
 """One optimizer step per worker, exactly as MiniMind's training loop lists it.
 
-    for each of accumulation_steps micro-batches:
-        autocast forward -> loss = (lm_loss + aux_loss) / accumulation_steps -> scaled backward
-        (inside DDP no_sync() on every micro-step but the last: one all-reduce per optimizer step)
+    for each of this rank's micro-batches (its slice of the global batch: minilm.data.rank_micro_batches):
+        autocast forward -> loss = (lm_loss + aux_loss) x (its share of the global batch) x W -> scaled backward
+        (inside DDP no_sync() on every micro-step but the rank's last: one all-reduce per optimizer step,
+        whose mean over the W ranks is then the gradient of the global batch's mean loss)
     at the boundary: unscale_ -> clip_grad_norm_ -> step (skipped if the norm is not finite)
                      -> scaler.update -> zero_grad(set_to_none=True)
 
@@ -18,6 +19,7 @@ import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 
 import torch
 
@@ -170,7 +172,7 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 class StepMetrics:
     """What one optimizer step measured on this worker (tensors stay on device until logged)."""
 
-    loss: torch.Tensor  # mean over the accumulation window of lm_loss + aux_loss
+    loss: torch.Tensor  # this rank's mean over its micro-batches (token-weighted) of lm_loss + aux_loss
     lm_loss: torch.Tensor
     aux_loss: torch.Tensor
     grad_norm: torch.Tensor  # before clipping, in unscaled units
@@ -178,34 +180,39 @@ class StepMetrics:
     skipped: torch.Tensor  # bool: the optimizer step was skipped (non-finite gradient norm)
     sequences: int
     tokens: int
+    share: float = 1.0  # this rank's share of the global batch: the weight of its means in the mean over ranks
 
 
 def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
                    micro_batches: Sequence[torch.Tensor], *, lr: float, grad_clip: float,
-                   dtype: torch.dtype = torch.float32) -> StepMetrics:
+                   dtype: torch.dtype = torch.float32, shares: Sequence[float] | None = None,
+                   world_size: int = 1) -> StepMetrics:
     """Run len(micro_batches) micro-steps and one optimizer step.
 
-    Each micro-batch is a (micro_batch_size, seq_len + 1) tensor of token ids already on the
-    model's device: row[:, :-1] is fed and row[:, 1:] scored (two views, seq_len positions each).
+    Each micro-batch is a (rows, seq_len + 1) tensor of token ids already on the model's device:
+    row[:, :-1] is fed and row[:, 1:] scored (two views, seq_len positions each). `shares`: each
+    micro-batch's share of the global batch, exact (minilm.data.rank_micro_batches' Fractions; default: its
+    share of these rows, one process); `world_size`: the ranks whose gradients DDP averages.
     """
-    accumulation_steps = len(micro_batches)
+    rows = [mb.shape[0] for mb in micro_batches]
+    shares = list(shares) if shares is not None else [Fraction(n, sum(rows)) for n in rows]
     device_type = micro_batches[0].device.type
     set_lr(optimizer, lr)
     lm_sum = torch.zeros((), device=micro_batches[0].device)
     aux_sum = torch.zeros((), device=micro_batches[0].device)
-    for i, input_ids in enumerate(micro_batches):
-        last = i == accumulation_steps - 1
+    for i, (input_ids, share) in enumerate(zip(micro_batches, shares, strict=True)):
+        last = i == len(micro_batches) - 1
         # DDP all-reduces gradients in backward; skip that on all micro-steps but the last.
         sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
         with sync:
             with autocast(device_type, dtype):
                 out = model(input_ids[:, :-1], targets=input_ids[:, 1:])
-            # Divide before backward so the accumulated gradient is the mean over the window,
-            # the same gradient one big batch would give.
-            loss = (out.loss + out.aux_loss) / accumulation_steps
+            # Weight before backward, x W since DDP divides the sum over ranks by W: the all-reduced gradient is the
+            # mean loss's over the global batch. An exact divisor: 1/accumulation bit for bit where slices are even.
+            loss = (out.loss + out.aux_loss) / float(1 / (Fraction(share) * world_size))
             scaler.scale(loss).backward()
-        lm_sum += out.loss.detach().float()
-        aux_sum += out.aux_loss.detach().float()
+        lm_sum += out.loss.detach().float() * input_ids.shape[0]
+        aux_sum += out.aux_loss.detach().float() * input_ids.shape[0]
 
     # Gradients are scaled (fp16); bring them to true units before clipping against grad_clip.
     scaler.unscale_(optimizer)
@@ -219,11 +226,10 @@ def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sca
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
 
-    m = micro_batches[0]
-    lm_loss, aux_loss = lm_sum / accumulation_steps, aux_sum / accumulation_steps
+    lm_loss, aux_loss = lm_sum / sum(rows), aux_sum / sum(rows)
     return StepMetrics(loss=lm_loss + aux_loss, lm_loss=lm_loss, aux_loss=aux_loss, grad_norm=grad_norm.detach(),
-                       lr=lr, skipped=skipped, sequences=m.shape[0] * accumulation_steps,
-                       tokens=m.shape[0] * (m.shape[1] - 1) * accumulation_steps)
+                       lr=lr, skipped=skipped, sequences=sum(rows),
+                       tokens=sum(rows) * (micro_batches[0].shape[1] - 1), share=float(sum(shares)))
 
 
 def step_unless_nonfinite(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:

@@ -99,7 +99,9 @@ class Trainer:
         train_cfg.dtype = resolve_dtype_name(train_cfg.dtype, self.device)  # the entry point resolved "auto" already
         self.dtype = TORCH_DTYPES[train_cfg.dtype]
         self.accumulation = accumulation_steps(train_cfg.global_batch_size, train_cfg.micro_batch_size,
-                                               self.world_size)
+                                               self.world_size)  # rank 0's micro-batches, the most of any rank
+        self.shares = [w for *_, w in D.rank_micro_batches(train_cfg.global_batch_size, train_cfg.micro_batch_size,
+                                                           self.world_size, self.rank)]
         val_ids = D.split_ids(data.num_sequences, train_cfg.val_samples)[1]
         self.val_ids = val_ids[self.rank::self.world_size] if len(val_ids) else None
         steps = steps or plan_steps(train_cfg, data.num_sequences, [self.world_size])  # the entry point's, if given
@@ -141,11 +143,11 @@ class Trainer:
             pos = D.DataPosition.at(self.step, self.steps_per_epoch, cfg.global_batch_size)
             self.log_line(f"resumed run {self.run.name} at optimizer step {self.step} (epoch {pos.epoch}, "
                           f"{pos.samples_seen} samples): world size {resumed['world_size']} -> {self.world_size}, "
-                          f"accumulation {resumed['accumulation_steps']} -> {self.accumulation}")
+                          f"accumulation {resumed['accumulation_steps']} -> {self.accumulation}{self.uneven()}")
         else:
             self.log_line(f"starting run {self.run.name} fresh: {self.total_steps} optimizer steps of "
                           f"{cfg.global_batch_size} sequences, world size {self.world_size} x accumulation "
-                          f"{self.accumulation} x micro-batch {cfg.micro_batch_size}, dtype "
+                          f"{self.accumulation} x micro-batch {cfg.micro_batch_size}{self.uneven()}, dtype "
                           f"{str(self.dtype).removeprefix('torch.')}, {self.raw_model.num_params() / 1e6:.2f}M "
                           f"parameters ({self.raw_model.num_params(active=True) / 1e6:.2f}M active)"
                           + (f", {torch.get_num_threads()} CPU thread(s) per worker" if self.device.type == "cpu"
@@ -218,10 +220,11 @@ class Trainer:
                 lr = get_lr(self.step, self.total_steps, cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio,
                             cfg.schedule, cfg.decay_fraction)
                 m = self.optimizer_step(self.model, self.optimizer, self.scaler, micro_batches, lr=lr,
-                                        grad_clip=cfg.grad_clip, dtype=self.dtype)
+                                        grad_clip=cfg.grad_clip, dtype=self.dtype, shares=self.shares,
+                                        world_size=self.world_size)
                 self.step += 1
                 self.guard.update(m, self.step, self.scaler.is_enabled())
-                self.meter.add(m.tokens * self.world_size)
+                self.meter.add(cfg.global_batch_size * cfg.seq_len)
                 decision = policy.after_step(self.step)
                 if decision.log:
                     metrics = self.log(m, lr, decision.evaluate)
@@ -305,9 +308,10 @@ class Trainer:
         self.checkpoints.report(self.step, {**self.history[-1], **(self.eval_inbox.latest if self.eval_inbox else {})})
 
     def step_metrics(self, m, lr: float) -> dict:
-        """This log step's metrics: the window's losses averaged over ranks, the position, the interval's rates."""
+        """This log step's metrics: the window's losses averaged over ranks (each weighted by its slice), the
+        position, the interval's rates."""
         cfg, step, spe = self.train_cfg, self.step, self.steps_per_epoch
-        losses = self.collectives.mean(torch.stack([m.loss, m.lm_loss, m.aux_loss]).float()).tolist()
+        losses = self.collectives.sum(torch.stack([m.loss, m.lm_loss, m.aux_loss]).float() * m.share).tolist()
         samples_seen = D.DataPosition.at(step, spe, cfg.global_batch_size).samples_seen
         metrics = {
             "loss": losses[0], "lm_loss": losses[1], "aux_loss": losses[2], "lr": lr, "grad_norm": float(m.grad_norm),
@@ -378,6 +382,11 @@ class Trainer:
             return False
 
     # ---- small helpers ------------------------------------------------------------------------
+
+    def uneven(self) -> str:
+        """The start line's note when the world size does not divide the global batch."""
+        g, w = self.train_cfg.global_batch_size, self.world_size
+        return f" (uneven: each rank takes {-(-g // w)} or {g // w} of the {g} sequences)" if g % w else ""
 
     def record(self, event: str) -> None:
         if self.timeline:

@@ -74,6 +74,9 @@ def parse_eval_resources(spec) -> dict[str, float]:  # --eval-resources 'CPU=2',
     return parse_resource_list(spec, "--eval-resources", "CPU=2 or CPU=1,GPU=1")
 
 
+ELASTIC_MAX_FAILURES = 10  # --max-failures' default for a MIN-MAX range: a lost node is a failure, a growth is not
+
+
 @dataclass
 class RayOptions(RunOptions):
     """ray_jobs.pretrain's own flags (a Ray cluster's), and what its driver fills in for the workers."""
@@ -94,7 +97,10 @@ class RayOptions(RunOptions):
         {}, "custom Ray resources each worker also needs, e.g. spot_slot=1 (one worker per node that offers one)",
         convert=parse_resources, metavar="NAME=N[,NAME=N]")
     storage_path: str = option("./runs", "the folder of run folders: a local path or pyarrow URI (s3://, gs://)")
-    max_failures: int = option(0, "worker-group restarts Ray Train may do", minimum=0)
+    max_failures: int | None = option(
+        help=f"worker-group restarts Ray Train may do (each lost node is one); default: 0 for a fixed number of workers, "
+             f"{ELASTIC_MAX_FAILURES} for a MIN-MAX range (it resizes after up to {ELASTIC_MAX_FAILURES} failures)",
+        minimum=0)
     elastic_check_seconds: float = option(60.0, "how often Ray checks to resize an elastic run", minimum=0)
     num_cpus: int | None = option(help="logical CPUs of a local Ray (default max(8, 2 x cores))", minimum=1)
     eval_tasks: str | None = option(help="a task list (docs/evaluation.md): every new checkpoint is scored on it by "
@@ -111,6 +117,14 @@ class RayOptions(RunOptions):
     @property
     def workers(self) -> tuple[int, int]:
         return parse_num_workers(self.num_workers)
+
+    @property
+    def failures(self) -> int:
+        """--max-failures, or its default: an elastic range may resize, a fixed size ends at its first failure."""
+        if self.max_failures is not None:
+            return self.max_failures
+        low, high = self.workers
+        return ELASTIC_MAX_FAILURES if low < high else 0
 
 
 redact_uri = redact  # the old name: minilm.safety.redact is the one redaction

@@ -357,7 +357,7 @@ def make_trainer(config: dict, opts: RayOptions, callbacks=None):
                             resources_per_worker={"CPU": opts.cpus_per_worker, **opts.resources_per_worker},
                             elastic_resize_monitor_interval_s=opts.elastic_check_seconds)
     run_config = RunConfig(name=opts.name, storage_path=opts.storage_path,
-                           failure_config=FailureConfig(max_failures=opts.max_failures),
+                           failure_config=FailureConfig(max_failures=opts.failures),
                            checkpoint_config=CheckpointConfig(num_to_keep=None),  # minilm prunes (C.RunFolder.prune)
                            logging_config=LoggingConfig(log_level="WARNING"),  # our log line, not Ray's per report
                            callbacks=callbacks,

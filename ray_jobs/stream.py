@@ -68,7 +68,6 @@ class RankStream:
 
         self.data_dir, self.order, self.m, self.device = str(data_dir), order, micro_batch_size, torch.device(device)
         self.num_steps = max(0, total_steps - order.start_step)
-        self.accumulation_steps = order.per_rank // micro_batch_size
         self.prefetch_batches = prefetch_batches
         self._batches = None
         self.data_wait_s = 0.0
@@ -80,17 +79,18 @@ class RankStream:
     def _start(self):
         ds = rank_dataset(self.order, self.num_steps * self.order.per_rank, self.data_dir, self.m,
                           node_id=ray.get_runtime_context().get_node_id())
-        # Numpy batches: the sample ids stay on the host, the rows are copied to the device here.
-        return iter(ds.iter_batches(batch_size=self.m, prefetch_batches=self.prefetch_batches, batch_format="numpy",
+        # One batch per optimizer step, numpy: the sample ids stay on the host, the rows are copied to the device here.
+        return iter(ds.iter_batches(batch_size=self.order.per_rank, prefetch_batches=self.prefetch_batches, batch_format="numpy",
                                     drop_last=False))
 
     def next_step(self) -> tuple[list[torch.Tensor], np.ndarray]:
         t0 = time.perf_counter()
         if self._batches is None:
             self._batches = self._start()
-        batches = [next(self._batches) for _ in range(self.accumulation_steps)]
+        batch = next(self._batches)
         self.data_wait_s += time.perf_counter() - t0
-        return [self._to_device(b["input_ids"]) for b in batches], np.concatenate([b["sample_id"] for b in batches])
+        rows = batch["input_ids"]
+        return [self._to_device(rows[i:i + self.m]) for i in range(0, len(rows), self.m)], batch["sample_id"]
 
     def _to_device(self, rows: np.ndarray) -> torch.Tensor:
         import torch

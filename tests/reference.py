@@ -7,13 +7,13 @@ minilm's optimisation code (`minilm.step`, `minilm.schedule` are not imported; t
 shared). It
 
 * checks the recorded ids against the order contract written out here (epoch e's seeded permutation,
-  step s takes positions [s*G, (s+1)*G), rank r the r-th G/W slice), for the attempt of each step that
+  step s takes positions [s*G, (s+1)*G), rank r the r-th contiguous slice), for the attempt of each step that
   counted;
 * seeds a model as every rank does (`torch.manual_seed(seed)`), builds `torch.optim.AdamW` with the
   parameter groups written out here (decay on matrices only), and for each step 0..T-1 runs MiniMind's
   loop as the seed lists it: lr from the formula written here, then for every micro-batch of every
   rank (the dropout RNG seeded per step and rank, as the run promises) an autocast forward,
-  `(loss + aux_loss) / accumulation steps`, backward; then unscale, clip, step (skipped when the
+  `(loss + aux_loss) x rows / G`, backward; then unscale, clip, step (skipped when the
   gradient norm is not finite), scaler update, zero grad;
 * returns the final fp32 weights and the loss, lr and gradient norm of every step, to compare with the
   run's checkpoint and with each record of its metrics.jsonl (`check_run`).
@@ -163,7 +163,8 @@ def replay(model_cfg: ModelConfig, train_cfg: TrainConfig, data_dir: Path, recor
                                     train_cfg.schedule, train_cfg.decay_fraction)
         for group in optimizer.param_groups:
             group["lr"] = lr[step + 1] * group.get("lr_ratio", 1.0)
-        accumulation = G // m  # every micro-batch of every rank in one process: the gradient is their mean
+        # every micro-batch of every rank in one process, each weighted by its share of the G sequences (G // m of
+        # them, all of m rows, where W divides the batch evenly): the gradient of the global batch's mean loss
         lm_sum, aux_sum = torch.zeros(()), torch.zeros(())
         nan = model.lm_head.weight.register_hook(lambda g: g * float("nan")) if step + 1 in nan_at_steps else None
         for rank, r_ids in enumerate(rank_ids):
@@ -172,9 +173,9 @@ def replay(model_cfg: ModelConfig, train_cfg: TrainConfig, data_dir: Path, recor
             for input_ids in batch.split(m):
                 with autocast(dtype):
                     out = model(input_ids[:, :-1], targets=input_ids[:, 1:])  # seq_len positions, as minilm feeds them
-                scaler.scale((out.loss + out.aux_loss) / accumulation).backward()
-                lm_sum += out.loss.detach().float()
-                aux_sum += out.aux_loss.detach().float()
+                scaler.scale((out.loss + out.aux_loss) / (G / len(input_ids))).backward()
+                lm_sum += out.loss.detach().float() * len(input_ids)
+                aux_sum += out.aux_loss.detach().float() * len(input_ids)
         if nan is not None:
             nan.remove()
         scaler.unscale_(optimizer)
@@ -185,7 +186,7 @@ def replay(model_cfg: ModelConfig, train_cfg: TrainConfig, data_dir: Path, recor
             optimizer.step()
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
-        loss[step + 1] = float(lm_sum / accumulation + aux_sum / accumulation)
+        loss[step + 1] = float(lm_sum / G + aux_sum / G)
         grad_norm[step + 1] = float(norm)
     return Replay({k: v.detach().clone() for k, v in model.state_dict().items()}, loss, lr, grad_norm,
                   scaler.state_dict() if scaler.is_enabled() else None)

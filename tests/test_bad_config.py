@@ -95,14 +95,13 @@ TINY = ["--seq-len", "32", "--vocab-size", "256", "--hidden-size", "64", "--num-
 CASES = [
     ("pretrain", ["--lr", "-1"], "lr must be a positive number"),
     ("pretrain", ["--warmup-steps", "150"], "warmup_steps (150) must be smaller than the total optimizer steps (100)"),
-    ("pretrain", ["--num-workers", "3"], "valid world sizes: 1, 2, 4"),
+    ("pretrain", ["--num-workers", "33"], "valid world sizes: 1-32"),  # every worker needs a sequence
     ("pretrain", ["--num-workers", "0"], "need 1 <= MIN <= MAX"),
     ("pretrain", ["--num-workers", "4-2"], "need 1 <= MIN <= MAX"),
     ("pretrain", ["--num-workers", "two"], "expected N or MIN-MAX"),
-    ("pretrain", ["--num-workers", "1-3"], "world size(s) 3 cannot keep global_batch_size 32"),
+    ("pretrain", ["--num-workers", "30-33"], "world size(s) 33 cannot keep global_batch_size 32"),
     ("pretrain", ["--hidden-size", "100"], "num_attention_heads (8) must divide hidden_size (100)"),
     ("pretrain", ["--num-key-value-heads", "3"], "num_key_value_heads (3) must divide num_attention_heads (8)"),
-    ("pretrain", ["--global-batch-size", "30"], "global_batch_size (30) must be a multiple of micro_batch_size (8)"),
     ("pretrain", ["--min-lr-ratio", "2"], "min_lr_ratio must be in [0, 1]"),
     ("pretrain", ["--betas", "0.9", "1.5"], "betas must be two numbers in [0, 1)"),
     ("pretrain", ["--max-steps", "0"], "max_steps must be an integer >= 1"),
@@ -166,8 +165,7 @@ CASES = [
     *[("train", ["--random-tokens", "2000", "--max-steps", "2", *SMALL_FLAGS, *args],  # the last flag wins
        f"error: invalid configuration:\n  - {message}") for args, message in [
         (["--lr", "-1"], "lr must be a positive number, got -1.0"),
-        (["--global-batch-size", "10", "--micro-batch-size", "4"],
-         "global_batch_size (10) must be a multiple of micro_batch_size (4)"),
+        (["--global-batch-size", "0", "--micro-batch-size", "4"], "global_batch_size must be an integer >= 1, got 0"),
         (["--betas", "0.9", "1.5"], "betas must be two numbers in [0, 1), got (0.9, 1.5)"),
         (["--hidden-size", "60"], "num_attention_heads (8) must divide hidden_size (60)"),
         (["--warmup-steps", "2"], "warmup_steps (2) must be smaller than the total optimizer steps (2)")]],

@@ -72,8 +72,7 @@ TRAIN_CASES = [
     ({"log_every": 0}, "log_every must be an integer >= 1"),
     ({"checkpoint_every": 0}, "checkpoint_every must be an integer >= 1"),
     ({"max_nonfinite_steps": 0}, "max_nonfinite_steps must be an integer >= 1"),
-    ({"global_batch_size": 60, "micro_batch_size": 16},
-     "global_batch_size (60) must be a multiple of micro_batch_size (16)"),
+    ({"global_batch_size": 0, "micro_batch_size": 16}, "global_batch_size must be an integer >= 1, got 0"),
     ({"grad_clip": 0.0}, "grad_clip must be > 0"),
     ({"dtype": "fp8"}, "dtype must be one of auto, bf16, fp16, fp32, got 'fp8'"),
     ({"weight_decay": -0.1}, "weight_decay must be >= 0"),
@@ -113,26 +112,30 @@ def test_warmup_checked_against_total_steps_argument():
         cfg.validate(total_steps=50)
 
 
-def test_world_size_not_dividing_lists_valid_world_sizes():
-    # 64 sequences per step, micro-batch 4 -> 16 micro-batches per step: world sizes 1, 2, 4, 8, 16.
+def test_world_size_not_dividing_takes_uneven_slices():
+    # 64 sequences per step, micro-batch 4: any world size 1..64 keeps them (uneven sizes take uneven slices)
     cfg = TrainConfig(global_batch_size=64, micro_batch_size=4)
     cfg.validate(world_size=8)
+    cfg.validate(world_size=3)
     with pytest.raises(ConfigError) as ei:
-        cfg.validate(world_size=3)
+        cfg.validate(world_size=65)
     (problem,) = ei.value.problems
-    assert "world size 3" in problem
-    assert "world sizes that keep it: 1, 2, 4, 8, 16" in problem
+    assert "world size 65" in problem
+    assert "world sizes that keep it: 1-64" in problem
+    # micro_batch_size need not divide the global batch: a smaller last micro-batch
+    assert TrainConfig(global_batch_size=30, micro_batch_size=8).validate(world_size=4).problems(world_size=4) == []
 
 
 def test_accumulation_steps_and_valid_world_sizes():
     assert accumulation_steps(64, 4, 1) == 16
     assert accumulation_steps(64, 4, 8) == 2
     assert accumulation_steps(64, 4, 16) == 1
-    assert valid_world_sizes(64, 16) == [1, 2, 4]
-    assert valid_world_sizes(48, 8) == [1, 2, 3, 6]
-    assert valid_world_sizes(60, 16) == []
-    with pytest.raises(ConfigError, match="world sizes that keep it: 1, 2, 4$"):
-        accumulation_steps(64, 16, 3)
+    assert accumulation_steps(64, 16, 3) == 2  # rank 0: 22 sequences, micro-batches of 16 and 6
+    assert accumulation_steps(30, 8, 1) == 4
+    assert valid_world_sizes(64, 16) == list(range(1, 65))
+    assert valid_world_sizes(60, 16) == list(range(1, 61))
+    with pytest.raises(ConfigError, match="world sizes that keep it: 1-64$"):
+        accumulation_steps(64, 16, 65)
     with pytest.raises(ConfigError, match="world size 0"):
         accumulation_steps(64, 16, 0)
 

@@ -17,7 +17,7 @@ from minilm.options import RunOptions, build_configs, plan_steps
 from minilm.step import DTYPE_NAMES, TORCH_DTYPES, resolve_dtype_name
 from minilm.train import LocalOptions
 from minilm.train import build_parser as train_parser
-from ray_jobs.cli import RayOptions
+from ray_jobs.cli import ELASTIC_MAX_FAILURES, RayOptions
 from ray_jobs.pretrain import build_parser as pretrain_parser
 
 # The run flags users type today: a rename or a lost flag is a broken command line.
@@ -63,7 +63,10 @@ def test_flags_win_over_yaml_and_values_arrive_typed():
     configs = build_configs(args, yaml_values, RayOptions)
     run = configs.run
     assert (run.keep_checkpoints, run.cpus_per_worker, run.resources_per_worker) == (7, 2.5, {"slot": 1.0})
-    assert (run.workers, configs.train.val_samples, run.storage_path, run.max_failures) == ((2, 4), 8, "./runs", 0)
+    assert (run.workers, configs.train.val_samples, run.storage_path, run.max_failures) == ((2, 4), 8, "./runs", None)
+    assert run.failures == ELASTIC_MAX_FAILURES > 0  # a range resizes by default; a fixed size does not:
+    assert build_configs(pretrain_parser().parse_args(["--num-workers", "3"]), {}, RayOptions).run.failures == 0
+    assert build_configs(pretrain_parser().parse_args(["--max-failures", "2"]), yaml_values, RayOptions).run.failures == 2
     assert build_configs(pretrain_parser().parse_args(["--resources-per-worker", "a=1,b=2"]), {},
                          RayOptions).run.resources_per_worker == {"a": 1.0, "b": 2.0}
     assert build_configs(pretrain_parser().parse_args([]), {"use_gpu": True}, RayOptions).run.use_gpu == "true"
@@ -122,7 +125,7 @@ def test_a_null_or_empty_value_of_an_option_that_needs_one_is_one_line_naming_it
 
 
 def test_plan_steps_matches_the_arithmetic_on_a_grid():
-    grid = itertools.product(range(1, 14), (0, 1, 3), (2, 4, 6), (1, 2), (None, 1, 5), (1, 3), (0, 2), (1, 2, 3))
+    grid = itertools.product(range(1, 14), (0, 1, 3), (2, 4, 6), (1, 2), (None, 1, 5), (1, 3), (0, 2), (1, 2, 3, 5))
     checked = 0
     for n, val, g, m, max_steps, epochs, warmup, world in grid:
         if val >= n:
@@ -131,7 +134,7 @@ def test_plan_steps_matches_the_arithmetic_on_a_grid():
                           warmup_steps=warmup)
         per_epoch = (n - val) // g
         total = max_steps if max_steps is not None else per_epoch * epochs
-        if g % (m * world):
+        if world > g:  # any world size up to one sequence per worker keeps the global batch
             expected = UsageError
         elif per_epoch == 0:
             expected = D.DataError
@@ -151,8 +154,9 @@ def test_plan_steps_names_what_does_not_fit():
     cfg = TrainConfig(global_batch_size=8, micro_batch_size=2)
     with pytest.raises(D.DataError, match="^data/x: 7 training sequences do not fill one global batch of 8$"):
         plan_steps(dataclasses.replace(cfg, val_samples=3), 10, where="data/x: ")
-    with pytest.raises(UsageError, match="world size[(]s[)] 3 cannot keep .* valid world sizes: 1, 2, 4$"):
-        plan_steps(cfg, 100, (2, 3))
+    assert plan_steps(cfg, 100, (2, 3, 8)).steps_per_epoch == 12  # uneven sizes take uneven slices
+    with pytest.raises(UsageError, match="world size[(]s[)] 9 cannot keep .* valid world sizes: 1-8$"):
+        plan_steps(cfg, 100, (2, 9))
     with pytest.raises(ConfigError, match=r"warmup_steps \(3\) must be smaller than the total optimizer steps \(3\)"):
         plan_steps(dataclasses.replace(cfg, warmup_steps=3, epochs=1), 24)
 

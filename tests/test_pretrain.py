@@ -104,9 +104,9 @@ def check_one_tracker_run_each(run_dir, world_sizes) -> None:
 
 
 def test_world_size_that_breaks_the_global_batch_is_refused(ray_address, run_data, run_storage):
-    proc = pretrain(ray_address, tiny_args(run_data, run_storage, "badws", "--num-workers", "3"), check=False)
-    assert proc.returncode == 2
-    assert "valid world sizes: 1, 2, 4" in proc.stderr and "Traceback" not in proc.stderr
+    proc = pretrain(ray_address, tiny_args(run_data, run_storage, "badws", "--num-workers", "17"), check=False)
+    assert proc.returncode == 2  # 16 sequences a step: a 17th worker would have none
+    assert "valid world sizes: 1-16" in proc.stderr and "Traceback" not in proc.stderr
 
 
 @pytest.mark.slow  # ~13 s

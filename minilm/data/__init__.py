@@ -29,6 +29,7 @@ from .order import (
     RankOrder,
     check_val_samples,
     epoch_order,
+    rank_micro_batches,
     split_ids,
     steps_per_epoch,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "COPY_CHUNK", "FORMAT", "MANIFEST", "MAX_OPEN_SHARDS", "TOKENIZER_FILE", "TOKEN_DTYPES", "VAL_SEED",
     "DataError", "DataPosition", "LocalRankStream", "PreparedData", "RankOrder", "RowsInMemory", "SequenceStore",
     "_copy_verified", "cache_root", "check_compatible", "check_manifest", "check_val_samples", "epoch_order",
-    "file_sha256", "is_remote", "materialise", "open_local", "open_prepared", "record_verified", "split_ids",
+    "file_sha256", "is_remote", "materialise", "open_local", "open_prepared", "rank_micro_batches", "record_verified",
+    "split_ids",
     "steps_per_epoch", "token_dtype_for", "verify_hashes",
 ]

@@ -7,8 +7,8 @@ instead of iterator state:
 * `epoch_order(train_ids, seed, epoch)`: a seeded permutation of the training sample ids;
 * optimizer step s of an epoch consumes positions [s*G, (s+1)*G) of that order (G = global batch),
   whatever the world size;
-* worker r of W takes the r-th contiguous G/W slice of each global batch and reads it as
-  accumulation_steps micro-batches (`RankOrder`, the one place this arithmetic lives).
+* worker r of W takes the r-th contiguous slice of each global batch, floor or ceil(G/W) ids, and reads it
+  in micro-batches of at most m (`rank_micro_batches`, the one place this arithmetic lives; `RankOrder`).
 
 So the only position to save is the optimizer step (samples_seen = step * G), and a resumed run at
 any world size consumes exactly the samples the uninterrupted run would have, step by step.
@@ -17,6 +17,7 @@ any world size consumes exactly the samples the uninterrupted run would have, st
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fractions import Fraction
 
 import numpy as np
 
@@ -52,6 +53,24 @@ def steps_per_epoch(num_train: int, global_batch_size: int) -> int:
     return num_train // global_batch_size
 
 
+def rank_micro_batches(global_batch_size: int, micro_batch_size: int, world_size: int,
+                       rank: int) -> list[tuple[int, int, Fraction]]:
+    """Rank `rank`'s micro-batches of a global batch at world size W: (start, stop, weight) each, positions in the batch.
+
+    The first G mod W ranks take ceil(G/W) sequences, the others floor(G/W), contiguous and in rank order; each
+    slice is read in micro-batches of at most m, the last one smaller. A micro-batch's weight is its share of the
+    global batch's scored tokens (every row scores seq_len targets: no padding, and a document mask hides no
+    target), exact, so the weights of all ranks sum to 1 and the all-reduced gradient is the global batch's mean loss's.
+    """
+    if not 1 <= world_size <= global_batch_size or not 0 <= rank < world_size or micro_batch_size < 1:
+        raise ValueError(f"no rank {rank} of world size {world_size} for a global batch of {global_batch_size}")
+    base, extra = divmod(global_batch_size, world_size)
+    start = rank * base + min(rank, extra)
+    stop = start + base + (rank < extra)
+    return [(a, min(a + micro_batch_size, stop), Fraction(min(a + micro_batch_size, stop) - a, global_batch_size))
+            for a in range(start, stop, micro_batch_size)]
+
+
 @dataclass
 class DataPosition:
     """Where the run is in its data, derived from the optimizer step alone."""
@@ -76,9 +95,9 @@ def compact_ids(ids: np.ndarray) -> np.ndarray:
 class RankOrder:
     """The sample id at each position of one rank's stream that starts at optimizer step `start_step`.
 
-    Position p belongs to optimizer step s = start_step + p // (G/W), as its k-th id, k = p % (G/W):
-    the id at index (s mod steps_per_epoch) * G + rank * G/W + k of epoch (s // steps_per_epoch)'s
-    order. Both streams (`ray_jobs.stream.RankStream`, `LocalRankStream`) read through it.
+    With n = `per_rank` (floor or ceil(G/W)) and a = the slice's start (`rank_micro_batches`), position p
+    belongs to optimizer step s = start_step + p // n, as its k-th id, k = p % n: the id at index
+    (s mod steps_per_epoch) * G + a + k of epoch (s // steps_per_epoch)'s order. Both streams (`ray_jobs.stream.RankStream`, `LocalRankStream`) read through it.
 
     `train_ids` may be None when `num_sequences` is given: they are then `split_ids(num_sequences,
     val_samples)[0]`, remade wherever the order is unpickled, so it travels to a reader as a few bytes.
@@ -108,17 +127,21 @@ class RankOrder:
         self.__dict__.update(state)
         self.__post_init__()
 
+    def micro_batches(self, micro_batch_size: int) -> list[tuple[int, int, Fraction]]:
+        return rank_micro_batches(self.global_batch_size, micro_batch_size, self.world_size, self.rank)
+
     @property
     def per_rank(self) -> int:
         """Sample ids this rank reads per optimizer step."""
-        return self.global_batch_size // self.world_size
+        start, stop, _ = self.micro_batches(self.global_batch_size)[0]  # the whole slice as one micro-batch
+        return stop - start
 
     def sample_ids(self, positions: np.ndarray) -> np.ndarray:
-        per_rank = self.per_rank
+        per_rank, first = self.per_rank, self.micro_batches(self.global_batch_size)[0][0]
         absolute = self.start_step * per_rank + np.asarray(positions, dtype=np.int64)
         step, k = absolute // per_rank, absolute % per_rank
         epoch, step_in_epoch = step // self.steps_per_epoch, step % self.steps_per_epoch
-        index = step_in_epoch * self.global_batch_size + self.rank * per_rank + k  # into the epoch's order
+        index = step_in_epoch * self.global_batch_size + first + k  # into the epoch's order
         out = np.empty(len(absolute), dtype=np.int64)
         for e in np.unique(epoch):
             selected = epoch == e
