@@ -31,7 +31,7 @@ from ..step import TORCH_DTYPES
 
 MARKER = "COMPLETE.json"
 RESUME_FILES = ("model.safetensors", "optimizer.pt", "scaler.pt", "state.json")
-EXPORT_KINDS = ("weights", "hf", "demo-tasks")  # a marker's "kind" that `write_export` may replace
+EXPORT_KINDS = ("weights", "hf", "gguf", "demo-tasks")  # a marker's "kind" that `write_export` may replace
 # state.json's format: a change an older reader would misread bumps it (and adds a fixture under tests/fixtures/).
 STATE_FORMAT = 1
 # What a resume reads from state.json (train_config must hold the seed).
@@ -316,7 +316,7 @@ def check_output(path: Path) -> bool:
     try:
         raw = (path / MARKER).read_bytes()
         kind = json.loads(raw).get("kind")
-        files = parse_marker(raw, path, weights=kind != "demo-tasks")
+        files = parse_marker(raw, path, weights=kind not in ("demo-tasks", "gguf"))
         # an export of an earlier minilm has no kind: weights beside a config, no resume state
         ours = (kind in EXPORT_KINDS or kind is None and "config.json" in files and "state.json" not in files) \
             and entries == {MARKER, *files}
