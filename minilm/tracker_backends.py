@@ -59,7 +59,7 @@ def tensorboard_dir(run_dir: str | os.PathLike | None) -> Path:
     """The folder TensorBoard's event files go to: the run folder, which must be local."""
     if run_dir is None:
         raise TrackerError("--tracker tensorboard writes event files into the run folder, which needs a local "
-                           "--storage-path (a path, not s3:// or gs://)")
+                           "--run-dir (a path, not s3:// or gs://)")
     return Path(run_dir)
 
 
@@ -71,7 +71,7 @@ def mlflow_tracking_uri(options: Mapping[str, Any], run_dir: str | os.PathLike |
     uri = options.get("mlflow_uri")
     if not uri:
         if run_dir is None:
-            raise TrackerError("--tracker mlflow with a remote --storage-path needs --mlflow-uri (the default "
+            raise TrackerError("--tracker mlflow with a remote --run-dir needs --mlflow-uri (the default "
                                "store is a SQLite file in the local run folder)")
         return "sqlite:///" + str(Path(run_dir).expanduser().resolve() / "mlflow.db")
     uri = str(uri)

@@ -367,7 +367,7 @@ def test_checks_that_need_the_run_folder_or_a_key(monkeypatch, tmp_path):
     pytest.importorskip("tensorboardX")
     for check in (lambda: T.check_trackers(["tensorboard"], run_dir=None),  # in the driver, and in the worker
                   lambda: T.open_trackers(["tensorboard"], run_dir=None, run_name="r")):
-        with pytest.raises(T.TrackerError, match="needs a local --storage-path"):
+        with pytest.raises(T.TrackerError, match="needs a local --run-dir"):
             check()
     if pytest.importorskip("mlflow"):
         with pytest.raises(T.TrackerError, match="needs --mlflow-uri"):
