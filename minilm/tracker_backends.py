@@ -182,6 +182,9 @@ class MLflow(Backend):
         from mlflow.tracking import MlflowClient
 
         self.uri = uri
+        if uri.startswith(("http://", "https://")):  # a server that goes away costs a step one short try, not minutes
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
         try:
             with warnings.catch_warnings():  # SQLAlchemy deprecation notes from MLflow's store: not ours
                 warnings.simplefilter("ignore", DeprecationWarning)

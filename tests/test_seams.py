@@ -93,3 +93,111 @@ def test_messages_and_cluster_manifests_name_run_dir_not_the_old_flags():
     for name in files:
         text = (root / name).read_text()
         assert "--storage-path" not in text and "another --name" not in text and "--name minilm" not in text, name
+
+
+# ---- class 9: a tracker that goes away, or never answers ---------------------------------------------------
+
+class Flaky:
+    """A tracker backend that raises while `down` (the server gone), and records what reaches it."""
+
+    kind, high_water, new_run = "mlflow", -1, True
+
+    def __init__(self):
+        self.down, self.points, self.tries = False, [], 0
+
+    def write(self, scalars, step):
+        self.tries += 1
+        if self.down:
+            raise ConnectionError("Connection refused")
+        self.points.append(step)
+
+    write_eval = write
+
+    def state(self):
+        return {"run_id": "r1"}
+
+    def close(self, outcome):
+        pass
+
+
+def test_a_tracker_that_goes_away_mid_run_is_tried_once_a_minute_and_caught_up_or_its_gap_said(monkeypatch):
+    from minilm import trackers as T
+
+    clock = [1000.0]
+    monkeypatch.setattr(T.time, "monotonic", lambda: clock[0])
+    said, backend = [], Flaky()
+    trackers = T.Trackers([backend], say=said.append)
+    trackers.log({"loss": 1.0}, 1)
+    backend.down = True
+    for step in range(2, 40):  # every step of a minute: one try, one warning, training goes on
+        trackers.log({"loss": 1.0}, step)
+    trackers.log_eval({"eval/held/bpb": 2.0}, 8)
+    assert backend.tries == 2 and len(said) == 1 and said[0].startswith("warning: mlflow could not log step 2: "
+                                                                        "ConnectionError: Connection refused")
+    clock[0] += T.RETRY_S  # tried again, still down: no new line
+    trackers.log({"loss": 1.0}, 40)
+    assert backend.tries == 3 and len(said) == 1
+    backend.down, clock[0] = False, clock[0] + T.RETRY_S  # it is back: caught up in order, the score at its step
+    trackers.log({"loss": 1.0}, 41)
+    assert backend.points == list(range(1, 40)) + [8, 40, 41] and backend.high_water == 41
+    assert said[1] == "note: mlflow answers again: caught up what it missed"
+    # away again, past the backlog: the gap is said when it returns
+    monkeypatch.setattr(T, "BACKLOG", 5)
+    backend.down = True
+    for step in range(42, 52):
+        trackers.log({"loss": 1.0}, step)
+    backend.down, clock[0] = False, clock[0] + T.RETRY_S
+    trackers.log({"loss": 1.0}, 52)
+    assert backend.points[-5:] == [48, 49, 50, 51, 52]
+    assert said[-1] == ("note: mlflow answers again: caught up what it missed; 6 write(s) of steps 42-47 are not in "
+                        "it (metrics.jsonl has them)")
+    backend.down = True  # still away at the end: tried once more, and the gap said
+    trackers.log({"loss": 1.0}, 53)
+    trackers.close()
+    assert said[-1] == "note: mlflow is still away at the end: 1 write(s) of steps 53-53 are not in it (metrics.jsonl " \
+                       "has them)"
+
+
+def test_an_mlflow_server_that_accepts_and_never_answers_is_refused_in_seconds():
+    import socket
+    import time
+
+    from minilm import trackers as T
+
+    with socket.create_server(("127.0.0.1", 0)) as server:  # the kernel accepts; nobody ever answers
+        port, t0 = server.getsockname()[1], time.monotonic()
+        try:
+            T.check_trackers(["mlflow"], {"mlflow_uri": f"http://u:pw@127.0.0.1:{port}"}, run_dir=None)
+            raise AssertionError("not refused")
+        except T.TrackerError as e:
+            assert str(e).startswith(f"--mlflow-uri http://***@127.0.0.1:{port}: nothing answers at 127.0.0.1:{port} "
+                                     f"within {T.REACH_TIMEOUT_S:g} s")
+    assert time.monotonic() - t0 < T.REACH_TIMEOUT_S + 2
+
+
+def test_a_sigterm_during_the_starts_tracker_wait_ends_the_process_at_once(tmp_path):
+    """The interleaving is the server's: SIGTERM is sent once the start's request to it has arrived."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        server.settimeout(60)
+        proc = subprocess.Popen([sys.executable, "-m", "minilm.train", "--tracker", "mlflow", "--mlflow-uri",
+                                 f"http://127.0.0.1:{server.getsockname()[1]}", "--run-dir", str(tmp_path / "run"), "--random-tokens", "65536"],
+                                cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        conn, _ = server.accept()  # the start waits on this server's answer now
+        conn.recv(1024)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+        conn.close()
+    assert proc.returncode == 130 and time.monotonic() - t0 < 3
+    assert err.strip().splitlines() == ["error: interrupted"], err
+    assert not (tmp_path / "run").exists()  # nothing half-written, nor a lease left behind
