@@ -26,9 +26,10 @@ PREFIX = "eval/"
 
 def eval_metrics(record: dict) -> dict[str, float]:
     """A record's finite numeric metrics as {"eval/<task>/<metric>": value} (a generate task's are counts: none)."""
-    if record.get("kind") == "generate" or "error" in record:
+    metrics = record.get("metrics")
+    if record.get("kind") == "generate" or "error" in record or not isinstance(metrics, dict):
         return {}
-    return {f"{PREFIX}{record['task']}/{k}": float(v) for k, v in (record.get("metrics") or {}).items()
+    return {f"{PREFIX}{record['task']}/{k}": float(v) for k, v in metrics.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
 
 
