@@ -5,6 +5,8 @@ The evaluator (`ray_jobs.evaluator`, in the driver) appends one record per (chec
 records of `ray_jobs.evaluate`. Rank 0 reads what is new at each log step (`EvalInbox.poll`) and hands each record
 on, once, as `eval/<task>/<metric>` at the checkpoint's step: to metrics.jsonl, the trackers and Ray's report. It
 never waits for a score, except for those of the last checkpoint after the last step (`EvalInbox.wait_for`).
+Scores are keyed by the checkpoint's weights SHA-256: after a rollback, the abandoned branch's score of a step is
+never taken for the new run's (a record without one, of an older minilm, is nobody's).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from .errors import UsageError
@@ -23,9 +26,10 @@ PREFIX = "eval/"
 
 def eval_metrics(record: dict) -> dict[str, float]:
     """A record's finite numeric metrics as {"eval/<task>/<metric>": value} (a generate task's are counts: none)."""
-    if record.get("kind") == "generate" or "error" in record:
+    metrics = record.get("metrics")
+    if record.get("kind") == "generate" or "error" in record or not isinstance(metrics, dict):
         return {}
-    return {f"{PREFIX}{record['task']}/{k}": float(v) for k, v in (record.get("metrics") or {}).items()
+    return {f"{PREFIX}{record['task']}/{k}": float(v) for k, v in metrics.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
 
 
@@ -33,21 +37,23 @@ def read_records(path: Path, offset: int = 0) -> tuple[list[dict], int]:
     """The records of `path` after byte `offset` (a line that is not one is passed over: the file is the evaluator's),
     and the offset after the last whole line: a line still being written is read next time."""
     return read_jsonl(path, offset, live=True, record=lambda r: r if isinstance(r, dict) and isinstance(
-        r.get("task"), str) and isinstance(r.get("step"), int) else None)
+        r.get("task"), str) and type(r.get("step")) is int and isinstance(r.get("weights_sha256", ""), str) else None)
 
 
 def scored_keys(path: Path) -> set[tuple]:
     """The (step, weights SHA-256, task fingerprint) of every score in `path`; a scoring that failed (an `error`
-    record) is tried again. A line that is not a record of `ray_jobs.evaluate` is a UsageError."""
+    record) is tried again, as is one without a weights hash (an older minilm's). A line that is not a record of
+    `ray_jobs.evaluate` is a UsageError; a torn last line (a killed writer's) is passed over, and ended by the next
+    append."""
     def score_key(r) -> tuple | None:
-        key = None if "error" in r else (r["step"], r["weights_sha256"], r["fingerprint"])
+        key = None if "error" in r else (r["step"], r.get("weights_sha256"), r["fingerprint"])
         hash(key)  # an unhashable value (TypeError) makes no record either
         return key
 
     def refuse(n: int) -> None:
         raise UsageError(f"{path}:{n}: not a record of ray_jobs.evaluate (choose another --output)")
 
-    return set(read_jsonl(path, record=score_key, bad_line=refuse)[0])
+    return set(read_jsonl(path, live=True, record=score_key, bad_line=refuse)[0])
 
 
 def append_records(path: Path, records: list[dict], done: set[tuple]) -> None:
@@ -57,50 +63,59 @@ def append_records(path: Path, records: list[dict], done: set[tuple]) -> None:
     done.update((r["step"], r["weights_sha256"], r["fingerprint"]) for r in records if "error" not in r)
 
 
-def scored_checkpoints(run_dir: str | os.PathLike) -> set[str]:
-    """The checkpoint folders RUN/eval.jsonl holds a score of (a failed scoring is no score: it is tried again)."""
-    return {Path(str(r.get("checkpoint", ""))).name for r in read_records(Path(run_dir) / EVAL_LOG)[0]
-            if "error" not in r}
-
-
 class EvalInbox:
-    """Rank 0's reader of RUN/eval.jsonl. `forwarded` holds the (step, task) pairs metrics.jsonl has already (read from
-    it at start, so a restarted worker or a resubmitted driver forwards each record once)."""
+    """Rank 0's reader of RUN/eval.jsonl. `weights()` names the weights of the run folder's checkpoints ({name: weights
+    SHA-256}: the run's own branch, a rollback moves the newer ones aside); a score is forwarded only when its
+    weights are one of those. `forwarded` holds the (step, task, weights) metrics.jsonl has already (read from it at
+    start, so a restarted worker or a resubmitted driver forwards each record once)."""
 
-    def __init__(self, run_dir: str | os.PathLike, tasks: list[str], metrics_records: list[dict]):
-        self.path, self.tasks, self.offset = Path(run_dir) / EVAL_LOG, list(tasks), 0
-        self.forwarded = {(r["optimizer_step"], r["eval_task"]) for r in metrics_records if "eval_task" in r}
-        self.seen: set[tuple[int, str]] = set()  # every (step, task) read so far: a score or an error
-        self.waiting: dict[tuple[int, str], dict] = {}  # scores read and not forwarded yet
+    def __init__(self, run_dir: str | os.PathLike, tasks: list[str], metrics_records: list[dict],
+                 weights: Callable[[], dict[str, str]] = dict):
+        self.path, self.tasks, self.offset, self.weights = Path(run_dir) / EVAL_LOG, list(tasks), 0, weights
+        self.forwarded = {(r["optimizer_step"], r["eval_task"], r.get("weights_sha256")) for r in metrics_records
+                          if "eval_task" in r}
+        self.own: set[tuple[int, str]] = set()  # (step, weights SHA-256) of this branch's checkpoints seen so far
+        self.seen: set[tuple[int, str, str]] = set()  # every (step, task, weights) read so far: a score or an error
+        self.waiting: dict[tuple[int, str, str], dict] = {}  # this branch's scores read and not forwarded yet
         self.latest: dict[str, float] = {}  # the newest checkpoint's scores, for Ray's report (Tune, dashboard)
         self.latest_step, self._size = -1, -1
 
+    def look(self) -> None:
+        """Note the weights of the run folder's checkpoints (kept: a checkpoint pruned later stays this run's)."""
+        self.own.update((int(n.split("_")[1]), sha) for n, sha in self.weights().items())
+
     def poll(self, step: int) -> list[dict]:
-        """The scores not yet forwarded, of checkpoints at or before `step` (a later one is of steps about to be
-        redone after a restart), as metrics.jsonl records: {"optimizer_step", "eval_task", "eval/<task>/...": v}."""
+        """This branch's scores not yet forwarded, of checkpoints at or before `step` (a later one is of steps about to
+        be redone after a restart), as metrics.jsonl records: {"optimizer_step", "eval_task", "weights_sha256",
+        "eval/<task>/...": v}."""
         size = self.path.stat().st_size if self.path.exists() else 0
         if size != self._size:
             self._size = size
             records, self.offset = read_records(self.path, self.offset)
+            self.look()  # after the read: a score's checkpoint is in the folder before its record is written
             for r in records:
-                key = (r["step"], r["task"])
+                key = (r["step"], r["task"], r.get("weights_sha256"))
                 self.seen.add(key)
-                if key not in self.forwarded and eval_metrics(r):  # a later score of a key replaces an earlier one
-                    self.waiting[key] = r
+                # an older metrics.jsonl's forwarded record, without weights, is of the same branch (it is truncated to
+                # the steps this run continues)
+                if (key[0], key[2]) in self.own and not {key, key[:2] + (None,)} & self.forwarded and eval_metrics(r):
+                    self.waiting[key] = r  # a later score of a key replaces an earlier one
         out = []
         for key in sorted(k for k in self.waiting if k[0] <= step):
             metrics = eval_metrics(self.waiting.pop(key))
             self.forwarded.add(key)
-            out.append({"optimizer_step": key[0], "eval_task": key[1], **metrics})
+            out.append({"optimizer_step": key[0], "eval_task": key[1], "weights_sha256": key[2], **metrics})
             if key[0] >= self.latest_step:
                 self.latest_step = key[0]
                 self.latest.update(metrics)
         return out
 
     def scored(self, steps: int | list[int]) -> bool:
-        """Every task has a record (a score or an error) for the checkpoint(s) at `steps`."""
+        """Every task has a record (a score or an error) for this branch's checkpoint(s) at `steps`."""
         steps = [steps] if isinstance(steps, int) else steps
-        return all((step, task) in self.seen for step in steps for task in self.tasks)
+        self.look()
+        return all(any((step, task, sha) in self.seen for s, sha in self.own if s == step)
+                   for step in steps for task in self.tasks)
 
     def wait_for(self, steps: int | list[int], timeout_s: float, poll_s: float = 1.0) -> list[dict]:
         """After the last step: wait up to `timeout_s` for the scores of the checkpoint(s) at `steps`; what arrived."""
@@ -113,5 +128,4 @@ class EvalInbox:
             time.sleep(poll_s)
 
 
-__all__ = ["EVAL_LOG", "EvalInbox", "append_records", "eval_metrics", "read_records", "scored_checkpoints",
-           "scored_keys"]
+__all__ = ["EVAL_LOG", "EvalInbox", "append_records", "eval_metrics", "read_records", "scored_keys"]

@@ -28,7 +28,7 @@ def read_jsonl(path: str | os.PathLike, offset: int = 0, *, live: bool = False, 
     for n, line in enumerate(data[:end].decode("utf-8", "replace").split("\n"), 1):
         try:
             value = record(json.loads(line)) if line.strip() else None
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):  # RecursionError: nesting past the stack
             value = bad_line(n) if bad_line else None
         if value is not None:
             records.append(value)

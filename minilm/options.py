@@ -47,7 +47,7 @@ def option(default=None, help: str = "", *, minimum=None, convert=None, **argpar
     """A run option; with `help`, a flag. `minimum` 0 means > 0; `convert` turns a flag's or YAML's value into the field's."""
     meta = {"help": help, "minimum": minimum, "convert": convert, "argparse": argparse_kwargs}
     if isinstance(default, (dict, list)):
-        return field(default_factory=type(default), metadata=meta)
+        return field(default_factory=lambda: type(default)(default), metadata=meta)  # a copy, with its items
     return field(default=default, metadata=meta)
 
 

@@ -5,6 +5,7 @@ TrackerError, MLflow's store. Each backend imports its package only when it open
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import json
@@ -59,7 +60,7 @@ def tensorboard_dir(run_dir: str | os.PathLike | None) -> Path:
     """The folder TensorBoard's event files go to: the run folder, which must be local."""
     if run_dir is None:
         raise TrackerError("--tracker tensorboard writes event files into the run folder, which needs a local "
-                           "--storage-path (a path, not s3:// or gs://)")
+                           "--run-dir (a path, not s3:// or gs://)")
     return Path(run_dir)
 
 
@@ -71,7 +72,7 @@ def mlflow_tracking_uri(options: Mapping[str, Any], run_dir: str | os.PathLike |
     uri = options.get("mlflow_uri")
     if not uri:
         if run_dir is None:
-            raise TrackerError("--tracker mlflow with a remote --storage-path needs --mlflow-uri (the default "
+            raise TrackerError("--tracker mlflow with a remote --run-dir needs --mlflow-uri (the default "
                                "store is a SQLite file in the local run folder)")
         return "sqlite:///" + str(Path(run_dir).expanduser().resolve() / "mlflow.db")
     uri = str(uri)
@@ -170,6 +171,20 @@ class TensorBoard(Backend):
         self.writer.close()
 
 
+@contextlib.contextmanager
+def short_requests(uri: str):
+    """MLflow's HTTP requests, while logging a step, time out in 5 s without retries (unless the user set those): a
+    server that went away costs a step one short try (Trackers tries it once a minute), not minutes of retries."""
+    bounds = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "5", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}
+    added = {k: v for k, v in bounds.items() if k not in os.environ} if uri.startswith(("http:", "https:")) else {}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
+
+
 class MLflow(Backend):
     kind = "mlflow"
     STATUS = {"finished": "FINISHED", "failed": "FAILED", "killed": "KILLED"}
@@ -245,8 +260,9 @@ class MLflow(Backend):
 
         now = int(time.time() * 1000)
         metrics = [Metric(k, v, now, step) for k, v in scalars.items()]
-        for i in range(0, len(metrics), 1000):  # and at most 1000 metrics
-            self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
+        with short_requests(self.uri):
+            for i in range(0, len(metrics), 1000):  # and at most 1000 metrics
+                self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
 
     def state(self) -> dict[str, Any]:
         # state.json and trackers.json keep the URI without its password: a resume gets it from its flag again

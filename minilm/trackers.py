@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 import netrc
 import os
-import socket
 import subprocess
+import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -86,8 +86,11 @@ REACH_TIMEOUT_S = 5.0
 
 
 def _check_reachable(uri: str) -> None:
-    """An MLflow server (http, https) that does not answer is refused in seconds: MLflow's own retries would hold the
-    start for minutes before its error."""
+    """An MLflow server (http, https) that does not answer an HTTP request within REACH_TIMEOUT_S (nothing listens,
+    or it accepts and never answers) is refused in seconds: MLflow's own retries would hold the start for minutes."""
+    import http.client
+    import ssl
+
     parts = urlparse(uri)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         return
@@ -95,12 +98,19 @@ def _check_reachable(uri: str) -> None:
         port = parts.port or (443 if parts.scheme == "https" else 80)
     except ValueError:
         raise TrackerError(f"--mlflow-uri {redact(uri)}: its port is not a number") from None
+    kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    conn = kind(parts.hostname, port, timeout=REACH_TIMEOUT_S)
     try:
-        socket.create_connection((parts.hostname, port), timeout=REACH_TIMEOUT_S).close()
-    except OSError as e:
+        conn.request("GET", parts.path.rstrip("/") + "/health")
+        conn.getresponse()  # any answer will do: MLflow says itself what else is wrong
+    except ssl.SSLError:
+        pass  # something answers (its certificate is MLflow's business, and its message)
+    except (OSError, http.client.HTTPException) as e:
         raise TrackerError(f"--mlflow-uri {redact(uri)}: nothing answers at {parts.hostname}:{port} within "
-                           f"{REACH_TIMEOUT_S:g} s ({e.strerror or type(e).__name__}): start the MLflow server, or "
-                           f"leave --mlflow-uri out for a SQLite file in the run folder") from None
+                           f"{REACH_TIMEOUT_S:g} s ({getattr(e, 'strerror', None) or type(e).__name__}): start the "
+                           f"MLflow server, or leave --mlflow-uri out for a SQLite file in the run folder") from None
+    finally:
+        conn.close()
 
 
 def _check_wandb_credentials() -> None:
@@ -182,14 +192,22 @@ def code_version(code_dir: str | os.PathLike | None = None) -> dict[str, Any]:
     return {"git_commit": commit, "git_dirty": bool(dirty)} if commit else {}
 
 
+RETRY_S = 60.0  # a tracker that failed is tried again this often (a try costs at most one request's timeout)
+BACKLOG = 10_000  # what is kept for a tracker that is away, written when it answers again
+
+
 class Trackers:
-    """The trackers of one run on rank 0. Empty (every call a no-op) when no tracker was asked for."""
+    """The trackers of one run on rank 0. Empty (every call a no-op) when no tracker was asked for.
+
+    A tracker that fails is away: one warning, then what it misses is kept (up to BACKLOG writes) and it is tried
+    again every RETRY_S s, never at every step; when it answers, it is caught up, and a gap past BACKLOG is said.
+    Training never waits for it (metrics.jsonl has every step)."""
 
     def __init__(self, backends: list[Backend], *, sidecar: Path | None = None,
                  carried: dict[str, Any] | None = None, say: Callable[[str], None] = print):
         self.backends, self.sidecar, self.say = backends, sidecar, say
         self.carried = carried or {}  # state of trackers not opened this time, kept for a later resume
-        self._failures: dict[str, int] = {}
+        self._away: dict[str, dict] = {}  # kind -> {"queue": [(eval?, scalars, step)], "retry_at", "lost": [steps]}
 
     @property
     def kinds(self) -> list[str]:
@@ -199,36 +217,57 @@ class Trackers:
         return bool(self.backends)
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
-        """Log one reported step. A tracker error is reported and training goes on."""
+        """Log one reported step (a step at or below a tracker's high water, redone after a crash, is not)."""
         if not self.backends:
             return
         scalars = flatten_metrics(metrics)
-        advanced = False
+        before = [b.high_water for b in self.backends]
         for backend in self.backends:
-            if step <= backend.high_water:
-                continue  # already in this tracker (a step redone after a crash): never append it again
-            try:
-                backend.write(scalars, step)
-            except Exception as e:  # a tracker server hiccup must not stop a long training run
-                n = self._failures[backend.kind] = self._failures.get(backend.kind, 0) + 1
-                if n == 1 or n % 50 == 0:
-                    self.say(redact(f"warning: {backend.kind} could not log step {step} ({n} failure(s) so far): "
-                                    f"{type(e).__name__}: {e}"))
-                continue
-            backend.high_water = step
-            advanced = True
-        if advanced:
+            if step > backend.high_water and not any(s == step for e, _, s in self._queue(backend) if not e):
+                self._deliver(backend, (False, scalars, step))
+        if before != [b.high_water for b in self.backends]:
             self._write_sidecar()
 
     def log_eval(self, metrics: Mapping[str, float], step: int) -> None:
         """Scores of the checkpoint at `step`, arriving after later steps were logged (evaluated beside training):
         each tracker writes them at that step on a step axis of their own where it needs one (W&B)."""
         for backend in self.backends:
-            try:
-                backend.write_eval(dict(metrics), step)
-            except Exception as e:
-                self.say(redact(f"warning: {backend.kind} could not log the scores of step {step}: "
-                                f"{type(e).__name__}: {e}"))
+            self._deliver(backend, (True, dict(metrics), step))
+
+    def _queue(self, backend: Backend) -> list:
+        return self._away.get(backend.kind, {}).get("queue", [])
+
+    def _deliver(self, backend: Backend, item: tuple) -> None:
+        """Write `item` after what the tracker missed; while it is away (until its next try), only keep it."""
+        away = self._away.get(backend.kind)
+        if away is not None:
+            away["queue"].append(item)
+            if len(away["queue"]) > BACKLOG:
+                away["lost"].append(away["queue"].pop(0)[2])
+            if time.monotonic() < away["retry_at"]:
+                return
+        try:
+            for is_eval, scalars, step in list(away["queue"]) if away else [item]:
+                (backend.write_eval if is_eval else backend.write)(scalars, step)
+                backend.high_water = backend.high_water if is_eval else step
+                if away:
+                    away["queue"].pop(0)
+        except Exception as e:  # a tracker server that is down or hangs must never stop a long training run
+            if away is None:
+                what = f"the scores of step {item[2]}" if item[0] else f"step {item[2]}"
+                self.say(redact(f"warning: {backend.kind} could not log {what}: {type(e).__name__}: {e}; training "
+                                f"goes on (metrics.jsonl has every step), and {backend.kind} is tried again every "
+                                f"{RETRY_S:g} s, then caught up"))
+                away = self._away[backend.kind] = {"queue": [item], "lost": []}
+            away["retry_at"] = time.monotonic() + RETRY_S
+            return
+        if away is not None:
+            del self._away[backend.kind]
+            self._write_sidecar()
+            lost = away["lost"]
+            self.say(f"note: {backend.kind} answers again: caught up what it missed" + (
+                f"; {len(lost)} write(s) of steps {min(lost)}-{max(lost)} are not in it (metrics.jsonl has them)"
+                if lost else ""))
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-able resume state for state.json: each tracker's run id (and of trackers not open now)."""
@@ -241,8 +280,17 @@ class Trackers:
         return "; ".join(b.describe() for b in self.backends)
 
     def close(self, outcome: str = "finished") -> None:
-        """End the tracker runs: outcome "finished", "failed" (an error) or "killed" (preempted)."""
+        """End the tracker runs: outcome "finished", "failed" (an error) or "killed" (preempted); a tracker that is
+        away is tried once more, and what it still misses is said."""
         for backend in self.backends:
+            away = self._away.pop(backend.kind, None)
+            if away is not None:
+                self._away[backend.kind] = {**away, "retry_at": 0.0, "queue": away["queue"][:-1]}
+                self._deliver(backend, away["queue"][-1])
+                if backend.kind in self._away:
+                    steps = [s for _, _, s in self._away.pop(backend.kind)["queue"]] + away["lost"]
+                    self.say(f"note: {backend.kind} is still away at the end: {len(steps)} write(s) of steps "
+                             f"{min(steps)}-{max(steps)} are not in it (metrics.jsonl has them)")
             try:
                 backend.close(outcome)
             except Exception as e:

@@ -174,6 +174,7 @@ class LocalLaunch(Launch):
 def start(argv: list[str] | None) -> tuple[Trainer, RunPlan]:
     """Flags -> a Trainer at its first step (rank 0 holding the run folder's lease); every user error raises."""
     started_at = time.time()
+    signal.signal(signal.SIGTERM, interrupt)  # until the loop reads its stop flag, a SIGTERM ends the start at once
     args = build_parser().parse_args(argv)
     file_values = load_yaml(args.config)
     configs = build_configs(args, file_values, LocalOptions, demo=not (args.data or file_values.get("data")))
@@ -200,15 +201,22 @@ def start(argv: list[str] | None) -> tuple[Trainer, RunPlan]:
         train_cfg.dtype = agreed_dtype(train_cfg.dtype, device)
     launcher = LocalLauncher(plan.data, train_cfg.micro_batch_size, rank=rank, world_size=world_size, device=device,
                              run_dir=plan.run_dir, say=say)
-    signal.signal(signal.SIGTERM, lambda *_: setattr(launcher, "sigterm", True))
     if rank == 0:
         for note in plan.notes:
             print(note, flush=True)
     try:
-        return Trainer(plan.model_cfg, train_cfg, plan.opts, plan.data, launcher, hooks=hooks, steps=plan.steps), plan
+        trainer = Trainer(plan.model_cfg, train_cfg, plan.opts, plan.data, launcher, hooks=hooks, steps=plan.steps)
     except BaseException:
         plan.release()
         raise
+    signal.signal(signal.SIGTERM, lambda *_: setattr(launcher, "sigterm", True))  # a checkpoint at the step, then exit
+    return trainer, plan
+
+
+def interrupt(*_) -> None:
+    """SIGTERM before the first step (a tracker that does not answer, a download): nothing is half-written, so the
+    process ends now, as Ctrl-C does: one line, exit 130."""
+    raise KeyboardInterrupt
 
 
 def run_cli(argv: list[str] | None) -> int:

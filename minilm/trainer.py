@@ -155,7 +155,8 @@ class Trainer:
         if self.metrics_log:
             self.metrics_log.truncate_after(self.step)  # steps about to be redone leave the file
             if self.run.eval_task_names:
-                self.eval_inbox = EvalInbox(self.run.run_dir, self.run.eval_task_names, self.metrics_log.read())
+                self.eval_inbox = EvalInbox(self.run.run_dir, self.run.eval_task_names, self.metrics_log.read(),
+                                            weights=lambda: C.held_weights(self.checkpoints.folder))
         if self.rank == 0 and self.run.trackers:
             self.trackers = open_trackers(
                 self.run.trackers, run_dir=self.run.run_dir, run_name=self.run.name, start_step=self.step,

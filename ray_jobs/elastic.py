@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from pathlib import Path
 
-SHARED_STORAGE_HINT = ("a multi-node run needs a --storage-path every node can read and write: an s3:// or gs:// "
+SHARED_STORAGE_HINT = ("a multi-node run needs a --run-dir every node can read and write: an s3:// or gs:// "
                        "URI, or a shared filesystem mounted at the same path on every node (NFS, EFS, Filestore, "
                        "Lustre, a ReadWriteMany PersistentVolume)")
 

@@ -342,7 +342,7 @@ def test_resuming_with_other_data_or_model_is_refused_before_start(ray_address, 
     before = sorted(str(p) for p in tmp_path.rglob("*"))
     code = pretrain.main(["--data", str(data), *TINY, "--run-dir", str(tmp_path / "runs" / "old")])
     err = capsys.readouterr().err
-    assert code == 2 and "cannot resume from" in err and "data fingerprint" in err and "another --name" in err, err
+    assert code == 2 and "cannot resume from" in err and "data fingerprint" in err and "another --run-dir" in err, err
     code = pretrain.main(["--data", str(data), *TINY, "--hidden-size", "128", "--run-dir",
                           str(tmp_path / "runs" / "old")])
     err = capsys.readouterr().err

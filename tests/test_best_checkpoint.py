@@ -306,7 +306,6 @@ def test_two_evaluators_keep_each_others_pins_and_a_failed_scoring_stays_pinned(
     """The driver's evaluator and `evaluate --follow` each replace only their own list; a checkpoint scored by one
     leaves every list; one whose scoring failed is no score (scored_checkpoints) and stays pinned until scored."""
     from minilm.checkpoint import best as B
-    from minilm.eval_log import scored_checkpoints
 
     run = tmp_path / "run"
     marked(run, 4, 8, 12)
@@ -322,5 +321,6 @@ def test_two_evaluators_keep_each_others_pins_and_a_failed_scoring_stays_pinned(
     assert (run / B.EVAL_LOCK).is_file()
     (run / "eval.jsonl").write_text(
         json.dumps({"task": "held", "checkpoint": "checkpoint_00000004", "step": 4, "error": "lost node"}) + "\n" +
-        json.dumps({"task": "held", "checkpoint": "checkpoint_00000008", "step": 8, "metrics": {"bpb": 1.0}}) + "\n")
-    assert scored_checkpoints(run) == {"checkpoint_00000008"}
+        json.dumps({"task": "held", "checkpoint": "checkpoint_00000008", "step": 8, "metrics": {"bpb": 1.0},
+                    "weights_sha256": "0" * 64}) + "\n")
+    assert C.scored_checkpoints(folder) == {"checkpoint_00000008"}

@@ -36,6 +36,11 @@ def record(step: int, task: str, kind: str = "hellaswag", **metrics) -> dict:
             "metrics": metrics or {"acc": 0.5, "acc_norm": 0.25}}
 
 
+def held(*steps: int):
+    """The run folder's checkpoints as EvalInbox sees them: {name: weights SHA-256}, the weights `record` names."""
+    return lambda: {f"checkpoint_{s:08d}": f"w{s}" for s in steps}
+
+
 def append(path, *records, torn: str = "") -> None:
     with open(path, "a") as f:
         f.write("".join(json.dumps(r) + "\n" for r in records) + torn)
@@ -44,23 +49,25 @@ def append(path, *records, torn: str = "") -> None:
 # ---- rank 0's reader --------------------------------------------------------------------------------
 
 def test_each_score_is_forwarded_once_at_its_step_and_none_of_a_step_to_be_redone(tmp_path):
-    inbox = EvalInbox(tmp_path, ["cloze", "held"], metrics_records=[])
+    inbox = EvalInbox(tmp_path, ["cloze", "held"], metrics_records=[], weights=held(4, 8))
     assert inbox.poll(10) == []  # no eval.jsonl yet
     append(tmp_path / "eval.jsonl", record(4, "cloze"), record(4, "held", "bpb", bpb=1.5, nats_per_token=2.0),
            torn='{"task": "cloze", "step": 8, "kind": "hellaswag"')  # a line still being written is not read
     assert inbox.poll(6) == [
-        {"optimizer_step": 4, "eval_task": "cloze", "eval/cloze/acc": 0.5, "eval/cloze/acc_norm": 0.25},
-        {"optimizer_step": 4, "eval_task": "held", "eval/held/bpb": 1.5, "eval/held/nats_per_token": 2.0}]
+        {"optimizer_step": 4, "eval_task": "cloze", "weights_sha256": "w4", "eval/cloze/acc": 0.5,
+         "eval/cloze/acc_norm": 0.25},
+        {"optimizer_step": 4, "eval_task": "held", "weights_sha256": "w4", "eval/held/bpb": 1.5,
+         "eval/held/nats_per_token": 2.0}]
     assert inbox.poll(6) == [] and inbox.scored(4) and not inbox.scored(8)
     assert inbox.latest == {"eval/cloze/acc": 0.5, "eval/cloze/acc_norm": 0.25, "eval/held/bpb": 1.5,
                             "eval/held/nats_per_token": 2.0}
     with open(tmp_path / "eval.jsonl", "a") as f:  # the torn line ends; the scores of step 8 come while at step 6
-        f.write(', "fingerprint": "x", "weights_sha256": "w", "metrics": {"acc": 1.0, "acc_norm": 1.0}}\n')
+        f.write(', "fingerprint": "x", "weights_sha256": "w8", "metrics": {"acc": 1.0, "acc_norm": 1.0}}\n')
     assert inbox.poll(6) == []  # step 8 is after the step the run is at: held back (a restart redoes it)
-    assert inbox.poll(8) == [{"optimizer_step": 8, "eval_task": "cloze", "eval/cloze/acc": 1.0,
-                              "eval/cloze/acc_norm": 1.0}]
-    # A restarted rank 0 knows what metrics.jsonl holds: only the rest is forwarded
-    again = EvalInbox(tmp_path, ["cloze", "held"], metrics_records=[
+    assert inbox.poll(8) == [{"optimizer_step": 8, "eval_task": "cloze", "weights_sha256": "w8",
+                              "eval/cloze/acc": 1.0, "eval/cloze/acc_norm": 1.0}]
+    # A restarted rank 0 knows what metrics.jsonl holds (here without weights: an older minilm's): only the rest
+    again = EvalInbox(tmp_path, ["cloze", "held"], weights=held(4, 8), metrics_records=[
         {"optimizer_step": 4, "eval_task": "cloze"}, {"optimizer_step": 4, "eval_task": "held"}, {"loss": 1.0,
                                                                                                   "optimizer_step": 4}])
     assert [(r["optimizer_step"], r["eval_task"]) for r in again.poll(20)] == [(8, "cloze")]
@@ -72,8 +79,10 @@ def test_the_eval_log_refuses_a_stranger_and_a_torn_line_ends_before_the_next_re
     assert scored_keys(log) == {(4, "w4", "fp-cloze")}  # an error is tried again
     append(log, torn='{"task": "cloze", "step": 8')  # a killed writer's torn line: rank 0 never reads it
     assert len(read_records(log)[0]) == 2
-    with pytest.raises(UsageError, match=r"eval\.jsonl:3: not a record of ray_jobs\.evaluate"):
-        scored_keys(log)
+    assert scored_keys(log) == {(4, "w4", "fp-cloze")}  # nor does a resubmit refuse it: it is recovered (#44)
+    (tmp_path / "stranger.jsonl").write_text(json.dumps(record(4, "cloze")) + "\nnot json\n")
+    with pytest.raises(UsageError, match=r"stranger\.jsonl:2: not a record of ray_jobs\.evaluate"):
+        scored_keys(tmp_path / "stranger.jsonl")
     append_records(log, [record(8, "c\u2028loze")], done := set())  # the torn line is ended first: it stays whole
     assert done == {(8, "w8", "fp-c\u2028loze")}
     assert [r["task"] for r in read_records(log)[0]] == ["cloze", "cloze", "c\u2028loze"]
@@ -86,12 +95,12 @@ def test_errors_and_generations_are_scored_but_carry_no_metric(tmp_path):
     assert eval_metrics(gen) == {} and eval_metrics(err) == {}
     assert eval_metrics(record(4, "held", "bpb", bpb=float("nan"), nats_per_token=2)) == {"eval/held/nats_per_token": 2.0}
     append(tmp_path / "eval.jsonl", gen, err)
-    inbox = EvalInbox(tmp_path, ["samples", "cloze"], [])
+    inbox = EvalInbox(tmp_path, ["samples", "cloze"], [], weights=held(4))
     assert inbox.wait_for(4, timeout_s=5) == [] and inbox.scored(4)  # nothing to forward, and nothing left to wait for
 
 
 def test_the_wait_for_the_last_scores_ends_when_they_arrive_or_at_its_limit(tmp_path):
-    inbox = EvalInbox(tmp_path, ["cloze"], [])
+    inbox = EvalInbox(tmp_path, ["cloze"], [], weights=held(20))
     assert inbox.wait_for(20, timeout_s=0.3, poll_s=0.1) == [] and not inbox.scored(20)
     append(tmp_path / "eval.jsonl", record(20, "cloze"))
     assert [r["optimizer_step"] for r in inbox.wait_for(20, timeout_s=60)] == [20]

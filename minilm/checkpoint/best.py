@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from ..errors import UsageError
+from ..eval_log import EVAL_LOG, read_records
 from ..fsio import node_lock
 from .files import MARKER, CheckpointError, parse_marker
 from .resume import CHECKPOINT_NAME, LEASE, RunFolder
@@ -130,11 +131,29 @@ def eval_lock(folder: RunFolder):
 def holds(folder: RunFolder, best: dict) -> bool:
     """Does the run folder still hold the weights best.json scored (its checkpoint neither moved aside nor, its
     step written again after --abandon-newer, replaced)?"""
+    return weights_sha256(folder, best["checkpoint"]) == best["weights_sha256"]
+
+
+def weights_sha256(folder: RunFolder, name: str) -> str | None:
+    """The weights SHA-256 checkpoint `name`'s marker vouches for (None without a readable one): the identity every
+    score and pin is keyed by, so that an abandoned branch's checkpoint of the same name is never taken for it."""
     try:
-        files = parse_marker(folder.read(f"{best['checkpoint']}/{MARKER}"), best["checkpoint"])
+        return parse_marker(folder.read(f"{name}/{MARKER}"), name)["model.safetensors"]
     except CheckpointError:
-        return False
-    return files["model.safetensors"] == best["weights_sha256"]
+        return None
+
+
+def held_weights(folder: RunFolder) -> dict[str, str]:
+    """{checkpoint name: weights SHA-256} of the run folder's checkpoints with a marker: the run's own branch."""
+    return {n: sha for n in folder.checkpoints() if (sha := weights_sha256(folder, n))}
+
+
+def scored_checkpoints(folder: RunFolder) -> set[str]:
+    """The run folder's checkpoints eval.jsonl holds a score of, for the weights each holds now (a record without a
+    weights hash, of an older minilm, is no one's; a failed scoring is no score: it is tried again)."""
+    scores = {(Path(str(r.get("checkpoint", ""))).name, r.get("weights_sha256"))
+              for r in read_records(folder.local / EVAL_LOG)[0] if "error" not in r}
+    return {n for n, sha in held_weights(folder).items() if (n, sha) in scores}
 
 
 def owner() -> str:
@@ -143,19 +162,23 @@ def owner() -> str:
 
 
 def write_pending(folder: RunFolder, names: list[str], scored: tuple[str, ...] = ()) -> None:
-    """This evaluator's checkpoints queued for evaluation (replacing its earlier list, never another evaluator's);
-    `scored` (scored now) leave every evaluator's list. A list of an evaluator that is gone stays until scored."""
+    """This evaluator's checkpoints queued for evaluation (replacing its earlier list, never another evaluator's), each
+    with the weights it is queued for; `scored` (scored now) leave every evaluator's list, as does an entry whose
+    folder now holds other weights (an abandoned branch's). A list of an evaluator that is gone stays until scored."""
     with eval_lock(folder):
-        owners = {**_pending_owners(folder), owner(): sorted(set(names))}
-        owners = {o: sorted(set(n) - set(scored)) for o, n in owners.items()}
-        owners = {o: n for o, n in owners.items() if n}
+        held = held_weights(folder)
+        owners = {**_pending_owners(folder), owner(): {n: held.get(n) for n in names}}
+        done = {(n, held.get(n)) for n in scored}
+        owners = {o: {n: sha for n, sha in e.items() if (n, sha) not in done and (sha is None or held.get(n, sha) == sha)}
+                  for o, e in owners.items()}
+        owners = {o: e for o, e in owners.items() if e}
         union = sorted(set().union(*owners.values())) if owners else []
         folder.write(PENDING, json.dumps({"checkpoints": union, "owners": owners}, indent=2, sort_keys=True).encode())
 
 
-def _pending_owners(folder: RunFolder) -> dict[str, list[str]]:
-    """eval-pending.json's lists by evaluator; a missing or damaged file is none (it only pins, it chooses nothing),
-    a file of an older minilm (one list) is one evaluator's."""
+def _pending_owners(folder: RunFolder) -> dict[str, dict[str, str | None]]:
+    """eval-pending.json's entries by evaluator, {name: weights SHA-256}; a missing or damaged file is none (it only
+    pins, it chooses nothing); a list of an older minilm (names alone) has no hash: its entries pin by name."""
     try:
         pending = json.loads(folder.read(PENDING) or b"null")
         owners = pending.get("owners", {"": pending["checkpoints"]})
@@ -163,13 +186,16 @@ def _pending_owners(folder: RunFolder) -> dict[str, list[str]]:
         return {}
     if not isinstance(owners, dict):
         return {}
-    return {str(o): [n for n in names if isinstance(n, str) and CHECKPOINT_NAME.fullmatch(n)]
-            for o, names in owners.items() if isinstance(names, list)}
+    entries = {o: e if isinstance(e, dict) else dict.fromkeys(n for n in e if isinstance(n, str))
+               for o, e in owners.items() if isinstance(e, (dict, list))}
+    return {str(o): {n: sha for n, sha in e.items() if isinstance(n, str) and CHECKPOINT_NAME.fullmatch(n)
+                     and (sha is None or isinstance(sha, str))} for o, e in entries.items()}
 
 
 def read_pending(folder: RunFolder) -> set[str]:
-    """The checkpoints queued for evaluation, by any evaluator."""
-    return set().union(*_pending_owners(folder).values())
+    """The checkpoints queued for evaluation, by any evaluator, that still hold the weights they were queued for."""
+    held = held_weights(folder)
+    return {n for e in _pending_owners(folder).values() for n, sha in e.items() if sha is None or held.get(n) == sha}
 
 
 def pinned(folder: RunFolder) -> set[str]:
@@ -177,7 +203,7 @@ def pinned(folder: RunFolder) -> set[str]:
     A damaged best.json raises (pruning then deletes nothing rather than guess)."""
     pending = read_pending(folder)  # first: the evaluator unpins only after it wrote best.json
     best = read_best(folder)
-    return pending | ({best["checkpoint"]} if best else set())
+    return pending | ({best["checkpoint"]} if best and holds(folder, best) else set())
 
 
 def resolve(path: str) -> str:
@@ -206,5 +232,5 @@ def resolve(path: str) -> str:
     return str(chosen)
 
 
-__all__ = ["BEST", "PENDING", "MetricError", "canonical", "metric_mode", "pinned", "read_best", "read_pending",
-           "resolve", "update_best", "write_pending"]
+__all__ = ["BEST", "PENDING", "MetricError", "canonical", "held_weights", "metric_mode", "pinned", "read_best",
+           "read_pending", "resolve", "scored_checkpoints", "update_best", "weights_sha256", "write_pending"]

@@ -24,10 +24,9 @@ from typing import Any, Protocol
 import torch
 
 from ..config import ModelConfig, TrainConfig
-from ..eval_log import scored_checkpoints
 from ..fsio import publish, staging_dir, sweep_staging
 from . import files as F
-from .best import pinned
+from .best import pinned, scored_checkpoints
 from .resume import RunFolder
 
 
@@ -279,7 +278,7 @@ class CheckpointManager:
         try:
             pins = pinned(self.folder)
             if self.keep_unscored and self.folder.local is not None:
-                pins |= set(self.folder.checkpoints()) - scored_checkpoints(self.folder.local)
+                pins |= set(self.folder.checkpoints()) - scored_checkpoints(self.folder)
         except (F.CheckpointError, OSError) as e:
             self.say(f"warning: not pruning old checkpoints: {e}")
             return []

@@ -177,14 +177,14 @@ class Lease:
             who = f"pid {held['pid']} on {held['host']}, heartbeat {time.time() - held['heartbeat']:.0f} s ago"
             if self.live(held):
                 raise UsageError(f"run folder {self.folder.display} is in use by a live run ({who}): wait for it to "
-                                 f"end (or stop it), or use another --name")
+                                 f"end (or stop it), or use another --run-dir")
             self.say(f"note: taking over run folder {self.folder.display} from a run that is gone ({who})")
         try:
             self._beat()
         except OSError as e:
             self.release()
             raise UsageError(f"run folder {self.folder.display}: cannot create or write there ({e.strerror or e}); "
-                             f"choose a writable folder (--storage-path, --run-dir) or an s3:// / gs:// URI") from None
+                             f"choose a writable folder (--run-dir) or an s3:// / gs:// URI") from None
         self._thread = threading.Thread(target=self._heartbeat, name="minilm-lease", daemon=True)
         self._thread.start()
         return self
@@ -278,7 +278,7 @@ def decide_resume(folder: RunFolder | None, resume: str, abandon_newer: bool = F
     if not abandon_newer:
         raise UsageError(f"run folder {folder.display} already holds checkpoint(s) {listed}, which {start} would mix "
                          f"with its own: continue them with --resume auto, add --abandon-newer to move them into "
-                         f"{folder.display}/abandoned-<time>/, or use another --name")
+                         f"{folder.display}/abandoned-<time>/, or use another --run-dir")
     logs = tuple(n for n in BRANCH_LOGS if n in folder.names())
     fresh = origin is None
     return ResumeDecision(origin, tuple(names) + (logs if fresh else ()), () if fresh else logs, listed, start)
@@ -362,14 +362,14 @@ def check_resume(state: dict[str, Any], where, model_config: ModelConfig, train_
     it makes (safe ones, and with `allow_config_change` the others)."""
     problems = resume_problems(state, model_config, train_config, data_fingerprint)
     if problems:
-        raise CheckpointError(f"cannot resume from {where}: " + "; ".join(problems) + " (use another --name to "
+        raise CheckpointError(f"cannot resume from {where}: " + "; ".join(problems) + " (use another --run-dir to "
                               "start a new run)")
     changes = config_changes(state, train_config)
     refused = [c for c in changes if not c.safe]
     if refused and not allow_config_change:
         raise CheckpointError(f"cannot resume from {where} with other settings: " + "; ".join(map(str, refused)) +
                               " change the schedule or optimizer mid-run; pass --allow-config-change to continue "
-                              "with the new values, or use another --name")
+                              "with the new values, or use another --run-dir")
     return changes
 
 
