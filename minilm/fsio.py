@@ -22,6 +22,14 @@ STAGING = ".minilm-staging-"  # + host-pid-what: a folder being written, swept o
 RACY_NS = 2_000_000_000  # a file modified this recently when hashed is not vouched for: hashed again next time
 
 
+
+def loads(raw: str | bytes):
+    """json.loads for a file another party may have written: nesting too deep for the parser is bad JSON too."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+
 def create(path: str | os.PathLike, mode: int = 0o666, buffering: int = -1):
     """`path` opened for writing as a new file; FileExistsError if anything is there already, a link included."""
     return open(os.open(path, NEW_FILE, mode), "wb", buffering=buffering)
@@ -168,7 +176,7 @@ class NodeStamp:
         self._lock = node_lock(self.path.with_suffix(".lock"))
         self._lock.__enter__()
         try:
-            saved = json.loads(self.path.read_text())
+            saved = loads(self.path.read_text())
         except (OSError, ValueError, RecursionError):
             saved = None
         ours = isinstance(saved, dict) and saved.get("fingerprint") == self.fingerprint
@@ -200,7 +208,7 @@ class NodeStamp:
     def _prune(self) -> None:
         for p in self.path.parent.glob("*.json"):
             try:
-                if not Path(json.loads(p.read_text())["path"]).exists():
+                if not Path(loads(p.read_text())["path"]).exists():
                     p.unlink()
                     p.with_suffix(".lock").unlink(missing_ok=True)
             except (OSError, ValueError, KeyError, TypeError):

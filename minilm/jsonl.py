@@ -8,6 +8,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from .fsio import loads
+
 
 def read_jsonl(path: str | os.PathLike, offset: int = 0, *, live: bool = False, record: Callable = lambda r: r,
                bad_line: Callable[[int], None] | None = None) -> tuple[list, int]:
@@ -27,7 +29,7 @@ def read_jsonl(path: str | os.PathLike, offset: int = 0, *, live: bool = False, 
     # Split at "\n" alone: str.splitlines() would also cut at a U+2028 inside a JSON string.
     for n, line in enumerate(data[:end].decode("utf-8", "replace").split("\n"), 1):
         try:
-            value = record(json.loads(line)) if line.strip() else None
+            value = record(loads(line)) if line.strip() else None
         except (ValueError, KeyError, TypeError, RecursionError):  # RecursionError: nesting past the stack
             value = bad_line(n) if bad_line else None
         if value is not None:

@@ -241,7 +241,7 @@ def describe_existing(path: Path) -> str | None:
         return None
     if MANIFEST in names:
         try:
-            m = json.loads((path / MANIFEST).read_text())
+            m = fsio.loads((path / MANIFEST).read_text())
             return (f"a prepared dataset ({m.get('num_sequences')} sequences of seq_len {m.get('seq_len')}, "
                     f"fingerprint {str(m.get('fingerprint'))[:12]})")
         except (OSError, ValueError):

@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 
 from .data import file_sha256
+from .fsio import loads
 from .safety import check_name
 
 LETTERS = "ABCD"
@@ -61,7 +62,7 @@ def _jsonl(path: Path) -> Iterator[tuple[str, dict]]:
             continue
         where = f"{path}:{n}"
         try:
-            obj = json.loads(line)
+            obj = loads(line)
         except (ValueError, RecursionError) as e:
             raise TaskError(f"{where}: not valid JSON ({e})") from None
         if not isinstance(obj, dict):

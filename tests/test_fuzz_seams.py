@@ -90,12 +90,20 @@ def one_line(e: BaseException) -> None:
 @given(data=st.data(), which=st.sampled_from(["best", "pending", "lease", "marker", "state"]))
 def test_the_run_folders_json_files_are_read_or_one_line(tmp_path_factory, data, which):
     CASES[which] += 1
-    tmp = tmp_path_factory.mktemp(which)
+    read_or_one_line(tmp_path_factory.mktemp(which), which, hostile_bytes(data, GOOD[which]))
+
+
+@pytest.mark.parametrize("raw", RAW, ids=range(len(RAW)))
+@pytest.mark.parametrize("which", ["best", "pending", "lease", "marker", "state"])
+def test_every_raw_damage_of_every_file_is_read_or_one_line(tmp_path, which, raw):
+    read_or_one_line(tmp_path, which, raw)  # each RAW case at least once, whatever the fuzzer draws
+
+
+def read_or_one_line(tmp, which: str, raw: bytes | None) -> None:
     run = tmp / "run"
     (run / "checkpoint_00000004").mkdir(parents=True)
     (run / "checkpoint_00000004" / C.MARKER).write_text(json.dumps(GOOD["marker"]))
     folder = C.RunFolder(run)
-    raw = hostile_bytes(data, GOOD[which])
     files = {"best": run / C.BEST, "pending": run / C.PENDING, "lease": run / C.LEASE,
              "marker": run / "checkpoint_00000004" / C.MARKER, "state": run / "checkpoint_00000004" / "state.json"}
     if which == "marker":

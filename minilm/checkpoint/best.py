@@ -23,7 +23,7 @@ from pathlib import Path
 
 from ..errors import UsageError
 from ..eval_log import EVAL_LOG, read_records
-from ..fsio import node_lock
+from ..fsio import loads, node_lock
 from .files import MARKER, CheckpointError, parse_marker
 from .resume import CHECKPOINT_NAME, LEASE, RunFolder
 
@@ -70,7 +70,7 @@ def read_best(folder: RunFolder) -> dict | None:
         return None
     where = f"{folder.display}/{BEST}"
     try:
-        best = json.loads(raw)
+        best = loads(raw)
     except (ValueError, RecursionError) as e:
         raise CheckpointError(f"{where} is unreadable ({e}): fix or delete it (the next evaluation writes it "
                               f"again)") from None
@@ -180,7 +180,7 @@ def _pending_owners(folder: RunFolder) -> dict[str, dict[str, str | None]]:
     """eval-pending.json's entries by evaluator, {name: weights SHA-256}; a missing or damaged file is none (it only
     pins, it chooses nothing); a list of an older minilm (names alone) has no hash: its entries pin by name."""
     try:
-        pending = json.loads(folder.read(PENDING) or b"null")
+        pending = loads(folder.read(PENDING) or b"null")
         owners = pending.get("owners", {"": pending["checkpoints"]})
     except (ValueError, RecursionError, TypeError, KeyError, AttributeError):
         return {}

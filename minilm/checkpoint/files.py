@@ -198,7 +198,7 @@ def parse_marker(raw: bytes | None, where: Path | str, weights: bool = True) -> 
     if raw is None:
         raise CheckpointError(f"checkpoint {where} is incomplete: {MARKER} is missing (the write did not finish)")
     try:
-        files = json.loads(raw)["files"]
+        files = fsio.loads(raw)["files"]
     except (ValueError, KeyError, TypeError, RecursionError) as e:
         raise CheckpointError(f"checkpoint {where}: {MARKER} is unreadable ({type(e).__name__}: {str(e)[:80]})") from None
     if not (isinstance(files, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in files.items())
@@ -281,7 +281,7 @@ def parse_state(raw: bytes, where, keys: tuple[str, ...] = STATE_KEYS) -> dict[s
     """A checkpoint's state.json in today's spelling, refused with one CheckpointError line when this version cannot
     use it: unreadable, a newer format, or lacking one of `keys` (never a KeyError later)."""
     try:
-        state = json.loads(raw)
+        state = fsio.loads(raw)
     except (ValueError, RecursionError) as e:
         raise CheckpointError(f"checkpoint {where}: state.json is unreadable ({e})") from None
     if not isinstance(state, dict) or not isinstance(state.get("train_config", {}), dict):
@@ -315,7 +315,7 @@ def check_output(path: Path) -> bool:
         return False
     try:
         raw = (path / MARKER).read_bytes()
-        kind = json.loads(raw).get("kind")
+        kind = fsio.loads(raw).get("kind")
         files = parse_marker(raw, path, weights=kind not in ("demo-tasks", "gguf"))
         # an export of an earlier minilm has no kind: weights beside a config, no resume state
         ours = (kind in EXPORT_KINDS or kind is None and "config.json" in files and "state.json" not in files) \
@@ -384,7 +384,7 @@ def open_weights(path: str | os.PathLike, device: str | torch.device = "cpu"):
     what = "checkpoint" if (path / "state.json").is_file() else "weights"
     state = read_state(path, ("optimizer_step", "model_config")) if what == "checkpoint" else None
     try:
-        raw = state["model_config"] if state else json.loads((path / "config.json").read_text())
+        raw = state["model_config"] if state else fsio.loads((path / "config.json").read_text())
         if not isinstance(raw, dict):
             raise CheckpointError(f"{what} {path}: its model_config is a {type(raw).__name__}, not a mapping of fields")
         config = ModelConfig.from_dict(raw).validate()

@@ -25,7 +25,7 @@ import pyarrow.fs as pafs
 
 from ..config import ModelConfig
 from ..errors import UsageError
-from ..fsio import fsync_dir, pid_alive, write_atomic
+from ..fsio import fsync_dir, loads, pid_alive, write_atomic
 from .files import MARKER, CheckpointError, parse_marker, parse_state, verify
 
 LEASE = "lease.json"
@@ -203,7 +203,7 @@ class Lease:
 
     def holder(self) -> dict | None:
         try:
-            held = json.loads(self.folder.read(LEASE) or b"null")
+            held = loads(self.folder.read(LEASE) or b"null")
         except (ValueError, OSError):
             return None
         # a lease another party wrote is trusted by type only: a host, a pid and a finite heartbeat, else none is held

@@ -9,7 +9,7 @@ import os
 import shutil
 from pathlib import Path
 
-from ..fsio import create, node_lock, publish, staged, write_atomic
+from ..fsio import create, loads, node_lock, publish, staged, write_atomic
 from ..safety import join_uri
 from .format import (
     MANIFEST,
@@ -51,7 +51,7 @@ def _open_remote(uri: str) -> PreparedData:
     except OSError as e:
         raise DataError(f"cannot read {join_uri(uri, MANIFEST)}: {e}") from None
     try:
-        manifest = json.loads(raw.decode("utf-8"))
+        manifest = loads(raw.decode("utf-8"))
     except (ValueError, RecursionError) as e:  # JSON, UTF-8, an integer of > 4300 digits, nesting past the stack
         raise DataError(f"{join_uri(uri, MANIFEST)} is not valid JSON ({e})") from None
     check_manifest(manifest, join_uri(uri, MANIFEST))
@@ -83,7 +83,7 @@ def open_prepared(path: str | os.PathLike, *, verify: bool = True) -> PreparedDa
     if not mpath.is_file():
         raise DataError(f"{path} has no {MANIFEST}: not a prepared dataset, or its prepare did not finish")
     try:
-        manifest = json.loads(mpath.read_text())
+        manifest = loads(mpath.read_text())
     except (ValueError, RecursionError) as e:  # also an integer of > 4300 digits, nesting past the stack
         raise DataError(f"{mpath} is not valid JSON ({e})") from None
     check_manifest(manifest, str(mpath))
