@@ -71,8 +71,10 @@ class Evaluator:
     def start(self) -> Evaluator:
         import ray
 
+        # scheduling_strategy="DEFAULT": a Tune trial's placement group (its one 0.1-CPU bundle) would capture the task
         self._remote = ray.remote(score_checkpoint).options(
             num_cpus=self.resources.get("CPU", 0), num_gpus=self.resources.get("GPU", 0), max_retries=0,
+            scheduling_strategy="DEFAULT",
             resources={k: v for k, v in self.resources.items() if k not in ("CPU", "GPU")} or None)
         self._tasks_ref = ray.put(self.tasks)
         self._thread.start()

@@ -156,8 +156,12 @@ class RayLaunch(run_plan.Launch):
         opts = plan.opts
         started_here = self.ray(opts)
         if opts.cpus_per_worker is None:
-            opts.cpus_per_worker = auto_cpus_per_worker(opts.workers[1] * self.concurrent_runs, started_here, opts,
-                                                        self.reserved_cpus)
+            # Each run's scoring and each further run's Ray Data (the first one's CPU is kept anyway) come first:
+            # workers that take them leave a validation stream or a scoring waiting for good.
+            runs = self.concurrent_runs
+            scoring = runs * opts.eval_resources.get("CPU", 0) if self.eval_tasks else 0
+            opts.cpus_per_worker = auto_cpus_per_worker(opts.workers[1] * runs, started_here, opts,
+                                                        self.reserved_cpus + scoring + runs - 1)
         missing = nodes_missing_path(Path(opts.storage_path)) if opts.run_dir else []
         if missing:
             raise UsageError(f"--storage-path {opts.storage_path} is not visible from {len(missing)} node(s) of this "

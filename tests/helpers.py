@@ -61,8 +61,13 @@ def make_prepared(out: Path, *, num_sequences: int, seq_len: int, vocab_size: in
 
 def run_module(module: str, args: list[str], env: dict | None = None, timeout: float = 300,
                check: bool = False) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    try:
+        proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:  # what it printed says where it hung
+        tail = [(b or b"").decode(errors="replace")[-4000:] if isinstance(b, bytes) else (b or "")[-4000:]
+                for b in (e.stdout, e.stderr)]
+        raise AssertionError(f"{module} ran past {timeout} s\nstdout:\n{tail[0]}\nstderr:\n{tail[1]}") from None
     if check and proc.returncode != 0:
         raise AssertionError(f"{module} exited {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\n"
                              f"stderr:\n{proc.stderr[-4000:]}")

@@ -150,9 +150,9 @@ CASES = [
     ("tune", ["--data", "{data}", *TINY, "--search", "lr=choice:1e-3", "--max-concurrent-trials", "50",
               "--workers-per-trial", "2"], "error: --max-concurrent-trials 50 x (--workers-per-trial 2 x "
      "--cpus-per-worker …) = … CPUs, but the cluster has 8; at most … concurrent trial(s) fit"),
-    ("tune", ["--data", "{data}", *TINY, "--search", "global_batch_size=choice:16,10"],
-     "error: --search global_batch_size: value 10 gives an invalid run: invalid configuration:\n"
-     "  - global_batch_size (10) must be a multiple of micro_batch_size (4)"),
+    ("tune", ["--data", "{data}", *TINY, "--search", "warmup_steps=choice:1,4"],
+     "error: --search warmup_steps: value 4 gives an invalid run: invalid configuration:\n"
+     "  - warmup_steps (4) must be smaller than the total optimizer steps (4)"),
     ("tune", ["--config", "{tmp}/sweep.yaml"], "error: --num-samples, --max-concurrent-trials, --workers-per-trial, "
      "--grace-steps: whole numbers, got '4', 1, 1, 1"),
     # From here: a message opening with "error: " is the whole of stderr (one ending in "…": its first line)
