@@ -163,8 +163,8 @@ def replay(model_cfg: ModelConfig, train_cfg: TrainConfig, data_dir: Path, recor
                                     train_cfg.schedule, train_cfg.decay_fraction)
         for group in optimizer.param_groups:
             group["lr"] = lr[step + 1] * group.get("lr_ratio", 1.0)
-        # every micro-batch of every rank in one process, each weighted by its share of the G sequences (G // m of
-        # them, all of m rows, where W divides the batch evenly): the gradient of the global batch's mean loss
+        # every micro-batch of every rank in one process (each rank's slice cut into micro-batches of at most m rows),
+        # each weighted by its share of the G sequences: the gradient of the global batch's mean loss
         lm_sum, aux_sum = torch.zeros(()), torch.zeros(())
         nan = model.lm_head.weight.register_hook(lambda g: g * float("nan")) if step + 1 in nan_at_steps else None
         for rank, r_ids in enumerate(rank_ids):

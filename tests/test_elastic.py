@@ -24,7 +24,9 @@ from safetensors.torch import load_file
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(900)]
 
-STEPS = 32  # 20 steps per epoch (240 sequences, global batch 12): the runs cross an epoch
+STEPS = 32  # 24 steps per epoch (240 sequences, global batch 10): the runs cross an epoch
+# Global batch 10 in micro-batches of 2: world size 3 takes uneven slices (4, 3, 3), 2 takes 5 + 5 in micro-batches
+# of 2, 2 and 1, so every resize changes how the same sequences are cut.
 # Test-speed settings for the simulated cluster (inherited by every Ray process it starts).
 CLUSTER_ENV = {
     "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "0.5",  # how often Ray Train looks for node drains (default 5)
@@ -59,7 +61,7 @@ assert ray.get(actor.__ray_call__.remote(lambda self: self.TICK_INTERVAL_S)) == 
 def run_args(data: Path, storage: Path, name: str, *extra: str) -> list[str]:
     return ["--data", str(data), "--seq-len", "32", "--vocab-size", "256", "--hidden-size", "64",
             "--num-hidden-layers", "2", "--num-attention-heads", "4", "--num-key-value-heads", "2",
-            "--max-steps", str(STEPS), "--warmup-steps", "2", "--micro-batch-size", "2", "--global-batch-size", "12",
+            "--max-steps", str(STEPS), "--warmup-steps", "2", "--micro-batch-size", "2", "--global-batch-size", "10",
             "--log-every", "4", "--checkpoint-every", "4", "--dtype", "fp32", "--run-dir", str(storage / name),
             "--num-workers", "1-3", "--resources-per-worker", "slot=1", "--max-failures", "6",
             "--elastic-check-seconds", "2", "--lr", "1e-3", "--cpus-per-worker", "1",
@@ -150,10 +152,10 @@ def check_exact_resume(run_dir: Path, ids_dir: Path, data: Path) -> None:
     independent replay's."""
     ids = final_ids_per_step(ids_dir)
     assert list(ids) == list(range(1, STEPS + 1))
-    epoch = [i for step in range(1, 21) for i in ids[step]]  # the first epoch: 20 steps
+    epoch = [i for step in range(1, 25) for i in ids[step]]  # the first epoch: 24 steps
     assert len(epoch) == len(set(epoch)) == 240  # none twice, none skipped (val_samples 0: all 240 train)
-    model_cfg, train_cfg = configs(max_steps=STEPS, micro_batch_size=2, global_batch_size=12)
-    # The replay accumulates all 6 micro-batches in one process; the run averages them over 2 or 3 ranks, float sums
+    model_cfg, train_cfg = configs(max_steps=STEPS, micro_batch_size=2, global_batch_size=10)
+    # The replay accumulates the 5 micro-batches in one process; the run averages them over 2 or 3 ranks, float sums
     # in another order, which Adam carries through 32 steps (5e-5 seen). The mistakes this catches (an lr one step
     # off, another sample order, a micro-batch lost in a resize) move the weights by 1e-2 and more.
     check_run(replay(model_cfg, train_cfg, data, ids_dir, STEPS), weights(run_dir), metrics(run_dir),
