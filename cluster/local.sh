@@ -10,6 +10,11 @@
 #   cluster/local.sh status
 #   cluster/local.sh stop             # stops THIS head only; other local Ray instances keep running
 #
+# Where a Prometheus binary is found (PROMETHEUS, else `prometheus` on PATH: Debian's `prometheus`
+# package), `start` also starts it on 127.0.0.1, scraping every node Ray lists in its service-discovery
+# file, and tells the dashboard (RAY_PROMETHEUS_HOST) so its Metrics view and the ray_minilm_* gauges
+# can be queried; `stop` ends it with the head. Set RAY_GRAFANA_HOST yourself for a Grafana of yours.
+#
 # `env` prints only values it has checked (an http://127.0.0.1:PORT address, an absolute token path of
 # plain characters), shell-quoted, so evaluating its output runs nothing that the state file could hold.
 #
@@ -18,6 +23,7 @@
 #                   another user owns it or others may write to it) [$XDG_RUNTIME_DIR/minilm-ray, else
 #                   ~/.cache/minilm/ray]; keep it short (unix socket paths under it)
 #   RAY_PORT [6379]  DASHBOARD_PORT [8265]  METRICS_PORT [8080]  NUM_CPUS [max(8, 2 x cores)]
+#   PROMETHEUS_PORT [9090]  PROMETHEUS_SCRAPE [5s]: its scrape interval
 #   DASHBOARD_AGENT_PORT, DASHBOARD_AGENT_GRPC_PORT, RUNTIME_ENV_AGENT_PORT, CLIENT_PORT: optional
 #   RAY  the ray CLI [ray on PATH, else .venv/bin/ray]; its folder goes first on PATH, so a job's
 #        `python` is the python that has Ray and this project
@@ -52,7 +58,7 @@ checked_state() {
     local line
     while IFS= read -r line; do
         case "$line" in
-            RAY_API_SERVER_ADDRESS=*|RAY_GCS_ADDRESS=*|METRICS_URL=*)
+            RAY_API_SERVER_ADDRESS=*|RAY_GCS_ADDRESS=*|METRICS_URL=*|PROMETHEUS_URL=*)
                 [[ "${line#*=}" =~ ^(http://)?127\.0\.0\.1:[0-9]{1,5}(/metrics)?$ ]] && echo "$line" ;;
             RAY_AUTH_TOKEN_PATH=*)
                 [[ "${line#*=}" =~ ^/[A-Za-z0-9._/+-]+$ ]] && echo "$line" ;;
@@ -67,6 +73,21 @@ find_ray() {
     elif [ -x "$HERE/../.venv/bin/ray" ]; then echo "$HERE/../.venv/bin/ray"
     else echo "error: no ray CLI (set RAY=/path/to/ray or activate the venv)" >&2; exit 2
     fi
+}
+
+find_prometheus() {
+    if [ -n "${PROMETHEUS:-}" ]; then echo "$PROMETHEUS"; else command -v prometheus || true; fi
+}
+
+# Prometheus for this head: Ray writes the nodes' metrics addresses into its session's discovery file.
+start_prometheus() {
+    local prom="$1" pport="$2"
+    mkdir -p "$DIR/prometheus"
+    printf '%s\n' "global:" "  scrape_interval: ${PROMETHEUS_SCRAPE:-5s}" "scrape_configs:" "  - job_name: ray" \
+        "    file_sd_configs:" "      - files: ['$DIR/ray/session_latest/prom_metrics_service_discovery.json']" \
+        >"$DIR/prometheus/prometheus.yml"
+    nohup "$prom" --config.file="$DIR/prometheus/prometheus.yml" --storage.tsdb.path="$DIR/prometheus/data" \
+        --web.listen-address="127.0.0.1:$pport" >"$DIR/prometheus/prometheus.log" 2>&1 &
 }
 
 # PIDs of this head: the processes `ray start` launched (they inherit our marker variable) and all
@@ -138,16 +159,26 @@ cmd_start() {
     # the raylet and the metrics port listen on every interface.
     export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
     export RAY_TRAIN_ENABLE_STATE_TRACKING="${RAY_TRAIN_ENABLE_STATE_TRACKING:-1}"
+    local prom pport="${PROMETHEUS_PORT:-9090}"
+    prom="$(find_prometheus)"
+    if [ -n "$prom" ]; then export RAY_PROMETHEUS_HOST="http://127.0.0.1:$pport"; fi  # read by the dashboard
     "$ray_bin" "${args[@]}"
+    if [ -n "$prom" ]; then start_prometheus "$prom" "$pport"; fi
     (umask 077 && {
         echo "RAY_API_SERVER_ADDRESS=http://127.0.0.1:$dport"
         echo "RAY_GCS_ADDRESS=127.0.0.1:$port"
         echo "METRICS_URL=http://127.0.0.1:$mport/metrics"
         if [ -n "${RAY_AUTH_TOKEN_PATH:-}" ]; then echo "RAY_AUTH_TOKEN_PATH=$RAY_AUTH_TOKEN_PATH"; fi
+        if [ -n "$prom" ]; then echo "PROMETHEUS_URL=http://127.0.0.1:$pport"; fi
     } >"$STATE")
     echo
     echo "head started: dashboard http://127.0.0.1:$dport (token required)," \
          "metrics http://127.0.0.1:$mport/metrics"
+    if [ -n "$prom" ]; then
+        echo "prometheus http://127.0.0.1:$pport (try: ray_minilm_loss); its log: $DIR/prometheus/prometheus.log"
+    else
+        echo "no prometheus binary (apt-get install prometheus, or set PROMETHEUS=...): metrics are not kept"
+    fi
     echo "submit jobs from this shell after:  eval \"\$($0 env)\""
 }
 

@@ -26,6 +26,7 @@ import tempfile
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -79,6 +80,7 @@ class Head:
     metrics_url: str
     gcs_address: str
     home: Path  # an empty HOME: no ~/.ray/auth_token to fall back on
+    prometheus: str  # http://127.0.0.1:PORT, the Prometheus local.sh starts beside the head
     started_s: float = 0.0
     jobs: dict = field(default_factory=dict)
 
@@ -141,18 +143,19 @@ def _local_sh(verb: str, env: dict, timeout: float = 240) -> subprocess.Complete
 def head():
     # A short temp dir: Ray's unix socket paths live under it.
     base = Path(tempfile.mkdtemp(prefix="mljs-", dir="/tmp"))
-    port, dport, mport, agent, agent_grpc, renv, client = free_ports(7)
+    port, dport, mport, agent, agent_grpc, renv, client, pport = free_ports(8)
     home = base / "home"
     home.mkdir()
     env = clean_env(MINILM_RAY_DIR=str(base / "head"), RAY=RAY_CLI, NUM_CPUS="8", RAY_PORT=str(port),
                     DASHBOARD_PORT=str(dport), METRICS_PORT=str(mport), DASHBOARD_AGENT_PORT=str(agent),
                     DASHBOARD_AGENT_GRPC_PORT=str(agent_grpc), RUNTIME_ENV_AGENT_PORT=str(renv),
-                    CLIENT_PORT=str(client), RAY_AUTH_TOKEN_PATH=str(base / "token"), HOME=str(home))
+                    CLIENT_PORT=str(client), RAY_AUTH_TOKEN_PATH=str(base / "token"), HOME=str(home),
+                    PROMETHEUS_PORT=str(pport), PROMETHEUS_SCRAPE="1s")
     t0 = time.time()
     started = _local_sh("start", env)
     h = Head(dir=base, token_path=base / "token", dashboard=f"http://127.0.0.1:{dport}", dashboard_port=dport,
              metrics_url=f"http://127.0.0.1:{mport}/metrics", gcs_address=f"127.0.0.1:{port}", home=home,
-             started_s=time.time() - t0)
+             prometheus=f"http://127.0.0.1:{pport}", started_s=time.time() - t0)
     try:
         assert started.returncode == 0, \
             f"local.sh start failed:\n{started.stdout[-3000:]}\n{started.stderr[-3000:]}"
@@ -353,6 +356,43 @@ def test_custom_metrics_are_exported_for_prometheus(head, first_job):
     assert math.isfinite(values["ray_minilm_loss"]) and values["ray_minilm_loss"] > 0
     assert values["ray_minilm_tokens_per_s"] > 0 and values["ray_minilm_lr"] > 0
     assert 0 <= values["ray_minilm_mfu"] < 1
+
+
+def prometheus_query(head: Head, path: str) -> dict:
+    with urllib.request.urlopen(head.prometheus + path, timeout=30) as r:
+        body = json.loads(r.read())
+    assert body["status"] == "success", body
+    return body["data"]
+
+
+@pytest.mark.skipif(not shutil.which("prometheus"), reason="no prometheus binary: apt-get install prometheus "
+                    "(.ci/run does)")
+def test_a_real_prometheus_holds_the_job_s_gauges_and_every_dashboard_query(head, first_job):
+    # local.sh started Prometheus beside the head (scraping every second here) and told the dashboard where it is
+    from test_grafana_dashboard import DASHBOARD, gauges_in, queries
+
+    status, body = head.api("/api/prometheus_health")
+    assert status == 200, body[:300]
+    run = first_job["name"]
+    deadline, values = time.time() + 120, {}
+    while time.time() < deadline:
+        values = {}
+        for gauge in REQUIRED_GAUGES:
+            query = urllib.parse.quote(f'ray_minilm_{gauge}{{run="{run}"}}')
+            for sample in prometheus_query(head, f"/api/v1/query?query={query}")["result"]:
+                values[gauge] = float(sample["value"][1])
+        if len(values) == len(REQUIRED_GAUGES) and values["optimizer_step"] >= 2:
+            break
+        time.sleep(2)
+    assert set(values) == set(REQUIRED_GAUGES), f"not in Prometheus: {sorted(set(REQUIRED_GAUGES) - set(values))}"
+    assert values["optimizer_step"] >= 2 and values["samples_seen"] > 0 and values["tokens_per_s"] > 0
+    assert math.isfinite(values["loss"]) and values["loss"] > 0 and 0 <= values["mfu"] < 1
+    # Every gauge a panel of the shipped Grafana dashboard queries is a series Prometheus holds for this run
+    match = urllib.parse.quote(f'{{run="{run}"}}')
+    held = set(prometheus_query(head, f"/api/v1/label/__name__/values?match[]={match}"))
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    wanted = {name for panel in panels for expr in queries(panel) for name in gauges_in(expr)}
+    assert wanted and wanted <= held, f"queried by the dashboard, not in Prometheus: {sorted(wanted - held)}"
 
 
 class _TokenProxy:
