@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 
 setup: $(STAMP)
 
-# The CPU build of torch goes in first so the project's `torch>=2.6` is already met
+# The CPU build of torch goes in first so the project's `torch>=2.11` is already met
 # (a plain `pip install torch` can pull a multi-GB CUDA build).
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)

@@ -36,7 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 IMAGE_PACKAGES = Path(__file__).with_name("gpu_image_packages.txt")
-RAY_VERSION = "2.60.0"  # this project's (pyproject: ray[...]>=2.60, Train V2)
+RAY_VERSION = "2.60.0"  # this project's pin (pyproject: ray[...]==2.60.0; tests/test_package.py)
 REQUIREMENTS = ("ray[train,tune,data]=={ray}",)
 # Parts of Ray's wheel that the check never loads: Java workers (no JVM there), the dashboard's web page (the
 # check starts no dashboard; its API needs none of these files).
