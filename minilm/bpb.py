@@ -1,10 +1,8 @@
-"""Bits per byte: held-out cross-entropy that compares models with different tokenizers fairly.
+"""Bits per byte, held-out cross-entropy that compares models with different tokenizers fairly:
 
     bits per byte = (sum of next-token cross-entropy in nats) / ln 2 / (UTF-8 bytes those tokens spell)
 
-Every byte-level BPE token spells fixed bytes, so the bytes of a target are a table lookup
-(`token_byte_lengths`); special tokens spell none and count in neither sum. `score_rows` scores
-training rows (`val_bpb`); `evaluate_documents` scores whole documents from their start (`bench.minimind` scores with it).
+A byte-level BPE token spells fixed bytes (`token_byte_lengths`); special tokens spell none and count in neither sum.
 """
 
 from __future__ import annotations
@@ -22,11 +20,8 @@ import torch
 
 @lru_cache(maxsize=1)
 def byte_level_alphabet() -> dict[str, int]:
-    """The printable character a byte-level BPE writes for each byte value, mapped back to the byte.
-
-    GPT-2's convention, which HF `tokenizers`' ByteLevel follows: printable Latin-1 bytes stand for
-    themselves, the others are shifted to code points 256 and up, in byte order.
-    """
+    """{the character a byte-level BPE writes for a byte: the byte}. GPT-2's convention (HF ByteLevel): printable
+    Latin-1 bytes stand for themselves, the others are shifted to code points 256 and up, in byte order."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     char_to_byte = {chr(b): b for b in printable}
     shifted = 0
@@ -87,11 +82,8 @@ def _targets_nats(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.T
 @torch.no_grad()
 def score_rows(model: torch.nn.Module, rows: torch.Tensor, byte_lengths: torch.Tensor, *,
                autocast_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(nats, bytes) summed over the text targets of `rows` (n, seq_len + 1), as in training.
-
-    Both stay on the device, so no host sync: sum them over batches and workers, then `bits_per_byte`.
-    The model is used as it is (call `model.eval()` first).
-    """
+    """(nats, bytes) summed over the text targets of `rows` (n, seq_len + 1), on the device (no host sync), by the
+    model as it is (call `model.eval()` first)."""
     byte_lengths = byte_lengths.to(rows.device)
     targets = rows[:, 1:]
     nbytes = byte_lengths[targets]
@@ -100,11 +92,8 @@ def score_rows(model: torch.nn.Module, rows: torch.Tensor, byte_lengths: torch.T
 
 
 def document_windows(ids: Sequence[int], window: int, stride: int) -> list[tuple[list[int], int]]:
-    """Sliding windows over one token sequence: [(tokens, first_scored_target), ...].
-
-    Every target ids[1:] is scored exactly once, and after the first window with at least
-    `window - stride` earlier tokens of context.
-    """
+    """Sliding windows over one token sequence, [(tokens, first_scored_target), ...]: every target ids[1:] is scored
+    once, after the first window with at least `window - stride` earlier tokens of context."""
     if not 0 < stride < window:
         raise ValueError(f"need 0 < stride < window, got stride {stride}, window {window}")
     out: list[tuple[list[int], int]] = []
@@ -123,11 +112,8 @@ def document_windows(ids: Sequence[int], window: int, stride: int) -> list[tuple
 def evaluate_documents(model: torch.nn.Module, documents: Sequence[Sequence[int]], byte_lengths: np.ndarray, *,
                        prefix: Sequence[int], window: int, stride: int | None = None, batch_size: int = 16,
                        device: str | torch.device = "cpu", autocast_dtype: torch.dtype | None = None) -> dict:
-    """Bits per byte of `documents` (token ids, without special tokens), each read as prefix + document.
-
-    `prefix` is the training format's document start ([BOS], or [EOS] for packed rows). Windows are
-    right-padded, which a causal model never sees. Returns {"bpb", "nats", "bytes", "tokens", "windows"}.
-    """
+    """{"bpb", "nats", "bytes", "tokens", "windows"} of `documents` (token ids, no special tokens), each read as
+    `prefix` (the training format's document start) + document, in right-padded windows."""
     stride = stride or window // 2
     pieces: list[tuple[list[int], int]] = []
     for doc in documents:

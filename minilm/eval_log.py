@@ -1,12 +1,7 @@
-"""The eval log (RUN/eval.jsonl, or `ray_jobs.evaluate --output`): its records read and appended, and handed on as
-the run's metrics.
-
-The evaluator (`ray_jobs.evaluator`, in the driver) appends one record per (checkpoint, task) to RUN/eval.jsonl, the
-records of `ray_jobs.evaluate`. Rank 0 reads what is new at each log step (`EvalInbox.poll`) and hands each record
-on, once, as `eval/<task>/<metric>` at the checkpoint's step: to metrics.jsonl, the trackers and Ray's report. It
-never waits for a score, except for those of the last checkpoint after the last step (`EvalInbox.wait_for`).
-Scores are keyed by the checkpoint's weights SHA-256: after a rollback, the abandoned branch's score of a step is
-never taken for the new run's (a record without one, of an older minilm, is nobody's).
+"""The eval log (RUN/eval.jsonl, or `ray_jobs.evaluate --output`): one record per (checkpoint, task), appended by the
+evaluator. Rank 0 reads what is new at each log step (`EvalInbox.poll`) and hands each score on once, as
+`eval/<task>/<metric>` at the checkpoint's step, waiting only for the last checkpoint's (`EvalInbox.wait_for`).
+Scores are keyed by the weights SHA-256: an abandoned branch's score of a step is never taken for the new run's.
 """
 
 from __future__ import annotations
@@ -41,10 +36,8 @@ def read_records(path: Path, offset: int = 0) -> tuple[list[dict], int]:
 
 
 def scored_keys(path: Path) -> set[tuple]:
-    """The (step, weights SHA-256, task fingerprint) of every score in `path`; a scoring that failed (an `error`
-    record) is tried again, as is one without a weights hash (an older minilm's). A line that is not a record of
-    `ray_jobs.evaluate` is a UsageError; a torn last line (a killed writer's) is passed over, and ended by the next
-    append."""
+    """The (step, weights SHA-256, task fingerprint) of every score in `path` (an `error` record is no score); a line
+    that is not a record of `ray_jobs.evaluate` is a UsageError, a torn last line is passed over."""
     def score_key(r) -> tuple | None:
         key = None if "error" in r else (r["step"], r.get("weights_sha256"), r["fingerprint"])
         hash(key)  # an unhashable value (TypeError) makes no record either
@@ -57,17 +50,14 @@ def scored_keys(path: Path) -> set[tuple]:
 
 
 def append_records(path: Path, records: list[dict], done: set[tuple]) -> None:
-    """One line per record, as each checkpoint finishes (an interrupted evaluation keeps what it scored); the scores
-    join `done`, the set `scored_keys` read."""
+    """One line per record (an interrupted evaluation keeps what it scored); the scores join `done` (`scored_keys`)."""
     append_jsonl(path, records, ensure_ascii=False)
     done.update((r["step"], r["weights_sha256"], r["fingerprint"]) for r in records if "error" not in r)
 
 
 class EvalInbox:
-    """Rank 0's reader of RUN/eval.jsonl. `weights()` names the weights of the run folder's checkpoints ({name: weights
-    SHA-256}: the run's own branch, a rollback moves the newer ones aside); a score is forwarded only when its
-    weights are one of those. `forwarded` holds the (step, task, weights) metrics.jsonl has already (read from it at
-    start, so a restarted worker or a resubmitted driver forwards each record once)."""
+    """Rank 0's reader of RUN/eval.jsonl: a score is forwarded only for weights of the run's own checkpoints
+    (`weights()`: {name: weights SHA-256}), and once (`forwarded`, read from metrics.jsonl at the start)."""
 
     def __init__(self, run_dir: str | os.PathLike, tasks: list[str], metrics_records: list[dict],
                  weights: Callable[[], dict[str, str]] = dict):
@@ -85,9 +75,8 @@ class EvalInbox:
         self.own.update((int(n.split("_")[1]), sha) for n, sha in self.weights().items())
 
     def poll(self, step: int) -> list[dict]:
-        """This branch's scores not yet forwarded, of checkpoints at or before `step` (a later one is of steps about to
-        be redone after a restart), as metrics.jsonl records: {"optimizer_step", "eval_task", "weights_sha256",
-        "eval/<task>/...": v}."""
+        """This branch's scores not yet forwarded, of checkpoints at or before `step` (a later one's steps are about to
+        be redone), as metrics.jsonl records {"optimizer_step", "eval_task", "weights_sha256", "eval/<task>/...": v}."""
         size = self.path.stat().st_size if self.path.exists() else 0
         if size != self._size:
             self._size = size
@@ -127,5 +116,3 @@ class EvalInbox:
                 return out
             time.sleep(poll_s)
 
-
-__all__ = ["EVAL_LOG", "EvalInbox", "append_records", "eval_metrics", "read_records", "scored_keys"]

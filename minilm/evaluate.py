@@ -1,9 +1,8 @@
-"""Evaluation beyond loss: what a checkpoint does on fixed tasks, away from the training path.
+"""Evaluation beyond loss: what a checkpoint does on fixed tasks (minilm.tasks'), away from the training path.
 
-The tasks (their files and the task list) are minilm.tasks'. A multiple-choice item is scored as lm-eval-harness does: the log-likelihood of each choice's tokens after the
-context, `acc` taking the largest sum and `acc_norm` the largest per UTF-8 byte of the choice. A malformed item is
-one TaskError line naming the file and line, never a skip. `evaluate_checkpoint(path, tasks)` is the whole
-per-checkpoint job: plain arguments in, plain records out, so it can run in-process or as a Ray task.
+A multiple-choice item is scored as lm-eval-harness does: the log-likelihood of each choice's tokens after the
+context. `evaluate_checkpoint(path, tasks)` is the whole per-checkpoint job: plain arguments in, plain records out,
+so it can run in-process or as a Ray task.
 """
 
 from __future__ import annotations
@@ -20,21 +19,14 @@ from . import checkpoint as C
 from .bpb import evaluate_documents, token_byte_lengths
 from .config import TrainConfig
 from .model import MiniMindForCausalLM
-from .tasks import (  # noqa: F401  (re-exported: the task names every caller imports from here)
+from .tasks import (  # noqa: F401  (load_tasks, read_*: re-exported, the task names callers import from here)
     FEWSHOT_SEPARATOR,
-    LETTERS,
-    OPTIONS,
-    READERS,
     ChoiceItem,
     Task,
     TaskError,
-    load_task,
     load_tasks,
     read_choice,
-    read_documents,
     read_hellaswag,
-    read_prompts,
-    task_options,
 )
 from .tokenizer import BOS_ID, EOS_ID
 
@@ -44,11 +36,8 @@ from .tokenizer import BOS_ID, EOS_ID
 def choice_loglikelihoods(model: torch.nn.Module, tokenizer, items: list[ChoiceItem], *, prefix: str = "",
                           max_len: int | None = None, batch_size: int = 16,
                           device: str | torch.device = "cpu") -> list[list[float]]:
-    """For each item, the log-likelihood (nats) of each choice's tokens given [BOS] + prefix + context.
-
-    The context is cut from the left when a sequence would pass `max_len` tokens. Sequences are right-padded,
-    which a causal model never sees; positions outside the choice have no target (-100).
-    """
+    """For each item, the log-likelihood (nats) of each choice's tokens given [BOS] + prefix + context, the context
+    cut from the left to fit `max_len` tokens (right-padded: positions outside the choice have no target, -100)."""
     max_len = max_len or model.config.max_position_embeddings
     requests = []  # (item, choice, ids, number of choice tokens)
     for i, item in enumerate(items):
@@ -78,8 +67,7 @@ def choice_loglikelihoods(model: torch.nn.Module, tokenizer, items: list[ChoiceI
 
 
 def choice_metrics(items: list[ChoiceItem], loglik: list[list[float]]) -> dict[str, float]:
-    """`acc`: the most likely choice is right; `acc_norm`: the most likely per UTF-8 byte (longer choices are not
-    penalised for their length); both averaged over the items."""
+    """`acc`: the most likely choice is right; `acc_norm`: the most likely per UTF-8 byte (not penalising length)."""
     acc = acc_norm = 0
     for item, ll in zip(items, loglik, strict=True):
         per_byte = [v / max(1, len(c.encode("utf-8"))) for v, c in zip(ll, item.choices, strict=True)]
@@ -109,8 +97,7 @@ def greedy_continuations(model: MiniMindForCausalLM, tokenizer, prompts: list[st
 
 @dataclass
 class Checkpoint:
-    """What a record names a checkpoint by: its folder, optimizer step (None for a weights export outside a
-    checkpoint) and the SHA-256 of its weights (from its marker: no hashing here)."""
+    """What a record names a checkpoint by (`step` None: a weights export outside a checkpoint)."""
     path: Path
     step: int | None
     weights_sha256: str
@@ -140,8 +127,7 @@ def identify(path: str | os.PathLike) -> Checkpoint:
 
 def find_tokenizer(checkpoint: Checkpoint, given: str | os.PathLike | None) -> Path:
     """--tokenizer, else the checkpoint's own tokenizer.json (in its weights/ export, or the export's), else that of
-    another checkpoint of its run folder: with --export-every N only every N-th has one, and a run keeps its
-    tokenizer (`checkpoint.open_tokenizer` holds it to the checkpoint's SHA-256)."""
+    another checkpoint of its run folder (with --export-every N only every N-th has one; a run keeps its tokenizer)."""
     if given:
         return Path(given)
     own = [checkpoint.path / "weights" / "tokenizer.json", checkpoint.path / "tokenizer.json"]
@@ -205,8 +191,3 @@ def run_task(task: Task, model: MiniMindForCausalLM, tokenizer, tokenizer_path: 
 def format_metrics(metrics: dict[str, float]) -> str:
     return "  ".join(f"{k} {v:.4f}" if isinstance(v, float) and not math.isnan(v) else f"{k} {v}"
                      for k, v in metrics.items())
-
-
-__all__ = ["ChoiceItem", "Checkpoint", "Task", "TaskError", "choice_loglikelihoods", "choice_metrics",
-           "evaluate_checkpoint", "fewshot_prefix", "find_tokenizer", "format_metrics", "greedy_continuations",
-           "identify", "load_tasks", "read_choice", "read_documents", "read_hellaswag", "read_prompts"]

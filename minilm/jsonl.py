@@ -13,11 +13,9 @@ from .fsio import loads
 
 def read_jsonl(path: str | os.PathLike, offset: int = 0, *, live: bool = False, record: Callable = lambda r: r,
                bad_line: Callable[[int], None] | None = None) -> tuple[list, int]:
-    """The records of the lines of `path` after byte `offset` ([] with no file), and the offset after the last line
-    read; with `live` a writer may be at work, and a last line without its newline is left for the next read.
-    `record(value)` makes a line's JSON value the caller's record (None: left out). A line that is not JSON (a torn
-    last line), or that `record` refuses (ValueError, KeyError, TypeError), is passed over, or its number (from
-    `offset`) goes to `bad_line`, which may raise."""
+    """The records of the lines of `path` after byte `offset`, and the offset after the last line read (with `live`, a
+    last line without its newline is left for the next read). `record(value)` makes a line's JSON value the caller's
+    record (None: left out); a line that is not JSON, or that `record` refuses, is passed over or goes to `bad_line`."""
     try:
         with open(path, "rb") as f:
             f.seek(offset)

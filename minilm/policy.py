@@ -29,10 +29,9 @@ class Decision:
 
 
 class LoopPolicy:
-    """Turns each step's signals into a `Decision`, and raises (`checkpoints.raise_failure`, `on_nonfinite`) on every
-    rank at the same step. Sources: `stop_flags() -> (SIGTERM, drain)`, `nonfinite() -> 0-dim device tensor`, and
-    the checkpoint owner (`checkpoints`: its `cadence`, `failed()`). --exit-after-minutes counts from `started_at`
-    (the entry point's start, on `clock`'s scale), so a restarted worker group keeps the job's deadline."""
+    """Turns each step's signals (`stop_flags() -> (SIGTERM, drain)`, `nonfinite()`, the checkpoints' cadence and
+    `failed()`) into a `Decision`, and raises on every rank at the same step. --exit-after-minutes counts from
+    `started_at` (the entry point's start), so a restarted worker group keeps the job's deadline."""
 
     def __init__(self, collectives, checkpoints, *, total_steps: int, log_every: int, eval_every: int | None,
                  stop_flags, nonfinite, on_nonfinite, exit_after_steps: int | None = None,

@@ -40,36 +40,31 @@ def measured_matmul_peak(dtype: torch.dtype = torch.float32, n: int = 1024, repe
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(n, n, generator=gen, device="cpu").to(device=device, dtype=dtype)
     b = torch.randn(n, n, generator=gen, device="cpu").to(device=device, dtype=dtype)
-    inner = 10 if device.type == "cuda" else 1
+    cuda = device.type == "cuda"
+    inner = 10 if cuda else 1
     a @ b  # warm-up: thread pool, kernel selection
-    _synchronize(device)
+    if cuda:
+        torch.cuda.synchronize(device)
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
         for _ in range(inner):
             a @ b
-        _synchronize(device)
+        if cuda:
+            torch.cuda.synchronize(device)
         best = min(best, (time.perf_counter() - t0) / inner)
     return 2 * n**3 / best
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def datasheet_peak(device_name: str, dtype: torch.dtype) -> float | None:
     """Peak FLOP/s of the GPU named `device_name` in `dtype` (None: not listed); fp32 runs in TF32, at half
     the 16-bit rate (minilm.step.configure_backends turns it on)."""
     peak = GPU_PEAK_BF16.get(device_name)
-    if peak is None:
-        return None
-    return peak / 2 if dtype == torch.float32 else peak
+    return peak / 2 if peak is not None and dtype == torch.float32 else peak
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype, device_name: str | None = None) -> float:
-    """MFU's denominator: a listed GPU's data-sheet peak, else a matmul peak measured on `device` (`device_name`
-    defaults to torch.cuda.get_device_name's)."""
+    """MFU's denominator: a listed GPU's data-sheet peak, else a matmul peak measured on `device`."""
     device = torch.device(device)
     if device.type != "cuda":
         return measured_matmul_peak(dtype, device=device)

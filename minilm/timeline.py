@@ -1,22 +1,16 @@
-"""The world-size timeline of a run and the work lost at each restart (`world_size.csv`).
+"""The world-size timeline of a run and the work lost at each restart (`world_size.csv` in the run folder).
 
-An elastic run (Ray Train's `--num-workers MIN-MAX`, or torchrun's restarts) is resized by restarting
-the worker group from the latest checkpoint. Every (re)start of the group is one row of
-`world_size.csv` in the run folder, written by rank 0:
-
-    time,optimizer_step,world_size,accumulation_steps,event,redone_steps
-
-`event` is start (a fresh run), restart (same world size: a failure, or a new job continuing the
-run), shrink or grow (the world size changed), preempt (SIGTERM: a checkpoint was written at the
-step boundary before exit) or finish. `redone_steps` is the lost work of that restart: the
-optimizer steps the previous worker group had completed past the checkpoint it resumed from,
-known because rank 0 keeps the last completed step in `last_optimizer_step` next to the CSV. That file
-is written at every log step (not every step: it may sit on a network filesystem), so a worker group
-that dies abruptly is counted up to its last log step.
+Rank 0 writes one row per (re)start of the worker group (an elastic run is resized by restarting it from the latest
+checkpoint): time, optimizer_step, world_size, accumulation_steps, event, redone_steps. `event` is start, restart
+(a failure, or a new job continuing the run), shrink or grow (the world size changed), preempt (SIGTERM: a checkpoint
+was written first), exit or finish. `redone_steps` is the work lost: the optimizer steps the previous group completed
+past the checkpoint it resumed from, as `last_optimizer_step` says. That file is written at every log step (not every
+step: it may sit on a network filesystem), so a group that dies abruptly is counted up to its last log step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import time
 from pathlib import Path
@@ -40,17 +34,10 @@ class WorldSizeTimeline:
         with open(self.path, newline="") as f:
             rows = []
             for r in csv.DictReader(f):
-                try:  # a row torn by a killed process lacks its last fields (None): int(None) passes it over
+                # a row torn by a killed process lacks its last fields (None): int(None) passes it over
+                with contextlib.suppress(KeyError, TypeError, ValueError):
                     rows.append({name: kind(r[name]) for name, kind in FIELDS.items()})
-                except (KeyError, TypeError, ValueError):
-                    continue
             return rows
-
-    def last_completed_step(self) -> int | None:
-        try:
-            return int(self.last_step_path.read_text())
-        except (OSError, ValueError):
-            return None
 
     def step_done(self, optimizer_step: int) -> None:
         """Called by rank 0 at every log step: a few bytes."""
@@ -59,24 +46,21 @@ class WorldSizeTimeline:
     def record_start(self, optimizer_step: int, world_size: int, accumulation_steps: int, resumed: bool) -> dict:
         """Append the row for a (re)start of the worker group at `optimizer_step`; return it."""
         previous = self.rows()
-        if not resumed or not previous:
-            event = "start" if not resumed else "restart"
-        else:
-            before = previous[-1]["world_size"]
-            event = "grow" if world_size > before else "shrink" if world_size < before else "restart"
-        reached = self.last_completed_step()
-        redone = max(0, reached - optimizer_step) if resumed and reached is not None else 0
-        return self._append(optimizer_step, world_size, accumulation_steps, event, redone)
-
-    def record(self, optimizer_step: int, world_size: int, accumulation_steps: int, event: str) -> dict:
-        return self._append(optimizer_step, world_size, accumulation_steps, event, 0)
+        was = previous[-1]["world_size"] if resumed and previous else world_size
+        event = "grow" if world_size > was else "shrink" if world_size < was else "restart" if resumed else "start"
+        try:  # the steps the previous group completed past this checkpoint
+            redone = max(0, int(self.last_step_path.read_text()) - optimizer_step) if resumed else 0
+        except (OSError, ValueError):
+            redone = 0
+        return self.record(optimizer_step, world_size, accumulation_steps, event, redone)
 
     def redone_steps_total(self) -> int:
         return sum(r["redone_steps"] for r in self.rows())
 
-    def _append(self, optimizer_step, world_size, accumulation_steps, event, redone) -> dict:
+    def record(self, optimizer_step: int, world_size: int, accumulation_steps: int, event: str,
+               redone_steps: int = 0) -> dict:
         row = {"time": round(time.time(), 3), "optimizer_step": optimizer_step, "world_size": world_size,
-               "accumulation_steps": accumulation_steps, "event": event, "redone_steps": redone}
+               "accumulation_steps": accumulation_steps, "event": event, "redone_steps": redone_steps}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         new = not self.path.is_file()
         with open(self.path, "a", newline="") as f:

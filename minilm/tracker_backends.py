@@ -1,7 +1,6 @@
-"""The tracker backends, one class per kind, each opening (or continuing) one tracker run on rank 0, and what they
-share with `minilm.trackers` (which decides which to open and what to log): the packages each kind needs, the one-line
-TrackerError, MLflow's store. Each backend imports its package only when it opens.
-"""
+"""The tracker backends, one class per kind, each opening (or continuing) one tracker run on rank 0 and importing its
+package only then; and what they share with `minilm.trackers`: the packages each kind needs, TrackerError, MLflow's
+store."""
 
 from __future__ import annotations
 
@@ -65,10 +64,8 @@ def tensorboard_dir(run_dir: str | os.PathLike | None) -> Path:
 
 
 def mlflow_tracking_uri(options: Mapping[str, Any], run_dir: str | os.PathLike | None) -> str:
-    """`--mlflow-uri` (a plain path ending in .db: a SQLite file there), or SQLite in the run folder.
-
-    SQLite, because MLflow 3 refuses its old file store unless MLFLOW_ALLOW_FILE_STORE=true.
-    """
+    """`--mlflow-uri` (a plain path ending in .db: a SQLite file there), or SQLite in the run folder (MLflow 3 refuses
+    its old file store unless MLFLOW_ALLOW_FILE_STORE=true)."""
     uri = options.get("mlflow_uri")
     if not uri:
         if run_dir is None:
@@ -92,30 +89,14 @@ def flatten_hparams(hparams: Mapping[str, Any], prefix: str = "") -> dict[str, s
         name = f"{prefix}{key}"
         if isinstance(value, Mapping):
             out.update(flatten_hparams(value, name + "."))
-        elif value is None:
-            continue
-        elif isinstance(value, (str, int, float, bool)):
-            out[name] = value
-        else:
-            out[name] = json.dumps(value, default=str)
+        elif value is not None:
+            out[name] = value if isinstance(value, (str, int, float, bool)) else json.dumps(value, default=str)
     return out
 
 
-def open_backend(kind: str, *, run_path: Path | None, start_step: int, saved: dict, run_name: str,
-                 hparams: dict, opts: dict, say: Callable[[str], None]) -> Backend:
-    """Open the tracker run of one kind; `saved` is the resume state of each kind."""
-    if kind == "tensorboard":
-        return TensorBoard(tensorboard_dir(run_path), start_step, hparams)
-    if kind == "mlflow":
-        return MLflow(mlflow_tracking_uri(opts, run_path), saved.get("mlflow"), run_name, hparams, opts, run_path, say)
-    return Wandb(saved.get("wandb"), run_name, hparams, opts, run_path)
-
-
 class Backend:
-    """One tracker run: `write(scalars, step)`, `state()` (its resume state), `describe()`, `close(outcome)`.
-
-    `high_water`: steps at or below it are already in the tracker and not logged again.
-    """
+    """One tracker run: `write(scalars, step)`, `state()` (its resume state), `describe()`, `close(outcome)`;
+    steps at or below `high_water` are already in the tracker and not logged again."""
 
     kind = ""
     high_water = -1
@@ -141,10 +122,8 @@ class TensorBoard(Backend):
         self.writer = tbx.SummaryWriter(logdir=str(run_dir), purge_step=purge_step, flush_secs=30,
                                         filename_suffix=f".{time.time_ns()}")
         self.high_water = start_step
-        if self.new_run:
-            self._write_hparams(hparams)
-
-    def _write_hparams(self, hparams: dict) -> None:
+        if not self.new_run:
+            return
         from tensorboardX.summary import hparams as hparams_summary
 
         flat = flatten_hparams(hparams)
@@ -243,12 +222,8 @@ class MLflow(Backend):
                 experiment_id = self.client.create_experiment(name, artifact_location=location)
             except MlflowException:  # another trial of a sweep created it first
                 experiment_id = self.client.get_experiment_by_name(name).experiment_id
-        tags = {"minilm.run_name": run_name}
-        if opts.get("group"):
-            tags["minilm.group"] = str(opts["group"])
-        code = hparams.get("git_commit")
-        if code:
-            tags["mlflow.source.git.commit"] = str(code)
+        optional = {"minilm.group": opts.get("group"), "mlflow.source.git.commit": hparams.get("git_commit")}
+        tags = {"minilm.run_name": run_name, **{k: str(v) for k, v in optional.items() if v}}
         run_id = self.client.create_run(experiment_id, run_name=run_name, tags=tags).info.run_id
         params = [Param(k, str(v)[:500]) for k, v in flatten_hparams(hparams).items()]
         for i in range(0, len(params), 100):  # log_batch takes at most 100 params a call
@@ -284,7 +259,8 @@ class Wandb(Backend):
     def __init__(self, saved: dict | None, run_name: str, hparams: dict, opts: dict, run_dir: Path | None):
         wandb = import_tracker("wandb", *REQUIRED["wandb"])
         resuming = bool(saved and saved.get("run_id"))
-        self.run_id = saved["run_id"] if resuming else wandb_run_id(run_name)
+        slug = re.sub(r"[^a-z0-9_-]+", "-", run_name.lower()).strip("-")[:48] or "run"  # W&B ids avoid / \ # ? % :
+        self.run_id = saved["run_id"] if resuming else f"{slug}-{secrets.token_hex(4)}"  # readable and unique
         if run_dir is not None:
             run_dir.mkdir(parents=True, exist_ok=True)
         try:
@@ -325,9 +301,3 @@ class Wandb(Backend):
 
     def close(self, outcome: str) -> None:
         self.run.finish(exit_code=0 if outcome == "finished" else 1)
-
-
-def wandb_run_id(run_name: str) -> str:
-    """A readable, unique W&B run id (W&B ids must avoid / \\ # ? % :)."""
-    slug = re.sub(r"[^a-z0-9_-]+", "-", run_name.lower()).strip("-")[:48] or "run"
-    return f"{slug}-{secrets.token_hex(4)}"

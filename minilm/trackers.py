@@ -1,13 +1,13 @@
 """Experiment trackers (TensorBoard, MLflow, Weights & Biases) that survive resume.
 
-Rank 0 opens the trackers once per (re)start and saves each one's run id in the checkpoint, so a
-resumed run continues the same tracker run. Steps redone after a crash never make a step axis go
-backwards: TensorBoard purges them, MLflow and W&B skip steps at or below the last one they hold
-(docs/tracking.md). No tracker package is imported until a tracker of that kind is opened.
+Rank 0 opens the trackers once per (re)start and saves each one's run id in the checkpoint, so a resumed run
+continues the same tracker run. Steps redone after a crash never make a step axis go backwards: TensorBoard purges
+them, MLflow and W&B skip steps at or below the last one they hold (docs/tracking.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import netrc
 import os
@@ -21,7 +21,7 @@ from urllib.parse import urlparse
 from . import tracker_backends
 from .fsio import write_atomic
 from .safety import redact
-from .tracker_backends import Backend, TrackerError, mlflow_tracking_uri
+from .tracker_backends import Backend, TrackerError, mlflow_tracking_uri, tensorboard_dir
 
 KINDS = ("tensorboard", "mlflow", "wandb")
 SIDECAR = "trackers.json"  # in the run folder: run ids and the last step each tracker holds
@@ -60,16 +60,13 @@ def parse_kinds(kinds: str | Iterable[str] | None) -> list[str]:
 
 def check_trackers(kinds: str | Iterable[str] | None, options: Mapping[str, Any] | None = None, *,
                    run_dir: str | os.PathLike | None = None) -> list[str]:
-    """Check tracker names, packages and options in the driver, before any work; return the kinds.
-
-    `run_dir` is the local run folder, or None when checkpoints go to remote storage.
-    """
+    """Check tracker names, packages and options before any work (`run_dir` None: remote storage); the kinds."""
     names = parse_kinds(kinds)
     opts = {**DEFAULT_OPTIONS, **(options or {})}
     for kind in names:
         tracker_backends.require_installed(kind, *tracker_backends.REQUIRED[kind])
     if "tensorboard" in names:
-        tracker_backends.tensorboard_dir(run_dir)
+        tensorboard_dir(run_dir)
     if "mlflow" in names:
         uri = mlflow_tracking_uri(opts, run_dir)
         if tracker_backends.is_sql_uri(uri):
@@ -120,11 +117,9 @@ def _check_wandb_credentials() -> None:
             or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
         return
     host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
-    try:
+    with contextlib.suppress(netrc.NetrcParseError, OSError):  # no .netrc, or a broken one
         if netrc.netrc(os.environ.get("NETRC")).authenticators(host):
             return
-    except (FileNotFoundError, netrc.NetrcParseError, OSError):
-        pass
     raise TrackerError("--tracker wandb: no W&B API key (run `wandb login`, or set WANDB_API_KEY on every node, "
                        "or WANDB_MODE=offline to log locally and `wandb sync` later)")
 
@@ -158,22 +153,16 @@ def run_hparams(model_config: Mapping[str, Any], train_config: Mapping[str, Any]
                 data_fingerprint: str | None = None, tokenizer_sha256: str | None = None,
                 code_dir: str | os.PathLike | None = None, **extra: Any) -> dict[str, Any]:
     """The hyperparameters logged once per tracker run: configs, world size, data, code version."""
-    hparams: dict[str, Any] = {"model": dict(model_config), "train": dict(train_config), "world_size": world_size}
-    if data_fingerprint:
-        hparams["data_fingerprint"] = data_fingerprint
-    if tokenizer_sha256:
-        hparams["tokenizer_sha256"] = tokenizer_sha256
-    hparams.update(code_version(code_dir))
+    hparams = {"model": dict(model_config), "train": dict(train_config), "world_size": world_size,
+               "data_fingerprint": data_fingerprint or None, "tokenizer_sha256": tokenizer_sha256 or None,
+               **code_version(code_dir)}
     hparams.update({k: v for k, v in extra.items() if v is not None})
-    return hparams
+    return {k: v for k, v in hparams.items() if v is not None}
 
 
 def code_version(code_dir: str | os.PathLike | None = None) -> dict[str, Any]:
-    """{"git_commit": ..., "git_dirty": ...} of the code, or {} when it is not a git checkout.
-
-    A Ray job's working dir is a copy without .git; MINILM_GIT_COMMIT (forwarded to the workers
-    like every MINILM_* variable) names the commit there.
-    """
+    """{"git_commit": ..., "git_dirty": ...} of the code, or {} when it is not a git checkout. A Ray job's working dir
+    is a copy without .git: MINILM_GIT_COMMIT (forwarded to the workers) names the commit there."""
     if os.environ.get("MINILM_GIT_COMMIT"):
         return {"git_commit": os.environ["MINILM_GIT_COMMIT"]}
     root = Path(code_dir) if code_dir else Path(__file__).resolve().parents[1]
@@ -197,21 +186,15 @@ BACKLOG = 10_000  # what is kept for a tracker that is away, written when it ans
 
 
 class Trackers:
-    """The trackers of one run on rank 0. Empty (every call a no-op) when no tracker was asked for.
-
-    A tracker that fails is away: one warning, then what it misses is kept (up to BACKLOG writes) and it is tried
-    again every RETRY_S s, never at every step; when it answers, it is caught up, and a gap past BACKLOG is said.
-    Training never waits for it (metrics.jsonl has every step)."""
+    """The trackers of one run on rank 0 (empty: every call a no-op). A tracker that fails is away: one warning, then
+    what it misses is kept (up to BACKLOG writes) and it is tried again every RETRY_S s; when it answers, it is caught
+    up, and a gap past BACKLOG is said. Training never waits for it (metrics.jsonl has every step)."""
 
     def __init__(self, backends: list[Backend], *, sidecar: Path | None = None,
                  carried: dict[str, Any] | None = None, say: Callable[[str], None] = print):
         self.backends, self.sidecar, self.say = backends, sidecar, say
         self.carried = carried or {}  # state of trackers not opened this time, kept for a later resume
         self._away: dict[str, dict] = {}  # kind -> {"queue": [(eval?, scalars, step)], "retry_at", "lost": [steps]}
-
-    @property
-    def kinds(self) -> list[str]:
-        return [b.kind for b in self.backends]
 
     def __bool__(self) -> bool:
         return bool(self.backends)
@@ -223,7 +206,8 @@ class Trackers:
         scalars = flatten_metrics(metrics)
         before = [b.high_water for b in self.backends]
         for backend in self.backends:
-            if step > backend.high_water and not any(s == step for e, _, s in self._queue(backend) if not e):
+            queued = self._away.get(backend.kind, {}).get("queue", [])
+            if step > backend.high_water and not any(s == step for is_eval, _, s in queued if not is_eval):
                 self._deliver(backend, (False, scalars, step))
         if before != [b.high_water for b in self.backends]:
             self._write_sidecar()
@@ -233,9 +217,6 @@ class Trackers:
         each tracker writes them at that step on a step axis of their own where it needs one (W&B)."""
         for backend in self.backends:
             self._deliver(backend, (True, dict(metrics), step))
-
-    def _queue(self, backend: Backend) -> list:
-        return self._away.get(backend.kind, {}).get("queue", [])
 
     def _deliver(self, backend: Backend, item: tuple) -> None:
         """Write `item` after what the tracker missed; while it is away (until its next try), only keep it."""
@@ -271,10 +252,7 @@ class Trackers:
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-able resume state for state.json: each tracker's run id (and of trackers not open now)."""
-        state: dict[str, Any] = {"version": STATE_VERSION, **self.carried}
-        for backend in self.backends:
-            state[backend.kind] = backend.state()
-        return state
+        return {"version": STATE_VERSION, **self.carried, **{b.kind: b.state() for b in self.backends}}
 
     def describe(self) -> str:
         return "; ".join(b.describe() for b in self.backends)
@@ -283,10 +261,10 @@ class Trackers:
         """End the tracker runs: outcome "finished", "failed" (an error) or "killed" (preempted); a tracker that is
         away is tried once more, and what it still misses is said."""
         for backend in self.backends:
-            away = self._away.pop(backend.kind, None)
+            away = self._away.get(backend.kind)
             if away is not None:
-                self._away[backend.kind] = {**away, "retry_at": 0.0, "queue": away["queue"][:-1]}
-                self._deliver(backend, away["queue"][-1])
+                away["retry_at"] = 0.0
+                self._deliver(backend, away["queue"].pop())
                 if backend.kind in self._away:
                     steps = [s for _, _, s in self._away.pop(backend.kind)["queue"]] + away["lost"]
                     self.say(f"note: {backend.kind} is still away at the end: {len(steps)} write(s) of steps "
@@ -327,11 +305,8 @@ def open_trackers(kinds: str | Iterable[str] | None, *, run_dir: str | os.PathLi
                   start_step: int = 0, resume_state: Mapping[str, Any] | None = None,
                   hparams: Mapping[str, Any] | None = None, options: Mapping[str, Any] | None = None,
                   say: Callable[[str], None] = print) -> Trackers:
-    """Open (or continue) each tracker's run for the run in `run_dir`, starting after `start_step`.
-
-    `resume_state` is the checkpoint's `Trackers.state_dict()` (None on a fresh start); `hparams` is
-    logged when a tracker run is created. A TrackerError closes the trackers already opened.
-    """
+    """Open (or continue, with `resume_state`: the checkpoint's `Trackers.state_dict()`) each tracker's run for the run
+    in `run_dir`, starting after `start_step`; a TrackerError closes the trackers already opened."""
     names = parse_kinds(kinds)
     opts = {**DEFAULT_OPTIONS, **{k: v for k, v in (options or {}).items() if v is not None}}
     run_path = Path(run_dir).expanduser() if run_dir is not None else None
@@ -341,8 +316,13 @@ def open_trackers(kinds: str | Iterable[str] | None, *, run_dir: str | os.PathLi
     backends: list[Backend] = []
     try:
         for kind in names:
-            backend = tracker_backends.open_backend(kind, run_path=run_path, start_step=start_step, saved=saved,
-                                                    run_name=run_name, hparams=hp, opts=opts, say=say)
+            if kind == "tensorboard":
+                backend = tracker_backends.TensorBoard(tensorboard_dir(run_path), start_step, hp)
+            elif kind == "mlflow":
+                backend = tracker_backends.MLflow(mlflow_tracking_uri(opts, run_path), saved.get("mlflow"), run_name, hp,
+                                                  opts, run_path, say)
+            else:
+                backend = tracker_backends.Wandb(saved.get("wandb"), run_name, hp, opts, run_path)
             if kind != "tensorboard":  # TensorBoard overwrites redone steps; the others must skip them
                 backend.high_water = max(backend.high_water, _sidecar_last_step(sidecar, kind, backend.state()))
             if not backend.new_run and backend.high_water > start_step:
@@ -358,6 +338,3 @@ def open_trackers(kinds: str | Iterable[str] | None, *, run_dir: str | os.PathLi
         trackers._write_sidecar()
     return trackers
 
-
-__all__ = ["KINDS", "TrackerError", "Trackers", "check_trackers", "code_version", "flatten_metrics",
-           "mlflow_tracking_uri", "open_trackers", "parse_kinds", "run_hparams"]

@@ -1,14 +1,10 @@
-"""The run's best checkpoint by one eval metric, and the checkpoints pruning must leave alone.
+"""The run's best checkpoint by one eval metric (`best.json`), and the checkpoints pruning must leave alone.
 
-`best.json` in the run folder names the best checkpoint so far; `eval-pending.json` names those queued for evaluation,
-by evaluator (the driver's, and any `ray_jobs.evaluate --follow` beside it). Every change to either is made under the
-run folder's evaluation lock (`eval.lock`), the one writer protocol; `CheckpointManager.prune` never deletes a
-`pinned` checkpoint. `resolve` turns RUN/best into that checkpoint's folder for `ray_jobs.export`,
-`ray_jobs.evaluate` and `minilm.sample`.
-
-The order keeps a checkpoint pinned throughout: an evaluator pins it before it is scored, `update_best` writes its
-score, and only then is it unpinned; `pinned` reads the pending list before best.json, so a score that lands between
-the two reads is seen in one or the other. A checkpoint whose scoring failed stays pinned for the next scoring.
+`eval-pending.json` names the checkpoints queued for evaluation, by evaluator; either file changes only under the run
+folder's evaluation lock (`eval.lock`). A checkpoint stays pinned throughout: an evaluator pins it before it is
+scored, `update_best` writes its score, and only then is it unpinned; `pinned` reads the pending list before
+best.json, so a score that lands between the two reads is seen in one or the other. `resolve` turns RUN/best into
+that checkpoint's folder.
 """
 
 from __future__ import annotations
@@ -100,10 +96,9 @@ def read_best(folder: RunFolder) -> dict | None:
 
 def update_best(folder: RunFolder, metric: str, checkpoint: str, step: int, value: float,
                 weights_sha256: str) -> bool:
-    """Make `checkpoint` (scored `value` on `metric`) the best if there is none yet, if best.json holds another
-    metric (the run's chosen metric changed: the new one replaces it, whatever the old one's value), if the folder no
-    longer holds the best's weights (moved aside by --abandon-newer), or if `value` is strictly better; a NaN or
-    infinite value never becomes best. Whether best.json changed."""
+    """Make `checkpoint` (scored a finite `value` on `metric`) the best if there is none yet, if best.json holds
+    another metric, if the folder no longer holds the best's weights, or if `value` is strictly better. Whether
+    best.json changed."""
     metric, mode = canonical(metric)
     if not math.isfinite(value):
         return False
@@ -118,25 +113,19 @@ def update_best(folder: RunFolder, metric: str, checkpoint: str, step: int, valu
     return True
 
 
-@contextlib.contextmanager
 def eval_lock(folder: RunFolder):
     """The run folder's evaluation lock (local and shared storage: evaluation reads checkpoints from a file system)."""
-    if folder.local is None:
-        yield
-        return
-    with node_lock(folder.local / EVAL_LOCK):
-        yield
+    return node_lock(folder.local / EVAL_LOCK) if folder.local is not None else contextlib.nullcontext()
 
 
 def holds(folder: RunFolder, best: dict) -> bool:
-    """Does the run folder still hold the weights best.json scored (its checkpoint neither moved aside nor, its
-    step written again after --abandon-newer, replaced)?"""
+    """Does the run folder still hold the weights best.json scored (neither moved aside nor replaced)?"""
     return weights_sha256(folder, best["checkpoint"]) == best["weights_sha256"]
 
 
 def weights_sha256(folder: RunFolder, name: str) -> str | None:
-    """The weights SHA-256 checkpoint `name`'s marker vouches for (None without a readable one): the identity every
-    score and pin is keyed by, so that an abandoned branch's checkpoint of the same name is never taken for it."""
+    """The weights SHA-256 checkpoint `name`'s marker vouches for (None without a readable one): what every score
+    and pin is keyed by, so that an abandoned branch's checkpoint of the same name is never taken for it."""
     try:
         return parse_marker(folder.read(f"{name}/{MARKER}"), name)["model.safetensors"]
     except CheckpointError:
@@ -149,8 +138,7 @@ def held_weights(folder: RunFolder) -> dict[str, str]:
 
 
 def scored_checkpoints(folder: RunFolder) -> set[str]:
-    """The run folder's checkpoints eval.jsonl holds a score of, for the weights each holds now (a record without a
-    weights hash, of an older minilm, is no one's; a failed scoring is no score: it is tried again)."""
+    """The run folder's checkpoints eval.jsonl holds a score of (not an error), for the weights each holds now."""
     scores = {(Path(str(r.get("checkpoint", ""))).name, r.get("weights_sha256"))
               for r in read_records(folder.local / EVAL_LOG)[0] if "error" not in r}
     return {n for n, sha in held_weights(folder).items() if (n, sha) in scores}
@@ -162,9 +150,8 @@ def owner() -> str:
 
 
 def write_pending(folder: RunFolder, names: list[str], scored: tuple[str, ...] = ()) -> None:
-    """This evaluator's checkpoints queued for evaluation (replacing its earlier list, never another evaluator's), each
-    with the weights it is queued for; `scored` (scored now) leave every evaluator's list, as does an entry whose
-    folder now holds other weights (an abandoned branch's). A list of an evaluator that is gone stays until scored."""
+    """This evaluator's checkpoints queued for evaluation, each with its weights (replacing its earlier list, never
+    another evaluator's); `scored` leave every list, as does an entry whose folder now holds other weights."""
     with eval_lock(folder):
         held = held_weights(folder)
         owners = {**_pending_owners(folder), owner(): {n: held.get(n) for n in names}}
@@ -207,9 +194,8 @@ def pinned(folder: RunFolder) -> set[str]:
 
 
 def resolve(path: str) -> str:
-    """RUN/best -> RUN/<the checkpoint best.json names>; any other path as it is (as is a real folder named best).
-    A run folder without best.json, or a best.json whose checkpoint is gone or replaced, is one CheckpointError
-    line. Local run folders only."""
+    """RUN/best -> RUN/<the checkpoint best.json names> (local run folders); any other path (or a real folder named
+    best) as it is. A run folder without best.json, or whose best is gone or replaced, is a CheckpointError."""
     where = Path(path)
     if where.name != BEST_NAME or where.is_dir():
         return path

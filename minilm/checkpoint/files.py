@@ -8,6 +8,7 @@ fingerprints, run ids). A weights export (`weights/`, `ray_jobs.export`) is half
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import io
@@ -47,9 +48,8 @@ class CheckpointError(RuntimeError):
 
 def write_folder(path: Path, writers: dict[str, Callable[[Path], str]], step: int | None, hooks=None,
                  kind: str = "checkpoint", shown: Path | None = None) -> None:
-    """Write each file of the folder `path` (a writer returns its SHA-256), then the marker. A failed write raises one
-    CheckpointError line naming the step, the folder (`shown`, if staged elsewhere) and the file, and leaves no marker.
-    `hooks` is for the fault tests only."""
+    """Write each file of the new folder `path` (a writer returns its SHA-256), then the marker; a failed write is one
+    CheckpointError line naming the step, the folder (`shown`, if staged elsewhere) and the file, and no marker."""
     name = path.name
     try:
         path.mkdir(mode=0o750, parents=True)  # a new folder: never one (or a link) that was there before
@@ -192,9 +192,8 @@ def save_resume_state(path: str | os.PathLike, *, model: torch.nn.Module, optimi
 # ---- reading ---------------------------------------------------------------------------------------
 
 def parse_marker(raw: bytes | None, where: Path | str, weights: bool = True) -> dict[str, str]:
-    """The files a marker vouches for; CheckpointError unless it is a mapping of file names to hashes that names
-    the weights (unless `weights` is False: a folder of task files), so a hand-edited or foreign marker is "not
-    complete", never taken."""
+    """The files a marker vouches for; CheckpointError unless it maps file names to hashes and names the weights
+    (unless `weights` is False), so a hand-edited or foreign marker is "not complete", never taken."""
     if raw is None:
         raise CheckpointError(f"checkpoint {where} is incomplete: {MARKER} is missing (the write did not finish)")
     try:
@@ -211,9 +210,8 @@ def parse_marker(raw: bytes | None, where: Path | str, weights: bool = True) -> 
 
 
 def verify(path: str | os.PathLike, once_per_node: bool = False) -> None:
-    """Raise CheckpointError unless `path` holds a complete checkpoint whose files match their hashes.
-    `once_per_node` (a resume): the node's first process hashes under a lock and leaves a stamp in the node's cache
-    (`fsio.NodeStamp`, for this marker) that the other ranks trust while nothing changes."""
+    """Raise CheckpointError unless `path` holds a complete checkpoint whose files match their hashes. `once_per_node`
+    (a resume): the node's first process hashes, and leaves a stamp (`fsio.NodeStamp`) the other ranks trust."""
     path = Path(path)
     try:
         found = path.is_dir()
@@ -222,25 +220,22 @@ def verify(path: str | os.PathLike, once_per_node: bool = False) -> None:
     if not found:
         raise CheckpointError(f"checkpoint {path} does not exist")
     try:
-        files = parse_marker((path / MARKER).read_bytes() if (path / MARKER).exists() else None, path)
+        raw = (path / MARKER).read_bytes() if (path / MARKER).exists() else None
     except OSError as e:
         raise CheckpointError(f"checkpoint {path}: {MARKER} cannot be read ({e.strerror or e})") from None
+    files = parse_marker(raw, path)
     for name in files:
         if not (path / name).is_file():
             raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing")
-    if not once_per_node:
-        return _check_hashes(path, files)
-    marker = hashlib.sha256((path / MARKER).read_bytes()).hexdigest()
-    with fsio.NodeStamp(cache_root() / "verified-checkpoints", path, marker) as stamp:
-        _check_hashes(path, files, stamp)
-
-
-def _check_hashes(path: Path, files: dict[str, str], stamp: fsio.NodeStamp | None = None) -> None:
-    for name, digest in files.items():
-        if (stamp is None or stamp.known(name) != [digest]) and file_sha256(path / name) != digest:
-            raise CheckpointError(f"checkpoint {path} is corrupt: {name} does not match its SHA-256 in {MARKER}")
-        if stamp is not None:
-            stamp.vouch(name, digest)
+    stamp = None
+    if once_per_node:
+        stamp = fsio.NodeStamp(cache_root() / "verified-checkpoints", path, hashlib.sha256(raw).hexdigest())
+    with stamp or contextlib.nullcontext():
+        for name, digest in files.items():
+            if (stamp is None or stamp.known(name) != [digest]) and file_sha256(path / name) != digest:
+                raise CheckpointError(f"checkpoint {path} is corrupt: {name} does not match its SHA-256 in {MARKER}")
+            if stamp is not None:
+                stamp.vouch(name, digest)
 
 
 @dataclass
@@ -278,8 +273,7 @@ def read_state(path: str | os.PathLike, keys: tuple[str, ...] = STATE_KEYS) -> d
 
 
 def parse_state(raw: bytes, where, keys: tuple[str, ...] = STATE_KEYS) -> dict[str, Any]:
-    """A checkpoint's state.json in today's spelling, refused with one CheckpointError line when this version cannot
-    use it: unreadable, a newer format, or lacking one of `keys` (never a KeyError later)."""
+    """A checkpoint's state.json in today's spelling; one CheckpointError line when this version cannot use it."""
     try:
         state = fsio.loads(raw)
     except (ValueError, RecursionError) as e:
@@ -342,14 +336,9 @@ def write_export(path: Path, writers: dict[str, Callable[[Path], str]], kind: st
 def export_weights(path: str | os.PathLike, model: torch.nn.Module, config: ModelConfig,
                    tokenizer_path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float16,
                    step: int | None = None, minimind_pth: bool = False) -> Path:
-    """`write_weights_export` of a model, taken in eval mode as MiniMind's loop does (what inference sees)."""
-    was_training = model.training
-    model.eval()
-    try:
-        state = model_tensors(model.state_dict(), dtype)
-    finally:
-        model.train(was_training)
-    return write_weights_export(path, state, config, tokenizer_path, dtype, step, minimind_pth=minimind_pth)
+    """`write_weights_export` of a live model."""
+    return write_weights_export(path, model_tensors(model.state_dict(), dtype), config, tokenizer_path, dtype, step,
+                                minimind_pth=minimind_pth)
 
 
 def write_weights_export(path: str | os.PathLike, model_state: dict[str, torch.Tensor], config: ModelConfig,
@@ -375,8 +364,7 @@ def write_weights_export(path: str | os.PathLike, model_state: dict[str, torch.T
 
 def open_weights(path: str | os.PathLike, device: str | torch.device = "cpu"):
     """(model in eval mode, state.json or None) of a verified resume checkpoint or weights export, in fp32 on
-    `device`. Its model_config (an export's config.json) is checked by type and range, and the weights' names and
-    shapes against it, before the model is allocated; whatever does not fit is one CheckpointError line."""
+    `device`; its config and the weights' shapes are checked before the model is allocated."""
     from ..model import MiniMindForCausalLM
 
     path = Path(path)

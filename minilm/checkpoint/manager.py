@@ -34,11 +34,10 @@ class Cadence:
     """When to checkpoint: every `every` steps, when `minutes` passed since the last one (rank 0's clock raises a flag
     that every rank agrees on `delay` steps later), and at the run's last step."""
 
-    def __init__(self, every: int, minutes: float | None = None, rank0: bool = True, start_step: int = 0,
-                 clock=time.monotonic):
+    def __init__(self, every: int, minutes: float | None = None, rank0: bool = True, clock=time.monotonic):
         self.every, self.clock = every, clock
         self.seconds = 60 * minutes if minutes and rank0 else None
-        self.last_step, self.since, self.raised = start_step, clock(), False
+        self.last_step, self.since, self.raised = 0, clock(), False
 
     def time_due(self) -> bool:
         """Raised once until the next checkpoint; called every step, so cheap."""
@@ -77,8 +76,8 @@ class StateSnapshot:
         return copy.deepcopy(obj)
 
     def take(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler, live: bool = False) -> Snapshot:
-        """The state as of now: in this object's buffers (valid until the next `take`), or with `live` the state itself
-        (sync mode: the training thread waits while it is written)."""
+        """The state as of now, in this object's buffers (valid until the next `take`), or with `live` (sync mode)
+        the state itself."""
         if live:
             return Snapshot(F.model_tensors(model.state_dict()), optimizer.state_dict(), scaler.state_dict())
         snap = Snapshot(self._copy("model", dict(model.state_dict())), self._copy("optimizer", optimizer.state_dict()),
@@ -95,10 +94,6 @@ class Snapshot:
     optimizer_state: dict
     scaler_state: dict
     event: Any = None  # CUDA: the copies are complete once this event is
-
-    def ready(self) -> None:
-        if self.event is not None:
-            self.event.synchronize()
 
 
 @dataclass(frozen=True)
@@ -253,7 +248,8 @@ class CheckpointManager:
     def _write(self, save: PendingSave, snap: Snapshot, state: dict, export: WeightsExport | None) -> None:
         error = None
         try:
-            snap.ready()
+            if snap.event is not None:
+                snap.event.synchronize()
             F.write_resume_state(save.path, model_state=snap.model_state, optimizer_state=snap.optimizer_state,
                                scaler_state=snap.scaler_state, state=state, hooks=self.hooks)
             if export is not None:
@@ -270,11 +266,9 @@ class CheckpointManager:
         self.prune(name)
 
     def prune(self, newest: str) -> list[str]:
-        """Keep `newest` (durable and verified) and the `keep - 1` complete checkpoints before it; delete the older
-        ones and torn folders older than those, never the checkpoint this run resumed from, a `pinned` one (the
-        best, those pending evaluation, and with `keep_unscored` any not yet in eval.jsonl: kept in addition to
-        the `keep`) nor anything newer than `newest`. A delete
-        that fails is a warning: it never stops a run; so is a best.json that cannot be read (nothing is deleted)."""
+        """Keep `newest` and the `keep - 1` complete checkpoints before it; delete older ones and torn folders, never
+        the checkpoint this run resumed from, a `pinned` one (with `keep_unscored`, also any not yet scored) nor
+        anything newer. A failed delete, or a best.json that cannot be read (nothing is deleted), is a warning."""
         try:
             pins = pinned(self.folder)
             if self.keep_unscored and self.folder.local is not None:

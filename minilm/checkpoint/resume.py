@@ -80,16 +80,14 @@ class RunFolder:
             (self.fs.delete_dir if kind == pafs.FileType.Directory else self.fs.delete_file)(self._path(rel))
 
     def next_name(self, step: int) -> str:
-        """checkpoint_<step>, or checkpoint_<step>_<k> when that folder exists (a step redone after falling back past a
-        corrupt checkpoint must not write into it)."""
+        """checkpoint_<step>, or checkpoint_<step>_<k> when that exists (a step redone after a fall-back)."""
         taken, name, k = set(self.checkpoints()), f"checkpoint_{step:08d}", 0
         while (f"{name}_{k}" if k else name) in taken:
             k += 1
         return f"{name}_{k}" if k else name
 
     def complete(self, name: str, once_per_node: bool = False) -> None:
-        """CheckpointError unless `name` is complete: hashed when local; on object storage, whose files appear whole,
-        every file its marker names is there."""
+        """CheckpointError unless `name` is complete: hashed when local, every file there on object storage."""
         if self.local is not None:
             return verify(self.local / name, once_per_node)
         files = parse_marker(self.read(f"{name}/{MARKER}"), f"{self.display}/{name}")
@@ -98,11 +96,11 @@ class RunFolder:
         if missing:
             raise CheckpointError(f"checkpoint {self.display}/{name} is incomplete: {missing[0]} is missing")
 
-    def newest_complete(self, say=print, once_per_node: bool = True) -> str | None:
+    def newest_complete(self, say=print) -> str | None:
         """The newest complete checkpoint; says what it skips."""
         for name in reversed(self.checkpoints()):
             try:
-                self.complete(name, once_per_node)
+                self.complete(name, once_per_node=True)
                 return name
             except CheckpointError as e:
                 say(f"skipping checkpoint: {e}")
@@ -190,8 +188,7 @@ class Lease:
         return self
 
     def live(self, held: dict | None = None) -> bool:
-        """Another process runs in the folder (`held`: its lease, else read now): its heartbeat is fresh, and on this
-        host its process is there."""
+        """Another process runs in the folder (`held`: its lease, else read now)."""
         held = self.holder() if held is None else held
         if held is None or self.mine(held):
             return False
@@ -375,8 +372,7 @@ def check_resume(state: dict[str, Any], where, model_config: ModelConfig, train_
 
 def check_origin(folder: RunFolder | None, origin: str | None, model_config: ModelConfig, train_config,
                  data_fingerprint: str, allow_config_change: bool, say=print) -> dict[str, Any] | None:
-    """The state.json of the checkpoint a fresh start continues (`decide_resume`'s), `check_resume`d with a note for
-    each change it makes."""
+    """The state.json of the checkpoint a fresh start continues, `check_resume`d with a note for each change."""
     if origin is None:
         return None
     state = (folder or RunFolder(".")).state(origin)
