@@ -90,10 +90,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace, argv: list[str], progress: Progress | None = None,
         stats: dict | None = None) -> dict:
-    """Prepare the dataset `args` describe. Returns {"manifest", "stats"}; raises UsageError.
-
-    `stats` is filled in as the run goes, so a caller can shut down a Ray this run started even when it fails.
-    """
+    """Prepare the dataset `args` describe; `stats` is filled in as the run goes (a Ray it started is known even
+    when it fails)."""
     from minilm import packing
     from minilm import tokenizer as T
     from minilm.data import PreparedData, file_sha256, record_verified

@@ -244,8 +244,6 @@ def _read_parquet(src: Source, text_field: str) -> Iterator[tuple[str, str | Bad
     batches = pf.iter_batches(batch_size=8192, columns=cols) if cols else iter(())
     try:
         yield from _read_columnar(src, text_field, batches, schema.names, col_type, pf.metadata.num_rows)
-    except UsageError:
-        raise
     except OSError as e:
         raise UsageError(f"{src.display}: cannot read parquet data ({e})") from None
 
@@ -291,11 +289,8 @@ class SkipWarnings:
 
 
 class RecordReader:
-    """Yields (text, utf8_bytes) of every usable record, in input order, counting what it skips.
-
-    In `error` mode the first bad record raises UsageError naming file:line; empty texts are always
-    skipped and counted (`empty_text`), never an error.
-    """
+    """Yields (text, utf8_bytes) of every usable record, in input order, counting what it skips; in `error` mode
+    the first bad record (an empty text never is) raises UsageError naming file:line."""
 
     def __init__(self, sources: list[Source], text_field: str, on_bad: str,
                  warn: Callable[[str, str], None] | None = None):

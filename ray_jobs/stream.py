@@ -24,11 +24,8 @@ NODE_ID_LABEL = "ray.io/node-id"
 
 
 class ReadSequences:
-    """Ray Data callable class: stream positions in, sample ids and packed rows out.
-
-    `order` pickles without its training ids (`RankOrder` remakes them), so the actor's arguments stay a few
-    bytes: a large one would go through the object store, which Ray warns about for restartable actors
-    (ray-project/ray#53727), and cost a copy per rank."""
+    """Ray Data callable class: stream positions in, sample ids and packed rows out. `order` pickles without its
+    training ids, so the actor's arguments stay small (ray-project/ray#53727)."""
 
     def __init__(self, data: str, order: D.RankOrder):
         self.store = D.SequenceStore(D.open_local(data))
@@ -55,12 +52,8 @@ def rank_dataset(order: D.RankOrder, num_positions: int, data: str, micro_batch_
 
 
 class RankStream:
-    """Micro-batches for one rank, through Ray Data, from `order.start_step` to `total_steps`.
-
-    `data_dir` is a prepared folder or a remote URI. Iterating yields each optimizer step's
-    accumulation_steps micro-batches on `device` and the sample ids they hold; `data_wait_s`
-    accumulates the time spent waiting on the pipeline.
-    """
+    """Each optimizer step's micro-batches on `device` and their sample ids, from `order.start_step` to
+    `total_steps`; `data_wait_s` is the time spent waiting on the pipeline."""
 
     def __init__(self, data_dir: str, order: D.RankOrder, total_steps: int, micro_batch_size: int,
                  device: torch.device | str, prefetch_batches: int = 4):
