@@ -275,17 +275,16 @@ READERS = {"jsonl": _read_jsonl, "txt": _read_txt, "parquet": _read_parquet, "hf
 class SkipWarnings:
     """Prints the first few skipped records (each once, though the tokenizer pass reads them too)."""
 
-    def __init__(self, warn: Callable[[str], None], limit: int = MAX_SKIP_WARNINGS):
+    def __init__(self, warn: Callable[[str], None]):
         self.warn = warn
-        self.limit = limit
         self.shown: set[str] = set()
 
     def __call__(self, where: str, detail: str) -> None:
-        if where in self.shown or len(self.shown) >= self.limit:
+        if where in self.shown or len(self.shown) >= MAX_SKIP_WARNINGS:
             return
         self.shown.add(where)
-        self.warn(f"skipping {where}: {detail}" + (f" (showing the first {self.limit} skips; the manifest "
-                                                   f"counts them all)" if len(self.shown) == self.limit else ""))
+        self.warn(f"skipping {where}: {detail}" + (f" (showing the first {MAX_SKIP_WARNINGS} skips; the manifest "
+                                                   f"counts them all)" if len(self.shown) == MAX_SKIP_WARNINGS else ""))
 
 
 class RecordReader:

@@ -92,12 +92,10 @@ def without_secrets(config: dict) -> tuple[dict, dict]:
     return {**config, "run": {**run, **{k: redact_uri(v) for k, v in hidden.items()}}}, hidden
 
 
-def check_options(model_cfg: ModelConfig, train_cfg: TrainConfig, opts: RayOptions) -> tuple[int, int]:
-    """Every check that needs no data and no Ray; returns the (min, max) world size."""
+def check_options(model_cfg: ModelConfig, train_cfg: TrainConfig, opts: RayOptions) -> None:
+    """Every check that needs no data and no Ray."""
     check_configs(model_cfg, train_cfg, opts)
-    min_w, max_w = opts.workers
-    check_world_sizes(train_cfg, range(min_w, max_w + 1), where=f"--num-workers {opts.num_workers}: ")
-    return min_w, max_w
+    check_world_sizes(train_cfg, RayLaunch.world_sizes(opts), where=f"--num-workers {opts.num_workers}: ")
 
 
 RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's list of the checkpoints it registered
@@ -129,20 +127,20 @@ class RayLaunch(run_plan.Launch):
         self.eval_tasks = check_eval_options(opts, Path(opts.run_dir) if opts.run_dir else None)
 
     def open_data(self, model_cfg: ModelConfig, train_cfg: TrainConfig, opts: RayOptions, notes: list):
-        if not self.demo:
-            opts.data_dir = opts.data if D.is_remote(opts.data) else str(Path(opts.data).expanduser().resolve())
-            prepared = D.open_prepared(opts.data_dir)  # a missing, incomplete or damaged --data: refused before Ray
-        else:
+        if self.demo:
             from .demo_data import demo_data_dir
 
             self.ray(opts)  # the demo's prepare joins it rather than starting (and ending) a Ray of its own
             opts.data_dir = str(demo_data_dir(train_cfg.seq_len, model_cfg.vocab_size))
-            prepared = D.open_prepared(opts.data_dir)
+        else:
+            opts.data_dir = opts.data if D.is_remote(opts.data) else str(Path(opts.data).expanduser().resolve())
+        prepared = D.open_prepared(opts.data_dir)  # a missing, incomplete or damaged --data: refused before Ray
         D.check_compatible(prepared, vocab_size=model_cfg.vocab_size, seq_len=train_cfg.seq_len)
         notes.append(rows_note(prepared.manifest, prepared.location))
         return prepared
 
-    def world_sizes(self, opts: RayOptions) -> range:
+    @staticmethod
+    def world_sizes(opts: RayOptions) -> range:
         min_w, max_w = opts.workers
         return range(min_w, max_w + 1)
 
@@ -308,13 +306,12 @@ def start_evaluator(plan: RunPlan):
     from .evaluator import Evaluator
 
     opts = plan.opts
-    tokenizer = plan.data.tokenizer_path if not D.is_remote(opts.data_dir) else None  # else the checkpoints'
-    tokenizer = tokenizer if tokenizer is not None and tokenizer.is_file() else None
+    tokenizer = None if D.is_remote(opts.data_dir) else plan.data.tokenizer_path  # remote: the checkpoints'
     print(f"eval  {len(plan.eval_tasks)} task(s) from {opts.eval_tasks} on each new checkpoint, on "
           f"{','.join(f'{k}={v:g}' for k, v in opts.eval_resources.items())} per checkpoint; scores to "
           f"{plan.run_dir / 'eval.jsonl'}" + (f", best by {opts.eval_best}" if opts.eval_best else ""), flush=True)
     return Evaluator(plan.run_dir, opts.eval_tasks, plan.eval_tasks, opts.eval_resources, opts.name, opts.eval_best,
-                     tokenizer=str(tokenizer) if tokenizer else None,
+                     tokenizer=str(tokenizer) if tokenizer is not None and tokenizer.is_file() else None,
                      say=lambda m: print(m, flush=True)).start()
 
 
