@@ -1,10 +1,5 @@
-"""The inputs of `ray_jobs.prepare`: which files, and every record in them, checked, in input order.
-
-Inputs are .jsonl/.ndjson (one JSON object a line), .txt (one document a file), .parquet (a row a
-document) and `datasets.Dataset.save_to_disk` folders; folders are walked and globs expanded, sorted.
-A bad record stops the run naming `file:line` (or `file: row N`), or with `--on-bad-record skip` is
-counted by reason. pyarrow and datasets load only when a parquet or datasets input is read.
-"""
+"""The inputs of `ray_jobs.prepare`: which files, and every record in them, checked, in input order. pyarrow and
+datasets load only when a parquet or datasets input is read."""
 
 from __future__ import annotations
 
@@ -21,8 +16,6 @@ from minilm.errors import UsageError  # the one usage-error class: `error: ...`,
 
 FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".txt": "txt", ".parquet": "parquet"}
 MAX_SKIP_WARNINGS = 10
-
-# ---- which files ------------------------------------------------------------------------------------
 
 @dataclass
 class Source:
@@ -128,8 +121,6 @@ def resolve_inputs(specs: list[str], exclude: Path | None = None,
         raise UsageError("no input files found in " + " ".join(specs) + f" ({SUPPORTED})")
     return found.sources
 
-
-# ---- reading and checking records --------------------------------------------------------------------
 
 @dataclass
 class Bad:

@@ -23,8 +23,6 @@ WINDOW_PER_CPU = 2  # tasks in flight per CPU: one running, one queued behind it
 MAX_WINDOW = 512
 
 
-# ---- progress ------------------------------------------------------------------------------------------
-
 def _si(x: float) -> str:
     for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if abs(x) >= scale:
@@ -71,8 +69,6 @@ class Progress:
             self._bar.close()
             self._bar = None
 
-
-# ---- the Ray side ----------------------------------------------------------------------------------------
 
 _TOKENIZER_CACHE: dict[str, object] = {}
 

@@ -42,8 +42,6 @@ TUNE_KEYS = frozenset({"search", "num_samples", "max_concurrent_trials", "worker
                        "grace_steps", "metric"})
 
 
-# ---- the search space (pure: parsed and checked before Ray starts) --------------------------------
-
 @dataclass(frozen=True)
 class SearchDim:
     name: str
@@ -122,8 +120,6 @@ def check_space(dims: dict[str, SearchDim], plan: RunPlan) -> None:
                 raise UsageError(f"--search {dim.name}: value {value!r} gives an invalid run: {e}") from None
 
 
-# ---- the Tune trial: one full pretrain run -----------------------------------------------------------
-
 def trial(params: dict, plan: RunPlan, sweep_dir: str) -> None:
     """Tune function: build and fit this trial's TorchTrainer; Train metrics reach Tune by the callback."""
     from ray import tune
@@ -145,8 +141,6 @@ def trial(params: dict, plan: RunPlan, sweep_dir: str) -> None:
         if evaluator is not None:
             evaluator.finish(opts.eval_wait_s)
 
-
-# ---- results ---------------------------------------------------------------------------------------
 
 def collect(results, dims: dict[str, SearchDim], metric: str) -> list[dict]:
     rows = []
@@ -222,8 +216,6 @@ def plot_trials(rows: list[dict], dims: dict[str, SearchDim], path: Path):
         runs.append(plot.RunCurves(f"{r['trial']} ({values})", plot.in_step_order(r["_records"])))
     return plot.save_figure(runs, path)
 
-
-# ---- the command -----------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
     p = pretrain_parser("python -m ray_jobs.tune", __doc__, skip=("num_workers", "abandon_newer", "resume"),

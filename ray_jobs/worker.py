@@ -1,10 +1,5 @@
-"""The function Ray Train runs on every rank: the `minilm.trainer.Trainer` loop behind a Ray adapter.
-
-The adapter is all that is Ray here: the Ray Data stream in (`ray_jobs.stream.RankStream`), the run's storage
-(`RayStorage`: `ray.train.report`, a barrier every rank calls at the same steps, with rank 0's checkpoint uploaded
-by Ray), and SIGTERM / node drains in as stop flags. Which checkpoint a (re)started group continues is
-`minilm.checkpoint`'s rule, the same as `minilm.train`'s.
-"""
+"""The function Ray Train runs on every rank: the `minilm.trainer.Trainer` loop behind a Ray adapter (the Ray Data
+stream in, `ray.train.report` as the storage, SIGTERM and node drains as stop flags)."""
 
 from __future__ import annotations
 
