@@ -191,23 +191,20 @@ def _read_columnar(src: Source, text_field: str, batches: Iterator, names: list[
 
     share = src.bytes / max(1, num_rows)  # each row's share of the input's size, for the progress bar
     if text_field not in names:
-        detail = f"no {text_field!r} column (columns: {', '.join(names[:8]) or 'none'})"
+        bad = Bad("missing_text_field", f"no {text_field!r} column (columns: {', '.join(names[:8]) or 'none'})")
+    elif not (pa.types.is_string(col_type) or pa.types.is_large_string(col_type) or pa.types.is_binary(col_type)
+              or pa.types.is_large_binary(col_type) or str(col_type) in ("string_view", "binary_view")):
+        bad = Bad("non_string_text", f"column {text_field!r} has type {col_type}, not string")
+    else:
+        bad = None
+    if bad is not None:  # every row is bad alike: the column is not read
         for row in range(1, num_rows + 1):
-            yield f"{src.display}: row {row}", Bad("missing_text_field", detail), share
+            yield f"{src.display}: row {row}", bad, share
         return
-    is_text = pa.types.is_string(col_type) or pa.types.is_large_string(col_type) or \
-        pa.types.is_binary(col_type) or pa.types.is_large_binary(col_type) or \
-        str(col_type) in ("string_view", "binary_view")
     row = 0
     for batch in batches:
         col = batch.column(text_field) if isinstance(batch, pa.Table) else batch.column(
             batch.schema.get_field_index(text_field))
-        if not is_text:
-            for _ in range(len(col)):
-                row += 1
-                yield f"{src.display}: row {row}", Bad(
-                    "non_string_text", f"column {text_field!r} has type {col_type}, not string"), share
-            continue
         for value in col.cast(pa.large_binary()).to_pylist():
             row += 1
             where = f"{src.display}: row {row}"
