@@ -155,13 +155,9 @@ def connect_failure(address: str, error: BaseException) -> str:
     return f"cannot join the Ray cluster at RAY_ADDRESS={address}: {why}"
 
 
-def ensure_ray(num_cpus: int | None = None, *, quiet: bool = True) -> bool:
-    """Connect to the cluster in RAY_ADDRESS (ray job submit sets it) or start a local Ray; True when this call
-    started a local Ray (its machine is all the run has).
-
-    A local Ray gets more logical CPUs than cores: training workers that take every CPU would
-    starve the Ray Data tasks that feed them (a 2-core Ray with 2 workers never starts reading).
-    """
+def ensure_ray(num_cpus: int | None = None) -> bool:
+    """Join RAY_ADDRESS's cluster (ray job submit sets it) or start a local Ray; True when it started one. A local Ray
+    gets more logical CPUs than cores: workers that take every CPU would starve the Ray Data tasks feeding them."""
     import ray
     import ray.exceptions
 
@@ -170,7 +166,7 @@ def ensure_ray(num_cpus: int | None = None, *, quiet: bool = True) -> bool:
     if os.environ.get("RAY_ADDRESS"):
         address = os.environ["RAY_ADDRESS"]
         try:
-            ray.init(address=address, log_to_driver=True, logging_level="WARNING" if quiet else "INFO")
+            ray.init(address=address, log_to_driver=True, logging_level="WARNING")
         except (ConnectionError, ray.exceptions.AuthenticationError) as e:
             raise UsageError(connect_failure(address, e)) from None
         return False
@@ -178,6 +174,6 @@ def ensure_ray(num_cpus: int | None = None, *, quiet: bool = True) -> bool:
     quiet_token_auth_notice()  # Ray says it turned token auth on: nothing for the user to do
     # address="local": a new Ray even when another one runs on this machine (join a cluster via RAY_ADDRESS).
     ray.init(address="local", num_cpus=num_cpus or max(8, 2 * cores), log_to_driver=True, include_dashboard=None,
-             logging_level="WARNING" if quiet else "INFO")
+             logging_level="WARNING")
     return True
 

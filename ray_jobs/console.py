@@ -1,9 +1,5 @@
-"""What a person sees on the console of a run: minilm's lines, with Ray's routine chatter in a log file.
-
-Workers print their lines for a person with `say`, which tags them; the driver's `ConsoleFilter` shows
-the tagged lines without Ray's "(RayTrainWorker pid=...)" prefix and appends every other line Ray streams
-to the driver to a log file the start line names. A failed run's error still reaches the console.
-"""
+"""What a person sees on the console of a run: the lines workers tag with `say`, without Ray's prefix; every other
+line Ray streams to the driver goes to a log file the start line names."""
 
 from __future__ import annotations
 

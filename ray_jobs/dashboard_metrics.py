@@ -1,9 +1,5 @@
-"""Training progress as Ray custom metrics, for the dashboard's Metrics view and Prometheus.
-
-Ray Train exports no loss or throughput, so rank 0 `publish`es them at every log interval as
-`ray.util.metrics.Gauge`s tagged with the run name (`ray_minilm_loss{run="run1"}` in Prometheus).
-Metrics are never a reason to stop training: outside Ray, or if the API fails, `publish` does nothing.
-"""
+"""Training progress as Ray gauges tagged with the run name (`ray_minilm_loss{run="run1"}` in Prometheus), since Ray
+Train exports no loss or throughput; metrics never stop training (outside Ray, or on any error, nothing is done)."""
 
 from __future__ import annotations
 

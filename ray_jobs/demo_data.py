@@ -10,10 +10,7 @@ from minilm.data import cache_root
 
 
 def demo_data_dir(seq_len: int, vocab_size: int) -> Path:
-    """Prepare the demo corpus (stdlib docstrings) once per (Python version, seq_len, vocab).
-
-    A copy that does not open (missing, damaged, or of another format) is prepared again.
-    """
+    """The demo corpus (stdlib docstrings) prepared once per (Python, seq_len, vocab); again if it does not open."""
     from minilm.corpus import write_demo_corpus
 
     from . import prepare

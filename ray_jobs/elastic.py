@@ -11,10 +11,7 @@ SHARED_STORAGE_HINT = ("a multi-node run needs a --run-dir every node can read a
 
 
 def nodes_missing_path(storage: Path) -> list[str]:
-    """Addresses of alive Ray nodes that cannot see a marker file written here under `storage`.
-
-    One zero-CPU task per node, pinned to it.
-    """
+    """Addresses of alive Ray nodes that cannot see a marker file written here under `storage` (a task on each)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 

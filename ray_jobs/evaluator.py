@@ -1,12 +1,8 @@
 """Checkpoints scored beside training: `ray_jobs.pretrain --eval-tasks tasks.yaml --eval-resources CPU=1`.
 
-A thread of the driver watches the run folder. Each new complete checkpoint goes to one Ray task
-(`minilm.evaluate.evaluate_checkpoint`) on resources of its own, which the training workers never wait for. Its
-records are appended to RUN/eval.jsonl (the records of `ray_jobs.evaluate`, so either skips what the other scored),
-the best checkpoint is pointed at (best.json), and rank 0 hands the scores on to metrics.jsonl, the trackers and
-Ray's report (`minilm.eval_log`). A checkpoint waiting for its scores is pinned (eval-pending.json): pruning keeps it.
-A driver resubmitted, or a run continued, scores only what eval.jsonl lacks: each checkpoint once. An evaluation
-that fails is one warning line (and an `error` record); training goes on.
+A driver thread hands each new complete checkpoint to a Ray task on resources the workers never wait for; its
+records go to RUN/eval.jsonl (shared with `ray_jobs.evaluate`: each checkpoint scored once) and best.json. A
+checkpoint waiting for its scores is pinned (eval-pending.json); a failed scoring is one warning, training goes on.
 """
 
 from __future__ import annotations
@@ -119,9 +115,8 @@ class Evaluator:
                 self._stop.wait(10 * POLL_S)
 
     def submit_new(self) -> None:
-        """Hand each complete checkpoint not seen before to a Ray task (only the tasks eval.jsonl lacks for it). One
-        still being copied in is looked at again at the next poll; a torn one is passed over once a newer one is
-        complete."""
+        """Hand each complete checkpoint not seen before to a Ray task (only the tasks eval.jsonl lacks for it); a torn
+        one is passed over once a newer one is complete."""
         names = [n for n in self.folder.checkpoints() if n not in self.seen]
         for i, name in enumerate(names):
             try:
@@ -191,8 +186,7 @@ class Evaluator:
 
 def score_checkpoint(path: str, tasks: list[Task], fingerprints: list[str], tokenizer: str | None,
                      run_name: str) -> list[dict]:
-    """The Ray task: the tasks of `fingerprints` on one checkpoint, on the resources it was given; the scores also
-    to the dashboard."""
+    """The Ray task: the tasks of `fingerprints` on one checkpoint; the scores also to the dashboard."""
     import ray
     import torch
 

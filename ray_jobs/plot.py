@@ -89,10 +89,8 @@ def load_runs(run_dirs: list[str | Path]) -> list[RunCurves]:
 
 
 def figure_for_runs(runs: list[RunCurves]) -> Figure:
-    """One panel per metric of PANELS, plus a legend panel; run i is drawn in colour Ci on every panel.
-
-    Lines are in run order (run i's curve is ax.lines[i]), then the loss panel's dashed val_loss lines.
-    """
+    """One panel per metric of PANELS, plus a legend panel; run i is ax.lines[i] in colour Ci on every panel (then
+    the loss panel's dashed val_loss lines)."""
     fig = Figure(figsize=(12, 13), layout="constrained")
     FigureCanvasAgg(fig)  # rendered with Agg: no display, no pyplot state
     axes = fig.subplots(4, 2, sharex=True).flatten()
@@ -125,10 +123,6 @@ def figure_for_runs(runs: list[RunCurves]) -> Figure:
     return fig
 
 
-def plot_runs(run_dirs: list[str | Path], out: str | Path) -> Figure:
-    return save_figure(load_runs(run_dirs), out)
-
-
 def save_figure(runs: list[RunCurves], out: str | Path) -> Figure:
     """figure_for_runs(runs), written as a PNG to `out` (its folder created)."""
     fig = figure_for_runs(runs)
@@ -136,10 +130,6 @@ def save_figure(runs: list[RunCurves], out: str | Path) -> Figure:
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
     return fig
-
-
-def default_out(run_dirs: list[str]) -> Path:
-    return Path(run_dirs[0]) / "metrics.png" if len(run_dirs) == 1 else Path("metrics.png")
 
 
 def build_parser() -> ArgumentParser:
@@ -162,11 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     args.run_dirs += args.old_run_dirs
     if not args.run_dirs:
         parser.error("give --run-dir DIR (one or more)")
-    out = Path(args.output) if args.output else default_out(args.run_dirs)
+    default = Path(args.run_dirs[0]) / "metrics.png" if len(args.run_dirs) == 1 else Path("metrics.png")
+    out = Path(args.output) if args.output else default
     if out.suffix.lower() != ".png":
         return fail(f"--output {out}: expected a .png file")
     try:
-        plot_runs(args.run_dirs, out)
+        save_figure(load_runs(args.run_dirs), out)
     except OSError as e:  # the PNG cannot be written there
         return fail(f"cannot write {out}: {e.strerror or e}")
     print(f"wrote {out}")

@@ -4,12 +4,8 @@
     python -m ray_jobs.prepare --input books/ wiki.parquet --output data/tok --tokenizer tokenizer.json
     python -m ray_jobs.prepare --input corpus.jsonl --output data/tok --seq-len 512 --vocab-size 6400
 
-The inputs are read and checked in `prepare_inputs`, encoded by Ray tasks and packed in input order in
-`prepare_pipeline`. Without `--tokenizer`, a byte-level BPE is trained on the first 8 MB of usable text.
-The same inputs and options give the same token files and fingerprint.
-
 Exit status: 0 done, 2 for any mistake in the flags or the inputs (the message says what and where),
-1 when a Ray task fails, 130 when interrupted. The flags every command shares: minilm.cli.
+1 when a Ray task fails, 130 when interrupted. The same inputs and options give the same token files.
 """
 
 from __future__ import annotations
@@ -34,8 +30,6 @@ from .prepare_pipeline import Progress, _si, tokenize_and_pack
 class _Terminated(BaseException):
     """SIGTERM, turned into an exception so the temporary output folder is removed."""
 
-
-# ---- the command line --------------------------------------------------------------------------------
 
 def build_parser() -> ArgumentParser:
     p = ArgumentParser(
@@ -86,14 +80,10 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--text-field must not be empty")
 
 
-# ---- the run -------------------------------------------------------------------------------------------
-
 def run(args: argparse.Namespace, argv: list[str], progress: Progress | None = None,
         stats: dict | None = None) -> dict:
-    """Prepare the dataset `args` describe. Returns {"manifest", "stats"}; raises UsageError.
-
-    `stats` is filled in as the run goes, so a caller can shut down a Ray this run started even when it fails.
-    """
+    """Prepare the dataset `args` describe; `stats` is filled in as the run goes (a Ray it started is known even
+    when it fails)."""
     from minilm import packing
     from minilm import tokenizer as T
     from minilm.data import PreparedData, file_sha256, record_verified
@@ -203,12 +193,10 @@ def _no_records(reader: RecordReader) -> UsageError:
 
 def summary_line(output: str, manifest: dict, stats: dict) -> str:
     m = manifest
-    skipped = ""
-    if m["documents_skipped"] or m.get("empty_inputs"):
-        reasons = ", ".join(f"{r} {n}" for r, n in m["skipped_by_reason"].items())
-        if m.get("empty_inputs"):
-            reasons += (", " if reasons else "") + f"empty inputs {len(m['empty_inputs'])}"
-        skipped = f"; skipped {m['documents_skipped']} record(s) ({reasons})"
+    reasons = [f"{r} {n}" for r, n in m["skipped_by_reason"].items()]
+    if m.get("empty_inputs"):
+        reasons.append(f"empty inputs {len(m['empty_inputs'])}")
+    skipped = f"; skipped {m['documents_skipped']} record(s) ({', '.join(reasons)})" if reasons else ""
     if m.get("rows") == "bos-aligned":
         fit = m["best_fit"]
         skipped += (f"; rows bos-aligned: {fit['cropped_documents']:,} of {fit['documents']:,} documents cropped "

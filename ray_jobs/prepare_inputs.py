@@ -1,10 +1,5 @@
-"""The inputs of `ray_jobs.prepare`: which files, and every record in them, checked, in input order.
-
-Inputs are .jsonl/.ndjson (one JSON object a line), .txt (one document a file), .parquet (a row a
-document) and `datasets.Dataset.save_to_disk` folders; folders are walked and globs expanded, sorted.
-A bad record stops the run naming `file:line` (or `file: row N`), or with `--on-bad-record skip` is
-counted by reason. pyarrow and datasets load only when a parquet or datasets input is read.
-"""
+"""The inputs of `ray_jobs.prepare`: which files, and every record in them, checked, in input order. pyarrow and
+datasets load only when a parquet or datasets input is read."""
 
 from __future__ import annotations
 
@@ -21,8 +16,6 @@ from minilm.errors import UsageError  # the one usage-error class: `error: ...`,
 
 FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".txt": "txt", ".parquet": "parquet"}
 MAX_SKIP_WARNINGS = 10
-
-# ---- which files ------------------------------------------------------------------------------------
 
 @dataclass
 class Source:
@@ -129,8 +122,6 @@ def resolve_inputs(specs: list[str], exclude: Path | None = None,
     return found.sources
 
 
-# ---- reading and checking records --------------------------------------------------------------------
-
 @dataclass
 class Bad:
     reason: str
@@ -200,23 +191,20 @@ def _read_columnar(src: Source, text_field: str, batches: Iterator, names: list[
 
     share = src.bytes / max(1, num_rows)  # each row's share of the input's size, for the progress bar
     if text_field not in names:
-        detail = f"no {text_field!r} column (columns: {', '.join(names[:8]) or 'none'})"
+        bad = Bad("missing_text_field", f"no {text_field!r} column (columns: {', '.join(names[:8]) or 'none'})")
+    elif not (pa.types.is_string(col_type) or pa.types.is_large_string(col_type) or pa.types.is_binary(col_type)
+              or pa.types.is_large_binary(col_type) or str(col_type) in ("string_view", "binary_view")):
+        bad = Bad("non_string_text", f"column {text_field!r} has type {col_type}, not string")
+    else:
+        bad = None
+    if bad is not None:  # every row is bad alike: the column is not read
         for row in range(1, num_rows + 1):
-            yield f"{src.display}: row {row}", Bad("missing_text_field", detail), share
+            yield f"{src.display}: row {row}", bad, share
         return
-    is_text = pa.types.is_string(col_type) or pa.types.is_large_string(col_type) or \
-        pa.types.is_binary(col_type) or pa.types.is_large_binary(col_type) or \
-        str(col_type) in ("string_view", "binary_view")
     row = 0
     for batch in batches:
         col = batch.column(text_field) if isinstance(batch, pa.Table) else batch.column(
             batch.schema.get_field_index(text_field))
-        if not is_text:
-            for _ in range(len(col)):
-                row += 1
-                yield f"{src.display}: row {row}", Bad(
-                    "non_string_text", f"column {text_field!r} has type {col_type}, not string"), share
-            continue
         for value in col.cast(pa.large_binary()).to_pylist():
             row += 1
             where = f"{src.display}: row {row}"
@@ -244,8 +232,6 @@ def _read_parquet(src: Source, text_field: str) -> Iterator[tuple[str, str | Bad
     batches = pf.iter_batches(batch_size=8192, columns=cols) if cols else iter(())
     try:
         yield from _read_columnar(src, text_field, batches, schema.names, col_type, pf.metadata.num_rows)
-    except UsageError:
-        raise
     except OSError as e:
         raise UsageError(f"{src.display}: cannot read parquet data ({e})") from None
 
@@ -277,25 +263,21 @@ READERS = {"jsonl": _read_jsonl, "txt": _read_txt, "parquet": _read_parquet, "hf
 class SkipWarnings:
     """Prints the first few skipped records (each once, though the tokenizer pass reads them too)."""
 
-    def __init__(self, warn: Callable[[str], None], limit: int = MAX_SKIP_WARNINGS):
+    def __init__(self, warn: Callable[[str], None]):
         self.warn = warn
-        self.limit = limit
         self.shown: set[str] = set()
 
     def __call__(self, where: str, detail: str) -> None:
-        if where in self.shown or len(self.shown) >= self.limit:
+        if where in self.shown or len(self.shown) >= MAX_SKIP_WARNINGS:
             return
         self.shown.add(where)
-        self.warn(f"skipping {where}: {detail}" + (f" (showing the first {self.limit} skips; the manifest "
-                                                   f"counts them all)" if len(self.shown) == self.limit else ""))
+        self.warn(f"skipping {where}: {detail}" + (f" (showing the first {MAX_SKIP_WARNINGS} skips; the manifest "
+                                                   f"counts them all)" if len(self.shown) == MAX_SKIP_WARNINGS else ""))
 
 
 class RecordReader:
-    """Yields (text, utf8_bytes) of every usable record, in input order, counting what it skips.
-
-    In `error` mode the first bad record raises UsageError naming file:line; empty texts are always
-    skipped and counted (`empty_text`), never an error.
-    """
+    """Yields (text, utf8_bytes) of every usable record, in input order, counting what it skips; in `error` mode
+    the first bad record (an empty text never is) raises UsageError naming file:line."""
 
     def __init__(self, sources: list[Source], text_field: str, on_bad: str,
                  warn: Callable[[str, str], None] | None = None):

@@ -1,11 +1,7 @@
-"""The Ray side of `ray_jobs.prepare`: records in input order -> token ids -> packed token files.
+"""The Ray side of `ray_jobs.prepare`: blocks of records, a Ray task each, taken back in submission order.
 
-The driver cuts the checked records into blocks, a Ray task per block encodes it, and the results are
-taken in submission order, so the token stream is in input order by construction and memory is a few
-blocks whatever the corpus size. Plain tasks, not Ray Data: an ordered map of independent blocks
-needs none of its planning, and its executor would take driver CPU from the encoders.
-
-Module-level imports stay light (stdlib only): Ray workers import this module to run `_encode_block`.
+Plain tasks, not Ray Data: an ordered map of independent blocks needs none of its planning, and its executor would
+take driver CPU from the encoders. Imports stay stdlib only: Ray workers import this module for `_encode_block`.
 """
 
 from __future__ import annotations
@@ -26,8 +22,6 @@ BLOCK_DOCS = 4096
 WINDOW_PER_CPU = 2  # tasks in flight per CPU: one running, one queued behind it
 MAX_WINDOW = 512
 
-
-# ---- progress ------------------------------------------------------------------------------------------
 
 def _si(x: float) -> str:
     for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
@@ -75,8 +69,6 @@ class Progress:
             self._bar.close()
             self._bar = None
 
-
-# ---- the Ray side ----------------------------------------------------------------------------------------
 
 _TOKENIZER_CACHE: dict[str, object] = {}
 
@@ -138,11 +130,8 @@ def _blocks(reader: RecordReader) -> Iterator[tuple[list[str], int, float]]:
 
 def tokenize_and_pack(reader: RecordReader, writer, tokenizer_json: str, tokenizer_sha256: str,
                       eos_id: int, num_cpus: int | None, progress: Progress, stats: dict) -> None:
-    """Encode the records in Ray tasks and feed `writer` in input order.
-
-    Ray is started (or joined) once the first block is read, so bad inputs at the start fail fast
-    without it. `stats` receives started_ray, ray_start_s, text_bytes and window.
-    """
+    """Encode the records in Ray tasks and feed `writer` in input order; Ray starts once the first block is read,
+    so bad inputs at the start fail fast without it."""
     in_flight: deque = deque()  # (ref, documents, text_bytes, input bytes read), in input order
     done = {"documents": 0, "text_bytes": 0}
     encode = tok_ref = None

@@ -4,11 +4,8 @@
     python -m ray_jobs.pretrain --data data/tok --num-workers 2-8 --run-dir s3://bucket/runs/run1
     ray job submit --working-dir . -- python -m ray_jobs.pretrain --run-dir /shared/runs/run1 --resume auto
 
-Every ModelConfig / TrainConfig field and every run option (minilm.options) is a flag, and
-`--config FILE.yaml` sets any of them (flags win). Checkpoints are Ray Train checkpoints in the run
-folder, `--run-dir` (a local path, or a URI); `--resume auto` continues the latest complete one, from
-any driver process, at any world size that keeps the global batch. The flags every command shares:
-minilm.cli (`--storage-path S --name N` is the old spelling of `--run-dir S/N`).
+Every ModelConfig / TrainConfig field and run option is a flag, or a key of `--config FILE.yaml` (flags win);
+`--resume auto` continues the run folder's latest complete checkpoint at any world size that keeps the global batch.
 """
 
 from __future__ import annotations
@@ -73,8 +70,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 class RunPlan(run_plan.RunPlan):
-    """minilm.run's plan with what a Ray run adds: the train_loop_config every worker gets (`data` is the
-    PreparedData every worker opens)."""
+    """minilm.run's plan with what a Ray run adds: the train_loop_config every worker gets."""
 
     def config(self, opts: RayOptions | None = None) -> dict:
         """The train_loop_config every worker gets, one object; `opts` for a run of its own (a Tune trial)."""
@@ -90,28 +86,24 @@ class RunPlan(run_plan.RunPlan):
 
 
 def without_secrets(config: dict) -> tuple[dict, dict]:
-    """A RunSpec dict as the Ray dashboard may show it (every credential in a URI redacted), and the values it hid
-    (`ray_jobs.worker.with_secrets` puts them back)."""
+    """A RunSpec dict with every credential redacted, and the values it hid (`worker.with_secrets` restores them)."""
     run = config["run"]
     hidden = {k: v for k, v in run.items() if isinstance(v, str) and redact_uri(v) != v}
     return {**config, "run": {**run, **{k: redact_uri(v) for k, v in hidden.items()}}}, hidden
 
 
-def check_options(model_cfg: ModelConfig, train_cfg: TrainConfig, opts: RayOptions) -> tuple[int, int]:
-    """Every check that needs no data and no Ray; returns the (min, max) world size."""
+def check_options(model_cfg: ModelConfig, train_cfg: TrainConfig, opts: RayOptions) -> None:
+    """Every check that needs no data and no Ray."""
     check_configs(model_cfg, train_cfg, opts)
-    min_w, max_w = opts.workers
-    check_world_sizes(train_cfg, range(min_w, max_w + 1), where=f"--num-workers {opts.num_workers}: ")
-    return min_w, max_w
+    check_world_sizes(train_cfg, RayLaunch.world_sizes(opts), where=f"--num-workers {opts.num_workers}: ")
 
 
 RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's list of the checkpoints it registered
 
 
 class RayLaunch(run_plan.Launch):
-    """ray_jobs.pretrain's side of the run plan: data every worker opens, a Ray cluster, STORAGE/NAME as the run
-    folder. For --cpus-per-worker auto, `concurrent_runs` share the cluster (Tune trials) and their other actors hold
-    `reserved_cpus`."""
+    """pretrain's side of the run plan; for --cpus-per-worker auto, `concurrent_runs` share the cluster (Tune
+    trials) and their other actors hold `reserved_cpus`."""
 
     plan_class = RunPlan
 
@@ -135,20 +127,20 @@ class RayLaunch(run_plan.Launch):
         self.eval_tasks = check_eval_options(opts, Path(opts.run_dir) if opts.run_dir else None)
 
     def open_data(self, model_cfg: ModelConfig, train_cfg: TrainConfig, opts: RayOptions, notes: list):
-        if not self.demo:
-            opts.data_dir = opts.data if D.is_remote(opts.data) else str(Path(opts.data).expanduser().resolve())
-            prepared = D.open_prepared(opts.data_dir)  # a missing, incomplete or damaged --data: refused before Ray
-        else:
+        if self.demo:
             from .demo_data import demo_data_dir
 
             self.ray(opts)  # the demo's prepare joins it rather than starting (and ending) a Ray of its own
             opts.data_dir = str(demo_data_dir(train_cfg.seq_len, model_cfg.vocab_size))
-            prepared = D.open_prepared(opts.data_dir)
+        else:
+            opts.data_dir = opts.data if D.is_remote(opts.data) else str(Path(opts.data).expanduser().resolve())
+        prepared = D.open_prepared(opts.data_dir)  # a missing, incomplete or damaged --data: refused before Ray
         D.check_compatible(prepared, vocab_size=model_cfg.vocab_size, seq_len=train_cfg.seq_len)
         notes.append(rows_note(prepared.manifest, prepared.location))
         return prepared
 
-    def world_sizes(self, opts: RayOptions) -> range:
+    @staticmethod
+    def world_sizes(opts: RayOptions) -> range:
         min_w, max_w = opts.workers
         return range(min_w, max_w + 1)
 
@@ -192,8 +184,7 @@ class RayLaunch(run_plan.Launch):
 
 def plan_run(args: argparse.Namespace, concurrent_runs: int = 1, reserved_cpus: float = 0.0,
              file_values: dict | None = None) -> RunPlan:
-    """Flags + YAML (`file_values`, else --config's) -> a checked RunPlan holding its run folder's lease, Ray started or
-    joined (minilm.run.plan_run: every check, then the side effects)."""
+    """Flags + YAML (`file_values`, else --config's) -> a checked RunPlan holding its run folder's lease."""
     started_at = time.time()
     file_values = load_yaml(args.config) if file_values is None else file_values
     demo = not (args.data or file_values.get("data"))
@@ -227,10 +218,8 @@ def check_eval_resources(resources: dict[str, float]) -> None:
 
 
 def auto_cpus_per_worker(workers: int, local: bool, opts: RayOptions, reserved_cpus: float = 0.0) -> float:
-    """--cpus-per-worker auto. A local Ray this command started: its cores (not its logical CPUs, which
-    overstate them) shared among the workers. A cluster: the smallest node that can host a worker, less one CPU
-    for Ray Data (workers that take every CPU starve their feed) and less `reserved_cpus` (Tune's trial actors),
-    shared among the workers it would host (GPU runs: its CPUs per GPU)."""
+    """--cpus-per-worker auto: a local Ray's cores (its logical CPUs overstate them) shared among the workers; on a
+    cluster, the smallest fitting node less one CPU for Ray Data (its feed starves otherwise) and `reserved_cpus`."""
     if local:
         return float(max(1, available_cores() // max(1, workers)))
     nodes = nodes_with({"CPU": 1, **opts.resources_per_worker})  # its custom resources are never CPU or GPU
@@ -317,25 +306,23 @@ def start_evaluator(plan: RunPlan):
     from .evaluator import Evaluator
 
     opts = plan.opts
-    tokenizer = plan.data.tokenizer_path if not D.is_remote(opts.data_dir) else None  # else the checkpoints'
-    tokenizer = tokenizer if tokenizer is not None and tokenizer.is_file() else None
+    tokenizer = None if D.is_remote(opts.data_dir) else plan.data.tokenizer_path  # remote: the checkpoints'
     print(f"eval  {len(plan.eval_tasks)} task(s) from {opts.eval_tasks} on each new checkpoint, on "
           f"{','.join(f'{k}={v:g}' for k, v in opts.eval_resources.items())} per checkpoint; scores to "
           f"{plan.run_dir / 'eval.jsonl'}" + (f", best by {opts.eval_best}" if opts.eval_best else ""), flush=True)
     return Evaluator(plan.run_dir, opts.eval_tasks, plan.eval_tasks, opts.eval_resources, opts.name, opts.eval_best,
-                     tokenizer=str(tokenizer) if tokenizer else None,
+                     tokenizer=str(tokenizer) if tokenizer is not None and tokenizer.is_file() else None,
                      say=lambda m: print(m, flush=True)).start()
 
 
-def quiet_console(plan: RunPlan, log_name: str = "ray-workers.log"):
-    """Our lines on the console, Ray's routine output in the run folder (or, for remote storage, a new folder only this
-    user can read)."""
+def quiet_console(plan: RunPlan):
+    """Our lines on the console, Ray's routine output in the run folder (remote storage: a new private folder)."""
     import tempfile
 
     from .console import ConsoleFilter
 
     folder = plan.run_dir if plan.run_dir is not None else Path(tempfile.mkdtemp(prefix=f"minilm-{plan.opts.name}-"))
-    console = ConsoleFilter(folder / log_name)
+    console = ConsoleFilter(folder / "ray-workers.log")
     console.install()
     return console
 
@@ -379,9 +366,8 @@ WORKER_ENV_GPU_PREFIXES = ("NCCL_", "TORCH_NCCL_")
 
 
 def worker_env(opts: RayOptions) -> dict[str, str]:
-    """What a worker on an already-running cluster (which does not inherit this shell) must see: its threads, the
-    cache, the trackers' and GPU settings. Test hooks travel in the run's config; secrets never (the dashboard
-    shows runtime env variables)."""
+    """What a worker on a running cluster (which does not inherit this shell) must see; never a secret (the
+    dashboard shows runtime env variables)."""
     threads = str(max(1, int(opts.cpus_per_worker)))
     # Inductor compiles with up to 32 threads per process by default: each rank gets its share of the CPUs.
     env = {"OMP_NUM_THREADS": threads, "TORCHINDUCTOR_COMPILE_THREADS": threads}

@@ -1,18 +1,8 @@
 """Every use of Ray's private internals, in one place, each with the public behaviour it falls back to.
 
-Checked against Ray 2.60.0 (`CHECKED_RAY_VERSION`). Each function reaches one internal module or name
-through `importlib` at call time and returns False, doing nothing, when that internal has moved; the run
-then behaves as plain Ray does:
-
-| function | internal it uses | when the internal is gone |
-|---|---|---|
-| `quiet_token_auth_notice` | the logger of `ray._private.authentication.authentication_token_setup` | Ray's notice that it turned token auth on shows |
-| `quiet_train_report_logs` | the logger of `ray.train.v2._internal.execution.context` (named after its file) | every `ray.train.report` is logged at INFO |
-| `route_worker_output` | `ray._private.ray_logging.global_worker_stdstream_dispatcher`, `ray._private.worker.print_to_stdstream` | Ray prints worker output to the console as usual |
-| `defer_sigterm_exit` | `ray._private.worker.raise_sys_exit_with_custom_error_message` | the first SIGTERM exits the worker at once |
-| `drain_announced` | `ray.train.v2._internal.execution.context.get_train_context` | `ray.train.get_preemption_info()` (a barrier) every 50th step |
-
-`tests/test_ray_compat.py` takes each internal away and checks its fallback.
+Checked against Ray 2.60.0 (`CHECKED_RAY_VERSION`). Each function reaches one internal through `importlib` at
+call time and returns False, doing nothing, when it has moved: the run then behaves as plain Ray does
+(`tests/test_ray_compat.py` takes each internal away and checks its fallback).
 """
 
 from __future__ import annotations

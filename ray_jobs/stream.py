@@ -21,14 +21,12 @@ if TYPE_CHECKING:
     import torch
 
 NODE_ID_LABEL = "ray.io/node-id"
+PREFETCH_BATCHES = 4  # optimizer steps read ahead while the step runs
 
 
 class ReadSequences:
-    """Ray Data callable class: stream positions in, sample ids and packed rows out.
-
-    `order` pickles without its training ids (`RankOrder` remakes them), so the actor's arguments stay a few
-    bytes: a large one would go through the object store, which Ray warns about for restartable actors
-    (ray-project/ray#53727), and cost a copy per rank."""
+    """Ray Data callable class: stream positions in, sample ids and packed rows out. `order` pickles without its
+    training ids, so the actor's arguments stay small (ray-project/ray#53727)."""
 
     def __init__(self, data: str, order: D.RankOrder):
         self.store = D.SequenceStore(D.open_local(data))
@@ -39,36 +37,29 @@ class ReadSequences:
         return {"sample_id": ids, "input_ids": self.store.take(ids)}
 
 
-def rank_dataset(order: D.RankOrder, num_positions: int, data: str, micro_batch_size: int,
-                 node_id: str | None = None):
-    """The rank's Ray Data pipeline; its reader actor runs on `node_id` (the rank's node) when given."""
+def rank_dataset(order: D.RankOrder, num_positions: int, data: str, micro_batch_size: int, node_id: str):
+    """The rank's Ray Data pipeline; its reader actor runs on `node_id` (the rank's node)."""
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True  # the order is the resume contract
     ctx.enable_progress_bars = False  # one pipeline per worker: bars would drown the log line
     ctx.print_on_execution_start = False
     # A label selector is a hard constraint (NodeAffinitySchedulingStrategy is deprecated in Ray 2.60).
-    on_node = None if node_id is None else {NODE_ID_LABEL: node_id}
     # One read task at a time (each starts a worker process); the reader reserves no CPU the training workers need.
     return ray.data.range(num_positions, concurrency=1).map_batches(
         ReadSequences, fn_constructor_args=(data, order), batch_size=micro_batch_size, batch_format="numpy",
-        compute=ray.data.ActorPoolStrategy(size=1), num_cpus=0, label_selector=on_node)
+        compute=ray.data.ActorPoolStrategy(size=1), num_cpus=0, label_selector={NODE_ID_LABEL: node_id})
 
 
 class RankStream:
-    """Micro-batches for one rank, through Ray Data, from `order.start_step` to `total_steps`.
-
-    `data_dir` is a prepared folder or a remote URI. Iterating yields each optimizer step's
-    accumulation_steps micro-batches on `device` and the sample ids they hold; `data_wait_s`
-    accumulates the time spent waiting on the pipeline.
-    """
+    """Each optimizer step's micro-batches on `device` and their sample ids, from `order.start_step` to
+    `total_steps`; `data_wait_s` is the time spent waiting on the pipeline."""
 
     def __init__(self, data_dir: str, order: D.RankOrder, total_steps: int, micro_batch_size: int,
-                 device: torch.device | str, prefetch_batches: int = 4):
+                 device: torch.device | str):
         import torch  # here, not at the top: the reader actor imports this module and needs no torch
 
         self.data_dir, self.order, self.m, self.device = str(data_dir), order, micro_batch_size, torch.device(device)
         self.num_steps = max(0, total_steps - order.start_step)
-        self.prefetch_batches = prefetch_batches
         self._batches = None
         self.data_wait_s = 0.0
 
@@ -80,7 +71,7 @@ class RankStream:
         ds = rank_dataset(self.order, self.num_steps * self.order.per_rank, self.data_dir, self.m,
                           node_id=ray.get_runtime_context().get_node_id())
         # One batch per optimizer step, numpy: the sample ids stay on the host, the rows are copied to the device here.
-        return iter(ds.iter_batches(batch_size=self.order.per_rank, prefetch_batches=self.prefetch_batches, batch_format="numpy",
+        return iter(ds.iter_batches(batch_size=self.order.per_rank, prefetch_batches=PREFETCH_BATCHES, batch_format="numpy",
                                     drop_last=False))
 
     def next_step(self) -> tuple[list[torch.Tensor], np.ndarray]:

@@ -3,14 +3,10 @@
     python -m ray_jobs.tune --data data/tok --num-samples 8 --max-concurrent-trials 2 --workers-per-trial 2 \\
         --search lr=loguniform:1e-4:3e-3 --search warmup_steps=choice:0,50,200 --scheduler asha --metric val_loss
 
-Every pretrain flag applies to every trial; `--search NAME=SPEC` (or a `search:` mapping in
---config YAML) samples NAME per trial. Each trial is a full `ray_jobs.pretrain` run: its own
-TorchTrainer (Train V2 inside a Tune function, metrics forwarded by TuneReportCallback) and its
-own checkpoints under RUN_DIR/trials/. Re-running the same command with --resume auto continues
-an interrupted sweep without re-running finished trials (a sweep is never continued unasked). At
-the end: a table sorted by the metric (also results.csv), best.yaml (accepted by `ray_jobs.pretrain
---config`) and loss_curves.png. The flags every command shares: minilm.cli; a sweep has no
---num-workers (--workers-per-trial) and no --abandon-newer (each trial continues its own newest).
+Every pretrain flag applies to every trial; `--search NAME=SPEC` (or a `search:` mapping in --config YAML)
+samples NAME per trial. Each trial is a full pretrain run (its own TorchTrainer, metrics forwarded by
+TuneReportCallback) with its checkpoints under RUN_DIR/trials/. At the end: a table sorted by the metric
+(also results.csv), best.yaml (for `ray_jobs.pretrain --config`) and loss_curves.png.
 """
 
 from __future__ import annotations
@@ -39,15 +35,12 @@ from .pretrain import USER_ERRORS, RunPlan, check_options, plan_run
 from .pretrain import build_parser as pretrain_parser
 
 SEARCHABLE = {"lr": float, "warmup_steps": int, "min_lr_ratio": float, "schedule": str, "decay_fraction": float,
-              "global_batch_size": int,
-              "grad_clip": float, "router_aux_loss_coef": float, "weight_decay": float,
+              "global_batch_size": int, "grad_clip": float, "router_aux_loss_coef": float, "weight_decay": float,
               "optimizer": str, "muon_lr": float, "muon_momentum": float, "embedding_lr_ratio": float}
 KINDS = ("loguniform", "uniform", "choice", "grid")  # grid: every value, x --num-samples
 TUNE_KEYS = frozenset({"search", "num_samples", "max_concurrent_trials", "workers_per_trial", "scheduler",
                        "grace_steps", "metric"})
 
-
-# ---- the search space (pure: parsed and checked before Ray starts) --------------------------------
 
 @dataclass(frozen=True)
 class SearchDim:
@@ -100,10 +93,7 @@ def parse_search(spec: str) -> SearchDim:
 
 def search_space(specs: list[str], yaml_search: dict | None) -> dict[str, SearchDim]:
     dims: dict[str, SearchDim] = {}
-    for name, value in (yaml_search or {}).items():
-        dim = parse_search(f"{name}={value}")
-        dims[dim.name] = dim
-    for spec in specs:  # flags win over the YAML file
+    for spec in [f"{name}={value}" for name, value in (yaml_search or {}).items()] + specs:  # flags win over YAML
         dim = parse_search(spec)
         dims[dim.name] = dim
     if not dims:
@@ -130,8 +120,6 @@ def check_space(dims: dict[str, SearchDim], plan: RunPlan) -> None:
                 raise UsageError(f"--search {dim.name}: value {value!r} gives an invalid run: {e}") from None
 
 
-# ---- the Tune trial: one full pretrain run -----------------------------------------------------------
-
 def trial(params: dict, plan: RunPlan, sweep_dir: str) -> None:
     """Tune function: build and fit this trial's TorchTrainer; Train metrics reach Tune by the callback."""
     from ray import tune
@@ -153,8 +141,6 @@ def trial(params: dict, plan: RunPlan, sweep_dir: str) -> None:
         if evaluator is not None:
             evaluator.finish(opts.eval_wait_s)
 
-
-# ---- results ---------------------------------------------------------------------------------------
 
 def collect(results, dims: dict[str, SearchDim], metric: str) -> list[dict]:
     rows = []
@@ -217,8 +203,8 @@ def reported_records(df) -> list[dict]:
 
 
 def plot_trials(rows: list[dict], dims: dict[str, SearchDim], path: Path):
-    """Write ray_jobs.plot's figure of every trial (loss, lr, grad norm, throughput, world size) to `path`,
-    each labelled with its searched values; returns it, or None (and a note) without matplotlib (an extra)."""
+    """ray_jobs.plot's figure of every trial, labelled with its searched values, written to `path`; returns it, or
+    None (and a note) without matplotlib (an extra)."""
     try:
         from . import plot
     except ImportError:
@@ -230,8 +216,6 @@ def plot_trials(rows: list[dict], dims: dict[str, SearchDim], path: Path):
         runs.append(plot.RunCurves(f"{r['trial']} ({values})", plot.in_step_order(r["_records"])))
     return plot.save_figure(runs, path)
 
-
-# ---- the command -----------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
     p = pretrain_parser("python -m ray_jobs.tune", __doc__, skip=("num_workers", "abandon_newer", "resume"),
@@ -321,7 +305,8 @@ def metric_mode(metric: str) -> str:
 def check_capacity(concurrent: int, workers: int, cpus_per_worker: float, use_gpu: str, eval_cpus: float = 0) -> None:
     import ray
 
-    total_cpu = ray.cluster_resources().get("CPU", 0)
+    cluster = ray.cluster_resources()
+    total_cpu = cluster.get("CPU", 0)
     per_trial = workers * cpus_per_worker + TRIAL_CPUS + eval_cpus
     need = concurrent * per_trial
     if need > total_cpu:
@@ -329,11 +314,9 @@ def check_capacity(concurrent: int, workers: int, cpus_per_worker: float, use_gp
         raise UsageError(f"--max-concurrent-trials {concurrent} x (--workers-per-trial {workers} x "
                          f"--cpus-per-worker {cpus_per_worker:g} + {TRIAL_CPUS}{scoring}) = {need:g} CPUs, but the "
                          f"cluster has {total_cpu:g}; at most {int(total_cpu // per_trial)} concurrent trial(s) fit")
-    if use_gpu == "true":
-        gpus = ray.cluster_resources().get("GPU", 0)
-        if concurrent * workers > gpus:
-            raise UsageError(f"{concurrent} concurrent trials x {workers} workers need {concurrent * workers} GPUs; "
-                             f"the cluster has {gpus:g}")
+    if use_gpu == "true" and concurrent * workers > cluster.get("GPU", 0):
+        raise UsageError(f"{concurrent} concurrent trials x {workers} workers need {concurrent * workers} GPUs; "
+                         f"the cluster has {cluster.get('GPU', 0):g}")
 
 
 TRIAL_CPUS = 0.1  # the Tune trial function itself only waits on its TorchTrainer

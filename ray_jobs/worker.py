@@ -1,10 +1,5 @@
-"""The function Ray Train runs on every rank: the `minilm.trainer.Trainer` loop behind a Ray adapter.
-
-The adapter is all that is Ray here: the Ray Data stream in (`ray_jobs.stream.RankStream`), the run's storage
-(`RayStorage`: `ray.train.report`, a barrier every rank calls at the same steps, with rank 0's checkpoint uploaded
-by Ray), and SIGTERM / node drains in as stop flags. Which checkpoint a (re)started group continues is
-`minilm.checkpoint`'s rule, the same as `minilm.train`'s.
-"""
+"""The function Ray Train runs on every rank: the `minilm.trainer.Trainer` loop behind a Ray adapter (the Ray Data
+stream in, `ray.train.report` as the storage, SIGTERM and node drains as stop flags)."""
 
 from __future__ import annotations
 
@@ -107,9 +102,8 @@ class RayStorage:
         self.name, self._async_reports = name, False  # rank 0: a checkpoint may still be uploading
 
     def report(self, metrics: dict, save: C.PendingSave | None) -> None:
-        """ray.train.report on every rank (a barrier); rank 0 publishes the dashboard gauges and attaches its save. One
-        still being written goes with Ray's ASYNC upload through `upload_when_written`, and rank 0's reports stay
-        ASYNC until the next SYNC one (a blocking save, already complete), which waits for every upload before it."""
+        """ray.train.report on every rank (a barrier); rank 0 attaches its save. One still being written goes ASYNC
+        (`upload_when_written`), and reports stay ASYNC until a blocking save's SYNC one waits for every upload."""
         if ray.train.get_context().get_world_rank() == 0:
             dashboard_metrics.publish(metrics, self.name)
         public = {k: v for k, v in metrics.items() if k != "expert_load"}
@@ -133,9 +127,8 @@ class RayStorage:
             shutil.rmtree(save.path, ignore_errors=True)
 
     def upload_when_written(self, save: C.PendingSave, name: str):
-        """Ray's upload function for a save still being written: wait for the writer (its CheckpointError fails the
-        run, through Ray's eager raising of a failed async upload), copy the folder into the run's storage, hand it
-        back to the manager (verify, prune), remove the staging folder."""
+        """Ray's upload function for a save still being written: wait for the writer (its error fails the run),
+        copy the folder into storage, hand it back to the manager, remove the staging folder."""
         storage = ray.train.get_context().get_storage()
 
         def upload(ckpt: ray.train.Checkpoint, dir_name: str) -> ray.train.Checkpoint:
@@ -153,8 +146,7 @@ class RayStorage:
 
 @contextlib.contextmanager
 def download(fs_path: str):
-    """A remote checkpoint, downloaded once per node into a folder every rank of the node reads (Ray's as_directory),
-    removed once the last of them has left."""
+    """A remote checkpoint, downloaded once per node for every rank there (Ray's as_directory)."""
     storage = ray.train.get_context().get_storage()
     with ray.train.Checkpoint(fs_path, filesystem=storage.storage_filesystem).as_directory() as path:
         yield path
@@ -172,9 +164,8 @@ def upload_errors(target: str, step: int):
 
 
 def cap_threads(local_workers: int) -> None:
-    """A CPU worker's threads (OMP_NUM_THREADS, from --cpus-per-worker) stay within this node's cores shared among
-    the run's workers on it. A node's logical CPUs can overstate its cores (a local Ray declares more so that Ray
-    Data's tasks are not starved: ensure_ray), and threads beyond the cores spin against each other."""
+    """A CPU worker's threads stay within its share of the node's cores, which its logical CPUs may overstate
+    (ensure_ray): threads beyond the cores spin against each other."""
     share = max(1, available_cores() // max(1, local_workers))
     if torch.get_num_threads() > share:
         torch.set_num_threads(share)
