@@ -1,10 +1,7 @@
-"""GGUF export: one `model.gguf` that llama.cpp (llama-cli, llama-server, llama-cpp-python) loads with no converter run.
+"""GGUF export: one `model.gguf` that llama.cpp loads with no converter run, written with `gguf`, llama.cpp's writer.
 
-MiniMind's blocks are Qwen3's (q/k RMSNorm per head, rotate-half RoPE), so the file is llama.cpp's `qwen3` or
-`qwen3moe` architecture: its `llama` one has no q/k norm and wants q/k permuted to interleaved RoPE, while Qwen3's
-NEOX RoPE is minilm's layout, so no weight is permuted. The tokenizer is embedded as GGUF's `gpt2` byte-level BPE
-with the `gpt-2` split (the regex minilm's ByteLevel pre-tokenizer applies). Written with `gguf`, llama.cpp's own
-writer (`pip install 'minilm[gguf]'`).
+MiniMind's blocks are Qwen3's (q/k norms, NEOX RoPE: no weight is permuted), so the architecture is `qwen3` or
+`qwen3moe`; the tokenizer is GGUF's `gpt2` byte-level BPE with the `gpt-2` split.
 """
 
 from __future__ import annotations

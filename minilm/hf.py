@@ -19,11 +19,8 @@ from .tokenizer import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, SPECIAL_TOKENS
 
 
 def hf_config(config: ModelConfig, dtype: torch.dtype = torch.float16) -> dict:
-    """config.json of the Qwen3 (or Qwen3-MoE) model that computes what MiniMindForCausalLM computes.
-
-    Every field is written, since Qwen3Config's defaults are Qwen3-8B's; RoPE is plain `rope_theta`,
-    the form of the Hub's Qwen3 checkpoints, which every loader reads.
-    """
+    """config.json of the Qwen3 (or Qwen3-MoE) model that computes what MiniMindForCausalLM computes: every field,
+    since Qwen3Config's defaults are Qwen3-8B's."""
     c = config
     d = {
         "architectures": ["Qwen3MoeForCausalLM" if c.use_moe else "Qwen3ForCausalLM"],
@@ -70,11 +67,8 @@ def hf_config(config: ModelConfig, dtype: torch.dtype = torch.float16) -> dict:
 
 def hf_tensors(state_dict: dict[str, torch.Tensor], config: ModelConfig,
                dtype: torch.dtype = torch.float16) -> dict[str, torch.Tensor]:
-    """The weights under their Qwen3 names (MiniMind's names are Qwen3's), each its own contiguous copy.
-
-    lm_head.weight is written even when tied, for loaders that ignore tie_word_embeddings and would
-    otherwise leave the output layer random.
-    """
+    """The weights (MiniMind's names are Qwen3's), each its own contiguous copy; lm_head.weight even when tied, for
+    loaders that ignore tie_word_embeddings."""
     tensors = {k: v.detach().to(dtype=dtype, device="cpu").contiguous().clone() for k, v in state_dict.items()}
     if "lm_head.weight" not in tensors and config.tie_word_embeddings:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()

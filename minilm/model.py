@@ -113,16 +113,10 @@ class FeedForward(nn.Module):
 class MoEFeedForward(nn.Module):
     """Top-k routed SwiGLU experts with MiniMind's load-balancing loss.
 
-    Tokens are sorted by expert and each expert runs once on its contiguous slice (a loop over
-    experts, never over tokens). An expert that receives no token still runs on an empty slice,
-    so its parameters get a (zero) gradient every step and DDP needs no find_unused_parameters.
-
-    Two dispatches of the sorted slices, the same sums: "split" cuts them by the per-expert counts
-    read on the host (`counts.tolist()`: a device sync, and a graph break under torch.compile);
-    "grouped" runs each projection of all experts as one `torch._grouped_mm` over group offsets that
-    stay on the device, with fixed shapes. `dispatch = "auto"` (the default) takes "grouped" where
-    that op has its sync-free kernel (CUDA, bf16, compute capability 9.x or 10.x; elsewhere it reads
-    the offsets on the host itself) and "split" everywhere else; tests and `bench.step --dispatch` set it.
+    Tokens are sorted by expert and each expert runs once on its slice, even an empty one (a zero gradient, so DDP
+    needs no find_unused_parameters). "split" cuts the slices by counts read on the host (a sync); "grouped" runs
+    each projection as one `torch._grouped_mm` with fixed shapes. "auto" takes "grouped" where that op has its
+    sync-free kernel (`grouped_mm_kernel_on`, bf16), else "split".
     """
 
     dispatch = "auto"  # "auto" | "grouped" | "split", for every MoE layer of the process
@@ -192,12 +186,8 @@ class MoEFeedForward(nn.Module):
         return self._combine(x_flat, outputs, order, token_of, topk_prob, unit_weights), counts
 
     def _dispatch_grouped(self, x_flat, topk_idx, topk_prob, unit_weights: bool):
-        """The grouped dispatch: the same pairs, sums and returns as `_dispatch`, with no host read.
-
-        The sorted pairs go into a zero-padded buffer of a fixed row count, each expert's group starting at a
-        multiple of GROUP_ROWS (grouped_mm's 16-byte alignment of the group offsets in bf16, which its weight
-        gradient contracts over); the last group takes the spare rows, so every row belongs to a group.
-        """
+        """`_dispatch`'s sums with no host read: the sorted pairs in a zero-padded buffer of fixed rows, each group
+        starting at a multiple of GROUP_ROWS (grouped_mm's alignment); the last group takes the spare rows."""
         e, a = self.num_experts, GROUP_ROWS
         pairs = topk_idx.numel()
         flat_expert = topk_idx.reshape(-1)
@@ -249,11 +239,8 @@ def grouped_mm_kernel_on(device: torch.device) -> bool:
 
 
 class GroupedMM(torch.autograd.Function):
-    """x (rows, in) @ w[g] (in, out) for the rows of each group g (offs: the groups' ends), backward included.
-
-    Its own backward (two more grouped matmuls), not the op's derivative, which fails on CPU for a gradient
-    with zero strides; both match a per-group loop of matmuls.
-    """
+    """x (rows, in) @ w[g] (in, out) for the rows of each group g (offs: the groups' ends); its own backward, as the
+    op's derivative fails on CPU for a gradient with zero strides."""
 
     @staticmethod
     def forward(ctx, x, w, offs):
@@ -270,14 +257,8 @@ class GroupedMM(torch.autograd.Function):
 
 
 def keep_experts_eager() -> None:
-    """Run the split dispatch's experts eagerly inside a torch.compile'd block (minilm.step.prepare_model calls it
-    first); the grouped dispatch has fixed shapes and compiles with the block.
-
-    The split expert slices have data-dependent sizes, which would recompile the graph whenever the routing changes;
-    the experts are matmuls, which compile does not speed up; the block's norms, attention and router around
-    them still compile. Applied when compiling, not as a decorator at import: `torch.compiler.disable` imports
-    torch._dynamo, about 1 s of CPU in every process that imports the model (each Ray worker, each rank).
-    """
+    """Run the split dispatch's experts eagerly inside a compiled block: their data-dependent slice sizes would
+    recompile it at every routing change. Not a decorator: `torch.compiler.disable` costs ~1 s of import."""
     if not getattr(MoEFeedForward._dispatch, "_torchdynamo_disable", False):
         MoEFeedForward._dispatch = torch.compiler.disable(MoEFeedForward._dispatch)
 
@@ -313,10 +294,7 @@ class MiniMindModel(nn.Module):
         self.bos_token_id, self.eos_token_id = cfg.bos_token_id, cfg.eos_token_id
 
     def attention_mask(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """(batch, 1, t, t) bool: causal, and no attention across a document boundary in packed rows.
-
-        A document starts at a BOS or right after an EOS; position i attends to j <= i of its own document.
-        """
+        """(batch, 1, t, t) bool: causal within each document (one starts at a BOS or right after an EOS)."""
         starts = input_ids == self.bos_token_id
         starts[:, 1:] |= input_ids[:, :-1] == self.eos_token_id
         doc = starts.cumsum(dim=1)

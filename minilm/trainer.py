@@ -1,11 +1,5 @@
-"""The training loop, one for every launcher: `python -m minilm.train` (one process, or each rank under
-torchrun) and each Ray Train worker (`ray_jobs/worker.py`) build a `Trainer` and call `fit()`
-(docs/training-loop.md walks it).
-
-The state of a run is a few components, each with `state_dict()`/`load_state_dict()`: the model (fp32
-master weights), the optimizer, the GradScaler, the non-finite guard and the trackers. The position is
-the optimizer step alone: the data order (`minilm.data.RankOrder`) and the lr are functions of it.
-What differs per launcher is a `Launcher` (the Protocol below).
+"""The training loop, one for every launcher (`minilm.train`, torchrun, each Ray Train worker): a `Trainer` and its
+`fit()` (docs/training-loop.md). The position is the optimizer step alone: the data order and the lr follow from it.
 """
 
 from __future__ import annotations
@@ -135,8 +129,7 @@ class Trainer:
     # ---- set-up -------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Restore the checkpoint this run continues (if any), open trackers and timeline, wrap in DDP,
-        open the data stream at the restored step."""
+        """Restore, open trackers and timeline, wrap in DDP, open the data stream at the restored step."""
         resumed = self.restore()
         cfg = self.train_cfg
         if resumed is not None:
@@ -209,9 +202,8 @@ class Trainer:
     # ---- the loop -----------------------------------------------------------------------------
 
     def fit(self) -> str:
-        """Train to the last step; "finished", or "exited" (--exit-after-*). Raises Preempted after a
-        SIGTERM or drain checkpoint, NonFiniteLossError after too many non-finite steps in a row,
-        CheckpointError when rank 0's checkpoint writer failed (on every rank, at the same step)."""
+        """Train to the last step: "finished", or "exited" (--exit-after-*); or raise Preempted, NonFiniteLossError,
+        CheckpointError (on every rank, at the same step)."""
         self.peak = peak_flops(self.device, self.dtype)  # MFU's denominator, measured before the first step
         cfg, policy = self.train_cfg, self.loop_policy()  # (so the time limit starts after the measurement)
         self.meter = Meter(self.step, self.total_steps, self.batches.data_wait_s, self.mfu)
@@ -265,8 +257,7 @@ class Trainer:
     # ---- log and save -------------------------------------------------------------------------
 
     def log(self, m, lr: float, evaluating: bool) -> dict:
-        """Every rank: this log step's metrics (+ val_loss, val_bpb); rank 0 also prints the log line and writes
-        metrics.jsonl, the trackers and the last completed step."""
+        """Every rank: this log step's metrics; rank 0 also prints them and writes metrics.jsonl and the trackers."""
         metrics = self.step_metrics(m, lr)
         if evaluating:
             metrics.update(self.validate())
@@ -291,8 +282,8 @@ class Trainer:
                                    step=record["optimizer_step"])
 
     def await_last_scores(self) -> None:
-        """After the last step, with checkpoints scored beside training: rank 0 waits for the last checkpoint's scores
-        (training is over), and every rank reports once more (a barrier) so that they reach Ray: Tune, the dashboard."""
+        """With checkpoints scored beside training: rank 0 waits for the last one's scores, then every rank reports once
+        more (a barrier) so that they reach Ray."""
         if not self.run.eval_task_names or not self.history:  # (no step run: the run had already ended)
             return
         if self.eval_inbox:
@@ -309,8 +300,7 @@ class Trainer:
         self.checkpoints.report(self.step, {**self.history[-1], **(self.eval_inbox.latest if self.eval_inbox else {})})
 
     def step_metrics(self, m, lr: float) -> dict:
-        """This log step's metrics: the window's losses averaged over ranks (each weighted by its slice), the
-        position, the interval's rates."""
+        """The window's losses averaged over ranks (each weighted by its slice), the position, the rates."""
         cfg, step, spe = self.train_cfg, self.step, self.steps_per_epoch
         losses = self.collectives.sum(torch.stack([m.loss, m.lm_loss, m.aux_loss]).float() * m.share).tolist()
         samples_seen = D.DataPosition.at(step, spe, cfg.global_batch_size).samples_seen
@@ -346,8 +336,7 @@ class Trainer:
 
     @torch.no_grad()
     def validate(self) -> dict:
-        """val_loss (mean next-token loss over the held-out rows) and val_bpb (bits per UTF-8 byte their targets spell,
-        special tokens left out: minilm.bpb). Each rank scores every W-th row; the sums are added over ranks."""
+        """val_loss and val_bpb (minilm.bpb) of the held-out rows: each rank scores every W-th row, sums added."""
         model, m = self.raw_model, self.train_cfg.micro_batch_size
         if self.token_bytes is None:
             self.token_bytes = self._token_bytes()
@@ -402,9 +391,8 @@ class Trainer:
 
 
 def wrap_ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """DDP without per-forward buffer broadcasts: the only buffers are the RoPE tables (the same on every rank)
-    and MoE routing statistics (per-rank by nature). The gradients are views into DDP's buckets, which saves a
-    copy of every gradient into its bucket and back per step, and the memory of one gradient copy."""
+    """DDP without buffer broadcasts (RoPE tables are the same everywhere, MoE load is per rank), gradients as views
+    into its buckets (a copy and its memory saved)."""
     import inspect
 
     ddp = torch.nn.parallel.DistributedDataParallel

@@ -99,12 +99,8 @@ class SequenceStore:
 
 
 class LocalRankStream:
-    """One rank's micro-batches read in this process (no Ray): `python -m minilm.train`, torchrun, tests.
-
-    Like `ray_jobs.stream.RankStream`: iterating yields, for each optimizer step to `total_steps`, its
-    accumulation_steps micro-batches on `device` and the host array of sample ids they hold;
-    `data_wait_s` is the time spent reading. `store` has `take(sample_ids) -> (n, seq_len + 1) array`.
-    """
+    """One rank's stream read in this process (no Ray), like `ray_jobs.stream.RankStream`: per optimizer step, its
+    micro-batches on `device` and their host sample ids; `data_wait_s` is the time spent reading."""
 
     def __init__(self, store, order: RankOrder, total_steps: int, micro_batch_size: int, device="cpu"):
         import torch
