@@ -137,5 +137,3 @@ def export_gguf(path: str | os.PathLike, state_dict: dict[str, torch.Tensor], co
     tokenizer = tokenizer_metadata(Path(tokenizer_path), config.vocab_size)
     return write_export(Path(path), {FILE: lambda f: write_gguf(f, state_dict, config, tokenizer, dtype)}, "gguf")
 
-
-__all__ = ["FILE", "GGUF_DTYPES", "export_gguf", "gguf_arch", "gguf_tensors", "tokenizer_metadata", "write_gguf"]

@@ -25,42 +25,23 @@ def hf_config(config: ModelConfig, dtype: torch.dtype = torch.float16) -> dict:
     d = {
         "architectures": ["Qwen3MoeForCausalLM" if c.use_moe else "Qwen3ForCausalLM"],
         "model_type": "qwen3_moe" if c.use_moe else "qwen3",
-        "vocab_size": c.vocab_size,
-        "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size,
-        "num_hidden_layers": c.num_hidden_layers,
-        "num_attention_heads": c.num_attention_heads,
-        "num_key_value_heads": c.num_key_value_heads,
+        **{k: getattr(c, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                      "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
+                                      "rms_norm_eps", "rope_theta", "tie_word_embeddings", "bos_token_id",
+                                      "eos_token_id", "pad_token_id")},
         "head_dim": c.head_dim,  # MiniMind's is hidden / heads; Qwen3Config would assume 128
-        "hidden_act": "silu",
-        "max_position_embeddings": c.max_position_embeddings,
-        "rms_norm_eps": c.rms_norm_eps,
-        "rope_theta": c.rope_theta,
-        "rope_scaling": None,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "max_window_layers": c.num_hidden_layers,
-        "tie_word_embeddings": c.tie_word_embeddings,
-        "initializer_range": 0.02,
-        "use_cache": True,
-        "bos_token_id": c.bos_token_id,
-        "eos_token_id": c.eos_token_id,
-        "pad_token_id": c.pad_token_id,
-        "torch_dtype": str(dtype).removeprefix("torch."),  # transformers 4.x and vLLM read torch_dtype, transformers 5 dtype
-        "dtype": str(dtype).removeprefix("torch."),
+        "hidden_act": "silu", "rope_scaling": None, "attention_bias": False, "attention_dropout": 0.0,
+        "use_sliding_window": False, "sliding_window": None, "max_window_layers": c.num_hidden_layers,
+        "initializer_range": 0.02, "use_cache": True,
+        # transformers 4.x and vLLM read torch_dtype, transformers 5 dtype
+        "torch_dtype": str(dtype).removeprefix("torch."), "dtype": str(dtype).removeprefix("torch."),
     }
     if c.use_moe:
         d.update({
-            "num_experts": c.num_experts,
-            "num_experts_per_tok": c.num_experts_per_tok,
+            "num_experts": c.num_experts, "num_experts_per_tok": c.num_experts_per_tok,
             "moe_intermediate_size": c.intermediate_size,  # every layer is MoE: experts have MiniMind's FFN width
-            "norm_topk_prob": c.norm_topk_prob,
-            "decoder_sparse_step": 1,
-            "mlp_only_layers": [],
-            "router_aux_loss_coef": c.router_aux_loss_coef,
-            "output_router_logits": False,
+            "norm_topk_prob": c.norm_topk_prob, "decoder_sparse_step": 1, "mlp_only_layers": [],
+            "router_aux_loss_coef": c.router_aux_loss_coef, "output_router_logits": False,
         })
     return d
 
@@ -79,10 +60,7 @@ def tokenizer_config(config: ModelConfig) -> dict:
     """tokenizer_config.json: what AutoTokenizer needs to build a PreTrainedTokenizerFast from tokenizer.json."""
     ids = {PAD_TOKEN: config.pad_token_id, BOS_TOKEN: config.bos_token_id, EOS_TOKEN: config.eos_token_id}
     return {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": BOS_TOKEN,
-        "eos_token": EOS_TOKEN,
-        "pad_token": PAD_TOKEN,
+        "tokenizer_class": "PreTrainedTokenizerFast", **special_tokens_map(),
         "unk_token": None,  # byte-level: every string encodes, nothing is unknown
         "model_max_length": config.max_position_embeddings,
         "clean_up_tokenization_spaces": False,  # would change decoded text (" ." -> ".")
@@ -118,5 +96,3 @@ def export_hf(path: str | os.PathLike, state_dict: dict[str, torch.Tensor], conf
 def _write_json(f: Path, d: dict) -> str:
     return write_bytes(f, (json.dumps(d, indent=2, sort_keys=True) + "\n").encode())
 
-
-__all__ = ["export_hf", "hf_config", "hf_tensors", "tokenizer_config", "generation_config", "special_tokens_map"]

@@ -83,9 +83,8 @@ class Attention(nn.Module):
         mask = attn_mask  # causal and within one document (document_mask)
         if past_key_value is not None and t > 1:  # several new tokens after a cache: causal, offset by the cache
             mask = torch.ones(t, k.shape[2], dtype=torch.bool, device=x.device).tril(k.shape[2] - t)
-        # GQA: each kv head serves num_heads / num_kv_heads query heads. Without a mask, SDPA's own GQA (flash
-        # reads the shared heads in place); with one, copies of K and V (the masked kernels of some torch
-        # versions refuse GQA, and SDPA would fall back to its slow math path).
+        # GQA: SDPA's own without a mask; with one, copies of K and V (some torch versions' masked kernels refuse
+        # GQA, and SDPA would fall back to its slow math path).
         rep = self.num_heads // self.num_kv_heads
         gqa = {"enable_gqa": True} if rep > 1 and SDPA_GQA and mask is None else {}
         if rep > 1 and not gqa:
@@ -148,9 +147,8 @@ class MoEFeedForward(nn.Module):
         x_flat = x.reshape(-1, h)
         probs = F.softmax(self.gate(x_flat), dim=-1, dtype=torch.float32)
         topk_prob, topk_idx = torch.topk(probs, self.top_k, dim=-1)
-        # MiniMind's top-1 p / (p + 1e-20) is exactly 1 with a gradient of exactly 0 in math but rounding
-        # noise in autograd (which AdamW would amplify): use the 1 it equals. The router learns from the
-        # aux loss, as in MiniMind, and keeps a (zero) gradient path below, for DDP.
+        # MiniMind's top-1 p / (p + 1e-20) is exactly 1 in math but rounding noise in autograd (which AdamW would
+        # amplify): use the 1 it equals. The router learns from the aux loss, as in MiniMind.
         unit_weights = self.norm_topk_prob and self.top_k == 1
         if self.norm_topk_prob and not unit_weights:
             topk_prob = topk_prob / (topk_prob.sum(dim=-1, keepdim=True) + 1e-20)
@@ -219,9 +217,7 @@ class MoEFeedForward(nn.Module):
     def _combine(x_flat, outputs, order, token_of, topk_prob, unit_weights: bool):
         """The expert outputs of the sorted pairs, weighted and summed back in token order."""
         if unit_weights:
-            # Top-1 with normalised weights: every weight is exactly 1, so skip the multiply (and, in
-            # backward, the per-token dot product that gives its zero gradient). Each token has one
-            # slot, so putting the outputs back in token order is a permutation, not a sum.
+            # Every weight is exactly 1 and each token has one slot: a permutation back to token order, not a sum.
             return outputs.index_select(0, torch.argsort(order))
         weighted = outputs * topk_prob.reshape(-1)[order, None].to(x_flat.dtype)
         return torch.zeros_like(x_flat).index_add_(0, token_of, weighted)
@@ -287,8 +283,7 @@ class MiniMindModel(nn.Module):
         cos, sin = rope_tables(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
         self.register_buffer("freqs_cos", cos, persistent=False)  # not in the state dict, as in MiniMind
         self.register_buffer("freqs_sin", sin, persistent=False)
-        # Set by minilm.step.prepare_model: keep only each block's input for backward and recompute
-        # the block there (activation memory per layer drops to one hidden state, compute rises ~1/3).
+        # Set by minilm.step.prepare_model: recompute each block in backward (memory down, compute up ~1/3).
         self.activation_checkpointing = False
         self.document_mask = cfg.document_mask
         self.bos_token_id, self.eos_token_id = cfg.bos_token_id, cfg.eos_token_id
@@ -314,8 +309,7 @@ class MiniMindModel(nn.Module):
         recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled() and not use_cache
         for i, layer in enumerate(self.layers):
             if recompute:
-                # Non-reentrant: the variant that composes with DDP and torch.compile, and it also recomputes
-                # the MoE aux loss built inside the block; the RNG state is replayed, so dropout masks match.
+                # Non-reentrant: it composes with DDP and torch.compile, and replays the RNG (dropout masks match).
                 x, present = checkpoint(layer, x, cos, sin, None, False, mask, use_reentrant=False)
             else:
                 x, present = layer(x, cos, sin, past_key_values[i] if past_key_values else None, use_cache, mask)

@@ -200,22 +200,14 @@ def build_manifest(result: PackResult, *, tokenizer: dict, inputs: list[dict], d
     from . import __version__
 
     manifest = {
-        "format": FORMAT,
-        "seq_len": result.seq_len,
-        "token_dtype": result.token_dtype,
-        "num_sequences": result.num_sequences,
-        "num_tokens": result.num_tokens,
-        "dropped_tail_tokens": result.dropped_tail_tokens,
-        "documents_read": documents_read,
-        "documents_skipped": documents_skipped,
-        "skipped_by_reason": dict(sorted(skipped_by_reason.items())),
-        "shards": result.shards,
-        "tokenizer": tokenizer,
-        "inputs": inputs,
+        "format": FORMAT, "seq_len": result.seq_len, "token_dtype": result.token_dtype,
+        "num_sequences": result.num_sequences, "num_tokens": result.num_tokens,
+        "dropped_tail_tokens": result.dropped_tail_tokens, "documents_read": documents_read,
+        "documents_skipped": documents_skipped, "skipped_by_reason": dict(sorted(skipped_by_reason.items())),
+        "shards": result.shards, "tokenizer": tokenizer, "inputs": inputs,
         "fingerprint": compute_fingerprint(tokenizer["sha256"], result.seq_len,
                                            [s["sha256"] for s in result.shards], result.token_dtype),
-        "command": command,
-        "created_by": f"minilm {__version__}",
+        "command": command, "created_by": f"minilm {__version__}",
     }
     if extra:
         manifest.update({k: v for k, v in extra.items() if k not in manifest})

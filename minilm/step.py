@@ -26,8 +26,6 @@ class NonFiniteLossError(RuntimeError):
     """Too many optimizer steps in a row had a non-finite loss or gradient norm."""
 
 
-# ---- precision --------------------------------------------------------------------------------
-
 def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
     """Map --dtype to a torch dtype for this device; `auto` picks the fastest safe choice."""
     device_type = torch.device(device).type
@@ -76,8 +74,6 @@ def make_grad_scaler(dtype: torch.dtype, device_type: str) -> torch.amp.GradScal
     return torch.amp.GradScaler(device_type, enabled=(dtype == torch.float16))
 
 
-# ---- model and backend set-up -----------------------------------------------------------------
-
 def configure_backends(device: torch.device | str) -> None:
     """TF32 matmuls on CUDA GPUs with TF32 units (Ampere and later): fp32 work several times faster, sums in fp32."""
     device = torch.device(device)
@@ -85,8 +81,7 @@ def configure_backends(device: torch.device | str) -> None:
         return
     if torch.cuda.get_device_capability(device) < (8, 0):
         return
-    # The legacy setters, on every torch: after them both the legacy getters and torch >= 2.9's fp32_precision read
-    # TF32, whereas setting fp32_precision makes the legacy getters raise (Inductor's autotuning calls them).
+    # The legacy setters: setting fp32_precision would make the legacy getters raise (Inductor's autotuning calls them).
     torch.set_float32_matmul_precision("high")
     torch.backends.cudnn.allow_tf32 = True
 
@@ -112,8 +107,6 @@ def prepare_model(model: torch.nn.Module, cfg: TrainConfig, device: torch.device
     return model
 
 
-# ---- optimizer --------------------------------------------------------------------------------
-
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     """AdamW with weight decay on matrices only; with `cfg.optimizer == "muon"`, `minilm.muon.Muon`
     (`muon_param_groups` says which parameter moves how)."""
@@ -127,8 +120,7 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opti
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    # The fused kernel (CPU and CUDA) is faster than foreach: AdamW is memory-bound, and with MoE it runs
-    # over every expert's parameters, not only the active ones.
+    # The fused kernel (CPU and CUDA) is faster than foreach: AdamW is memory-bound.
     fused = bool(params) and all(p.device.type in ("cpu", "cuda") for p in params)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), fused=fused)
 
@@ -138,8 +130,6 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr * group.get("lr_ratio", 1.0)
 
-
-# ---- the step ---------------------------------------------------------------------------------
 
 @dataclass
 class StepMetrics:
@@ -176,8 +166,7 @@ def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sca
         with sync:
             with autocast(device_type, dtype):
                 out = model(input_ids[:, :-1], targets=input_ids[:, 1:])
-            # Weight before backward, x W since DDP divides the sum over ranks by W: the all-reduced gradient is the
-            # mean loss's over the global batch. An exact divisor: 1/accumulation bit for bit where slices are even.
+            # x share x W (DDP divides by W): the all-reduced gradient is the global batch's mean loss's, exactly.
             loss = (out.loss + out.aux_loss) / float(1 / (Fraction(share) * world_size))
             scaler.scale(loss).backward()
         lm_sum += out.loss.detach().float() * input_ids.shape[0]

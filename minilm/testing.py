@@ -44,8 +44,6 @@ class FaultHooks:
             return None
         return cls(**{k: tuple(v) if k == "nan_at_steps" else v for k, v in d.items()})
 
-    # ---- the hooks ---------------------------------------------------------------------------------
-
     def install(self, trainer) -> None:
         """Wrap the trainer's stream and optimizer step with the step hooks that are on (none: nothing changes)."""
         if not (self.record_sample_ids or self.step_delay_s or self.hold_file or self.nan_at_steps):

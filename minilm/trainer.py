@@ -126,8 +126,6 @@ class Trainer:
         self.start()
         self.hooks.install(self)  # a test's fault hooks go around the stream and the step, never into the loop
 
-    # ---- set-up -------------------------------------------------------------------------------
-
     def start(self) -> None:
         """Restore, open trackers and timeline, wrap in DDP, open the data stream at the restored step."""
         resumed = self.restore()
@@ -185,9 +183,7 @@ class Trainer:
                               f"--{name.replace('_', '-')}: the run goes on with its {name} {then}")
                 setattr(self.train_cfg, name, then)
         self.raw_model.load_state_dict(resume.model_state, strict=True)
-        # The loaded param groups carry the saved betas / weight decay; this run's config wins (the entry point has
-        # refused a change unless --allow-config-change said it is meant).
-        # The groups come from the config as it stands after the predated values above (e.g. embedding_lr_ratio).
+        # The loaded param groups carry the saved betas / weight decay; this run's config (as predated above) wins.
         configured = [{k: v for k, v in g.items() if k != "params"}
                       for g in make_optimizer(self.raw_model, self.train_cfg).param_groups]
         self.optimizer.load_state_dict(resume.optimizer_state)
@@ -198,8 +194,6 @@ class Trainer:
         self.step, self.run_id = int(s["optimizer_step"]), s.get("run_id", self.run_id)
         self.checkpoints.index, self.checkpoints.cadence.last_step = int(s.get("checkpoint_index", 0)), self.step
         return s
-
-    # ---- the loop -----------------------------------------------------------------------------
 
     def fit(self) -> str:
         """Train to the last step: "finished", or "exited" (--exit-after-*); or raise Preempted, NonFiniteLossError,
@@ -253,8 +247,6 @@ class Trainer:
         self.log_line(f"exiting after optimizer step {self.step} as asked "
                       f"(--exit-after-steps/--exit-after-minutes); continue with --resume auto")
         return "exited"
-
-    # ---- log and save -------------------------------------------------------------------------
 
     def log(self, m, lr: float, evaluating: bool) -> dict:
         """Every rank: this log step's metrics; rank 0 also prints them and writes metrics.jsonl and the trackers."""
@@ -371,8 +363,6 @@ class Trainer:
         except (ValueError, OSError, KeyError):
             return False
 
-    # ---- small helpers ------------------------------------------------------------------------
-
     def uneven(self) -> str:
         """The start line's note when the world size does not divide the global batch."""
         g, w = self.train_cfg.global_batch_size, self.world_size
@@ -401,5 +391,3 @@ def wrap_ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     return ddp(model, device_ids=[device] if device.type == "cuda" else None, gradient_as_bucket_view=True,
                **no_sync)
 
-
-__all__ = ["Trainer", "RunOptions", "Dataset", "Launcher", "Preempted"]

@@ -73,12 +73,6 @@ class DataPosition:
                    samples_seen=optimizer_step * global_batch_size)
 
 
-def compact_ids(ids: np.ndarray) -> np.ndarray:
-    """Sample ids as int32 when they fit: the ids and two epoch orders then take 4 bytes a sample, not 8."""
-    ids = np.asarray(ids)
-    return ids.astype(np.int32) if len(ids) == 0 or int(ids.max()) < 2**31 else ids.astype(np.int64)
-
-
 @dataclass
 class RankOrder:
     """The sample id at each position of one rank's stream that starts at optimizer step `start_step` (both streams
@@ -98,7 +92,9 @@ class RankOrder:
     def __post_init__(self):
         if self.train_ids is None:
             self.train_ids = split_ids(self.num_sequences, self.val_samples)[0]
-        self.train_ids = compact_ids(self.train_ids)  # the same values, so the same order
+        # int32 where the ids fit: the ids and two epoch orders then take 4 bytes a sample (the same order)
+        ids = np.asarray(self.train_ids)
+        self.train_ids = ids.astype(np.int32) if len(ids) == 0 or int(ids.max()) < 2**31 else ids.astype(np.int64)
         self._orders: dict[int, np.ndarray] = {}
 
     def __getstate__(self):

@@ -120,7 +120,11 @@ def materialise(remote: PreparedData, cache: Path | None = None) -> PreparedData
             except DataError:
                 pass  # a damaged copy: make it again
             shutil.rmtree(target)
-        _check_space(cache, remote)
+        cache.mkdir(parents=True, exist_ok=True)
+        need, free = remote.num_bytes + (1 << 20), shutil.disk_usage(cache).free
+        if free < need:
+            raise DataError(f"copying {remote.uri} ({need / 1e9:.2f} GB) to this node needs that much free space in "
+                            f"{cache}, which has {free / 1e9:.2f} GB free (set MINILM_CACHE to a larger disk)")
         with staged(target) as tmp:  # what a killed copier left is swept (we hold the lock)
             tmp.mkdir(mode=0o750)
             fs, root = _remote_fs(remote.uri)
@@ -130,15 +134,6 @@ def materialise(remote: PreparedData, cache: Path | None = None) -> PreparedData
             publish(tmp, target)
         record_verified(PreparedData(target, remote.manifest))
     return open_prepared(target)
-
-
-def _check_space(cache: Path, remote: PreparedData) -> None:
-    cache.mkdir(parents=True, exist_ok=True)
-    need = remote.num_bytes + (1 << 20)
-    free = shutil.disk_usage(cache).free
-    if free < need:
-        raise DataError(f"copying {remote.uri} ({need / 1e9:.2f} GB) to this node needs that much free space in "
-                        f"{cache}, which has {free / 1e9:.2f} GB free (set MINILM_CACHE to a larger disk)")
 
 
 def _copy_verified(fs, src: str, dst: Path, size: int | None, sha: str, where: str) -> None:
