@@ -1,9 +1,5 @@
-"""Model and training configuration, validated before any work starts.
-
-`ModelConfig` mirrors MiniMind's `MiniMindConfig` fields and defaults, so a config written by
-either side describes the same network. `TrainConfig` holds everything the optimizer loop needs.
-Both validate themselves and raise one `ConfigError` that lists every bad field at once.
-"""
+"""Model and training configuration, validated before any work starts: `ModelConfig` mirrors MiniMind's
+`MiniMindConfig` fields and defaults; each raises one `ConfigError` that lists every bad field at once."""
 
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
 """The MiniMind architecture in plain PyTorch, readable top to bottom.
 
-Pre-norm decoder: RMSNorm -> grouped-query attention (q/k RMSNorm, RoPE, SDPA) -> residual ->
-RMSNorm -> SwiGLU FFN or a top-k mixture of SwiGLU experts -> residual; tied embeddings.
-Parameter names are MiniMind's (`model.layers.{i}.self_attn.q_proj.weight`, ...), so a MiniMind
-state dict loads with `strict=True` and an exported one loads into MiniMind.
+Pre-norm decoder: RMSNorm -> grouped-query attention (q/k RMSNorm, RoPE, SDPA) -> residual -> RMSNorm -> SwiGLU
+FFN or a top-k mixture of SwiGLU experts -> residual; tied embeddings. Parameter names are MiniMind's, so state
+dicts load both ways with `strict=True`.
 """
 
 from __future__ import annotations

@@ -29,11 +29,7 @@ def orthogonalize(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
 
 
 class Muon(torch.optim.Optimizer):
-    """Muon on groups with `use_muon=True`, decoupled-weight-decay AdamW on the others.
-
-    Group keys: `lr`, `lr_ratio` (see `minilm.step.set_lr`), `weight_decay`, and for Muon groups
-    `momentum`, `nesterov`, `ns_steps`; for AdamW groups `betas`, `eps`.
-    """
+    """Muon on groups with `use_muon=True`, decoupled-weight-decay AdamW on the others (`lr_ratio`: step.set_lr)."""
 
     def __init__(self, params, lr: float, *, momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5,
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0):

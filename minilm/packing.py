@@ -1,9 +1,5 @@
-"""Packing token ids into rows of `seq_len + 1`, written as the token files of docs/data.md.
-
-Rows are appended to `shard-NNNNN.bin` files as they arrive, each hashed as it is written, so memory
-stays at one chunk of the stream whatever the shard size. The output folder is built beside DIR and
-renamed into place after its manifest, so an interrupted prepare leaves nothing `open_prepared` accepts.
-"""
+"""Packing token ids into rows of `seq_len + 1`, written as the token files of docs/data.md: shards hashed as they
+are written (memory stays at one chunk), in a folder renamed into place after its manifest."""
 
 from __future__ import annotations
 
@@ -150,11 +146,8 @@ class ShardWriter:
 
 
 class BosAlignedShardWriter(ShardWriter):
-    """A ShardWriter of rows that each start with a document (`prepare --rows best-fit` or `bos-aligned`).
-
-    The stream is split back into documents for `minilm.rows.BestFitRows`; `split_long` (best-fit) gives a
-    long document rows of its own instead of cropping it. `best_fit` counts what was split and cropped.
-    """
+    """A ShardWriter of rows that each start with a document (`minilm.rows.BestFitRows`), for `prepare --rows
+    best-fit` (`split_long`) or `bos-aligned`."""
 
     def __init__(self, directory: str | os.PathLike, seq_len: int, rows_per_shard: int | None = None,
                  eos_id: int = EOS_ID, token_dtype: str = "uint16", bos_id: int = BOS_ID, buffer_docs: int = 1000,

@@ -62,12 +62,8 @@ class BestFitStats:
 
 
 class BestFitRows:
-    """BOS-aligned best-fit rows from documents pushed one at a time (`add`), for a streaming writer.
-
-    Row by row: take the longest of the (at most `buffer_docs`) waiting documents that fits the space
-    left; when none fits, crop the shortest (or, with `split_long`, split the longest, whose rest waits).
-    What cannot fill a last row at `finish` is dropped and counted in `stats`.
-    """
+    """BOS-aligned best-fit rows from documents pushed one at a time (`add`): each row takes the longest waiting
+    document that fits; when none fits, the shortest is cropped (`split_long`: the longest split, its rest waits)."""
 
     def __init__(self, row_len: int, *, bos_id: int = BOS_ID, eos_id: int = EOS_ID, buffer_docs: int = 1000,
                  stats: BestFitStats | None = None, split_long: bool = False):
