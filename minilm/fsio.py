@@ -22,13 +22,13 @@ STAGING = ".minilm-staging-"  # + host-pid-what: a folder being written, swept o
 RACY_NS = 2_000_000_000  # a file modified this recently when hashed is not vouched for: hashed again next time
 
 
-
 def loads(raw: str | bytes):
     """json.loads for a file another party may have written: nesting too deep for the parser is bad JSON too."""
     try:
         return json.loads(raw)
     except RecursionError:
         raise ValueError("JSON nested too deeply") from None
+
 
 def create(path: str | os.PathLike, mode: int = 0o666, buffering: int = -1):
     """`path` opened for writing as a new file; FileExistsError if anything is there already, a link included."""
@@ -161,10 +161,8 @@ def file_key(path: Path) -> list[int]:
 
 
 class NodeStamp:
-    """What a node's processes found hashing `folder`'s files (for its `fingerprint`): per file its size, mtime, inode
-    and the findings, in `root/<key>.json` under a shared lock, trusted while the file is unchanged. As in git's index
-    a file modified under RACY_NS before it was hashed is not vouched for. Written when the block ends without an
-    error; stamps of folders that are gone are pruned."""
+    """What a node's processes found hashing `folder`'s files, per file keyed by its size, mtime and inode, under a
+    shared lock; as in git's index, a file modified under RACY_NS before it was hashed is not vouched for."""
 
     def __init__(self, root: Path, folder: Path, fingerprint: str):
         self.folder, self.fingerprint = folder, fingerprint

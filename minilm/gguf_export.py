@@ -117,11 +117,8 @@ def write_gguf(f: Path, state_dict: dict[str, torch.Tensor], config: ModelConfig
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    fd = os.open(f, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    with open(f, "rb") as written:
+        os.fsync(written.fileno())
     return file_sha256(f)
 
 

@@ -1,9 +1,5 @@
-"""Hugging Face export: a folder that transformers, vLLM and llama.cpp's converter open as Qwen3.
-
-MiniMind's architecture and parameter names are Qwen3's, so a minilm model is written as a
-`Qwen3ForCausalLM` (dense) or `Qwen3MoeForCausalLM` (MoE) folder (docs/export.md lists its files).
-Writing needs only safetensors; loading needs transformers, without trust_remote_code.
-"""
+"""Hugging Face export: a folder that transformers, vLLM and llama.cpp's converter open as Qwen3 (or Qwen3-MoE),
+whose architecture and parameter names MiniMind's are; loading needs no trust_remote_code (docs/export.md)."""
 
 from __future__ import annotations
 

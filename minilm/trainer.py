@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
 from dataclasses import dataclass
@@ -330,8 +331,11 @@ class Trainer:
     def validate(self) -> dict:
         """val_loss and val_bpb (minilm.bpb) of the held-out rows: each rank scores every W-th row, sums added."""
         model, m = self.raw_model, self.train_cfg.micro_batch_size
-        if self.token_bytes is None:
-            self.token_bytes = self._token_bytes()
+        if self.token_bytes is None:  # the UTF-8 bytes each token id spells; False without a byte-level BPE
+            self.token_bytes = False
+            with contextlib.suppress(ValueError, OSError, KeyError):
+                if self.data.tokenizer_path is not None:
+                    self.token_bytes = torch.as_tensor(token_byte_lengths(self.data.tokenizer_path), device=self.device)
         model.eval()
         # nats over all targets, targets, nats over targets that spell text, their bytes
         total = torch.zeros(4, dtype=torch.float64, device=self.device)
@@ -353,15 +357,6 @@ class Trainer:
         if nbytes > 0:
             result["val_bpb"] = bits_per_byte(nats_text, nbytes)
         return result
-
-    def _token_bytes(self):
-        """The UTF-8 bytes each token id spells, on the device; False without a byte-level BPE tokenizer."""
-        if self.data.tokenizer_path is None:
-            return False
-        try:
-            return torch.as_tensor(token_byte_lengths(self.data.tokenizer_path), device=self.device)
-        except (ValueError, OSError, KeyError):
-            return False
 
     def uneven(self) -> str:
         """The start line's note when the world size does not divide the global batch."""
