@@ -114,8 +114,7 @@ class MoEFeedForward(nn.Module):
     Tokens are sorted by expert and each expert runs once on its slice, even an empty one (a zero gradient, so DDP
     needs no find_unused_parameters). "split" cuts the slices by counts read on the host (a sync); "grouped" runs
     each projection as one `torch._grouped_mm` with fixed shapes. "auto" takes "grouped" where that op has its
-    sync-free kernel (`grouped_mm_kernel_on`, bf16), else "split".
-    """
+    sync-free kernel (`grouped_mm_kernel_on`, bf16), else "split"."""
 
     dispatch = "auto"  # "auto" | "grouped" | "split", for every MoE layer of the process
 
@@ -333,9 +332,8 @@ class MiniMindForCausalLM(nn.Module):
 
     def forward(self, input_ids, labels=None, past_key_values=None, use_cache=False, targets=None,
                 reduction: str = "mean") -> CausalLMOutput:
-        """`labels` (MiniMind's): the same positions as input_ids, shifted inside. `targets`: position t's next
-        token, as given (the training step's row[:, 1:] for input row[:, :-1]); the loss then comes from `head_loss`
-        and no logits come back. -100 marks a position without a target in either."""
+        """`labels` (MiniMind's): input_ids' positions, shifted inside. `targets`: each position's next token, as given;
+        the loss then comes from `head_loss` and no logits come back. -100 marks a position without a target."""
         hidden, presents = self.model(input_ids, past_key_values, use_cache)
         if targets is not None:
             loss = head_loss(hidden, self.lm_head.weight, targets, reduction)

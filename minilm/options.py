@@ -54,8 +54,7 @@ def option(default=None, help: str = "", *, minimum=None, convert=None, **argpar
 @dataclass
 class RunOptions:
     """What a run adds to the two configs: the flags both `minilm.train` and `ray_jobs.pretrain` have, then what the
-    entry point fills in. Each entry point's own flags are a subclass (`minilm.train.LocalOptions`,
-    `ray_jobs.cli.RayOptions`)."""
+    entry point fills in. Each entry point's own flags are a subclass (`LocalOptions`, `RayOptions`)."""
 
     data: str | None = option(help="a folder written by ray_jobs.prepare, or a remote URI (copied to the node once)")
     name: str | None = option(help="run name (default: the run folder's name)")

@@ -51,9 +51,8 @@ class PackResult:
 
 
 class ShardWriter:
-    """Streams documents (or an EOS-separated token stream) into token files in `directory`.
-
-    An id that does not fit `token_dtype` is an error, never a silent wrap-around."""
+    """Streams documents (or an EOS-separated token stream) into token files in `directory`; an id that does not
+    fit `token_dtype` is an error, never a silent wrap-around."""
 
     def __init__(self, directory: str | os.PathLike, seq_len: int, rows_per_shard: int | None = None,
                  eos_id: int = EOS_ID, token_dtype: str = "uint16"):
@@ -237,9 +236,8 @@ def describe_existing(path: Path) -> str | None:
 
 
 class AtomicOutput:
-    """Builds DIR in its staging folder beside it (`fsio.staging_dir`) and renames it into place on `commit()`.
-
-    An existing prepared dataset is replaced only with `overwrite`; anything else there is never deleted."""
+    """Builds DIR in its staging folder beside it and renames it into place on `commit()`; an existing prepared
+    dataset is replaced only with `overwrite`, anything else there never."""
 
     def __init__(self, final: str | os.PathLike, overwrite: bool = False):
         self.final = Path(final)

@@ -108,8 +108,7 @@ def prepare_model(model: torch.nn.Module, cfg: TrainConfig, device: torch.device
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW with weight decay on matrices only; with `cfg.optimizer == "muon"`, `minilm.muon.Muon`
-    (`muon_param_groups` says which parameter moves how)."""
+    """AdamW with weight decay on matrices only; with `cfg.optimizer == "muon"`, `minilm.muon.Muon`."""
     if cfg.optimizer == "muon":
         from .muon import Muon, muon_param_groups
 
@@ -150,9 +149,8 @@ def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sca
                    micro_batches: Sequence[torch.Tensor], *, lr: float, grad_clip: float,
                    dtype: torch.dtype = torch.float32, shares: Sequence[float] | None = None,
                    world_size: int = 1) -> StepMetrics:
-    """Run len(micro_batches) micro-steps, each (rows, seq_len + 1) ids on the device (row[:, :-1] fed, row[:, 1:]
-    scored), and one optimizer step. `shares`: each micro-batch's exact share of the global batch
-    (minilm.data.rank_micro_batches; default: of these rows); `world_size`: the ranks DDP averages over."""
+    """Run len(micro_batches) micro-steps, each (rows, seq_len + 1) ids on the device, and one optimizer step.
+    `shares`: each micro-batch's exact share of the global batch (default: of these rows)."""
     rows = [mb.shape[0] for mb in micro_batches]
     shares = list(shares) if shares is not None else [Fraction(n, sum(rows)) for n in rows]
     device_type = micro_batches[0].device.type

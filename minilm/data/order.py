@@ -46,10 +46,8 @@ def steps_per_epoch(num_train: int, global_batch_size: int) -> int:
 def rank_micro_batches(global_batch_size: int, micro_batch_size: int, world_size: int,
                        rank: int) -> list[tuple[int, int, Fraction]]:
     """Rank `rank`'s micro-batches of a global batch at world size W: (start, stop, weight) each, positions in the batch.
-
     The first G mod W ranks take ceil(G/W) sequences, the others floor(G/W), in micro-batches of at most m. A
-    weight is the micro-batch's exact share of the global batch (every row scores seq_len targets): they sum to 1.
-    """
+    weight is the micro-batch's exact share of the global batch (every row scores seq_len targets): they sum to 1."""
     if not 1 <= world_size <= global_batch_size or not 0 <= rank < world_size or micro_batch_size < 1:
         raise ValueError(f"no rank {rank} of world size {world_size} for a global batch of {global_batch_size}")
     base, extra = divmod(global_batch_size, world_size)
@@ -76,8 +74,7 @@ class DataPosition:
 @dataclass
 class RankOrder:
     """The sample id at each position of one rank's stream that starts at optimizer step `start_step` (both streams
-    read through it). `train_ids` None: remade from `num_sequences` wherever it is unpickled (a few bytes to send).
-    """
+    read through it). `train_ids` None: remade from `num_sequences` wherever it is unpickled (a few bytes to send)."""
 
     train_ids: np.ndarray | None
     seed: int

@@ -16,9 +16,8 @@ MAX_OPEN_SHARDS = 256  # file descriptors a SequenceStore keeps open (least rece
 
 
 class SequenceStore:
-    """Rows by sample id, read with positional reads (adjacent rows in one) into a fresh array; nothing is cached
-    here: the page cache, shared by the node's processes, is. At most MAX_OPEN_SHARDS descriptors stay open,
-    readahead off (rows are read at random positions)."""
+    """Rows by sample id, read with positional reads (adjacent rows in one), readahead off; nothing is cached here:
+    the page cache, shared by the node's processes, is."""
 
     def __init__(self, data: PreparedData):
         self.data = data
