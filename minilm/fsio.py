@@ -76,8 +76,6 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-# ---- staged folders --------------------------------------------------------------------------------
-
 def staging_dir(root: Path, what: str, pid: int | None = None) -> Path:
     """Where this process (or `pid`) stages `what` under `root`, named for its host and process for `sweep_staging`."""
     return Path(root) / f"{STAGING}{socket.gethostname()}-{pid or os.getpid()}-{what}"
@@ -136,8 +134,6 @@ def private_folder(path: Path) -> Path:
         return path
     return Path(tempfile.mkdtemp(prefix=f"{path.name}-", dir=path.parent))
 
-
-# ---- hashed once per node --------------------------------------------------------------------------
 
 @contextlib.contextmanager
 def node_lock(lock_path: Path) -> Iterator[None]:

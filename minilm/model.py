@@ -356,7 +356,6 @@ class MiniMindForCausalLM(nn.Module):
         layers = self.moe_layers()
         return torch.stack([m.expert_load for m in layers]) if layers else None
 
-    # ---- sizes and FLOPs (nanoGPT-style estimates) -------------------------------------------
     def num_params(self, active: bool = False) -> int:
         """Unique parameters; with active=True, only the top-k experts' share of each MoE layer."""
         total = sum(p.numel() for p in self.parameters())
@@ -376,7 +375,6 @@ class MiniMindForCausalLM(nn.Module):
     def estimate_mfu(self, tokens_per_s: float, seq_len: int, peak_flops: float) -> float:
         return self.flops_per_token(seq_len) * tokens_per_s / peak_flops
 
-    # ---- generation ----------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, input_ids, max_new_tokens=64, temperature=0.8, top_p=0.9, eos_token_id=None,
                  generator: torch.Generator | None = None):

@@ -204,8 +204,6 @@ def check_configs(model_cfg: ModelConfig, train_cfg: TrainConfig, run: RunOption
     run.validate()
 
 
-# ---- the run's steps ------------------------------------------------------------------------------
-
 @dataclass(frozen=True)
 class StepPlan:
     steps_per_epoch: int

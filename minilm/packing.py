@@ -29,8 +29,6 @@ class OutputError(ValueError):
     """The output directory cannot be used (it holds other data, or is not a directory)."""
 
 
-# ---- rows and shards --------------------------------------------------------------------------------
-
 def default_rows_per_shard(seq_len: int, token_dtype: str) -> int:
     return max(1, SHARD_BYTES // ((seq_len + 1) * TOKEN_DTYPES[token_dtype].itemsize))
 
@@ -175,8 +173,6 @@ class BosAlignedShardWriter(ShardWriter):
         super().add_stream(stream, documents=documents, stream_tokens=stream_tokens)
 
 
-# ---- manifest ---------------------------------------------------------------------------------------
-
 def compute_fingerprint(tokenizer_sha256: str, seq_len: int, shard_sha256s: Sequence[str], token_dtype: str) -> str:
     """sha256 of the canonical JSON of what makes the rows: two datasets with the same fingerprint hold the
     same token rows in the same order, made with the same tokenizer."""
@@ -211,8 +207,6 @@ def write_manifest(directory: str | os.PathLike, manifest: dict) -> Path:
     fsio.write_atomic(path, json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
     return path
 
-
-# ---- the output directory, written atomically ----------------------------------------------------
 
 def describe_existing(path: Path) -> str | None:
     """None when `path` is free to write (absent or empty); else what is there, in words."""
