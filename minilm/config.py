@@ -1,9 +1,5 @@
-"""Model and training configuration, validated before any work starts.
-
-`ModelConfig` mirrors MiniMind's `MiniMindConfig` fields and defaults, so a config written by
-either side describes the same network. `TrainConfig` holds everything the optimizer loop needs.
-Both validate themselves and raise one `ConfigError` that lists every bad field at once.
-"""
+"""Model and training configuration, validated before any work starts: `ModelConfig` mirrors MiniMind's
+`MiniMindConfig` fields and defaults; each raises one `ConfigError` that lists every bad field at once."""
 
 from __future__ import annotations
 
@@ -248,13 +244,12 @@ class TrainConfig:
         if p:
             return p
         p = _range_problems(self, TRAIN_RANGES)
-        if _is_int(self.micro_batch_size) and _is_int(self.global_batch_size) and \
+        if world_size is not None and _is_int(self.micro_batch_size) and _is_int(self.global_batch_size) and \
                 self.micro_batch_size >= 1 and self.global_batch_size >= 1:
-            if world_size is not None:
-                try:
-                    accumulation_steps(self.global_batch_size, self.micro_batch_size, world_size)
-                except ConfigError as e:
-                    p.extend(e.problems)
+            try:
+                accumulation_steps(self.global_batch_size, self.micro_batch_size, world_size)
+            except ConfigError as e:
+                p.extend(e.problems)
         for name, choices in CHOICES.items():
             if getattr(self, name) not in choices:
                 p.append(f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")

@@ -1,9 +1,5 @@
-"""A built-in demo corpus that needs no download: the prose that ships with every Python.
-
-Documents are the standard library's docstrings and pydoc's reference topics, read with `ast` (never
-imported) in sorted path and source order, so the corpus is the same on every run of one Python; the
-manifest's fingerprint tells another Python's apart. Tests, short docstrings and repeats are skipped.
-"""
+"""A built-in demo corpus that needs no download: the standard library's docstrings and pydoc's topics, read with
+`ast` in sorted order, so the same on every run of one Python (tests, short docstrings and repeats skipped)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
 """Collectives of the training loop, in one place, and stop flags agreed by every rank without stalling a step.
-
-**Every collective the loop issues runs on the training device**: NCCL has no backend for CPU tensors, so a
-flag or metric built on the CPU would crash the first multi-GPU step. DDP's all-reduce is on the device
-already; everything else goes through `Collectives` (`tests/test_nccl_rules.py` enforces it on 2 ranks).
-"""
+Every collective runs on the training device: NCCL has no backend for CPU tensors (tests/test_nccl_rules.py)."""
 
 from __future__ import annotations
 
@@ -21,16 +17,12 @@ import torch.distributed as dist
 AGREEMENT_DELAY = 2
 
 
-def is_distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
 class Collectives:
     """The loop's collectives on `device`, the training device (identity when not distributed)."""
 
     def __init__(self, device: torch.device | str):
         self.device = torch.device(device)
-        self.world_size = dist.get_world_size() if is_distributed() else 1
+        self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(self.device)
@@ -66,13 +58,8 @@ class _Pending:
 
 
 class FlagAgreement:
-    """Boolean flags OR-ed over every rank each optimizer step, read `delay` steps later.
-
-    `push(step, host_flags, device_flags)` starts an asynchronous all-reduce (MAX) and returns the agreed
-    flags of step `step - delay`, the same on every rank. On CUDA the flags travel through pinned memory
-    behind an event, so nothing waits for the step's queued kernels; `device_flags` (0-dim tensors on the
-    device, e.g. the guard's trip) need no host sync.
-    """
+    """Boolean flags OR-ed over every rank each optimizer step by an asynchronous all-reduce, read `delay` steps later
+    (`push` returns step `step - delay`'s); on CUDA through pinned memory behind an event, so nothing waits."""
 
     def __init__(self, collectives: Collectives, names: tuple[str, ...], delay: int = AGREEMENT_DELAY):
         self.c, self.names, self.delay = collectives, names, delay
@@ -152,11 +139,8 @@ class CollectiveError(RuntimeError):
 
 
 def init_from_torchrun(backend: str | None = None, timeout_s: float | None = None) -> tuple[int, int, torch.device]:
-    """`torchrun` sets RANK / WORLD_SIZE / LOCAL_RANK: join its process group; (rank, world size, device).
-
-    NCCL on CUDA (one GPU per local rank), gloo on CPU, with the collective timeout `timeout_s` (default:
-    COLLECTIVE_TIMEOUT_S for the device). Without torchrun: (0, 1, cuda:0 or cpu).
-    """
+    """Join torchrun's process group (NCCL on CUDA, one GPU per local rank; gloo on CPU): (rank, world size, device).
+    Without torchrun: (0, 1, cuda:0 or cpu)."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rank, world_size, local_rank = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), \
@@ -175,11 +159,8 @@ def init_from_torchrun(backend: str | None = None, timeout_s: float | None = Non
 
 
 def leave_process_group() -> None:
-    """Destroy the process group at the end of a run (NCCL's pending work must finish before the process goes).
-
-    The trainer's cycles are collected first (DDP holds the group) and the GIL is released for 50 ms, since a
-    gloo thread still dropping tensors at interpreter exit aborts the process (also: `minilm.train.exit_process`).
-    """
+    """Destroy the process group at the end of a run, after collecting the trainer's cycles (DDP holds the group) and
+    releasing the GIL for 50 ms: a gloo thread still dropping tensors at exit would abort the process."""
     if not (dist.is_available() and dist.is_initialized()):
         return
     gc.collect()

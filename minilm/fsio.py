@@ -22,13 +22,13 @@ STAGING = ".minilm-staging-"  # + host-pid-what: a folder being written, swept o
 RACY_NS = 2_000_000_000  # a file modified this recently when hashed is not vouched for: hashed again next time
 
 
-
 def loads(raw: str | bytes):
     """json.loads for a file another party may have written: nesting too deep for the parser is bad JSON too."""
     try:
         return json.loads(raw)
     except RecursionError:
         raise ValueError("JSON nested too deeply") from None
+
 
 def create(path: str | os.PathLike, mode: int = 0o666, buffering: int = -1):
     """`path` opened for writing as a new file; FileExistsError if anything is there already, a link included."""
@@ -75,8 +75,6 @@ def pid_alive(pid: int) -> bool:
         pass
     return True
 
-
-# ---- staged folders --------------------------------------------------------------------------------
 
 def staging_dir(root: Path, what: str, pid: int | None = None) -> Path:
     """Where this process (or `pid`) stages `what` under `root`, named for its host and process for `sweep_staging`."""
@@ -137,8 +135,6 @@ def private_folder(path: Path) -> Path:
     return Path(tempfile.mkdtemp(prefix=f"{path.name}-", dir=path.parent))
 
 
-# ---- hashed once per node --------------------------------------------------------------------------
-
 @contextlib.contextmanager
 def node_lock(lock_path: Path) -> Iterator[None]:
     """An exclusive lock between the processes of this node (the ranks and reader actors of a run)."""
@@ -161,10 +157,8 @@ def file_key(path: Path) -> list[int]:
 
 
 class NodeStamp:
-    """What a node's processes found hashing `folder`'s files (for its `fingerprint`): per file its size, mtime, inode
-    and the findings, in `root/<key>.json` under a shared lock, trusted while the file is unchanged. As in git's index
-    a file modified under RACY_NS before it was hashed is not vouched for. Written when the block ends without an
-    error; stamps of folders that are gone are pruned."""
+    """What a node's processes found hashing `folder`'s files, per file keyed by its size, mtime and inode, under a
+    shared lock; as in git's index, a file modified under RACY_NS before it was hashed is not vouched for."""
 
     def __init__(self, root: Path, folder: Path, fingerprint: str):
         self.folder, self.fingerprint = folder, fingerprint

@@ -1,10 +1,7 @@
-"""GGUF export: one `model.gguf` that llama.cpp (llama-cli, llama-server, llama-cpp-python) loads with no converter run.
+"""GGUF export: one `model.gguf` that llama.cpp loads with no converter run, written with `gguf`, llama.cpp's writer.
 
-MiniMind's blocks are Qwen3's (q/k RMSNorm per head, rotate-half RoPE), so the file is llama.cpp's `qwen3` or
-`qwen3moe` architecture: its `llama` one has no q/k norm and wants q/k permuted to interleaved RoPE, while Qwen3's
-NEOX RoPE is minilm's layout, so no weight is permuted. The tokenizer is embedded as GGUF's `gpt2` byte-level BPE
-with the `gpt-2` split (the regex minilm's ByteLevel pre-tokenizer applies). Written with `gguf`, llama.cpp's own
-writer (`pip install 'minilm[gguf]'`).
+MiniMind's blocks are Qwen3's (q/k norms, NEOX RoPE: no weight is permuted), so the architecture is `qwen3` or
+`qwen3moe`; the tokenizer is GGUF's `gpt2` byte-level BPE with the `gpt-2` split.
 """
 
 from __future__ import annotations
@@ -120,11 +117,8 @@ def write_gguf(f: Path, state_dict: dict[str, torch.Tensor], config: ModelConfig
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    fd = os.open(f, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    with open(f, "rb") as written:
+        os.fsync(written.fileno())
     return file_sha256(f)
 
 
@@ -140,5 +134,3 @@ def export_gguf(path: str | os.PathLike, state_dict: dict[str, torch.Tensor], co
     tokenizer = tokenizer_metadata(Path(tokenizer_path), config.vocab_size)
     return write_export(Path(path), {FILE: lambda f: write_gguf(f, state_dict, config, tokenizer, dtype)}, "gguf")
 
-
-__all__ = ["FILE", "GGUF_DTYPES", "export_gguf", "gguf_arch", "gguf_tensors", "tokenizer_metadata", "write_gguf"]

@@ -1,9 +1,5 @@
-"""Hugging Face export: a folder that transformers, vLLM and llama.cpp's converter open as Qwen3.
-
-MiniMind's architecture and parameter names are Qwen3's, so a minilm model is written as a
-`Qwen3ForCausalLM` (dense) or `Qwen3MoeForCausalLM` (MoE) folder (docs/export.md lists its files).
-Writing needs only safetensors; loading needs transformers, without trust_remote_code.
-"""
+"""Hugging Face export: a folder that transformers, vLLM and llama.cpp's converter open as Qwen3 (or Qwen3-MoE),
+whose architecture and parameter names MiniMind's are; loading needs no trust_remote_code (docs/export.md)."""
 
 from __future__ import annotations
 
@@ -19,62 +15,37 @@ from .tokenizer import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, SPECIAL_TOKENS
 
 
 def hf_config(config: ModelConfig, dtype: torch.dtype = torch.float16) -> dict:
-    """config.json of the Qwen3 (or Qwen3-MoE) model that computes what MiniMindForCausalLM computes.
-
-    Every field is written, since Qwen3Config's defaults are Qwen3-8B's; RoPE is plain `rope_theta`,
-    the form of the Hub's Qwen3 checkpoints, which every loader reads.
-    """
+    """config.json of the Qwen3 (or Qwen3-MoE) model that computes what MiniMindForCausalLM computes: every field,
+    since Qwen3Config's defaults are Qwen3-8B's."""
     c = config
     d = {
         "architectures": ["Qwen3MoeForCausalLM" if c.use_moe else "Qwen3ForCausalLM"],
         "model_type": "qwen3_moe" if c.use_moe else "qwen3",
-        "vocab_size": c.vocab_size,
-        "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size,
-        "num_hidden_layers": c.num_hidden_layers,
-        "num_attention_heads": c.num_attention_heads,
-        "num_key_value_heads": c.num_key_value_heads,
+        **{k: getattr(c, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                      "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
+                                      "rms_norm_eps", "rope_theta", "tie_word_embeddings", "bos_token_id",
+                                      "eos_token_id", "pad_token_id")},
         "head_dim": c.head_dim,  # MiniMind's is hidden / heads; Qwen3Config would assume 128
-        "hidden_act": "silu",
-        "max_position_embeddings": c.max_position_embeddings,
-        "rms_norm_eps": c.rms_norm_eps,
-        "rope_theta": c.rope_theta,
-        "rope_scaling": None,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "max_window_layers": c.num_hidden_layers,
-        "tie_word_embeddings": c.tie_word_embeddings,
-        "initializer_range": 0.02,
-        "use_cache": True,
-        "bos_token_id": c.bos_token_id,
-        "eos_token_id": c.eos_token_id,
-        "pad_token_id": c.pad_token_id,
-        "torch_dtype": str(dtype).removeprefix("torch."),  # transformers 4.x and vLLM read torch_dtype, transformers 5 dtype
-        "dtype": str(dtype).removeprefix("torch."),
+        "hidden_act": "silu", "rope_scaling": None, "attention_bias": False, "attention_dropout": 0.0,
+        "use_sliding_window": False, "sliding_window": None, "max_window_layers": c.num_hidden_layers,
+        "initializer_range": 0.02, "use_cache": True,
+        # transformers 4.x and vLLM read torch_dtype, transformers 5 dtype
+        "torch_dtype": str(dtype).removeprefix("torch."), "dtype": str(dtype).removeprefix("torch."),
     }
     if c.use_moe:
         d.update({
-            "num_experts": c.num_experts,
-            "num_experts_per_tok": c.num_experts_per_tok,
+            "num_experts": c.num_experts, "num_experts_per_tok": c.num_experts_per_tok,
             "moe_intermediate_size": c.intermediate_size,  # every layer is MoE: experts have MiniMind's FFN width
-            "norm_topk_prob": c.norm_topk_prob,
-            "decoder_sparse_step": 1,
-            "mlp_only_layers": [],
-            "router_aux_loss_coef": c.router_aux_loss_coef,
-            "output_router_logits": False,
+            "norm_topk_prob": c.norm_topk_prob, "decoder_sparse_step": 1, "mlp_only_layers": [],
+            "router_aux_loss_coef": c.router_aux_loss_coef, "output_router_logits": False,
         })
     return d
 
 
 def hf_tensors(state_dict: dict[str, torch.Tensor], config: ModelConfig,
                dtype: torch.dtype = torch.float16) -> dict[str, torch.Tensor]:
-    """The weights under their Qwen3 names (MiniMind's names are Qwen3's), each its own contiguous copy.
-
-    lm_head.weight is written even when tied, for loaders that ignore tie_word_embeddings and would
-    otherwise leave the output layer random.
-    """
+    """The weights (MiniMind's names are Qwen3's), each its own contiguous copy; lm_head.weight even when tied, for
+    loaders that ignore tie_word_embeddings."""
     tensors = {k: v.detach().to(dtype=dtype, device="cpu").contiguous().clone() for k, v in state_dict.items()}
     if "lm_head.weight" not in tensors and config.tie_word_embeddings:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
@@ -85,10 +56,7 @@ def tokenizer_config(config: ModelConfig) -> dict:
     """tokenizer_config.json: what AutoTokenizer needs to build a PreTrainedTokenizerFast from tokenizer.json."""
     ids = {PAD_TOKEN: config.pad_token_id, BOS_TOKEN: config.bos_token_id, EOS_TOKEN: config.eos_token_id}
     return {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": BOS_TOKEN,
-        "eos_token": EOS_TOKEN,
-        "pad_token": PAD_TOKEN,
+        "tokenizer_class": "PreTrainedTokenizerFast", **special_tokens_map(),
         "unk_token": None,  # byte-level: every string encodes, nothing is unknown
         "model_max_length": config.max_position_embeddings,
         "clean_up_tokenization_spaces": False,  # would change decoded text (" ." -> ".")
@@ -124,5 +92,3 @@ def export_hf(path: str | os.PathLike, state_dict: dict[str, torch.Tensor], conf
 def _write_json(f: Path, d: dict) -> str:
     return write_bytes(f, (json.dumps(d, indent=2, sort_keys=True) + "\n").encode())
 
-
-__all__ = ["export_hf", "hf_config", "hf_tensors", "tokenizer_config", "generation_config", "special_tokens_map"]

@@ -15,10 +15,8 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def head_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"):
-    """Cross entropy of the logits `hidden @ weight.T` (in autocast's dtype, then fp32) against `targets` (-100:
-    none), over chunks of positions, so that the whole batch's fp32 logits never exist at once: the mean over the
-    targets, or (reduction "none") the nats of each position. With gradients, `HeadLoss` computes them chunk by
-    chunk in the forward; the same matmuls as the eager head, none recomputed."""
+    """Cross entropy of the logits `hidden @ weight.T` against `targets` (-100: none), chunk by chunk: the mean, or
+    (reduction "none") each position's nats. With gradients, `HeadLoss` computes them in the forward."""
     h, t = hidden.flatten(0, 1), targets.flatten()
     rows = max(1, HEAD_CHUNK_LOGITS // weight.shape[0])
     if reduction == "mean" and torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):

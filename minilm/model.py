@@ -1,9 +1,8 @@
 """The MiniMind architecture in plain PyTorch, readable top to bottom.
 
-Pre-norm decoder: RMSNorm -> grouped-query attention (q/k RMSNorm, RoPE, SDPA) -> residual ->
-RMSNorm -> SwiGLU FFN or a top-k mixture of SwiGLU experts -> residual; tied embeddings.
-Parameter names are MiniMind's (`model.layers.{i}.self_attn.q_proj.weight`, ...), so a MiniMind
-state dict loads with `strict=True` and an exported one loads into MiniMind.
+Pre-norm decoder: RMSNorm -> grouped-query attention (q/k RMSNorm, RoPE, SDPA) -> residual -> RMSNorm -> SwiGLU
+FFN or a top-k mixture of SwiGLU experts -> residual; tied embeddings. Parameter names are MiniMind's, so state
+dicts load both ways with `strict=True`.
 """
 
 from __future__ import annotations
@@ -83,9 +82,8 @@ class Attention(nn.Module):
         mask = attn_mask  # causal and within one document (document_mask)
         if past_key_value is not None and t > 1:  # several new tokens after a cache: causal, offset by the cache
             mask = torch.ones(t, k.shape[2], dtype=torch.bool, device=x.device).tril(k.shape[2] - t)
-        # GQA: each kv head serves num_heads / num_kv_heads query heads. Without a mask, SDPA's own GQA (flash
-        # reads the shared heads in place); with one, copies of K and V (the masked kernels of some torch
-        # versions refuse GQA, and SDPA would fall back to its slow math path).
+        # GQA: SDPA's own without a mask; with one, copies of K and V (some torch versions' masked kernels refuse
+        # GQA, and SDPA would fall back to its slow math path).
         rep = self.num_heads // self.num_kv_heads
         gqa = {"enable_gqa": True} if rep > 1 and SDPA_GQA and mask is None else {}
         if rep > 1 and not gqa:
@@ -113,17 +111,10 @@ class FeedForward(nn.Module):
 class MoEFeedForward(nn.Module):
     """Top-k routed SwiGLU experts with MiniMind's load-balancing loss.
 
-    Tokens are sorted by expert and each expert runs once on its contiguous slice (a loop over
-    experts, never over tokens). An expert that receives no token still runs on an empty slice,
-    so its parameters get a (zero) gradient every step and DDP needs no find_unused_parameters.
-
-    Two dispatches of the sorted slices, the same sums: "split" cuts them by the per-expert counts
-    read on the host (`counts.tolist()`: a device sync, and a graph break under torch.compile);
-    "grouped" runs each projection of all experts as one `torch._grouped_mm` over group offsets that
-    stay on the device, with fixed shapes. `dispatch = "auto"` (the default) takes "grouped" where
-    that op has its sync-free kernel (CUDA, bf16, compute capability 9.x or 10.x; elsewhere it reads
-    the offsets on the host itself) and "split" everywhere else; tests and `bench.step --dispatch` set it.
-    """
+    Tokens are sorted by expert and each expert runs once on its slice, even an empty one (a zero gradient, so DDP
+    needs no find_unused_parameters). "split" cuts the slices by counts read on the host (a sync); "grouped" runs
+    each projection as one `torch._grouped_mm` with fixed shapes. "auto" takes "grouped" where that op has its
+    sync-free kernel (`grouped_mm_kernel_on`, bf16), else "split"."""
 
     dispatch = "auto"  # "auto" | "grouped" | "split", for every MoE layer of the process
 
@@ -154,9 +145,8 @@ class MoEFeedForward(nn.Module):
         x_flat = x.reshape(-1, h)
         probs = F.softmax(self.gate(x_flat), dim=-1, dtype=torch.float32)
         topk_prob, topk_idx = torch.topk(probs, self.top_k, dim=-1)
-        # MiniMind's top-1 p / (p + 1e-20) is exactly 1 with a gradient of exactly 0 in math but rounding
-        # noise in autograd (which AdamW would amplify): use the 1 it equals. The router learns from the
-        # aux loss, as in MiniMind, and keeps a (zero) gradient path below, for DDP.
+        # MiniMind's top-1 p / (p + 1e-20) is exactly 1 in math but rounding noise in autograd (which AdamW would
+        # amplify): use the 1 it equals. The router learns from the aux loss, as in MiniMind.
         unit_weights = self.norm_topk_prob and self.top_k == 1
         if self.norm_topk_prob and not unit_weights:
             topk_prob = topk_prob / (topk_prob.sum(dim=-1, keepdim=True) + 1e-20)
@@ -192,12 +182,8 @@ class MoEFeedForward(nn.Module):
         return self._combine(x_flat, outputs, order, token_of, topk_prob, unit_weights), counts
 
     def _dispatch_grouped(self, x_flat, topk_idx, topk_prob, unit_weights: bool):
-        """The grouped dispatch: the same pairs, sums and returns as `_dispatch`, with no host read.
-
-        The sorted pairs go into a zero-padded buffer of a fixed row count, each expert's group starting at a
-        multiple of GROUP_ROWS (grouped_mm's 16-byte alignment of the group offsets in bf16, which its weight
-        gradient contracts over); the last group takes the spare rows, so every row belongs to a group.
-        """
+        """`_dispatch`'s sums with no host read: the sorted pairs in a zero-padded buffer of fixed rows, each group
+        starting at a multiple of GROUP_ROWS (grouped_mm's alignment); the last group takes the spare rows."""
         e, a = self.num_experts, GROUP_ROWS
         pairs = topk_idx.numel()
         flat_expert = topk_idx.reshape(-1)
@@ -229,9 +215,7 @@ class MoEFeedForward(nn.Module):
     def _combine(x_flat, outputs, order, token_of, topk_prob, unit_weights: bool):
         """The expert outputs of the sorted pairs, weighted and summed back in token order."""
         if unit_weights:
-            # Top-1 with normalised weights: every weight is exactly 1, so skip the multiply (and, in
-            # backward, the per-token dot product that gives its zero gradient). Each token has one
-            # slot, so putting the outputs back in token order is a permutation, not a sum.
+            # Every weight is exactly 1 and each token has one slot: a permutation back to token order, not a sum.
             return outputs.index_select(0, torch.argsort(order))
         weighted = outputs * topk_prob.reshape(-1)[order, None].to(x_flat.dtype)
         return torch.zeros_like(x_flat).index_add_(0, token_of, weighted)
@@ -249,11 +233,8 @@ def grouped_mm_kernel_on(device: torch.device) -> bool:
 
 
 class GroupedMM(torch.autograd.Function):
-    """x (rows, in) @ w[g] (in, out) for the rows of each group g (offs: the groups' ends), backward included.
-
-    Its own backward (two more grouped matmuls), not the op's derivative, which fails on CPU for a gradient
-    with zero strides; both match a per-group loop of matmuls.
-    """
+    """x (rows, in) @ w[g] (in, out) for the rows of each group g (offs: the groups' ends); its own backward, as the
+    op's derivative fails on CPU for a gradient with zero strides."""
 
     @staticmethod
     def forward(ctx, x, w, offs):
@@ -270,14 +251,8 @@ class GroupedMM(torch.autograd.Function):
 
 
 def keep_experts_eager() -> None:
-    """Run the split dispatch's experts eagerly inside a torch.compile'd block (minilm.step.prepare_model calls it
-    first); the grouped dispatch has fixed shapes and compiles with the block.
-
-    The split expert slices have data-dependent sizes, which would recompile the graph whenever the routing changes;
-    the experts are matmuls, which compile does not speed up; the block's norms, attention and router around
-    them still compile. Applied when compiling, not as a decorator at import: `torch.compiler.disable` imports
-    torch._dynamo, about 1 s of CPU in every process that imports the model (each Ray worker, each rank).
-    """
+    """Run the split dispatch's experts eagerly inside a compiled block: their data-dependent slice sizes would
+    recompile it at every routing change. Not a decorator: `torch.compiler.disable` costs ~1 s of import."""
     if not getattr(MoEFeedForward._dispatch, "_torchdynamo_disable", False):
         MoEFeedForward._dispatch = torch.compiler.disable(MoEFeedForward._dispatch)
 
@@ -306,17 +281,13 @@ class MiniMindModel(nn.Module):
         cos, sin = rope_tables(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
         self.register_buffer("freqs_cos", cos, persistent=False)  # not in the state dict, as in MiniMind
         self.register_buffer("freqs_sin", sin, persistent=False)
-        # Set by minilm.step.prepare_model: keep only each block's input for backward and recompute
-        # the block there (activation memory per layer drops to one hidden state, compute rises ~1/3).
+        # Set by minilm.step.prepare_model: recompute each block in backward (memory down, compute up ~1/3).
         self.activation_checkpointing = False
         self.document_mask = cfg.document_mask
         self.bos_token_id, self.eos_token_id = cfg.bos_token_id, cfg.eos_token_id
 
     def attention_mask(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """(batch, 1, t, t) bool: causal, and no attention across a document boundary in packed rows.
-
-        A document starts at a BOS or right after an EOS; position i attends to j <= i of its own document.
-        """
+        """(batch, 1, t, t) bool: causal within each document (one starts at a BOS or right after an EOS)."""
         starts = input_ids == self.bos_token_id
         starts[:, 1:] |= input_ids[:, :-1] == self.eos_token_id
         doc = starts.cumsum(dim=1)
@@ -336,8 +307,7 @@ class MiniMindModel(nn.Module):
         recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled() and not use_cache
         for i, layer in enumerate(self.layers):
             if recompute:
-                # Non-reentrant: the variant that composes with DDP and torch.compile, and it also recomputes
-                # the MoE aux loss built inside the block; the RNG state is replayed, so dropout masks match.
+                # Non-reentrant: it composes with DDP and torch.compile, and replays the RNG (dropout masks match).
                 x, present = checkpoint(layer, x, cos, sin, None, False, mask, use_reentrant=False)
             else:
                 x, present = layer(x, cos, sin, past_key_values[i] if past_key_values else None, use_cache, mask)
@@ -362,9 +332,8 @@ class MiniMindForCausalLM(nn.Module):
 
     def forward(self, input_ids, labels=None, past_key_values=None, use_cache=False, targets=None,
                 reduction: str = "mean") -> CausalLMOutput:
-        """`labels` (MiniMind's): the same positions as input_ids, shifted inside. `targets`: position t's next
-        token, as given (the training step's row[:, 1:] for input row[:, :-1]); the loss then comes from `head_loss`
-        and no logits come back. -100 marks a position without a target in either."""
+        """`labels` (MiniMind's): input_ids' positions, shifted inside. `targets`: each position's next token, as given;
+        the loss then comes from `head_loss` and no logits come back. -100 marks a position without a target."""
         hidden, presents = self.model(input_ids, past_key_values, use_cache)
         if targets is not None:
             loss = head_loss(hidden, self.lm_head.weight, targets, reduction)
@@ -387,7 +356,6 @@ class MiniMindForCausalLM(nn.Module):
         layers = self.moe_layers()
         return torch.stack([m.expert_load for m in layers]) if layers else None
 
-    # ---- sizes and FLOPs (nanoGPT-style estimates) -------------------------------------------
     def num_params(self, active: bool = False) -> int:
         """Unique parameters; with active=True, only the top-k experts' share of each MoE layer."""
         total = sum(p.numel() for p in self.parameters())
@@ -407,7 +375,6 @@ class MiniMindForCausalLM(nn.Module):
     def estimate_mfu(self, tokens_per_s: float, seq_len: int, peak_flops: float) -> float:
         return self.flops_per_token(seq_len) * tokens_per_s / peak_flops
 
-    # ---- generation ----------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, input_ids, max_new_tokens=64, temperature=0.8, top_p=0.9, eos_token_id=None,
                  generator: torch.Generator | None = None):

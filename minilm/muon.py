@@ -1,13 +1,7 @@
-"""Muon for the hidden weight matrices, AdamW for everything else, in one optimizer.
+"""Muon for the hidden weight matrices, AdamW for everything else, in one optimizer (so one `optimizer.pt`).
 
-Muon replaces the SGD momentum of a 2-D weight's gradient by the nearest semi-orthogonal matrix
-before the step, so every direction of the matrix moves at the same rate. The embedding, norm gains
-and MoE router stay on AdamW, as in the public Muon recipes. One optimizer holding both kinds of
-group (`group["use_muon"]`) keeps a checkpoint to one `optimizer.pt`.
-
-The update is deterministic (a fixed bf16 Newton-Schulz), so every DDP rank computes the same one;
-`optimizer.found_inf` (1.0 = skip), as GradScaler sets it for fused AdamW, skips a step with
-`torch.where` (and fused AdamW's own check), bitwise and without a host sync.
+Muon moves a 2-D weight by the nearest semi-orthogonal matrix to its momentum, so every direction moves at the same
+rate. The update is deterministic, the same on every DDP rank; `optimizer.found_inf` skips a step without a sync.
 """
 
 from __future__ import annotations
@@ -20,12 +14,8 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 
 def orthogonalize(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
-    """Approximately U V^T of each matrix g = U S V^T (g 2-D, or a stack of same-shape matrices), by `steps`
-    Newton-Schulz iterations.
-
-    In bf16 on every device: precise enough for a direction, these matmuls are Muon's whole cost, and
-    one dtype everywhere keeps every rank's update the same.
-    """
+    """Approximately U V^T of each matrix g = U S V^T (2-D, or a stack), by `steps` Newton-Schulz iterations in bf16
+    on every device: precise enough for a direction, and the same update on every rank."""
     a, b, c = NS_COEFFICIENTS
     x = g.to(torch.bfloat16)
     wide = x.shape[-2] > x.shape[-1]
@@ -39,11 +29,7 @@ def orthogonalize(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
 
 
 class Muon(torch.optim.Optimizer):
-    """Muon on groups with `use_muon=True`, decoupled-weight-decay AdamW on the others.
-
-    Group keys: `lr`, `lr_ratio` (see `minilm.step.set_lr`), `weight_decay`, and for Muon groups
-    `momentum`, `nesterov`, `ns_steps`; for AdamW groups `betas`, `eps`.
-    """
+    """Muon on groups with `use_muon=True`, decoupled-weight-decay AdamW on the others (`lr_ratio`: step.set_lr)."""
 
     def __init__(self, params, lr: float, *, momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5,
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0):
@@ -140,12 +126,9 @@ def _commit(olds: list[torch.Tensor], news: list[torch.Tensor], skip: torch.Tens
 
 def muon_param_groups(model: torch.nn.Module, *, lr: float, muon_lr: float, weight_decay: float,
                       embedding_lr_ratio: float) -> list[dict]:
-    """Groups for `Muon`: block matrices on Muon; the other matrices (the embedding / head, the MoE router) on
-    AdamW with decay at lr x `embedding_lr_ratio`; vectors (norm gains) on AdamW without decay at lr.
-
-    Decoupled decay is weight_decay / lr_ratio in a group whose lr is lr x lr_ratio, so lr x decay per step is the
-    same for every matrix whichever optimizer and lr move it.
-    """
+    """Groups for `Muon`: block matrices on Muon; the other matrices (embedding / head, MoE router) on AdamW at lr x
+    `embedding_lr_ratio`; vectors on AdamW at lr without decay. Decay is weight_decay / lr_ratio, so lr x decay per
+    step is the same for every matrix."""
     muon, adam_decay, adam_no_decay = [], [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:

@@ -54,8 +54,7 @@ def option(default=None, help: str = "", *, minimum=None, convert=None, **argpar
 @dataclass
 class RunOptions:
     """What a run adds to the two configs: the flags both `minilm.train` and `ray_jobs.pretrain` have, then what the
-    entry point fills in. Each entry point's own flags are a subclass (`minilm.train.LocalOptions`,
-    `ray_jobs.cli.RayOptions`)."""
+    entry point fills in. Each entry point's own flags are a subclass (`LocalOptions`, `RayOptions`)."""
 
     data: str | None = option(help="a folder written by ray_jobs.prepare, or a remote URI (copied to the node once)")
     name: str | None = option(help="run name (default: the run folder's name)")
@@ -163,16 +162,12 @@ def with_default(text: str, default) -> str:
     return f"{text} (default: {'unset' if default is None else default})"
 
 
-@dataclasses.dataclass
-class Configs:
-    """What `build_configs` returns: the two configs and the run options."""
+class Configs(typing.NamedTuple):
+    """What `build_configs` returns: the two configs and the run options (model, train, run = ...)."""
 
     model: ModelConfig
     train: TrainConfig
     run: RunOptions
-
-    def __iter__(self):  # model, train, run = build_configs(...)
-        return iter((self.model, self.train, self.run))
 
 
 def build_configs(args: argparse.Namespace, file_values: dict, cls: type[RunOptions], demo: bool = False) -> Configs:
@@ -208,8 +203,6 @@ def check_configs(model_cfg: ModelConfig, train_cfg: TrainConfig, run: RunOption
     check_fits(model_cfg, train_cfg)
     run.validate()
 
-
-# ---- the run's steps ------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class StepPlan:
@@ -248,11 +241,8 @@ def flag(name: str) -> str:
 
 
 def add_config_flags(parser: argparse.ArgumentParser, preset: dict | None = None) -> None:
-    """One flag per ModelConfig / TrainConfig field, named after it (--hidden-size, --warmup-steps...).
-
-    Every flag defaults to None, so `build_configs` can tell a value the user gave from a default;
-    the help says what the field means (config.FIELD_HELP), its dataclass default, and the demo preset's value
-    where it differs."""
+    """One flag per ModelConfig / TrainConfig field (--hidden-size...), defaulting to None so that `build_configs`
+    tells a given value from a default; the help is config.FIELD_HELP's, with the default and the demo preset's."""
     preset = DEMO_PRESET if preset is None else preset
     for cls, title in ((ModelConfig, "model"), (TrainConfig, "training")):
         group = parser.add_argument_group(f"{title} config (every field of {cls.__name__})")

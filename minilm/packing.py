@@ -1,9 +1,5 @@
-"""Packing token ids into rows of `seq_len + 1`, written as the token files of docs/data.md.
-
-Rows are appended to `shard-NNNNN.bin` files as they arrive, each hashed as it is written, so memory
-stays at one chunk of the stream whatever the shard size. The output folder is built beside DIR and
-renamed into place after its manifest, so an interrupted prepare leaves nothing `open_prepared` accepts.
-"""
+"""Packing token ids into rows of `seq_len + 1`, written as the token files of docs/data.md: shards hashed as they
+are written (memory stays at one chunk), in a folder renamed into place after its manifest."""
 
 from __future__ import annotations
 
@@ -33,8 +29,6 @@ class OutputError(ValueError):
     """The output directory cannot be used (it holds other data, or is not a directory)."""
 
 
-# ---- rows and shards --------------------------------------------------------------------------------
-
 def default_rows_per_shard(seq_len: int, token_dtype: str) -> int:
     return max(1, SHARD_BYTES // ((seq_len + 1) * TOKEN_DTYPES[token_dtype].itemsize))
 
@@ -55,9 +49,8 @@ class PackResult:
 
 
 class ShardWriter:
-    """Streams documents (or an EOS-separated token stream) into token files in `directory`.
-
-    An id that does not fit `token_dtype` is an error, never a silent wrap-around."""
+    """Streams documents (or an EOS-separated token stream) into token files in `directory`; an id that does not
+    fit `token_dtype` is an error, never a silent wrap-around."""
 
     def __init__(self, directory: str | os.PathLike, seq_len: int, rows_per_shard: int | None = None,
                  eos_id: int = EOS_ID, token_dtype: str = "uint16"):
@@ -150,11 +143,8 @@ class ShardWriter:
 
 
 class BosAlignedShardWriter(ShardWriter):
-    """A ShardWriter of rows that each start with a document (`prepare --rows best-fit` or `bos-aligned`).
-
-    The stream is split back into documents for `minilm.rows.BestFitRows`; `split_long` (best-fit) gives a
-    long document rows of its own instead of cropping it. `best_fit` counts what was split and cropped.
-    """
+    """A ShardWriter of rows that each start with a document (`minilm.rows.BestFitRows`), for `prepare --rows
+    best-fit` (`split_long`) or `bos-aligned`."""
 
     def __init__(self, directory: str | os.PathLike, seq_len: int, rows_per_shard: int | None = None,
                  eos_id: int = EOS_ID, token_dtype: str = "uint16", bos_id: int = BOS_ID, buffer_docs: int = 1000,
@@ -183,8 +173,6 @@ class BosAlignedShardWriter(ShardWriter):
         super().add_stream(stream, documents=documents, stream_tokens=stream_tokens)
 
 
-# ---- manifest ---------------------------------------------------------------------------------------
-
 def compute_fingerprint(tokenizer_sha256: str, seq_len: int, shard_sha256s: Sequence[str], token_dtype: str) -> str:
     """sha256 of the canonical JSON of what makes the rows: two datasets with the same fingerprint hold the
     same token rows in the same order, made with the same tokenizer."""
@@ -200,22 +188,14 @@ def build_manifest(result: PackResult, *, tokenizer: dict, inputs: list[dict], d
     from . import __version__
 
     manifest = {
-        "format": FORMAT,
-        "seq_len": result.seq_len,
-        "token_dtype": result.token_dtype,
-        "num_sequences": result.num_sequences,
-        "num_tokens": result.num_tokens,
-        "dropped_tail_tokens": result.dropped_tail_tokens,
-        "documents_read": documents_read,
-        "documents_skipped": documents_skipped,
-        "skipped_by_reason": dict(sorted(skipped_by_reason.items())),
-        "shards": result.shards,
-        "tokenizer": tokenizer,
-        "inputs": inputs,
+        "format": FORMAT, "seq_len": result.seq_len, "token_dtype": result.token_dtype,
+        "num_sequences": result.num_sequences, "num_tokens": result.num_tokens,
+        "dropped_tail_tokens": result.dropped_tail_tokens, "documents_read": documents_read,
+        "documents_skipped": documents_skipped, "skipped_by_reason": dict(sorted(skipped_by_reason.items())),
+        "shards": result.shards, "tokenizer": tokenizer, "inputs": inputs,
         "fingerprint": compute_fingerprint(tokenizer["sha256"], result.seq_len,
                                            [s["sha256"] for s in result.shards], result.token_dtype),
-        "command": command,
-        "created_by": f"minilm {__version__}",
+        "command": command, "created_by": f"minilm {__version__}",
     }
     if extra:
         manifest.update({k: v for k, v in extra.items() if k not in manifest})
@@ -227,8 +207,6 @@ def write_manifest(directory: str | os.PathLike, manifest: dict) -> Path:
     fsio.write_atomic(path, json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
     return path
 
-
-# ---- the output directory, written atomically ----------------------------------------------------
 
 def describe_existing(path: Path) -> str | None:
     """None when `path` is free to write (absent or empty); else what is there, in words."""
@@ -252,9 +230,8 @@ def describe_existing(path: Path) -> str | None:
 
 
 class AtomicOutput:
-    """Builds DIR in its staging folder beside it (`fsio.staging_dir`) and renames it into place on `commit()`.
-
-    An existing prepared dataset is replaced only with `overwrite`; anything else there is never deleted."""
+    """Builds DIR in its staging folder beside it and renames it into place on `commit()`; an existing prepared
+    dataset is replaced only with `overwrite`, anything else there never."""
 
     def __init__(self, final: str | os.PathLike, overwrite: bool = False):
         self.final = Path(final)

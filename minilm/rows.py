@@ -1,13 +1,5 @@
 """How tokenized documents become training rows of `row_len` (seq_len + 1) ids: the layouts, as pure functions.
-
-* `padded_document_rows`: MiniMind's rows, one `[BOS] + doc + [EOS]` per row, cut and padded.
-* `packed_rows`: documents each followed by EOS, concatenated and cut every row_len tokens.
-* `bos_aligned_rows`: every row starts at a document start; documents are placed best-fit, and the
-  one that fits nowhere is cropped, so each document in a row is read from its BOS, as it is prompted.
-* `best_fit_rows` (`prepare`'s default): the same, but a long document fills rows of its own and
-  a cropped rest waits for a later row, so nothing is dropped.
-
-`document_starts` marks where documents begin in rows of any layout, for document-masked attention.
+MiniMind's padded rows, packed rows, and BOS-aligned best-fit rows (each document read from its BOS, as prompted).
 """
 
 from __future__ import annotations
@@ -24,11 +16,8 @@ from .tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 def padded_document_rows(docs: Iterable[Sequence[int]], row_len: int, *, bos_id: int = BOS_ID,
                          eos_id: int = EOS_ID, pad_id: int = PAD_ID) -> tuple[np.ndarray, np.ndarray]:
-    """(rows, labels), both int64 (n_docs, row_len): MiniMind's `[BOS] + doc[:row_len - 2] + [EOS]`, padded.
-
-    Labels are -100 at padded positions: by position, which is MiniMind's mask by value for any document
-    without a PAD in it.
-    """
+    """(rows, labels), both int64 (n_docs, row_len): MiniMind's `[BOS] + doc[:row_len - 2] + [EOS]`, padded; labels
+    -100 at padded positions."""
     if row_len < 2:
         raise ValueError(f"row_len must be >= 2 (BOS and EOS), got {row_len}")
     docs = list(docs)
@@ -73,12 +62,8 @@ class BestFitStats:
 
 
 class BestFitRows:
-    """BOS-aligned best-fit rows from documents pushed one at a time (`add`), for a streaming writer.
-
-    Row by row: take the longest of the (at most `buffer_docs`) waiting documents that fits the space
-    left; when none fits, crop the shortest (or, with `split_long`, split the longest, whose rest waits).
-    What cannot fill a last row at `finish` is dropped and counted in `stats`.
-    """
+    """BOS-aligned best-fit rows from documents pushed one at a time (`add`): each row takes the longest waiting
+    document that fits; when none fits, the shortest is cropped (`split_long`: the longest split, its rest waits)."""
 
     def __init__(self, row_len: int, *, bos_id: int = BOS_ID, eos_id: int = EOS_ID, buffer_docs: int = 1000,
                  stats: BestFitStats | None = None, split_long: bool = False):

@@ -1,10 +1,5 @@
-"""The run plan: how every launcher (`minilm.train`, `ray_jobs.pretrain`, a Tune sweep) starts a run.
-
-`plan_run` makes every check first: the flags and YAML values, the launcher's own options, the data, the world sizes
-and steps, the trackers; then, under the run folder's lease, the resume origin and its config drift and the cluster
-(Ray's launcher). Only when all of them pass does it act: --abandon-newer's checkpoints move aside, the launcher
-clears what it must. A refused command changes nothing in the run folder (the lease it took is let go), whatever
-flags it was given.
+"""The run plan: how every launcher (`minilm.train`, `ray_jobs.pretrain`, a Tune sweep) starts a run. Every check
+first, then the side effects: a refused command changes nothing in the run folder (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -99,10 +94,8 @@ def check_run(configs: Configs, launch: Launch) -> RunPlan:
 
 
 def claim(plan: RunPlan, launch: Launch, say=print) -> None:
-    """Under the run folder's lease (taken first: a folder in use or not writable is refused before any cluster is
-    joined): --resume decided, the cluster checked, the resume origin checked against this run, the precision settled;
-    then, every check passed, --abandon-newer's move and the launcher's own effects. Refused: the lease is let go, and
-    with it any folder it made."""
+    """Under the run folder's lease (taken first, before any cluster is joined): the resume, cluster and origin
+    checks, then --abandon-newer's move and the launcher's effects. Refused: the lease (and any folder it made) goes."""
     opts = plan.opts
     plan.folder = launch.folder(opts)
     plan.lease = C.Lease(plan.folder, say).take() if plan.folder is not None else None

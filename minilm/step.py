@@ -1,16 +1,8 @@
-"""One optimizer step per worker, exactly as MiniMind's training loop lists it.
+"""One optimizer step per worker, as MiniMind's training loop lists it: per micro-batch an autocast forward and a
+scaled backward (DDP's all-reduce on the rank's last only), then unscale, clip, step, scaler update, zero_grad.
 
-    for each of this rank's micro-batches (its slice of the global batch: minilm.data.rank_micro_batches):
-        autocast forward -> loss = (lm_loss + aux_loss) x (its share of the global batch) x W -> scaled backward
-        (inside DDP no_sync() on every micro-step but the rank's last: one all-reduce per optimizer step,
-        whose mean over the W ranks is then the gradient of the global batch's mean loss)
-    at the boundary: unscale_ -> clip_grad_norm_ -> step (skipped if the norm is not finite)
-                     -> scaler.update -> zero_grad(set_to_none=True)
-
-No host sync: on a GPU the CPU queues the whole step and moves on. A non-finite gradient norm skips
-the update on the device (the `found_inf` protocol of torch's fused optimizers), and the metrics
-stay tensors until a log step reads them. No Ray here: `minilm.trainer.Trainer` drives it for every
-launcher.
+No host sync: a non-finite gradient norm skips the update on the device (the `found_inf` protocol of torch's fused
+optimizers), and the metrics stay tensors until a log step reads them.
 """
 
 from __future__ import annotations
@@ -33,8 +25,6 @@ DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
 class NonFiniteLossError(RuntimeError):
     """Too many optimizer steps in a row had a non-finite loss or gradient norm."""
 
-
-# ---- precision --------------------------------------------------------------------------------
 
 def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
     """Map --dtype to a torch dtype for this device; `auto` picks the fastest safe choice."""
@@ -84,39 +74,21 @@ def make_grad_scaler(dtype: torch.dtype, device_type: str) -> torch.amp.GradScal
     return torch.amp.GradScaler(device_type, enabled=(dtype == torch.float16))
 
 
-# ---- model and backend set-up -----------------------------------------------------------------
-
 def configure_backends(device: torch.device | str) -> None:
-    """Process-wide math settings for `device`; call once per process before building the model.
-
-    On CUDA GPUs with TF32 units (Ampere and later) fp32 matmuls and convolutions run in TF32: the
-    parts of a bf16 autocast step that stay fp32, and every matmul of an fp32 run, several times
-    faster for a 10-bit mantissa in the products (sums stay fp32). On CPU nothing changes.
-    """
+    """TF32 matmuls on CUDA GPUs with TF32 units (Ampere and later): fp32 work several times faster, sums in fp32."""
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return
     if torch.cuda.get_device_capability(device) < (8, 0):
         return
-    # The legacy setters, on every torch: after them both the legacy getters and torch >= 2.9's fp32_precision read
-    # TF32, whereas setting fp32_precision makes the legacy getters raise (Inductor's autotuning calls them).
+    # The legacy setters: setting fp32_precision would make the legacy getters raise (Inductor's autotuning calls them).
     torch.set_float32_matmul_precision("high")
     torch.backends.cudnn.allow_tf32 = True
 
 
 def prepare_model(model: torch.nn.Module, cfg: TrainConfig, device: torch.device | str) -> torch.nn.Module:
-    """Apply the speed/memory options of `cfg` to a MiniMindForCausalLM in place and return it.
-
-    Call it after `.to(device)` and before wrapping in DDP. The parameters and state-dict keys do not
-    change, so checkpoints, exports and the optimizer see the same module either way.
-
-    * `activation_checkpointing`: each transformer block keeps only its input for backward and is
-      recomputed there (torch.utils.checkpoint, non-reentrant).
-    * `compile`: `torch.compile` of each transformer block ("regional" compilation). The blocks are
-      identical, so one compilation serves them all, which keeps start-up to one block's compile
-      time, and the split MoE dispatch's host-read expert sizes only split that block's graph (the
-      grouped dispatch has none). The embedding, final norm, lm_head and loss stay eager.
-    """
+    """Apply `cfg.activation_checkpointing` and `cfg.compile` in place (after `.to(device)`, before DDP); the
+    state-dict keys do not change. Compile is regional: each block, identical, so one compilation serves them all."""
     inner = model.model  # MiniMindModel
     inner.activation_checkpointing = bool(cfg.activation_checkpointing)
     if cfg.compile:
@@ -135,15 +107,8 @@ def prepare_model(model: torch.nn.Module, cfg: TrainConfig, device: torch.device
     return model
 
 
-# ---- optimizer --------------------------------------------------------------------------------
-
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW with weight decay on matrices (linear and embedding weights) only, not on norm gains.
-
-    With `cfg.optimizer == "muon"`: one `minilm.muon.Muon` that moves the transformer blocks' weight
-    matrices by Muon (peak lr `cfg.muon_lr`) and the rest by AdamW (`cfg.betas`): the embedding / head at
-    `cfg.lr` x `cfg.embedding_lr_ratio`, the norm gains at `cfg.lr`.
-    """
+    """AdamW with weight decay on matrices only; with `cfg.optimizer == "muon"`, `minilm.muon.Muon`."""
     if cfg.optimizer == "muon":
         from .muon import Muon, muon_param_groups
 
@@ -154,8 +119,7 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opti
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    # The fused kernel (CPU and CUDA) is faster than foreach: AdamW is memory-bound, and with MoE it runs
-    # over every expert's parameters, not only the active ones.
+    # The fused kernel (CPU and CUDA) is faster than foreach: AdamW is memory-bound.
     fused = bool(params) and all(p.device.type in ("cpu", "cuda") for p in params)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), fused=fused)
 
@@ -165,8 +129,6 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr * group.get("lr_ratio", 1.0)
 
-
-# ---- the step ---------------------------------------------------------------------------------
 
 @dataclass
 class StepMetrics:
@@ -187,13 +149,8 @@ def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sca
                    micro_batches: Sequence[torch.Tensor], *, lr: float, grad_clip: float,
                    dtype: torch.dtype = torch.float32, shares: Sequence[float] | None = None,
                    world_size: int = 1) -> StepMetrics:
-    """Run len(micro_batches) micro-steps and one optimizer step.
-
-    Each micro-batch is a (rows, seq_len + 1) tensor of token ids already on the model's device:
-    row[:, :-1] is fed and row[:, 1:] scored (two views, seq_len positions each). `shares`: each
-    micro-batch's share of the global batch, exact (minilm.data.rank_micro_batches' Fractions; default: its
-    share of these rows, one process); `world_size`: the ranks whose gradients DDP averages.
-    """
+    """Run len(micro_batches) micro-steps, each (rows, seq_len + 1) ids on the device, and one optimizer step.
+    `shares`: each micro-batch's exact share of the global batch (default: of these rows)."""
     rows = [mb.shape[0] for mb in micro_batches]
     shares = list(shares) if shares is not None else [Fraction(n, sum(rows)) for n in rows]
     device_type = micro_batches[0].device.type
@@ -207,8 +164,7 @@ def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sca
         with sync:
             with autocast(device_type, dtype):
                 out = model(input_ids[:, :-1], targets=input_ids[:, 1:])
-            # Weight before backward, x W since DDP divides the sum over ranks by W: the all-reduced gradient is the
-            # mean loss's over the global batch. An exact divisor: 1/accumulation bit for bit where slices are even.
+            # x share x W (DDP divides by W): the all-reduced gradient is the global batch's mean loss's, exactly.
             loss = (out.loss + out.aux_loss) / float(1 / (Fraction(share) * world_size))
             scaler.scale(loss).backward()
         lm_sum += out.loss.detach().float() * input_ids.shape[0]
@@ -233,12 +189,8 @@ def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sca
 
 
 def step_unless_nonfinite(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
-    """optimizer.step(), skipped where `found_inf` (a 0-dim bool tensor on the device) is true.
-
-    Optimizers that follow torch's amp protocol (`_step_supports_amp_scaling`: fused AdamW, minilm's
-    Muon) read `optimizer.found_inf` and make the step a no-op on the device, parameters and state
-    alike; no host sync. Any other optimizer needs the flag on the host: one sync per step.
-    """
+    """optimizer.step(), skipped where `found_inf` (0-dim bool, on the device) is true: on the device for optimizers
+    of torch's amp protocol (fused AdamW, Muon), else with one host sync."""
     if getattr(optimizer, "_step_supports_amp_scaling", False):
         optimizer.grad_scale, optimizer.found_inf = None, found_inf.float()
         try:
@@ -250,14 +202,8 @@ def step_unless_nonfinite(optimizer: torch.optim.Optimizer, found_inf: torch.Ten
 
 
 class NonFiniteGuard:
-    """Counts skipped steps; trips after `max_in_a_row` consecutive non-finite steps.
-
-    The counters are tensors on the training device, updated without a host sync; `tripped()` is a
-    device flag the loop agrees on with the other ranks (`minilm.distributed.FlagAgreement`), and
-    `check()` reads the counters (a sync: at log steps, or once the trip is agreed) and raises.
-    With a GradScaler, overflowing gradients are the scaler's normal calibration, so only a
-    non-finite *loss* counts towards the limit there.
-    """
+    """Counts skipped steps in device tensors (no host sync); trips after `max_in_a_row` non-finite steps in a row.
+    With a GradScaler, overflows are its calibration: only a non-finite *loss* counts there."""
 
     def __init__(self, max_in_a_row: int, device: torch.device | str = "cpu"):
         self.max_in_a_row = max_in_a_row

@@ -1,9 +1,5 @@
-"""Fault injection for the test suite, off unless a test switches it on.
-
-A `FaultHooks` reaches a run only from a test: passed in process (`Trainer(hooks=...)`), or read by a
-driver from `MINILM_TEST_*` under `MINILM_TESTING=1` (announced in a warning line, handed to the workers in
-the run's config; without the switch the variables are ignored, with a note). The step hooks are installed
-around the trainer's stream and optimizer step (`install`), so the loop itself never calls one.
+"""Fault injection for the test suite, off unless a test switches it on: `Trainer(hooks=...)`, or `MINILM_TEST_*`
+under `MINILM_TESTING=1` (announced). The step hooks wrap the trainer's stream and step; the loop never calls one.
 """
 
 from __future__ import annotations
@@ -47,8 +43,6 @@ class FaultHooks:
         if not d:
             return None
         return cls(**{k: tuple(v) if k == "nan_at_steps" else v for k, v in d.items()})
-
-    # ---- the hooks ---------------------------------------------------------------------------------
 
     def install(self, trainer) -> None:
         """Wrap the trainer's stream and optimizer step with the step hooks that are on (none: nothing changes)."""

@@ -1,9 +1,5 @@
-"""Byte-level BPE tokenizer with MiniMind's special tokens.
-
-This module trains one like MiniMind's (HF `tokenizers`, 6400 tokens, the special tokens below at
-ids 0-2), deterministically, and loads any `tokenizer.json` with those special tokens at those ids.
-Byte-level: every string encodes and decodes back unchanged, with no unknown token.
-"""
+"""Byte-level BPE tokenizers with MiniMind's special tokens at ids 0-2: trained deterministically like MiniMind's,
+or loaded from any `tokenizer.json` that has them. Every string encodes and decodes back unchanged."""
 
 from __future__ import annotations
 
@@ -31,12 +27,6 @@ class TokenizerError(ValueError):
     """A tokenizer cannot be trained or loaded, or lacks MiniMind's special tokens; the message says why."""
 
 
-def check_vocab_size(vocab_size: int) -> None:
-    if not isinstance(vocab_size, int) or vocab_size < MIN_VOCAB_SIZE:
-        raise TokenizerError(f"vocab size {vocab_size} is too small: a byte-level BPE needs at least "
-                             f"{MIN_VOCAB_SIZE} (3 special tokens + 256 bytes); MiniMind uses {DEFAULT_VOCAB_SIZE}")
-
-
 def _capped(texts: Iterable[str], max_bytes: int | None) -> Iterator[str]:
     used = 0
     for text in texts:
@@ -50,11 +40,10 @@ def _capped(texts: Iterable[str], max_bytes: int | None) -> Iterator[str]:
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE, *,
                     max_bytes: int | None = DEFAULT_MAX_TRAIN_BYTES) -> Tokenizer:
-    """Train a byte-level BPE on `texts` (in order, stopping after `max_bytes` of text).
-
-    The same texts give a byte-identical `to_str()`; the vocabulary may be smaller than `vocab_size`.
-    """
-    check_vocab_size(vocab_size)
+    """Train a byte-level BPE on `texts` (in order, up to `max_bytes`): the same texts give the same `to_str()`."""
+    if not isinstance(vocab_size, int) or vocab_size < MIN_VOCAB_SIZE:
+        raise TokenizerError(f"vocab size {vocab_size} is too small: a byte-level BPE needs at least "
+                             f"{MIN_VOCAB_SIZE} (3 special tokens + 256 bytes); MiniMind uses {DEFAULT_VOCAB_SIZE}")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

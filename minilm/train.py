@@ -123,8 +123,7 @@ class RefusedOnRank0(UsageError):
 
 
 class LocalLaunch(Launch):
-    """minilm.train's side of the run plan: data read in this process, an optional local run folder, torchrun's
-    world size."""
+    """minilm.train's side of the run plan: data read in this process, a local run folder, torchrun's world size."""
 
     def __init__(self, world_size: int):
         self.world_size = world_size

@@ -1,15 +1,10 @@
-"""The training loop, one for every launcher: `python -m minilm.train` (one process, or each rank under
-torchrun) and each Ray Train worker (`ray_jobs/worker.py`) build a `Trainer` and call `fit()`
-(docs/training-loop.md walks it).
-
-The state of a run is a few components, each with `state_dict()`/`load_state_dict()`: the model (fp32
-master weights), the optimizer, the GradScaler, the non-finite guard and the trackers. The position is
-the optimizer step alone: the data order (`minilm.data.RankOrder`) and the lr are functions of it.
-What differs per launcher is a `Launcher` (the Protocol below).
+"""The training loop, one for every launcher (`minilm.train`, torchrun, each Ray Train worker): a `Trainer` and its
+`fit()` (docs/training-loop.md). The position is the optimizer step alone: the data order and the lr follow from it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
 from dataclasses import dataclass
@@ -132,11 +127,8 @@ class Trainer:
         self.start()
         self.hooks.install(self)  # a test's fault hooks go around the stream and the step, never into the loop
 
-    # ---- set-up -------------------------------------------------------------------------------
-
     def start(self) -> None:
-        """Restore the checkpoint this run continues (if any), open trackers and timeline, wrap in DDP,
-        open the data stream at the restored step."""
+        """Restore, open trackers and timeline, wrap in DDP, open the data stream at the restored step."""
         resumed = self.restore()
         cfg = self.train_cfg
         if resumed is not None:
@@ -192,9 +184,7 @@ class Trainer:
                               f"--{name.replace('_', '-')}: the run goes on with its {name} {then}")
                 setattr(self.train_cfg, name, then)
         self.raw_model.load_state_dict(resume.model_state, strict=True)
-        # The loaded param groups carry the saved betas / weight decay; this run's config wins (the entry point has
-        # refused a change unless --allow-config-change said it is meant).
-        # The groups come from the config as it stands after the predated values above (e.g. embedding_lr_ratio).
+        # The loaded param groups carry the saved betas / weight decay; this run's config (as predated above) wins.
         configured = [{k: v for k, v in g.items() if k != "params"}
                       for g in make_optimizer(self.raw_model, self.train_cfg).param_groups]
         self.optimizer.load_state_dict(resume.optimizer_state)
@@ -206,12 +196,9 @@ class Trainer:
         self.checkpoints.index, self.checkpoints.cadence.last_step = int(s.get("checkpoint_index", 0)), self.step
         return s
 
-    # ---- the loop -----------------------------------------------------------------------------
-
     def fit(self) -> str:
-        """Train to the last step; "finished", or "exited" (--exit-after-*). Raises Preempted after a
-        SIGTERM or drain checkpoint, NonFiniteLossError after too many non-finite steps in a row,
-        CheckpointError when rank 0's checkpoint writer failed (on every rank, at the same step)."""
+        """Train to the last step: "finished", or "exited" (--exit-after-*); or raise Preempted, NonFiniteLossError,
+        CheckpointError (on every rank, at the same step)."""
         self.peak = peak_flops(self.device, self.dtype)  # MFU's denominator, measured before the first step
         cfg, policy = self.train_cfg, self.loop_policy()  # (so the time limit starts after the measurement)
         self.meter = Meter(self.step, self.total_steps, self.batches.data_wait_s, self.mfu)
@@ -262,11 +249,8 @@ class Trainer:
                       f"(--exit-after-steps/--exit-after-minutes); continue with --resume auto")
         return "exited"
 
-    # ---- log and save -------------------------------------------------------------------------
-
     def log(self, m, lr: float, evaluating: bool) -> dict:
-        """Every rank: this log step's metrics (+ val_loss, val_bpb); rank 0 also prints the log line and writes
-        metrics.jsonl, the trackers and the last completed step."""
+        """Every rank: this log step's metrics; rank 0 also prints them and writes metrics.jsonl and the trackers."""
         metrics = self.step_metrics(m, lr)
         if evaluating:
             metrics.update(self.validate())
@@ -291,8 +275,8 @@ class Trainer:
                                    step=record["optimizer_step"])
 
     def await_last_scores(self) -> None:
-        """After the last step, with checkpoints scored beside training: rank 0 waits for the last checkpoint's scores
-        (training is over), and every rank reports once more (a barrier) so that they reach Ray: Tune, the dashboard."""
+        """With checkpoints scored beside training: rank 0 waits for the last one's scores, then every rank reports once
+        more (a barrier) so that they reach Ray."""
         if not self.run.eval_task_names or not self.history:  # (no step run: the run had already ended)
             return
         if self.eval_inbox:
@@ -309,8 +293,7 @@ class Trainer:
         self.checkpoints.report(self.step, {**self.history[-1], **(self.eval_inbox.latest if self.eval_inbox else {})})
 
     def step_metrics(self, m, lr: float) -> dict:
-        """This log step's metrics: the window's losses averaged over ranks (each weighted by its slice), the
-        position, the interval's rates."""
+        """The window's losses averaged over ranks (each weighted by its slice), the position, the rates."""
         cfg, step, spe = self.train_cfg, self.step, self.steps_per_epoch
         losses = self.collectives.sum(torch.stack([m.loss, m.lm_loss, m.aux_loss]).float() * m.share).tolist()
         samples_seen = D.DataPosition.at(step, spe, cfg.global_batch_size).samples_seen
@@ -346,11 +329,13 @@ class Trainer:
 
     @torch.no_grad()
     def validate(self) -> dict:
-        """val_loss (mean next-token loss over the held-out rows) and val_bpb (bits per UTF-8 byte their targets spell,
-        special tokens left out: minilm.bpb). Each rank scores every W-th row; the sums are added over ranks."""
+        """val_loss and val_bpb (minilm.bpb) of the held-out rows: each rank scores every W-th row, sums added."""
         model, m = self.raw_model, self.train_cfg.micro_batch_size
-        if self.token_bytes is None:
-            self.token_bytes = self._token_bytes()
+        if self.token_bytes is None:  # the UTF-8 bytes each token id spells; False without a byte-level BPE
+            self.token_bytes = False
+            with contextlib.suppress(ValueError, OSError, KeyError):
+                if self.data.tokenizer_path is not None:
+                    self.token_bytes = torch.as_tensor(token_byte_lengths(self.data.tokenizer_path), device=self.device)
         model.eval()
         # nats over all targets, targets, nats over targets that spell text, their bytes
         total = torch.zeros(4, dtype=torch.float64, device=self.device)
@@ -373,17 +358,6 @@ class Trainer:
             result["val_bpb"] = bits_per_byte(nats_text, nbytes)
         return result
 
-    def _token_bytes(self):
-        """The UTF-8 bytes each token id spells, on the device; False without a byte-level BPE tokenizer."""
-        if self.data.tokenizer_path is None:
-            return False
-        try:
-            return torch.as_tensor(token_byte_lengths(self.data.tokenizer_path), device=self.device)
-        except (ValueError, OSError, KeyError):
-            return False
-
-    # ---- small helpers ------------------------------------------------------------------------
-
     def uneven(self) -> str:
         """The start line's note when the world size does not divide the global batch."""
         g, w = self.train_cfg.global_batch_size, self.world_size
@@ -402,9 +376,8 @@ class Trainer:
 
 
 def wrap_ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """DDP without per-forward buffer broadcasts: the only buffers are the RoPE tables (the same on every rank)
-    and MoE routing statistics (per-rank by nature). The gradients are views into DDP's buckets, which saves a
-    copy of every gradient into its bucket and back per step, and the memory of one gradient copy."""
+    """DDP without buffer broadcasts (RoPE tables are the same everywhere, MoE load is per rank), gradients as views
+    into its buckets (a copy and its memory saved)."""
     import inspect
 
     ddp = torch.nn.parallel.DistributedDataParallel
@@ -413,5 +386,3 @@ def wrap_ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     return ddp(model, device_ids=[device] if device.type == "cuda" else None, gradient_as_bucket_view=True,
                **no_sync)
 
-
-__all__ = ["Trainer", "RunOptions", "Dataset", "Launcher", "Preempted"]

@@ -1,13 +1,5 @@
-"""Prepared data: the format on disk, its checks, the copies of remote data, the row store and the sample order.
-
-    format    the manifest, its checks, `check_compatible`   (docs/data.md)
-    verified  the hash of every file checked once per machine, under a file lock
-    remote    `open_prepared`, and `open_local`: a remote URI copied once per node, verified on the way
-    store     `SequenceStore` (rows by sample id, zero-copy), `RowsInMemory`, `LocalRankStream`
-    order     the resume contract: `split_ids`, `epoch_order`, `DataPosition`, `RankOrder`
-
-Every name is importable from `minilm.data` itself.
-"""
+"""Prepared data: the format and its checks (format, verified), opening and copying it (remote), the row store
+(store) and the sample order (order). Every name is importable from `minilm.data` itself."""
 
 from .format import (
     FORMAT,

@@ -1,9 +1,5 @@
-"""The prepared-data format: the manifest, its checks, and opening a dataset.
-
-A dataset is a folder of raw token files (`shard-NNNNN.bin`, rows of `seq_len + 1` ids) described by
-`manifest.json` (docs/data.md). The rows are read in place, so the only copy in memory is the page
-cache that every process of a node shares.
-"""
+"""The prepared-data format (docs/data.md): raw token files of rows of `seq_len + 1` ids, described by
+`manifest.json`; the manifest's checks."""
 
 from __future__ import annotations
 

@@ -1,17 +1,7 @@
-"""The sample order, and the resume contract it keeps: exact at any world size.
-
-The resumable iterator Ray Data lacks (ray-project/ray#37633, #48224) is built from pure functions
-instead of iterator state:
-
-* `split_ids(N, val_samples)`: a fixed held-out slice, the rest the training ids;
-* `epoch_order(train_ids, seed, epoch)`: a seeded permutation of the training sample ids;
-* optimizer step s of an epoch consumes positions [s*G, (s+1)*G) of that order (G = global batch),
-  whatever the world size;
-* worker r of W takes the r-th contiguous slice of each global batch, floor or ceil(G/W) ids, and reads it
-  in micro-batches of at most m (`rank_micro_batches`, the one place this arithmetic lives; `RankOrder`).
-
-So the only position to save is the optimizer step (samples_seen = step * G), and a resumed run at
-any world size consumes exactly the samples the uninterrupted run would have, step by step.
+"""The sample order, and the resume contract it keeps, exact at any world size, from pure functions, not iterator
+state: a fixed held-out slice (`split_ids`), a seeded permutation per epoch (`epoch_order`), step s of an epoch
+taking positions [s*G, (s+1)*G) of it, and rank r of W the r-th contiguous slice of that (`rank_micro_batches`).
+So the only position to save is the optimizer step.
 """
 
 from __future__ import annotations
@@ -56,12 +46,8 @@ def steps_per_epoch(num_train: int, global_batch_size: int) -> int:
 def rank_micro_batches(global_batch_size: int, micro_batch_size: int, world_size: int,
                        rank: int) -> list[tuple[int, int, Fraction]]:
     """Rank `rank`'s micro-batches of a global batch at world size W: (start, stop, weight) each, positions in the batch.
-
-    The first G mod W ranks take ceil(G/W) sequences, the others floor(G/W), contiguous and in rank order; each
-    slice is read in micro-batches of at most m, the last one smaller. A micro-batch's weight is its share of the
-    global batch's scored tokens (every row scores seq_len targets: no padding, and a document mask hides no
-    target), exact, so the weights of all ranks sum to 1 and the all-reduced gradient is the global batch's mean loss's.
-    """
+    The first G mod W ranks take ceil(G/W) sequences, the others floor(G/W), in micro-batches of at most m. A
+    weight is the micro-batch's exact share of the global batch (every row scores seq_len targets): they sum to 1."""
     if not 1 <= world_size <= global_batch_size or not 0 <= rank < world_size or micro_batch_size < 1:
         raise ValueError(f"no rank {rank} of world size {world_size} for a global batch of {global_batch_size}")
     base, extra = divmod(global_batch_size, world_size)
@@ -85,23 +71,10 @@ class DataPosition:
                    samples_seen=optimizer_step * global_batch_size)
 
 
-def compact_ids(ids: np.ndarray) -> np.ndarray:
-    """Sample ids as int32 when they fit: the ids and two epoch orders then take 4 bytes a sample, not 8."""
-    ids = np.asarray(ids)
-    return ids.astype(np.int32) if len(ids) == 0 or int(ids.max()) < 2**31 else ids.astype(np.int64)
-
-
 @dataclass
 class RankOrder:
-    """The sample id at each position of one rank's stream that starts at optimizer step `start_step`.
-
-    With n = `per_rank` (floor or ceil(G/W)) and a = the slice's start (`rank_micro_batches`), position p
-    belongs to optimizer step s = start_step + p // n, as its k-th id, k = p % n: the id at index
-    (s mod steps_per_epoch) * G + a + k of epoch (s // steps_per_epoch)'s order. Both streams (`ray_jobs.stream.RankStream`, `LocalRankStream`) read through it.
-
-    `train_ids` may be None when `num_sequences` is given: they are then `split_ids(num_sequences,
-    val_samples)[0]`, remade wherever the order is unpickled, so it travels to a reader as a few bytes.
-    """
+    """The sample id at each position of one rank's stream that starts at optimizer step `start_step` (both streams
+    read through it). `train_ids` None: remade from `num_sequences` wherever it is unpickled (a few bytes to send)."""
 
     train_ids: np.ndarray | None
     seed: int
@@ -116,7 +89,9 @@ class RankOrder:
     def __post_init__(self):
         if self.train_ids is None:
             self.train_ids = split_ids(self.num_sequences, self.val_samples)[0]
-        self.train_ids = compact_ids(self.train_ids)  # the same values, so the same order
+        # int32 where the ids fit: the ids and two epoch orders then take 4 bytes a sample (the same order)
+        ids = np.asarray(self.train_ids)
+        self.train_ids = ids.astype(np.int32) if len(ids) == 0 or int(ids.max()) < 2**31 else ids.astype(np.int64)
         self._orders: dict[int, np.ndarray] = {}
 
     def __getstate__(self):

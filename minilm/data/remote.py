@@ -50,11 +50,7 @@ def _open_remote(uri: str) -> PreparedData:
             raw = f.read()
     except OSError as e:
         raise DataError(f"cannot read {join_uri(uri, MANIFEST)}: {e}") from None
-    try:
-        manifest = loads(raw.decode("utf-8"))
-    except (ValueError, RecursionError) as e:  # JSON, UTF-8, an integer of > 4300 digits, nesting past the stack
-        raise DataError(f"{join_uri(uri, MANIFEST)} is not valid JSON ({e})") from None
-    check_manifest(manifest, join_uri(uri, MANIFEST))
+    manifest = _parse_manifest(raw, join_uri(uri, MANIFEST))
     files = _files(manifest)
     try:
         infos = fs.get_file_info([f"{root}/{name}" for name, _, _ in files])
@@ -68,12 +64,18 @@ def _open_remote(uri: str) -> PreparedData:
     return PreparedData(None, manifest, uri=uri)
 
 
-def open_prepared(path: str | os.PathLike, *, verify: bool = True) -> PreparedData:
-    """Open a dataset written by `ray_jobs.prepare`, checking that it is complete and intact.
+def _parse_manifest(raw: bytes, where: str) -> dict:
+    try:
+        manifest = loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as e:  # JSON, UTF-8, an integer of > 4300 digits, nesting past the stack
+        raise DataError(f"{where} is not valid JSON ({e})") from None
+    check_manifest(manifest, where)
+    return manifest
 
-    Locally every file's size and (with `verify`) its sha256, once per machine; a remote URI's manifest
-    and sizes are read remotely, and `open_local` makes the copy the readers use.
-    """
+
+def open_prepared(path: str | os.PathLike, *, verify: bool = True) -> PreparedData:
+    """Open a dataset written by `ray_jobs.prepare`, checking every file's size and (with `verify`, once per machine)
+    its sha256; a remote URI's manifest and sizes are read remotely (`open_local` makes the copy readers use)."""
     if is_remote(path):
         return _open_remote(str(path))
     path = Path(path)
@@ -82,11 +84,7 @@ def open_prepared(path: str | os.PathLike, *, verify: bool = True) -> PreparedDa
     mpath = path / MANIFEST
     if not mpath.is_file():
         raise DataError(f"{path} has no {MANIFEST}: not a prepared dataset, or its prepare did not finish")
-    try:
-        manifest = loads(mpath.read_text())
-    except (ValueError, RecursionError) as e:  # also an integer of > 4300 digits, nesting past the stack
-        raise DataError(f"{mpath} is not valid JSON ({e})") from None
-    check_manifest(manifest, str(mpath))
+    manifest = _parse_manifest(mpath.read_bytes(), str(mpath))
     data = PreparedData(path, manifest)
     for name, size, _ in _files(manifest):
         try:
@@ -102,11 +100,8 @@ def open_prepared(path: str | os.PathLike, *, verify: bool = True) -> PreparedDa
 
 
 def open_local(data: str | os.PathLike) -> PreparedData:
-    """`open_prepared` for a local folder; for a remote URI, the node-local copy (made once, then reused).
-
-    The copy is made under a lock into a temporary folder, each file checked as it arrives, then renamed
-    into `cache_root()/data/<fingerprint>`: one copy per node, which restarts and later runs reuse.
-    """
+    """`open_prepared` for a local folder; for a remote URI, the node-local copy under `cache_root()/data`, made once
+    under a lock (each file checked as it arrives), then reused."""
     if not is_remote(data):
         return open_prepared(data)
     return materialise(_open_remote(str(data)))
@@ -125,7 +120,11 @@ def materialise(remote: PreparedData, cache: Path | None = None) -> PreparedData
             except DataError:
                 pass  # a damaged copy: make it again
             shutil.rmtree(target)
-        _check_space(cache, remote)
+        cache.mkdir(parents=True, exist_ok=True)
+        need, free = remote.num_bytes + (1 << 20), shutil.disk_usage(cache).free
+        if free < need:
+            raise DataError(f"copying {remote.uri} ({need / 1e9:.2f} GB) to this node needs that much free space in "
+                            f"{cache}, which has {free / 1e9:.2f} GB free (set MINILM_CACHE to a larger disk)")
         with staged(target) as tmp:  # what a killed copier left is swept (we hold the lock)
             tmp.mkdir(mode=0o750)
             fs, root = _remote_fs(remote.uri)
@@ -135,15 +134,6 @@ def materialise(remote: PreparedData, cache: Path | None = None) -> PreparedData
             publish(tmp, target)
         record_verified(PreparedData(target, remote.manifest))
     return open_prepared(target)
-
-
-def _check_space(cache: Path, remote: PreparedData) -> None:
-    cache.mkdir(parents=True, exist_ok=True)
-    need = remote.num_bytes + (1 << 20)
-    free = shutil.disk_usage(cache).free
-    if free < need:
-        raise DataError(f"copying {remote.uri} ({need / 1e9:.2f} GB) to this node needs that much free space in "
-                        f"{cache}, which has {free / 1e9:.2f} GB free (set MINILM_CACHE to a larger disk)")
 
 
 def _copy_verified(fs, src: str, dst: Path, size: int | None, sha: str, where: str) -> None:

@@ -16,9 +16,8 @@ MAX_OPEN_SHARDS = 256  # file descriptors a SequenceStore keeps open (least rece
 
 
 class SequenceStore:
-    """Rows by sample id, read with positional reads (adjacent rows in one) into a fresh array; nothing is cached
-    here: the page cache, shared by the node's processes, is. At most MAX_OPEN_SHARDS descriptors stay open,
-    readahead off (rows are read at random positions)."""
+    """Rows by sample id, read with positional reads (adjacent rows in one), readahead off; nothing is cached here:
+    the page cache, shared by the node's processes, is."""
 
     def __init__(self, data: PreparedData):
         self.data = data
@@ -99,12 +98,8 @@ class SequenceStore:
 
 
 class LocalRankStream:
-    """One rank's micro-batches read in this process (no Ray): `python -m minilm.train`, torchrun, tests.
-
-    Like `ray_jobs.stream.RankStream`: iterating yields, for each optimizer step to `total_steps`, its
-    accumulation_steps micro-batches on `device` and the host array of sample ids they hold;
-    `data_wait_s` is the time spent reading. `store` has `take(sample_ids) -> (n, seq_len + 1) array`.
-    """
+    """One rank's stream read in this process (no Ray), like `ray_jobs.stream.RankStream`: per optimizer step, its
+    micro-batches on `device` and their host sample ids; `data_wait_s` is the time spent reading."""
 
     def __init__(self, store, order: RankOrder, total_steps: int, micro_batch_size: int, device="cpu"):
         import torch

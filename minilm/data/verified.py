@@ -15,14 +15,8 @@ def _stamp(data: PreparedData) -> NodeStamp:
 
 
 def verify_hashes(data: PreparedData) -> None:
-    """Check every file's sha256 against the manifest, and every token id against the vocabulary, once per file
-    on this machine.
-
-    A file whose (size, mtime, inode) were stamped with the right hash (and its largest token id) is not read
-    again, so later opens by every rank and restart only stat the files; one rank of a node reads under the lock
-    while the others wait; a file too fresh to vouch for is hashed again next time (`fsio.RACY_NS`). The check is
-    against a wrong, partial, replaced or hand-edited file, not bit rot.
-    """
+    """Check every file's sha256 against the manifest, and every token id against the vocabulary, once per file on
+    this machine (`fsio.NodeStamp`): against a wrong, partial, replaced or hand-edited file, not bit rot."""
     folder = data._local()
     with _stamp(data) as stamp:
         for name, _, sha in _files(data.manifest):
