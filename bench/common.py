@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -89,3 +90,38 @@ def write_json(name: str, payload: dict) -> Path:
     path = directory / name
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
+
+
+def memory(pid: int | None = None) -> dict:
+    """RSS, its peak (hwm) and its parts from /proc/PID/status, in bytes: anon is private memory, shmem shared
+    memory mapped (Ray's object store), file mapped files (libraries)."""
+    out = {}
+    with open(f"/proc/{pid or os.getpid()}/status") as f:
+        for line in f:
+            for key in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"):
+                if line.startswith(key + ":"):
+                    out[key.removeprefix("Vm").removeprefix("Rss").lower()] = int(line.split()[1]) * 1024
+    return out
+
+
+class Sampler:
+    """`sample()` every `interval` seconds in a thread while in the `with` block: `samples`, (time, value) pairs."""
+
+    def __init__(self, sample: Callable[[], object], interval: float):
+        self.sample, self.interval = sample, interval
+        self.samples: list[tuple[float, object]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.time(), self.sample()))
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
