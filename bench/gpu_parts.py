@@ -1,11 +1,5 @@
-"""The GPU check's parts that are subcommands (the preflight: bench/gpu_preflight.py), each run in its own process: `python -m bench.gpu_check NAME ...`.
-
-    row           one configuration's optimizer steps timed alone (bench.step's build and figures) -> --json
-    ddp1          DDP in a 1-rank process group against the same model without DDP                -> --json
-    trainer-ddp1  minilm's Trainer plain, then DDP-wrapped in a 1-rank process group              -> --json
-    stream-rate   one rank's `ray_jobs.stream.RankStream` driven alone: its delivery rate
-    ray-keeper    the local Ray of the Ray parts: started, described in --json, kept up until SIGTERM
-"""
+"""The GPU check's parts that are subcommands, each in its own process: `python -m bench.gpu_check NAME ...`
+(row, ddp1, trainer-ddp1, stream-rate, ray-keeper; the preflight is bench/gpu_preflight.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .common import add_model_args
+from .common import add_model_args, alternate
 
 
 def write_result(path: str, result: dict) -> None:
@@ -201,12 +195,9 @@ def row(argv: list[str]) -> int:
     step = stepper(model, optimizer, batches, dtype, args.moe_dispatch)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for i in range(len(batches)):
-        t0 = time.perf_counter()
-        step(i)
-        times.append(time.perf_counter() - t0)
-    warm, timed = times[:args.warmup], times[args.warmup:]
+    t0 = time.perf_counter()
+    timed = alternate({args.name: step}, args.steps, args.warmup, device)[args.name]  # bench.step's timing
+    warm_s = time.perf_counter() - t0 - sum(timed)
     sheet = datasheet_peak(torch.cuda.get_device_name(device), dtype) if device.type == "cuda" else None
     if device.type == "cuda":
         peak_memory, peak_of = torch.cuda.max_memory_allocated(device), "torch.cuda.max_memory_allocated"
@@ -216,9 +207,9 @@ def row(argv: list[str]) -> int:
         peak_memory, peak_of = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "the process's max RSS"
     result = {"name": args.name, "config": ("moe" if args.moe else "dense") + ("+compile" if args.compile else ""),
               "dtype": args.dtype, "compile": args.compile, **figures(model, timed, args, peak, sheet),
-              "warmup_s": sum(warm), "peak_memory_bytes": peak_memory, "peak_memory_of": peak_of,
+              "warmup_s": warm_s, "peak_memory_bytes": peak_memory, "peak_memory_of": peak_of,
               # the warm-up steps' time beyond as many steady steps: compilation and autotuning
-              "compile_s": max(0.0, sum(warm) - len(warm) * statistics.median(timed)) if args.compile else None,
+              "compile_s": max(0.0, warm_s - args.warmup * statistics.median(timed)) if args.compile else None,
               "document_mask": args.document_mask, "optimizer": args.optimizer,
               "activation_checkpointing": args.activation_checkpointing, "profile": None, "moe_dispatch": dispatch,
               "sdpa": sdpa, **(counts.read() if counts else {"graph_breaks": None, "graphs": None, "recompiles": None})}
