@@ -1,14 +1,9 @@
 """Checkpoint save and restore time vs model size, and checkpointing's share of training time.
 
     python -m bench.checkpoint                         # 3 sizes: the demo preset, MiniMind 26M, MiniMind 104M
-    python -m bench.checkpoint --sizes 256x4 512x8 --repeats 3 --dir /mnt/shared/tmp
-    python -m bench.checkpoint --mode stall            # sync vs async, side by side: 512x8 (26M), 768x16 (123M)
+    python -m bench.checkpoint --mode stall            # the training thread's stall per checkpoint, sync vs async
 
-Save (`save_resume_state` + `export_weights`) and restore (`load_resume_state` with its hash check +
-`load_state_dict`) per size, their share at `--checkpoint-every` against an optimizer step (target < 2%);
-`--mode stall`: the training thread's stall per checkpoint through `CheckpointManager`, sync vs async, and tokens/s
-with a save in flight (goals: async < 10% of sync at 123M, share < 1%). bench/README.md has the details. Writes
-checkpoint.json or checkpoint_stall.json.
+bench/README.md has the details. Writes checkpoint.json or checkpoint_stall.json.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""Shared helpers for the benchmarks: side-by-side step timing, environment facts, JSON output (the
-measured matmul peak is minilm.progress.measured_matmul_peak, the one the training loop uses).
-
-Results go to bench/results/, or to the folder in MINILM_BENCH_RESULTS (the smoke tests point it at a
-temporary folder so they never touch bench/results/).
-"""
+"""Shared helpers for the benchmarks. Results go to bench/results/, or to $MINILM_BENCH_RESULTS (the tests'
+temporary folder)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,10 @@
 """Data wait: the share of step time a worker spends waiting for its Ray Data stream (target < 2%);
-and, with --mode stream, the rate one rank's stream delivers with no model (target >= 2M tokens/s).
+with --mode stream, the rate one rank's stream delivers with no model (target >= 2M tokens/s).
 
     python -m bench.data                      # demo corpus, demo preset model (hidden 256, 4 layers, seq 256)
-    python -m bench.data --data data/tok --steps 40 --dtype fp32
     python -m bench.data --mode stream        # seq 512, micro-batch 32, on 1 and 2 CPUs
 
-One process drives `ray_jobs.stream.RankStream` as a rank of the Ray job does and times the wait in `next_step()`
-against the whole step; `--mode stream` drives it alone over a synthetic dataset in children pinned to 1 and 2
-cores, warm and cold, beside Ray Data without reads and `SequenceStore.take` alone. bench/README.md has the
-details. Writes data.json or data_stream.json.
+bench/README.md has the details. Writes data.json or data_stream.json.
 """
 
 from __future__ import annotations

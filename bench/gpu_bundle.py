@@ -1,22 +1,11 @@
 """The bundle for the lent GPU machine: wheels of what the GPU check needs that the machine's image lacks.
 
     bash bench/gpu_bundle.sh                                   # cp312 (the image's python) into gpu-bundle/
-    bash bench/gpu_bundle.sh --python-version 3.11 --output /tmp/b311   # its twin for this machine (the rehearsal)
-    make gpu-bundle                                            # the first line, then --verify gpu-bundle
+    make gpu-bundle                                            # that, then --verify gpu-bundle
 
-The lent machine reaches no package registry and takes at most 64 MiB of working tree a call, so its missing
-packages travel as wheels (its rules: /work/.library/device/README.md). What is missing: the requirements of
-`ray[train,tune,data]` (the check's Ray parts: Train, Tune's reporting, Data), resolved here for the target python
-by pip, less every package the image already holds (bench/gpu_image_packages.txt, from the device page's list:
-a carried copy would shadow the image's own). Ray's wheel (~76 MiB) is rewritten without what the check never
-loads (`SLIM_PREFIXES`: the Java workers' jar, the dashboard's web page), its RECORD rewritten to match, so that
-it stays a valid wheel; the bundle must come to under 60 MiB.
-
-The output folder holds the wheels, `bundle.json` (what is in it, sizes, what was cut) and `install.sh`: the one
-install line the machine's rules give, meant to be sourced (`. DIR/install.sh`; `bench/gpu_check.sh --bundle DIR`
-does it): pip install --no-index --no-deps of every wheel into $MINILM_BUNDLE_SITE (default /tmp/site), then
-PYTHONPATH=that folder. Tested by tests/test_gpu_bundle.py (the rewritten wheel) and tests/test_bench_smoke.py
-(the rehearsal: a clean venv of the image's packages, this bundle, and the check's dry run).
+The machine reaches no package registry and takes at most 64 MiB of working tree a call: the requirements of
+`ray[train,tune,data]`, resolved for the target python, less what the image holds (bench/gpu_image_packages.txt),
+as wheels, Ray's slimmed (`SLIM_PREFIXES`); `install.sh` installs them (docs/gpu.md).
 """
 
 from __future__ import annotations

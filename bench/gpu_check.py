@@ -5,14 +5,8 @@
     python -m bench.gpu_check --plan             # the plan alone: every part in order, its limit, the total
     python -m bench.gpu_check --only ray-job,export   # a rerun of some parts (what they need is added)
 
-Each part is a subprocess in its own process group with its hard limit, in the order of `SPECS` (the preflight, the
-headline rows, the parts never run on a GPU, the refinements); each starts only when its limit fits the time actually
-left (`no_room`), so time the parts before it did not use runs it; the preflight's measured cold start rescales the
-later limits (`rescale`). Ray (ray.init included) and NCCL run only inside parts. The timings are the benchmarks'
-own: a row is `bench.step`'s build and figures (bench/gpu_parts.py), the checkpoint parts are `bench.checkpoint`,
-the Trainer and Ray job parts read their metrics as `bench.overhead` does. Results: three files in $OUT, else
-$MINILM_BENCH_RESULTS, else bench/results/gpu, rewritten after every part. docs/gpu.md has the parts, the goals,
-the budget and the code paths that differ on the lent image's torch.
+Each part is a subprocess with its hard limit, in the order of `SPECS`, started only when its limit fits the time
+left (`no_room`). The timings are the benchmarks' own. docs/gpu.md has the parts, goals and budget.
 """
 
 from __future__ import annotations

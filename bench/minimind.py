@@ -2,12 +2,8 @@
 
     python -m bench.minimind --minimind ~/src/minimind                          # 4 corpora: MiniMind vs minilm defaults
     python -m bench.minimind --minimind DIR --corpus kjv-passages --runs minimind,minilm,"minilm --rows packed"
-    python -m bench.minimind --minimind DIR --seeds 42,43                        # several seeds
 
-MiniMind's script runs unchanged from a copy of a checkout (`--minimind`); minilm runs as a user runs it (prepare,
-then train); both models are scored by `minilm.bpb.evaluate_documents` at equal steps, real tokens and wall time,
-with quality per hour from checkpoints along minilm's runs (`--curve`). bench/README.md has the details; the
-corpora are bench/corpora.py's. Writes minimind.json.
+bench/README.md has the details; the corpora are bench/corpora.py's. Writes minimind.json.
 """
 
 from __future__ import annotations

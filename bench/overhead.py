@@ -2,13 +2,9 @@
 
     python -m bench.overhead                       # every part at its defaults
     python -m bench.overhead --mode fixed-cost     # part 1 at issue #17's tiny config (hidden 64, 2 layers, seq 128)
-    python -m bench.overhead --mode ddp --rounds 6 # part 2 only
-    python -m bench.overhead --mode report         # part 3 only
 
-Part 1: the same config and data as (a) a bare `optimizer_step` loop, (b) `python -m minilm.train`, (c) the 1-worker
-Ray job, each a fresh process, rounds alternating; wall time per step from their metrics (`steady_step_s`, which the
-GPU check uses too) and their CPU from /proc. Part 2 (2 DDP workers on 2 CPUs) and part 3 (report blocking) are
-Ray Train runs in bench/overhead_train.py. bench/README.md has the details. Writes overhead.json.
+Part 1: a bare `optimizer_step` loop, `python -m minilm.train` and the 1-worker Ray job, fresh processes, rounds
+alternating. Parts 2 (2 DDP workers) and 3 (report blocking): bench/overhead_train.py. Writes overhead.json.
 """
 
 from __future__ import annotations

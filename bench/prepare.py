@@ -1,13 +1,9 @@
 """Throughput of `ray_jobs.prepare` next to a single-process `tokenizers` encode_batch, same text, same run.
 
     python -m bench.prepare [--num-cpus 2] [--scale 8] [--repeats 3]
-    python -m bench.prepare --big-gb 1 [--big-cpus 1 2]
+    python -m bench.prepare --big-gb 1 [--big-cpus 1 2]   # a corpus of that size, peak RSS of every process
 
-On the demo corpus and on it repeated `--scale` times: encode_batch_fast in one process (all cores, one core),
-prepare on a local Ray (cold, then warm beside Ray Data and a one-process run, alternating), and the command end to
-end; MB/s and tokens/s, and the ratio to the all-cores baseline. `--big-gb`: a corpus of that size through the
-command in a process pinned to N cores, with the peak RSS of the driver and its workers. bench/README-prepare.md
-has the details. Writes prepare.json or prepare_big.json.
+bench/README-prepare.md has the details. Writes prepare.json or prepare_big.json.
 """
 
 from __future__ import annotations

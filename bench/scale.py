@@ -1,11 +1,8 @@
 """Memory of the data stream at scale: per-process RSS growth against the dataset size (target < 300 MB).
 
     python -m bench.scale                                   # 0.25B and 1B tokens, 2 ranks, 200k samples each
-    python -m bench.scale --tokens 0.25e9 1e9 2e9 --samples 200000 --dir /mnt/big
 
-For each size: a synthetic prepared dataset (`write_synthetic`), its pages dropped, then the real stream for 2 ranks
-in 2 Ray actors over one epoch's random order, every rank and reader sampled for RSS; the growth per process, the
-page cache the dataset occupies, tokens/s per rank. bench/README.md has the details. Writes scale.json.
+bench/README.md has the details. Writes scale.json.
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """Throughput and MFU of one optimizer step: dense vs MoE at equal active parameters, eager vs compiled.
 
-    python -m bench.step                                   # hidden 512, 4 layers, seq 256, micro-batch 8, fp32, CPU
-    python -m bench.step --dtype both --compile            # bf16 rows too, and torch.compile'd ones
+    python -m bench.step --dtype both --compile            # fp32 and bf16 rows, eager and torch.compile'd
     python -m bench.step --experts 4 8 --top-k 1 2         # MoE: 4 and 8 experts, top-1 and top-2
     python -m bench.step --dispatch split grouped          # the MoE layer's two dispatches side by side
-    python -m bench.step --no-moe --device cuda --dtype bf16 --compile --hidden-size 768 --num-hidden-layers 16
     python -m bench.step --estimate h200                   # each phase's time on an H200, the predicted MFU range
 
-Every configuration runs `minilm.step.optimizer_step` (accumulation 1) on the same batches, all alternating step
-by step (`common.alternate`), warm-up steps (the compilation) untimed. A MoE model has the dense model's active
-FFN width (each expert 1/top-k of it). MFU is against the matmul peak measured before and after (the larger), and
-the data sheet's on a GPU minilm.progress lists. The GPU check's rows time one configuration with the same
-`build` and `figures`. Writes step.json (details: bench/README.md).
+Every configuration runs `minilm.step.optimizer_step` on the same batches, alternating step by step
+(`common.alternate`); the GPU check's rows use the same `build`, `stepper` and `figures`. Writes step.json.
 """
 
 from __future__ import annotations
