@@ -129,13 +129,13 @@ def slim_wheel(path: Path, prefixes: tuple[str, ...]) -> dict:
             "bytes_before": before, "bytes_after": path.stat().st_size}
 
 
-def build(python_version: str, out: Path, *, ray_version: str = RAY_VERSION, limit_mib: float = LIMIT_MIB) -> dict:
+def build(python_version: str, out: Path, *, limit_mib: float = LIMIT_MIB) -> dict:
     if not re.fullmatch(r"3\.\d+", python_version):
         raise BundleError(f"--python-version must look like 3.12, got {python_version!r}")
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("*.whl"):
         old.unlink()
-    requirements = [r.format(ray=ray_version) for r in REQUIREMENTS]
+    requirements = [r.format(ray=RAY_VERSION) for r in REQUIREMENTS]
     image = image_packages()
     resolved = resolve(requirements, python_version)
     carried = [(n, v) for n, v in resolved if canonical(n) not in image]
@@ -198,14 +198,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench/gpu_bundle.sh", description=__doc__.split("\n")[0])
     p.add_argument("--python-version", default="3.12", help="the target python, X.Y (default 3.12: the image's)")
     p.add_argument("--output", default=str(ROOT / "gpu-bundle"), help="the bundle folder (default gpu-bundle/)")
-    p.add_argument("--ray-version", default=RAY_VERSION)
     p.add_argument("--verify", metavar="DIR", default=None, help="check a built bundle instead of building one")
     args = p.parse_args(argv)
     try:
         if args.verify:
             print(verify(Path(args.verify)))
             return 0
-        m = build(args.python_version, Path(args.output), ray_version=args.ray_version)
+        m = build(args.python_version, Path(args.output))
     except BundleError as e:
         print(f"error: bench/gpu_bundle.sh: {e}", file=sys.stderr)
         return 2

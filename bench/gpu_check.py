@@ -370,7 +370,6 @@ def check(argv: list[str]) -> int:
                    help=f"seconds for the parts (default {BUDGET['cuda']} on the GPU, {BUDGET['cpu']} for the dry run)")
     p.add_argument("--only", default=None, help="comma-separated part names: run these (and what they need) alone")
     p.add_argument("--plan", action="store_true", help="print the plan (the parts, their limits, the total) and exit")
-    p.add_argument("--keep-work", action="store_true", help="keep the data, runs, logs and export (a temporary folder)")
     p.add_argument("--bundle", default=None, help="the bundle bench/gpu_check.sh installed (for the results)")
     p.add_argument("--bundle-error", default=None,
                    help="why bench/gpu_check.sh could not install the bundle: the Ray parts are skipped, saying so")
@@ -430,10 +429,7 @@ def run_check(args, plan: Plan, budget: float) -> int:
         runner.stop_kept()
         runner.kill_all()
         rows = save_results(dest, runner, c.fig, head, gpu, final)
-        if args.keep_work:
-            print(f"work folder kept: {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
     print()
     print(format_table(rows))
     failed = failed_parts(runner, c.fig)
