@@ -179,17 +179,9 @@ def time_to_reach(curve: list[tuple[int, float, float]], target: float) -> float
 
 
 def ce_at(curve: list[tuple[int, float, float]], seconds: float) -> float:
-    """The CE of a [(step, seconds, ce)] curve at `seconds`, linear between two checkpoints; past its end, its last
-    CE (a run that ended sooner is not credited with steps it did not take)."""
-    before = None
-    for _step, t, ce in curve:
-        if t >= seconds:
-            if before is None:
-                return ce
-            t0, ce0 = before
-            return ce0 + (ce - ce0) * (seconds - t0) / (t - t0)
-        before = (t, ce)
-    return curve[-1][2]
+    """The CE of a [(step, seconds, ce)] curve at `seconds`, linear between two checkpoints; outside it, its first or
+    last CE (a run that ended sooner is not credited with steps it did not take)."""
+    return float(np.interp(seconds, [t for _, t, _ in curve], [ce for _, _, ce in curve]))
 
 
 def score(state: dict, model_cfg: ModelConfig, held_docs: list[list[int]], byte_lengths: np.ndarray, args) -> dict:
