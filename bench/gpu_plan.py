@@ -42,9 +42,8 @@ class Part:
 
 # ---- the plan ---------------------------------------------------------------------------------------------------
 
-# The lent machine (/work/.library/device/README.md): device time per task including its cold start, one command's
-# limit. One command runs the bundle's install, the check and the writing of its results; what the device time
-# leaves after the machine's start and that command is a rerun's (`--only`) of what the plan left out.
+# The lent machine: device time per task including its cold start, one command's limit. One command installs the
+# bundle, runs the check and writes its results; the device time left after that is a rerun's (`--only`).
 DEVICE_S, COMMAND_S = 900, 600
 MACHINE_START_S, INSTALL_S, RESULTS_S = 150, 30, 30  # "a minute or more" to start; pip of ~40 MB of wheels
 # Seconds for the parts. The CPU dry run's is a cap only (it takes ~3 minutes): room for a CI box 2x slower than

@@ -169,13 +169,10 @@ def print_results(results: list[dict], args) -> None:
 
 # ---- --estimate: each phase's time on a GPU, added up, and the MFU range it predicts ------------------------
 
-# H200 SXM, dense bf16 (fp32 accumulation) and HBM3e. Ceilings (not reached by this step): the data sheet's, and as
-# KINDS.md measured them on the lent machine (an 8192^3 bf16 matmul: 769-798 TFLOP/s; a device-to-device copy:
-# ~4.3 TB/s, reads + writes). The rates the phases run at, (fast, mid, slow), assumed until a lent GPU measures
-# them: the blocks' GEMMs have K = hidden (768 or 512), which Hopper runs at ~600 TFLOP/s at K = 768, not the
-# large-GEMM 790, and less at 512; SDPA's flash kernel (FA2's: ~200 TFLOP/s forward, ~150 backward at head dim 128,
-# causal, seq 512 on an H100, less at head dim 96 or 64), forward + backward (the backward 2.5x the forward's
-# FLOPs): ~110-180 TFLOP/s; Inductor's elementwise kernels (norms with their reductions) 65-90% of the copy rate.
+# H200 SXM, bf16. Ceilings (not reached by this step): the data sheet's, and as measured on the lent machine (an
+# 8192^3 matmul, a device copy). The rates the phases run at, (fast, mid, slow), are assumptions until a lent GPU
+# measures them: GEMMs with K = hidden run below the large-GEMM rate; FA2's flash kernel at these shapes; Inductor's
+# elementwise kernels at 65-90% of the copy rate.
 HARDWARE = {"h200": {"name": "NVIDIA H200", "bf16_datasheet": 989.5e12, "bf16_measured": 790e12,
                      "hbm_datasheet": 4.8e12, "hbm_measured": 4.3e12, "launch_s": 5e-6,
                      "gemm": {768: (660e12, 600e12, 540e12), 512: (600e12, 520e12, 440e12)},
