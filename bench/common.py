@@ -28,13 +28,8 @@ def synchronize(device: torch.device | str = "cpu") -> None:
 
 def alternate(steps: dict[str, Callable[[int], object]], timed: int, warmup: int,
               device: torch.device | str = "cpu") -> dict[str, list[float]]:
-    """Run each named step function in turn, round after round, and time every call after `warmup` rounds.
-
-    Round-robin is the point: background load on a shared machine (or clock changes) then hits every
-    configuration alike, so their ratio means something even when the absolute times drift.
-    `steps[name](i)` runs step i of that configuration; it must leave no work queued (or the device
-    is synchronised after it here).
-    """
+    """Time `steps[name](i)` for each name in turn, round after round, after `warmup` rounds. Round-robin, so
+    background load hits every configuration alike and their ratio holds when absolute times drift."""
     times: dict[str, list[float]] = {name: [] for name in steps}
     for i in range(warmup + timed):
         for name, step in steps.items():
@@ -51,8 +46,7 @@ MODEL_ARGS = {"hidden_size": 512, "num_hidden_layers": 4, "num_attention_heads":
 
 
 def add_model_args(p, keys=tuple(MODEL_ARGS), helps: dict | None = None, **defaults) -> None:
-    """The model and batch flags every benchmark takes: those of `keys`, each default from `defaults`, else
-    MODEL_ARGS', each help from `helps`."""
+    """The model and batch flags of `keys`, defaults from `defaults`, else MODEL_ARGS."""
     for key in keys:
         p.add_argument("--" + key.replace("_", "-"), type=int, default=defaults.get(key, MODEL_ARGS.get(key)),
                        help=(helps or {}).get(key))

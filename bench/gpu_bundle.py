@@ -159,10 +159,8 @@ def build(python_version: str, out: Path, *, limit_mib: float = LIMIT_MIB) -> di
 
 
 def verify(out: Path, limit_mib: float = LIMIT_MIB) -> str:
-    """The bundle in `out` is what the lent machine can install: the wheels bundle.json lists and no other, each one
-    whole (every member in its RECORD with its hash), none of a package the image holds (it would shadow the
-    image's), Ray's among them, install.sh there, all under the limit; then pip's dry run installs them offline
-    for the bundle's python and the machine's platforms. Returns a one-line summary; raises BundleError."""
+    """The bundle in `out` is what the lent machine can install (the wheels bundle.json lists, whole, none the image
+    holds, under the limit; pip's offline dry run takes them): a one-line summary, or BundleError."""
     if not (out / "bundle.json").is_file() or not (out / "install.sh").is_file():
         raise BundleError(f"{out} has no bundle.json or install.sh: build it with make gpu-bundle")
     manifest = json.loads((out / "bundle.json").read_text())

@@ -260,8 +260,7 @@ def stream_part(c: Check) -> None:
 
 
 def ray_start_part(c: Check) -> None:
-    """The one local Ray of the Ray parts (each part's driver joins it through RAY_ADDRESS), started by
-    `ray-keeper` in a process of its own under this part's limit, stopped after the last Ray part; none when
+    """The one local Ray the Ray parts join (RAY_ADDRESS), `ray-keeper` under this part's limit; none when
     RAY_ADDRESS names a cluster already."""
     missing = missing_modules(RAY_MODULES)
     if missing:

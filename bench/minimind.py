@@ -80,10 +80,8 @@ def minimind_copy(checkout: Path, work: Path) -> Path:
 
 def run_minimind(mm: Path, train_jsonl: Path, split: Split, args, seed: int, log: Path,
                  env: dict) -> tuple[dict, float]:
-    """MiniMind's train_pretrain.py on `train_jsonl`; (its final weights, fp32 tensors), wall seconds.
-
-    The result is kept beside the log, keyed by the script's arguments, so that later invocations with
-    other minilm runs reuse it (`--no-reuse` trains it again)."""
+    """MiniMind's train_pretrain.py on `train_jsonl`: its final fp32 weights and wall seconds, kept beside the log
+    keyed by the script's arguments for later invocations to reuse (`--no-reuse` trains it again)."""
     key = {"epochs": split.epochs, "batch_size": args.batch_size, "lr": args.lr, "hidden_size": args.hidden_size,
            "num_hidden_layers": args.num_hidden_layers, "max_seq_len": args.seq_len + 1, "seed": seed,
            "train_sha256": hashlib.sha256(train_jsonl.read_bytes()).hexdigest()}

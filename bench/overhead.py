@@ -66,9 +66,8 @@ def bare_loop(config: dict) -> None:
 
 
 def steady_step_s(records: list[dict], checkpoint_every: int) -> tuple[float, int]:
-    """Wall seconds per optimizer step between consecutive metrics records, after the first record and without
-    the intervals that hold a checkpoint (saved after its step's record, so inside the next interval);
-    returns (seconds per step, steps counted)."""
+    """(wall seconds per optimizer step, steps counted) between metrics records after the first, without the
+    intervals that hold a checkpoint (saved after its step's record)."""
     seconds, steps = 0.0, 0
     for prev, rec in zip(records[:-1], records[1:], strict=True):
         if prev["optimizer_step"] % checkpoint_every == 0:
@@ -131,9 +130,8 @@ def trainer_step_s(data_dir: Path, model_cfg: ModelConfig, train_cfg: TrainConfi
 
 
 def tree_cpu(root: int) -> dict[int, tuple[str, float]]:
-    """CPU seconds of `root` and each process under it, from /proc, by pid: (label, seconds). A job started without
-    RAY_ADDRESS starts its own Ray, so every Ray process of the run descends from the driver; on a machine the
-    training threads already fill, the CPU the others use is time taken from training."""
+    """CPU seconds of `root` and each process under it, from /proc, by pid: (label, seconds). Every process of a
+    job's own local Ray descends from its driver."""
     tick, stats = os.sysconf("SC_CLK_TCK"), {}
     for d in Path("/proc").iterdir():
         if d.name.isdigit():

@@ -26,10 +26,7 @@ MB = 1 << 20
 # ---- the synthetic dataset -------------------------------------------------------------------------
 
 def write_synthetic(out: Path, num_tokens: int, seq_len: int, vocab_size: int, seed: int = 0):
-    """A prepared dataset of about `num_tokens` random token ids (whole rows), written by the real writer.
-
-    The tokenizer file is a small stand-in (the stream never reads it); the manifest is the real one.
-    """
+    """A prepared dataset of about `num_tokens` random ids by the real writer; a stand-in tokenizer file."""
     from minilm import data as D
     from minilm import packing as P
     from minilm import tokenizer as T
