@@ -1,14 +1,9 @@
 """Checkpoint save and restore time vs model size, and checkpointing's share of training time.
 
     python -m bench.checkpoint                         # 3 sizes: the demo preset, MiniMind 26M, MiniMind 104M
-    python -m bench.checkpoint --sizes 256x4 512x8 --repeats 3 --dir /mnt/shared/tmp
-    python -m bench.checkpoint --mode stall            # sync vs async, side by side: 512x8 (26M), 768x16 (123M)
+    python -m bench.checkpoint --mode stall            # the training thread's stall per checkpoint, sync vs async
 
-Save (`save_resume_state` + `export_weights`) and restore (`load_resume_state` with its hash check +
-`load_state_dict`) per size, their share at `--checkpoint-every` against an optimizer step (target < 2%);
-`--mode stall`: the training thread's stall per checkpoint through `CheckpointManager`, sync vs async, and tokens/s
-with a save in flight (goals: async < 10% of sync at 123M, share < 1%). bench/README.md has the details. Writes
-checkpoint.json or checkpoint_stall.json.
+bench/README.md has the details. Writes checkpoint.json or checkpoint_stall.json.
 """
 
 from __future__ import annotations
@@ -47,20 +42,27 @@ def folder_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def bench_size(hidden: int, layers: int, args, root: Path) -> dict:
+def model_and_step(hidden: int, layers: int, args, device: torch.device):
+    """(config, model, optimizer, scaler, step): step() runs one optimizer step on a fixed batch, its seconds."""
     cfg = ModelConfig(hidden_size=hidden, num_hidden_layers=layers, vocab_size=args.vocab_size,
                       max_position_embeddings=args.seq_len + 1)
     torch.manual_seed(0)
-    model = MiniMindForCausalLM(cfg).train()
+    model = MiniMindForCausalLM(cfg).to(device).train()
     optimizer = make_optimizer(model, TrainConfig(optimizer="adamw", lr=1e-4))
-    scaler = make_grad_scaler(torch.float32, "cpu")
+    scaler = make_grad_scaler(torch.float32, device.type)
     gen = torch.Generator().manual_seed(0)
-    batch = torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_len + 1), generator=gen)
-    step_times = []
-    for _ in range(2):  # the first step also allocates AdamW's state; the second is the one that counts
+    batch = torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_len + 1), generator=gen).to(device)
+
+    def step() -> float:
         t0 = time.perf_counter()
         float(optimizer_step(model, optimizer, scaler, [batch], lr=1e-4, grad_clip=1.0).loss)
-        step_times.append(time.perf_counter() - t0)
+        return time.perf_counter() - t0
+    return cfg, model, optimizer, scaler, step
+
+
+def bench_size(hidden: int, layers: int, args, root: Path) -> dict:
+    cfg, model, optimizer, scaler, step = model_and_step(hidden, layers, args, torch.device("cpu"))
+    step_times = [step(), step()]  # the first step also allocates AdamW's state; the second is the one that counts
     step_s = step_times[1]
     state = {"optimizer_step": 1, "model_config": cfg.to_dict(), "note": "bench.checkpoint"}
 
@@ -149,21 +151,8 @@ STALL_GOAL, SHARE_GOAL = 0.10, 0.01
 
 def bench_stall(hidden: int, layers: int, args, root: Path) -> dict:
     """Sync vs async stall of the training thread per checkpoint at one size, and tokens/s with a save in flight."""
-    cfg = ModelConfig(hidden_size=hidden, num_hidden_layers=layers, vocab_size=args.vocab_size,
-                      max_position_embeddings=args.seq_len + 1)
     device = torch.device(args.device)
-    torch.manual_seed(0)
-    model = MiniMindForCausalLM(cfg).to(device).train()
-    optimizer = make_optimizer(model, TrainConfig(optimizer="adamw", lr=1e-4))
-    scaler = make_grad_scaler(torch.float32, device.type)
-    gen = torch.Generator().manual_seed(0)
-    batch = torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_len + 1), generator=gen).to(device)
-
-    def step() -> float:
-        t0 = time.perf_counter()
-        float(optimizer_step(model, optimizer, scaler, [batch], lr=1e-4, grad_clip=1.0).loss)
-        return time.perf_counter() - t0
-
+    cfg, model, optimizer, scaler, step = model_and_step(hidden, layers, args, device)
     step()  # AdamW's state exists from here on
     state = {"optimizer_step": 1, "model_config": cfg.to_dict(), "note": "bench.checkpoint --mode stall"}
     # each mode's own run folder, keeping one checkpoint: what the Trainer's manager does at a checkpoint step

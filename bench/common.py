@@ -1,15 +1,12 @@
-"""Shared helpers for the benchmarks: side-by-side step timing, environment facts, JSON output (the
-measured matmul peak is minilm.progress.measured_matmul_peak, the one the training loop uses).
-
-Results go to bench/results/, or to the folder in MINILM_BENCH_RESULTS (the smoke tests point it at a
-temporary folder so they never touch bench/results/).
-"""
+"""Shared helpers for the benchmarks. Results go to bench/results/, or to $MINILM_BENCH_RESULTS (the tests'
+temporary folder)."""
 
 from __future__ import annotations
 
 import json
 import os
 import platform
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,13 +28,8 @@ def synchronize(device: torch.device | str = "cpu") -> None:
 
 def alternate(steps: dict[str, Callable[[int], object]], timed: int, warmup: int,
               device: torch.device | str = "cpu") -> dict[str, list[float]]:
-    """Run each named step function in turn, round after round, and time every call after `warmup` rounds.
-
-    Round-robin is the point: background load on a shared machine (or clock changes) then hits every
-    configuration alike, so their ratio means something even when the absolute times drift.
-    `steps[name](i)` runs step i of that configuration; it must leave no work queued (or the device
-    is synchronised after it here).
-    """
+    """Time `steps[name](i)` for each name in turn, round after round, after `warmup` rounds. Round-robin, so
+    background load hits every configuration alike and their ratio holds when absolute times drift."""
     times: dict[str, list[float]] = {name: [] for name in steps}
     for i in range(warmup + timed):
         for name, step in steps.items():
@@ -54,8 +46,7 @@ MODEL_ARGS = {"hidden_size": 512, "num_hidden_layers": 4, "num_attention_heads":
 
 
 def add_model_args(p, keys=tuple(MODEL_ARGS), helps: dict | None = None, **defaults) -> None:
-    """The model and batch flags every benchmark takes: those of `keys`, each default from `defaults`, else
-    MODEL_ARGS', each help from `helps`."""
+    """The model and batch flags of `keys`, defaults from `defaults`, else MODEL_ARGS."""
     for key in keys:
         p.add_argument("--" + key.replace("_", "-"), type=int, default=defaults.get(key, MODEL_ARGS.get(key)),
                        help=(helps or {}).get(key))
@@ -89,3 +80,38 @@ def write_json(name: str, payload: dict) -> Path:
     path = directory / name
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
+
+
+def memory(pid: int | None = None) -> dict:
+    """RSS, its peak (hwm) and its parts from /proc/PID/status, in bytes: anon is private memory, shmem shared
+    memory mapped (Ray's object store), file mapped files (libraries)."""
+    out = {}
+    with open(f"/proc/{pid or os.getpid()}/status") as f:
+        for line in f:
+            for key in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"):
+                if line.startswith(key + ":"):
+                    out[key.removeprefix("Vm").removeprefix("Rss").lower()] = int(line.split()[1]) * 1024
+    return out
+
+
+class Sampler:
+    """`sample()` every `interval` seconds in a thread while in the `with` block: `samples`, (time, value) pairs."""
+
+    def __init__(self, sample: Callable[[], object], interval: float):
+        self.sample, self.interval = sample, interval
+        self.samples: list[tuple[float, object]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.time(), self.sample()))
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()

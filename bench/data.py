@@ -1,14 +1,10 @@
 """Data wait: the share of step time a worker spends waiting for its Ray Data stream (target < 2%);
-and, with --mode stream, the rate one rank's stream delivers with no model (target >= 2M tokens/s).
+with --mode stream, the rate one rank's stream delivers with no model (target >= 2M tokens/s).
 
     python -m bench.data                      # demo corpus, demo preset model (hidden 256, 4 layers, seq 256)
-    python -m bench.data --data data/tok --steps 40 --dtype fp32
     python -m bench.data --mode stream        # seq 512, micro-batch 32, on 1 and 2 CPUs
 
-One process drives `ray_jobs.stream.RankStream` as a rank of the Ray job does and times the wait in `next_step()`
-against the whole step; `--mode stream` drives it alone over a synthetic dataset in children pinned to 1 and 2
-cores, warm and cold, beside Ray Data without reads and `SequenceStore.take` alone. bench/README.md has the
-details. Writes data.json or data_stream.json.
+bench/README.md has the details. Writes data.json or data_stream.json.
 """
 
 from __future__ import annotations
@@ -51,8 +47,6 @@ def main(argv: list[str] | None = None) -> int:
     add_model_args(p, ("hidden_size", "num_hidden_layers", "vocab_size", "seq_len", "micro_batch_size"),
                    **{k: DEMO_PRESET[k] for k in ("hidden_size", "num_hidden_layers", "seq_len", "micro_batch_size")})
     p.add_argument("--global-batch-size", type=int, default=DEMO_PRESET["global_batch_size"])
-    p.add_argument("--sequences", type=int, default=0,
-                   help="rows the stream reads, from the first (0: all; an epoch is rows / global batch steps)")
     p.add_argument("--steps", type=int, default=64,
                    help="optimizer steps, the first one included (the demo corpus has 61 per epoch at the defaults)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"])
@@ -84,7 +78,7 @@ def wait_mode(args, p) -> int:
         data_dir = demo_data_dir(args.seq_len, args.vocab_size)
     prepared = D.open_prepared(data_dir)
     D.check_compatible(prepared, vocab_size=args.vocab_size, seq_len=args.seq_len)
-    train_ids = np.arange(min(args.sequences or prepared.num_sequences, prepared.num_sequences), dtype=np.int64)
+    train_ids = np.arange(prepared.num_sequences, dtype=np.int64)
     per_epoch = D.steps_per_epoch(len(train_ids), args.global_batch_size)
     if per_epoch < 1:
         p.error(f"{len(train_ids)} sequences do not fill one global batch of {args.global_batch_size}")
@@ -105,8 +99,7 @@ def wait_mode(args, p) -> int:
               "steps_per_epoch": per_epoch, **result}
     env = result["environment"]
     print(f"# {env['cpu']}, {args.threads} torch threads, torch {env['torch']}, load average {env['load_average']}")
-    print(f"# data {data_dir} ({prepared.num_sequences:,} sequences, first {len(train_ids)} read: {per_epoch} steps "
-          f"per epoch); hidden {args.hidden_size}, layers {args.num_hidden_layers}, seq {args.seq_len}, global batch "
+    print(f"# data {data_dir} ({prepared.num_sequences:,} sequences: {per_epoch} steps per epoch); hidden {args.hidden_size}, layers {args.num_hidden_layers}, seq {args.seq_len}, global batch "
           f"{args.global_batch_size} of micro-batches of {args.micro_batch_size}, {str(dtype).removeprefix('torch.')}")
     print_wait(result)
     print(f"wrote {write_json('data.json', result)}")

@@ -3,13 +3,8 @@
     python -m bench.eval_beside                       # the demo preset, 40 steps, a checkpoint every 10
     python -m bench.eval_beside --rounds 2 --max-steps 60
 
-Each round runs `python -m ray_jobs.pretrain` twice on the built-in corpus with the same flags, alternating which
-goes first: once alone, once with `--eval-tasks` (the demo's task list, `ray_jobs.demo_tasks`) scored on
-`--eval-resources`. Each run starts its own local Ray, as a user's does. The step time is taken from each run's
-metrics.jsonl: the training records' tokens/s (the loop's meter leaves its own checkpoint and validation time out)
-after the first interval, as a median; the ratio with/without is what evaluation beside training costs a step. On
-a machine without spare cores the evaluation task competes with the workers for them; on a cluster it runs on
-resources the workers do not use. The scores of the run with evaluation are printed as its console showed them.
+Each round runs `python -m ray_jobs.pretrain` twice, alternating which goes first; the ratio of the training
+records' median tokens/s with and without is what evaluation beside training costs a step.
 """
 
 from __future__ import annotations

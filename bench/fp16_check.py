@@ -1,14 +1,9 @@
 """fp16 with the GradScaler: optimizer steps under fp16 autocast stay finite, the loss falls, and an overflow is
-skipped and backs the scale off.
+skipped and backs the scale off (exit 1 if one fails).
 
     python -m bench.fp16_check --device cuda          # MiniMind-26M shape (hidden 512, 8 layers, seq 512), 50 steps
-    python -m bench.fp16_check --device cpu --hidden-size 64 --num-hidden-layers 2 --vocab-size 256 --seq-len 64 \
-        --micro-batch-size 4                          # the dry run: CPU autocast in fp16, the same code path
 
-The loop's `optimizer_step` and `make_grad_scaler` on fresh rows of a learnable rule; at --overflow-at one
-backward gets an infinite gradient. Checks: finite (every other step), overflow (that step skipped, the scale
-halved), learning (the last 10 steps' mean loss 0.1 below the first 10's); exit 1 if one fails. Writes
-fp16_check.json.
+Writes fp16_check.json.
 """
 
 from __future__ import annotations

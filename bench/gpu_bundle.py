@@ -1,22 +1,11 @@
 """The bundle for the lent GPU machine: wheels of what the GPU check needs that the machine's image lacks.
 
     bash bench/gpu_bundle.sh                                   # cp312 (the image's python) into gpu-bundle/
-    bash bench/gpu_bundle.sh --python-version 3.11 --output /tmp/b311   # its twin for this machine (the rehearsal)
-    make gpu-bundle                                            # the first line, then --verify gpu-bundle
+    make gpu-bundle                                            # that, then --verify gpu-bundle
 
-The lent machine reaches no package registry and takes at most 64 MiB of working tree a call, so its missing
-packages travel as wheels (its rules: /work/.library/device/README.md). What is missing: the requirements of
-`ray[train,tune,data]` (the check's Ray parts: Train, Tune's reporting, Data), resolved here for the target python
-by pip, less every package the image already holds (bench/gpu_image_packages.txt, from the device page's list:
-a carried copy would shadow the image's own). Ray's wheel (~76 MiB) is rewritten without what the check never
-loads (`SLIM_PREFIXES`: the Java workers' jar, the dashboard's web page), its RECORD rewritten to match, so that
-it stays a valid wheel; the bundle must come to under 60 MiB.
-
-The output folder holds the wheels, `bundle.json` (what is in it, sizes, what was cut) and `install.sh`: the one
-install line the machine's rules give, meant to be sourced (`. DIR/install.sh`; `bench/gpu_check.sh --bundle DIR`
-does it): pip install --no-index --no-deps of every wheel into $MINILM_BUNDLE_SITE (default /tmp/site), then
-PYTHONPATH=that folder. Tested by tests/test_gpu_bundle.py (the rewritten wheel) and tests/test_bench_smoke.py
-(the rehearsal: a clean venv of the image's packages, this bundle, and the check's dry run).
+The machine reaches no package registry and takes at most 64 MiB of working tree a call: the requirements of
+`ray[train,tune,data]`, resolved for the target python, less what the image holds (bench/gpu_image_packages.txt),
+as wheels, Ray's slimmed (`SLIM_PREFIXES`); `install.sh` installs them (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -140,13 +129,13 @@ def slim_wheel(path: Path, prefixes: tuple[str, ...]) -> dict:
             "bytes_before": before, "bytes_after": path.stat().st_size}
 
 
-def build(python_version: str, out: Path, *, ray_version: str = RAY_VERSION, limit_mib: float = LIMIT_MIB) -> dict:
+def build(python_version: str, out: Path, *, limit_mib: float = LIMIT_MIB) -> dict:
     if not re.fullmatch(r"3\.\d+", python_version):
         raise BundleError(f"--python-version must look like 3.12, got {python_version!r}")
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("*.whl"):
         old.unlink()
-    requirements = [r.format(ray=ray_version) for r in REQUIREMENTS]
+    requirements = [r.format(ray=RAY_VERSION) for r in REQUIREMENTS]
     image = image_packages()
     resolved = resolve(requirements, python_version)
     carried = [(n, v) for n, v in resolved if canonical(n) not in image]
@@ -170,10 +159,8 @@ def build(python_version: str, out: Path, *, ray_version: str = RAY_VERSION, lim
 
 
 def verify(out: Path, limit_mib: float = LIMIT_MIB) -> str:
-    """The bundle in `out` is what the lent machine can install: the wheels bundle.json lists and no other, each one
-    whole (every member in its RECORD with its hash), none of a package the image holds (it would shadow the
-    image's), Ray's among them, install.sh there, all under the limit; then pip's dry run installs them offline
-    for the bundle's python and the machine's platforms. Returns a one-line summary; raises BundleError."""
+    """The bundle in `out` is what the lent machine can install (the wheels bundle.json lists, whole, none the image
+    holds, under the limit; pip's offline dry run takes them): a one-line summary, or BundleError."""
     if not (out / "bundle.json").is_file() or not (out / "install.sh").is_file():
         raise BundleError(f"{out} has no bundle.json or install.sh: build it with make gpu-bundle")
     manifest = json.loads((out / "bundle.json").read_text())
@@ -209,14 +196,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench/gpu_bundle.sh", description=__doc__.split("\n")[0])
     p.add_argument("--python-version", default="3.12", help="the target python, X.Y (default 3.12: the image's)")
     p.add_argument("--output", default=str(ROOT / "gpu-bundle"), help="the bundle folder (default gpu-bundle/)")
-    p.add_argument("--ray-version", default=RAY_VERSION)
     p.add_argument("--verify", metavar="DIR", default=None, help="check a built bundle instead of building one")
     args = p.parse_args(argv)
     try:
         if args.verify:
             print(verify(Path(args.verify)))
             return 0
-        m = build(args.python_version, Path(args.output), ray_version=args.ray_version)
+        m = build(args.python_version, Path(args.output))
     except BundleError as e:
         print(f"error: bench/gpu_bundle.sh: {e}", file=sys.stderr)
         return 2

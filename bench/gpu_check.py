@@ -5,14 +5,8 @@
     python -m bench.gpu_check --plan             # the plan alone: every part in order, its limit, the total
     python -m bench.gpu_check --only ray-job,export   # a rerun of some parts (what they need is added)
 
-Each part is a subprocess in its own process group with its hard limit, in the order of `SPECS` (the preflight, the
-headline rows, the parts never run on a GPU, the refinements); each starts only when its limit fits the time actually
-left (`no_room`), so time the parts before it did not use runs it; the preflight's measured cold start rescales the
-later limits (`rescale`). Ray (ray.init included) and NCCL run only inside parts. The timings are the benchmarks'
-own: a row is `bench.step`'s build and figures (bench/gpu_parts.py), the checkpoint parts are `bench.checkpoint`,
-the Trainer and Ray job parts read their metrics as `bench.overhead` does. Results: three files in $OUT, else
-$MINILM_BENCH_RESULTS, else bench/results/gpu, rewritten after every part. docs/gpu.md has the parts, the goals,
-the budget and the code paths that differ on the lent image's torch.
+Each part is a subprocess with its hard limit, in the order of `SPECS`, started only when its limit fits the time
+left (`no_room`). The timings are the benchmarks' own. docs/gpu.md has the parts, goals and budget.
 """
 
 from __future__ import annotations
@@ -266,8 +260,7 @@ def stream_part(c: Check) -> None:
 
 
 def ray_start_part(c: Check) -> None:
-    """The one local Ray of the Ray parts (each part's driver joins it through RAY_ADDRESS), started by
-    `ray-keeper` in a process of its own under this part's limit, stopped after the last Ray part; none when
+    """The one local Ray the Ray parts join (RAY_ADDRESS), `ray-keeper` under this part's limit; none when
     RAY_ADDRESS names a cluster already."""
     missing = missing_modules(RAY_MODULES)
     if missing:
@@ -376,7 +369,6 @@ def check(argv: list[str]) -> int:
                    help=f"seconds for the parts (default {BUDGET['cuda']} on the GPU, {BUDGET['cpu']} for the dry run)")
     p.add_argument("--only", default=None, help="comma-separated part names: run these (and what they need) alone")
     p.add_argument("--plan", action="store_true", help="print the plan (the parts, their limits, the total) and exit")
-    p.add_argument("--keep-work", action="store_true", help="keep the data, runs, logs and export (a temporary folder)")
     p.add_argument("--bundle", default=None, help="the bundle bench/gpu_check.sh installed (for the results)")
     p.add_argument("--bundle-error", default=None,
                    help="why bench/gpu_check.sh could not install the bundle: the Ray parts are skipped, saying so")
@@ -436,10 +428,7 @@ def run_check(args, plan: Plan, budget: float) -> int:
         runner.stop_kept()
         runner.kill_all()
         rows = save_results(dest, runner, c.fig, head, gpu, final)
-        if args.keep_work:
-            print(f"work folder kept: {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
     print()
     print(format_table(rows))
     failed = failed_parts(runner, c.fig)

@@ -1,11 +1,5 @@
-"""The GPU check's parts that are subcommands (the preflight: bench/gpu_preflight.py), each run in its own process: `python -m bench.gpu_check NAME ...`.
-
-    row           one configuration's optimizer steps timed alone (bench.step's build and figures) -> --json
-    ddp1          DDP in a 1-rank process group against the same model without DDP                -> --json
-    trainer-ddp1  minilm's Trainer plain, then DDP-wrapped in a 1-rank process group              -> --json
-    stream-rate   one rank's `ray_jobs.stream.RankStream` driven alone: its delivery rate
-    ray-keeper    the local Ray of the Ray parts: started, described in --json, kept up until SIGTERM
-"""
+"""The GPU check's parts that are subcommands, each in its own process: `python -m bench.gpu_check NAME ...`
+(row, ddp1, trainer-ddp1, stream-rate, ray-keeper; the preflight is bench/gpu_preflight.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .common import add_model_args
+from .common import add_model_args, alternate
 
 
 def write_result(path: str, result: dict) -> None:
@@ -31,8 +25,7 @@ def write_result(path: str, result: dict) -> None:
 
 
 def stream_rate(argv: list[str]) -> int:
-    """One rank's `RankStream` (world size 1, micro-batches to --device) with nothing else in the loop: bench.data's
-    `rank_stream_rate` on the prepared data."""
+    """bench.data's `rank_stream_rate` on the prepared data, micro-batches to --device."""
     p = argparse.ArgumentParser(prog="python -m bench.gpu_check stream-rate")
     add_model_args(p)
     p.add_argument("--data", required=True)
@@ -61,20 +54,16 @@ def stream_rate(argv: list[str]) -> int:
 
 
 def ray_keeper(argv: list[str]) -> int:
-    """Start the local Ray every Ray part joins (through RAY_ADDRESS), write its address, node and the settings its
-    drivers must share to --json, and keep it up until SIGTERM. A process of its own, so that the check holds
-    ray.init to a part's limit. On 127.0.0.1: the lent machine has no network, and Ray finds a node's address by
-    routing towards one. A fixed object store and no memory monitor: Ray would size both from the MemTotal of a VM
-    whose memory starts small and grows as it is used. The GPU's 16 cores as they are; the CPU dry run's 2 as
-    ray_jobs.cli.ensure_ray counts them (more logical CPUs than cores: a worker must leave Ray Data some)."""
+    """Start the local Ray every Ray part joins (RAY_ADDRESS), describe it in --json, keep it up until SIGTERM; its
+    own process, so the check holds ray.init to a part's limit. A fixed object store and no memory monitor: Ray
+    would size both from the MemTotal of a VM whose memory grows as it is used."""
     p = argparse.ArgumentParser(prog="python -m bench.gpu_check ray-keeper")
     p.add_argument("--json", required=True)
     p.add_argument("--gpu", action="store_true")
     p.add_argument("--object-store-bytes", type=int, required=True)
     args = p.parse_args(argv)
-    # Read by the raylet this init starts and by the drivers and workers after it: no memory monitor, and 127.0.0.1
-    # for this node (Ray's own choice when it is not meant to form a cluster; otherwise it probes a route to 8.8.8.8
-    # and, unreachable, falls back to resolving the host name: ray._private.services).
+    # Read by the raylet and every driver after it. 127.0.0.1: the lent machine has no network, and Ray otherwise
+    # finds a node's address by routing towards one.
     os.environ.update(RAY_memory_monitor_refresh_ms="0", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
     import ray
 
@@ -100,8 +89,7 @@ def ray_keeper(argv: list[str]) -> int:
 
 
 class DynamoCounts:
-    """Graph breaks, compiled graphs and recompiles of this process's torch.compile (dynamo's counters and its
-    `recompiles` log)."""
+    """Graph breaks, compiled graphs and recompiles of this process's torch.compile."""
 
     def __init__(self):
         import logging
@@ -133,8 +121,8 @@ SDPA_OPS = {"_scaled_dot_product_flash_attention": "flash", "_scaled_dot_product
 
 
 def sdpa_kernel(cfg, batch: int, seq: int, dtype, device) -> dict:
-    """Which kernel SDPA runs for this row: a 1-layer model of the row's config (its head dim, GQA, mask) on a batch
-    of the row's shape, one forward + backward under autocast as the step runs it, the profiler naming the ops."""
+    """Which kernel SDPA runs for this row: one forward + backward of a 1-layer model of its config and shape under
+    the profiler."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -201,12 +189,9 @@ def row(argv: list[str]) -> int:
     step = stepper(model, optimizer, batches, dtype, args.moe_dispatch)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for i in range(len(batches)):
-        t0 = time.perf_counter()
-        step(i)
-        times.append(time.perf_counter() - t0)
-    warm, timed = times[:args.warmup], times[args.warmup:]
+    t0 = time.perf_counter()
+    timed = alternate({args.name: step}, args.steps, args.warmup, device)[args.name]  # bench.step's timing
+    warm_s = time.perf_counter() - t0 - sum(timed)
     sheet = datasheet_peak(torch.cuda.get_device_name(device), dtype) if device.type == "cuda" else None
     if device.type == "cuda":
         peak_memory, peak_of = torch.cuda.max_memory_allocated(device), "torch.cuda.max_memory_allocated"
@@ -216,9 +201,9 @@ def row(argv: list[str]) -> int:
         peak_memory, peak_of = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "the process's max RSS"
     result = {"name": args.name, "config": ("moe" if args.moe else "dense") + ("+compile" if args.compile else ""),
               "dtype": args.dtype, "compile": args.compile, **figures(model, timed, args, peak, sheet),
-              "warmup_s": sum(warm), "peak_memory_bytes": peak_memory, "peak_memory_of": peak_of,
+              "warmup_s": warm_s, "peak_memory_bytes": peak_memory, "peak_memory_of": peak_of,
               # the warm-up steps' time beyond as many steady steps: compilation and autotuning
-              "compile_s": max(0.0, sum(warm) - len(warm) * statistics.median(timed)) if args.compile else None,
+              "compile_s": max(0.0, warm_s - args.warmup * statistics.median(timed)) if args.compile else None,
               "document_mask": args.document_mask, "optimizer": args.optimizer,
               "activation_checkpointing": args.activation_checkpointing, "profile": None, "moe_dispatch": dispatch,
               "sdpa": sdpa, **(counts.read() if counts else {"graph_breaks": None, "graphs": None, "recompiles": None})}
@@ -235,8 +220,7 @@ def row(argv: list[str]) -> int:
 
 
 def profiled_step(step, i: int, device) -> dict:
-    """Step i again under torch.profiler: the 10 kernels (CUDA) or ops (CPU) that took the most time, and whether a
-    flash-attention kernel ran."""
+    """Step i again under torch.profiler: its 10 costliest kernels (CUDA) or ops (CPU), and whether flash ran."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -264,8 +248,7 @@ def group_args(prog: str, steps: int, argv: list[str]):
 
 
 def training_device(name: str):
-    """The device a part trains on, made this thread's current one. CUDA: with an index, the current device's when
-    `name` has none (torch.cuda.set_device refuses a device without one; NCCL and the allocator use the current)."""
+    """The device a part trains on, made the current one; CUDA with an index (torch.cuda.set_device needs one)."""
     import torch
 
     device = torch.device(name)
@@ -280,9 +263,8 @@ def largest_relative_difference(a: list[float], b: list[float]) -> float:
 
 
 def ddp1(argv: list[str]) -> int:
-    """DDP in a 1-rank process group (NCCL on CUDA, gloo on CPU) against the same model without DDP, step by step:
-    the group's start, DDP's reducer (over compiled blocks with --compile) with no_sync accumulation, and an
-    all-reduce on the training device run for real; the losses must agree."""
+    """DDP in a 1-rank process group (NCCL on CUDA, gloo on CPU) against the same model without DDP, step by step;
+    the losses must agree."""
     args = group_args("ddp1", 10, argv)
     import torch
     import torch.distributed as dist
@@ -335,8 +317,8 @@ def ddp1(argv: list[str]) -> int:
 
 
 def group_trainer_class():
-    """The Trainer as a rank of a multi-rank run sets itself up (DDP, the loop's collectives through the process
-    group even at world size 1, where Collectives skips them), and its count of those collectives."""
+    """The Trainer set up as a rank of a multi-rank run (DDP, collectives through the group even at world size 1),
+    and its count of those collectives."""
     import torch.distributed as dist
 
     from minilm.distributed import Collectives
@@ -366,8 +348,8 @@ def group_trainer_class():
 
 
 def fit_trainer(name: str, trainer_class, args, device, backend: str) -> dict:
-    """One Trainer run (accumulation 2: DDP's no_sync, then the reducer's all-reduce; the final save keeps no
-    files), in a 1-rank process group for "ddp"; tokens/s is the median of its log intervals after the first."""
+    """One Trainer run, accumulation 2, in a 1-rank process group for "ddp"; tokens/s: the median log interval's
+    after the first."""
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -407,9 +389,8 @@ def fit_trainer(name: str, trainer_class, args, device, backend: str) -> dict:
 
 
 def trainer_ddp1(argv: list[str]) -> int:
-    """minilm's Trainer (its loop, metrics, flag agreement and final save) for --steps as a plain world-size-1 run,
-    then in a 1-rank process group (NCCL on CUDA, gloo on CPU), DDP-wrapped over its compiled blocks (--compile),
-    its collectives through the group; both runs' tokens/s and losses to --json, which must agree."""
+    """minilm's Trainer as a plain world-size-1 run, then DDP-wrapped in a 1-rank process group, its collectives
+    through the group; both runs' tokens/s and losses (which must agree) to --json."""
     args = group_args("trainer-ddp1", 40, argv)
     from minilm.trainer import Trainer
 

@@ -42,9 +42,8 @@ class Part:
 
 # ---- the plan ---------------------------------------------------------------------------------------------------
 
-# The lent machine (/work/.library/device/README.md): device time per task including its cold start, one command's
-# limit. One command runs the bundle's install, the check and the writing of its results; what the device time
-# leaves after the machine's start and that command is a rerun's (`--only`) of what the plan left out.
+# The lent machine: device time per task including its cold start, one command's limit. One command installs the
+# bundle, runs the check and writes its results; the device time left after that is a rerun's (`--only`).
 DEVICE_S, COMMAND_S = 900, 600
 MACHINE_START_S, INSTALL_S, RESULTS_S = 150, 30, 30  # "a minute or more" to start; pip of ~40 MB of wheels
 # Seconds for the parts. The CPU dry run's is a cap only (it takes ~3 minutes): room for a CI box 2x slower than
@@ -139,9 +138,8 @@ def part_limit(spec: Spec, a: Assume, device: str, cold_graphs: set[str], scale:
 
 @dataclass
 class Plan:
-    """The parts sure to run in this call (`parts`: their limits fit (1 - SPARE) of the budget, back to back), and
-    the rest in order (`left`): at run time each part starts when its limit fits the time actually left, so the
-    time the sure parts do not use runs the left ones, in this order."""
+    """The parts sure to run (`parts`: their limits fit (1 - SPARE) of the budget) and the rest in order (`left`),
+    each started at run time when its limit fits the time left."""
 
     device: str
     budget: float
@@ -191,10 +189,8 @@ def with_needs(names: set[str]) -> set[str]:
 
 def make_plan(device: str, budget: float, only: set[str] | None = None, done: tuple[str, ...] = (),
               scale: float = 1.0, compiled: set[str] = frozenset()) -> Plan:
-    """The parts (all, or `only` and what they need) in SPECS order: the headline rows and those whose limits fit
-    (1 - SPARE) x budget back to back are sure (`parts`); the rest, those whose needs are not sure, and those whose
-    every user is not sure are `left`, in order. `done` parts (a re-plan after the preflight) are not planned again;
-    `compiled`: graphs already compiled."""
+    """The parts (all, or `only` and what they need) in SPECS order, split into sure and left (`Plan`). `done`:
+    parts not planned again (a re-plan after the preflight); `compiled`: graphs already compiled."""
     a = ASSUME[device]
     wanted = with_needs(only) if only else set(SPEC)
     cold_graphs = {s.graph for s in SPECS if s.graph} - set(compiled)
@@ -262,9 +258,8 @@ def on_signal(signum, _frame):
 
 
 class Runner:
-    """Runs each part as a subprocess in its own process group with its limit (`limits`), never past the overall
-    budget (`clock`: time.monotonic, a fake one in the rehearsal's tests); its output goes to work/logs/<part>.log,
-    and `after_part` runs after every part (the results are rewritten)."""
+    """Runs each part as a subprocess in its own process group with its limit, never past the budget (`clock`: a
+    fake one in tests); its output to work/logs/<part>.log, then `after_part` (the results rewritten)."""
 
     def __init__(self, python: str, budget_s: float, work: Path, env: dict, after_part=None, clock=time.monotonic):
         self.python, self.clock, self.work, self.env = python, clock, work, env

@@ -2,12 +2,8 @@
 
     python -m bench.minimind --minimind ~/src/minimind                          # 4 corpora: MiniMind vs minilm defaults
     python -m bench.minimind --minimind DIR --corpus kjv-passages --runs minimind,minilm,"minilm --rows packed"
-    python -m bench.minimind --minimind DIR --seeds 42,43                        # several seeds
 
-MiniMind's script runs unchanged from a copy of a checkout (`--minimind`); minilm runs as a user runs it (prepare,
-then train); both models are scored by `minilm.bpb.evaluate_documents` at equal steps, real tokens and wall time,
-with quality per hour from checkpoints along minilm's runs (`--curve`). bench/README.md has the details; the
-corpora are bench/corpora.py's. Writes minimind.json.
+bench/README.md has the details; the corpora are bench/corpora.py's. Writes minimind.json.
 """
 
 from __future__ import annotations
@@ -84,10 +80,8 @@ def minimind_copy(checkout: Path, work: Path) -> Path:
 
 def run_minimind(mm: Path, train_jsonl: Path, split: Split, args, seed: int, log: Path,
                  env: dict) -> tuple[dict, float]:
-    """MiniMind's train_pretrain.py on `train_jsonl`; (its final weights, fp32 tensors), wall seconds.
-
-    The result is kept beside the log, keyed by the script's arguments, so that later invocations with
-    other minilm runs reuse it (`--no-reuse` trains it again)."""
+    """MiniMind's train_pretrain.py on `train_jsonl`: its final fp32 weights and wall seconds, kept beside the log
+    keyed by the script's arguments for later invocations to reuse (`--no-reuse` trains it again)."""
     key = {"epochs": split.epochs, "batch_size": args.batch_size, "lr": args.lr, "hidden_size": args.hidden_size,
            "num_hidden_layers": args.num_hidden_layers, "max_seq_len": args.seq_len + 1, "seed": seed,
            "train_sha256": hashlib.sha256(train_jsonl.read_bytes()).hexdigest()}
@@ -183,17 +177,9 @@ def time_to_reach(curve: list[tuple[int, float, float]], target: float) -> float
 
 
 def ce_at(curve: list[tuple[int, float, float]], seconds: float) -> float:
-    """The CE of a [(step, seconds, ce)] curve at `seconds`, linear between two checkpoints; past its end, its last
-    CE (a run that ended sooner is not credited with steps it did not take)."""
-    before = None
-    for _step, t, ce in curve:
-        if t >= seconds:
-            if before is None:
-                return ce
-            t0, ce0 = before
-            return ce0 + (ce - ce0) * (seconds - t0) / (t - t0)
-        before = (t, ce)
-    return curve[-1][2]
+    """The CE of a [(step, seconds, ce)] curve at `seconds`, linear between two checkpoints; outside it, its first or
+    last CE (a run that ended sooner is not credited with steps it did not take)."""
+    return float(np.interp(seconds, [t for _, t, _ in curve], [ce for _, _, ce in curve]))
 
 
 def score(state: dict, model_cfg: ModelConfig, held_docs: list[list[int]], byte_lengths: np.ndarray, args) -> dict:

@@ -2,13 +2,9 @@
 
     python -m bench.overhead                       # every part at its defaults
     python -m bench.overhead --mode fixed-cost     # part 1 at issue #17's tiny config (hidden 64, 2 layers, seq 128)
-    python -m bench.overhead --mode ddp --rounds 6 # part 2 only
-    python -m bench.overhead --mode report         # part 3 only
 
-Part 1: the same config and data as (a) a bare `optimizer_step` loop, (b) `python -m minilm.train`, (c) the 1-worker
-Ray job, each a fresh process, rounds alternating; wall time per step from their metrics (`steady_step_s`, which the
-GPU check uses too) and their CPU from /proc. Part 2 (2 DDP workers on 2 CPUs) and part 3 (report blocking) are
-Ray Train runs in bench/overhead_train.py. bench/README.md has the details. Writes overhead.json.
+Part 1: a bare `optimizer_step` loop, `python -m minilm.train` and the 1-worker Ray job, fresh processes, rounds
+alternating. Parts 2 (2 DDP workers) and 3 (report blocking): bench/overhead_train.py. Writes overhead.json.
 """
 
 from __future__ import annotations
@@ -21,7 +17,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -34,7 +29,7 @@ from minilm.model import MiniMindForCausalLM
 from minilm.step import make_grad_scaler, make_optimizer, optimizer_step, resolve_dtype
 from ray_jobs.cli import DEMO_PRESET, ensure_ray
 
-from .common import add_model_args, environment, load_average, write_json
+from .common import Sampler, add_model_args, environment, load_average, write_json
 from .overhead_train import REPORT_INTERVALS_S, print_ddp, print_report_blocking, report_blocking, two_workers
 
 # Issue #17's tiny config: steps of a few ms, so a fixed cost per step shows.
@@ -71,9 +66,8 @@ def bare_loop(config: dict) -> None:
 
 
 def steady_step_s(records: list[dict], checkpoint_every: int) -> tuple[float, int]:
-    """Wall seconds per optimizer step between consecutive metrics records, after the first record and without
-    the intervals that hold a checkpoint (saved after its step's record, so inside the next interval);
-    returns (seconds per step, steps counted)."""
+    """(wall seconds per optimizer step, steps counted) between metrics records after the first, without the
+    intervals that hold a checkpoint (saved after its step's record)."""
     seconds, steps = 0.0, 0
     for prev, rec in zip(records[:-1], records[1:], strict=True):
         if prev["optimizer_step"] % checkpoint_every == 0:
@@ -100,11 +94,11 @@ def config_argv(model_cfg: ModelConfig, train_cfg: TrainConfig) -> list[str]:
     return argv
 
 
-def run_child(argv: list[str], env: dict, timeout: float, what: str) -> tuple[str, ProcessTreeCPU]:
-    """Run `python ARGV` to the end, sampling the CPU of its process tree; its stdout."""
+def run_child(argv: list[str], env: dict, timeout: float, what: str) -> tuple[str, list]:
+    """Run `python ARGV` to the end; its stdout and the CPU of its process tree, sampled (`tree_cpu`)."""
     proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env)
-    with ProcessTreeCPU(proc.pid) as cpu:
+    with Sampler(lambda: tree_cpu(proc.pid), 0.25) as cpu:
         try:
             stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -113,7 +107,7 @@ def run_child(argv: list[str], env: dict, timeout: float, what: str) -> tuple[st
             raise SystemExit(f"{what} did not finish within --job-timeout {timeout:g} s") from None
     if proc.returncode != 0:
         raise SystemExit(f"{what} failed (exit {proc.returncode}):\n{stdout[-3000:]}\n{stderr[-3000:]}")
-    return stdout, cpu
+    return stdout, cpu.samples
 
 
 def bare_step_s(data_dir: Path, model_cfg: ModelConfig, train_cfg: TrainConfig, env: dict, timeout: float) -> dict:
@@ -135,67 +129,35 @@ def trainer_step_s(data_dir: Path, model_cfg: ModelConfig, train_cfg: TrainConfi
     return {"step_s": step_s, "steps_counted": counted}
 
 
-class ProcessTreeCPU:
-    """CPU seconds of a process and all its descendants, sampled from /proc in a thread (Linux; elsewhere nothing).
+def tree_cpu(root: int) -> dict[int, tuple[str, float]]:
+    """CPU seconds of `root` and each process under it, from /proc, by pid: (label, seconds). Every process of a
+    job's own local Ray descends from its driver."""
+    tick, stats = os.sysconf("SC_CLK_TCK"), {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+                stats[int(d.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+            except (OSError, IndexError, ValueError):
+                continue
+    tree, grew = {root}, True
+    while grew:
+        children = {pid for pid, (ppid, _) in stats.items() if ppid in tree} - tree
+        tree |= children
+        grew = bool(children)
+    return {pid: (process_label(pid), stats[pid][1]) for pid in tree if pid in stats}
 
-    A job started without RAY_ADDRESS starts its own Ray, so every Ray process of the run (GCS, raylet, dashboard,
-    the Train controller, the training worker, the Ray Data reader) descends from the driver. On a machine whose
-    cores the training threads already fill, the CPU the others use is time taken from training.
-    """
 
-    def __init__(self, root_pid: int, interval_s: float = 0.25):
-        self.root, self.interval = root_pid, interval_s
-        self.samples: list[tuple[float, dict[int, tuple[str, float]]]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self.tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+def nearest(samples: list[tuple[float, dict]], t: float) -> dict:
+    return min(samples, key=lambda s: abs(s[0] - t))[1] if samples else {}
 
-    def __enter__(self):
-        if Path("/proc").is_dir():
-            self._thread.start()
-        return self
 
-    def __exit__(self, *exc):
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join()
-
-    def _run(self):
-        while not self._stop.is_set():
-            self.samples.append((time.time(), self._snapshot()))
-            self._stop.wait(self.interval)
-
-    def _snapshot(self) -> dict[int, tuple[str, float]]:
-        stats = {}
-        for d in Path("/proc").iterdir():
-            if d.name.isdigit():
-                try:
-                    fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-                    stats[int(d.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / self.tick)
-                except (OSError, IndexError, ValueError):
-                    continue
-        tree, grew = {self.root}, True
-        while grew:
-            children = {pid for pid, (ppid, _) in stats.items() if ppid in tree} - tree
-            tree |= children
-            grew = bool(children)
-        return {pid: (process_label(pid), stats[pid][1]) for pid in tree if pid in stats}
-
-    def count_at(self, t: float) -> int:
-        """Processes in the tree at the sample nearest `t`."""
-        return len(min(self.samples, key=lambda s: abs(s[0] - t))[1]) if self.samples else 0
-
-    def between(self, t0: float, t1: float) -> dict[str, float]:
-        """CPU seconds per process label used from the sample nearest t0 to the sample nearest t1."""
-        if not self.samples:
-            return {}
-        first = min(self.samples, key=lambda s: abs(s[0] - t0))[1]
-        last = min(self.samples, key=lambda s: abs(s[0] - t1))[1]
-        used: dict[str, float] = {}
-        for pid, (label, cpu) in last.items():
-            before = first.get(pid, (label, 0.0))[1]
-            used[label] = used.get(label, 0.0) + max(0.0, cpu - before)
-        return used
+def cpu_between(samples: list[tuple[float, dict]], t0: float, t1: float) -> dict[str, float]:
+    """CPU seconds per process label used from the sample nearest t0 to the sample nearest t1."""
+    first, used = nearest(samples, t0), {}
+    for pid, (label, cpu) in nearest(samples, t1).items():
+        used[label] = used.get(label, 0.0) + max(0.0, cpu - first.get(pid, (label, 0.0))[1])
+    return used
 
 
 def process_label(pid: int) -> str:
@@ -234,7 +196,7 @@ def ray_job_step_s(data_dir: Path, model_cfg: ModelConfig, train_cfg: TrainConfi
     # other processes' per second (Ray's services and actors poll on timers, whatever the step time)
     end = [r for r in records if r["optimizer_step"] <= train_cfg.checkpoint_every][-1]
     steps, seconds = end["optimizer_step"] - records[0]["optimizer_step"], end["time"] - records[0]["time"]
-    used = cpu.between(records[0]["time"], end["time"]) if steps > 0 else {}
+    used = cpu_between(cpu, records[0]["time"], end["time"]) if steps > 0 else {}
     is_worker = {k: k.startswith("ray::RayTrainWorker") for k in used}
     if not any(is_worker.values()):  # a Ray joined through RAY_ADDRESS: its processes are not the driver's children
         used = {}
@@ -242,7 +204,7 @@ def ray_job_step_s(data_dir: Path, model_cfg: ModelConfig, train_cfg: TrainConfi
     others = {k: v / seconds for k, v in used.items() if not is_worker[k]}
     return {"step_s": step_s, "steps_counted": counted, "cpus_per_worker": cpus.group(1) if cpus else None,
             "worker_cpu_s_per_step": worker / steps if used else None, "other_cpu_cores": others,
-            "processes": cpu.count_at((records[0]["time"] + end["time"]) / 2) if used else None,
+            "processes": len(nearest(cpu, (records[0]["time"] + end["time"]) / 2)) if used else None,
             "checkpoint_s": statistics.mean(checkpoints) if checkpoints else None,
             "data_wait_frac": statistics.mean(r["data_wait_frac"] for r in steady) if steady else None}
 

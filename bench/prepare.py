@@ -1,13 +1,9 @@
 """Throughput of `ray_jobs.prepare` next to a single-process `tokenizers` encode_batch, same text, same run.
 
     python -m bench.prepare [--num-cpus 2] [--scale 8] [--repeats 3]
-    python -m bench.prepare --big-gb 1 [--big-cpus 1 2]
+    python -m bench.prepare --big-gb 1 [--big-cpus 1 2]   # a corpus of that size, peak RSS of every process
 
-On the demo corpus and on it repeated `--scale` times: encode_batch_fast in one process (all cores, one core),
-prepare on a local Ray (cold, then warm beside Ray Data and a one-process run, alternating), and the command end to
-end; MB/s and tokens/s, and the ratio to the all-cores baseline. `--big-gb`: a corpus of that size through the
-command in a process pinned to N cores, with the peak RSS of the driver and its workers. bench/README-prepare.md
-has the details. Writes prepare.json or prepare_big.json.
+bench/README-prepare.md has the details. Writes prepare.json or prepare_big.json.
 """
 
 from __future__ import annotations
@@ -25,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .common import add_model_args, write_json
+from .common import Sampler, add_model_args, memory, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -287,41 +283,27 @@ def write_big_corpus(demo: Path, out: Path, target_bytes: int) -> dict:
     return {"bytes": size, "copies": copies, "documents": copies * len(lines)}
 
 
-def _peak_kb(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
-    except (OSError, StopIteration, ValueError):
-        return 0
-
-
-def watch(pid: int, stop, interval: float = 0.5) -> dict:
-    """Peak RSS of `pid` and of every process under it, sampled until `stop` is set (VmHWM included)."""
+def process_tree(root) -> dict[int, tuple[str, int]]:
+    """Each process under `root` (a psutil.Process, itself included): its name and peak RSS so far."""
     import psutil
 
-    peaks: dict[int, dict] = {}
-    root = psutil.Process(pid)
-    while not stop.is_set():
+    out = {}
+    try:
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return out
+    for proc in procs:
         try:
-            procs = [root, *root.children(recursive=True)]
-        except psutil.Error:
-            break
-        for proc in procs:
-            try:
-                rss = proc.memory_info().rss
-                name = " ".join(proc.cmdline()[:3])[:80]
-            except psutil.Error:
-                continue
-            entry = peaks.setdefault(proc.pid, {"name": name, "rss": 0, "hwm": 0})
-            entry["rss"] = max(entry["rss"], rss)
-            entry["hwm"] = max(entry["hwm"], _peak_kb(proc.pid) * 1024)
-            entry["name"] = name if "ray::" in name or not entry["name"] else entry["name"]
-        stop.wait(interval)
-    return peaks
+            name = " ".join(proc.cmdline()[:3])[:80]
+            m = memory(proc.pid)
+        except (psutil.Error, OSError):
+            continue
+        out[proc.pid] = (name, max(m["rss"], m["hwm"]))
+    return out
 
 
 def big_run(corpus: Path, tok_path: Path, out: Path, cpus: int, seq_len: int) -> dict:
-    import threading
+    import psutil
 
     cores = sorted(os.sched_getaffinity(0))[:cpus]
     env = {**os.environ}
@@ -331,23 +313,24 @@ def big_run(corpus: Path, tok_path: Path, out: Path, cpus: int, seq_len: int) ->
                              "--tokenizer", str(tok_path), "--seq-len", str(seq_len), "--num-cpus", str(cpus),
                              "--overwrite"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, preexec_fn=lambda: os.sched_setaffinity(0, cores))
-    stop = threading.Event()
-    holder: dict = {}
-    sampler = threading.Thread(target=lambda: holder.update(peaks=watch(proc.pid, stop)), daemon=True)
-    sampler.start()
-    _, err = proc.communicate()
-    wall = time.perf_counter() - t0
-    stop.set()
-    sampler.join()
+    root = psutil.Process(proc.pid)
+    with Sampler(lambda: process_tree(root), 0.5) as sampler:
+        _, err = proc.communicate()
+        wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise RuntimeError(f"prepare exited {proc.returncode}: {err[-2000:]}")
     summary = err.strip().splitlines()[-1]
-    peaks = holder["peaks"]
+    peaks: dict[int, dict] = {}  # pid -> its name (Ray's title once it has one) and peak RSS
+    for _, tree in sampler.samples:
+        for pid, (name, rss) in tree.items():
+            entry = peaks.setdefault(pid, {"name": name, "rss": 0})
+            entry["rss"] = max(entry["rss"], rss)
+            entry["name"] = name if "ray::" in name else entry["name"]
     driver = peaks.pop(proc.pid)
     workers = {pid: p for pid, p in peaks.items() if "ray::" in p["name"] or "default_worker" in p["name"]}
-    return {"cpus": cpus, "wall_s": wall, "summary": summary, "driver_peak_rss": max(driver["rss"], driver["hwm"]),
-            "worker_peak_rss": max((max(p["rss"], p["hwm"]) for p in workers.values()), default=0),
-            "workers": len(workers), "other_processes": {p["name"]: max(p["rss"], p["hwm"]) for pid, p in peaks.items()
+    return {"cpus": cpus, "wall_s": wall, "summary": summary, "driver_peak_rss": driver["rss"],
+            "worker_peak_rss": max((p["rss"] for p in workers.values()), default=0),
+            "workers": len(workers), "other_processes": {p["name"]: p["rss"] for pid, p in peaks.items()
                                                          if pid not in workers},
             "load_average": os.getloadavg()}
 

@@ -1,11 +1,8 @@
 """Memory of the data stream at scale: per-process RSS growth against the dataset size (target < 300 MB).
 
     python -m bench.scale                                   # 0.25B and 1B tokens, 2 ranks, 200k samples each
-    python -m bench.scale --tokens 0.25e9 1e9 2e9 --samples 200000 --dir /mnt/big
 
-For each size: a synthetic prepared dataset (`write_synthetic`), its pages dropped, then the real stream for 2 ranks
-in 2 Ray actors over one epoch's random order, every rank and reader sampled for RSS; the growth per process, the
-page cache the dataset occupies, tokens/s per rank. bench/README.md has the details. Writes scale.json.
+bench/README.md has the details. Writes scale.json.
 """
 
 from __future__ import annotations
@@ -16,13 +13,12 @@ import os
 import shutil
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
-from .common import add_model_args, environment, write_json
+from .common import Sampler, add_model_args, environment, memory, write_json
 
 MB = 1 << 20
 
@@ -30,10 +26,7 @@ MB = 1 << 20
 # ---- the synthetic dataset -------------------------------------------------------------------------
 
 def write_synthetic(out: Path, num_tokens: int, seq_len: int, vocab_size: int, seed: int = 0):
-    """A prepared dataset of about `num_tokens` random token ids (whole rows), written by the real writer.
-
-    The tokenizer file is a small stand-in (the stream never reads it); the manifest is the real one.
-    """
+    """A prepared dataset of about `num_tokens` random ids by the real writer; a stand-in tokenizer file."""
     from minilm import data as D
     from minilm import packing as P
     from minilm import tokenizer as T
@@ -105,18 +98,6 @@ def resident_bytes(paths: list[Path]) -> int:
 
 # ---- the ranks ---------------------------------------------------------------------------------------
 
-def memory(pid: int | None = None) -> dict:
-    """RSS and its parts (kernel's /proc/PID/status), in bytes: anon is the process's private memory;
-    shmem is shared memory it has mapped (Ray's object store); file is mapped files (libraries)."""
-    out = {}
-    with open(f"/proc/{pid or os.getpid()}/status") as f:
-        for line in f:
-            for key in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
-                if line.startswith(key + ":"):
-                    out[key.removeprefix("Vm").removeprefix("Rss").lower()] = int(line.split()[1]) * 1024
-    return out
-
-
 class Rank:
     """One rank of a world of 2, in its own Ray actor: the real RankStream, timed, with its RSS."""
 
@@ -157,45 +138,20 @@ class Rank:
                 "wait_s": wait}
 
 
-class Sampler:
-    """RSS of the rank actors and of every reader actor, every `interval` seconds, in a thread."""
+def ranks_and_readers(rank_pids: list[int]) -> dict[int, tuple[str, dict]]:
+    """memory() of the rank actors and of every Ray Data reader actor (ReadSequences), by pid."""
+    import psutil
 
-    READER = "ReadSequences"
-
-    def __init__(self, rank_pids: list[int], interval: float = 0.2):
-        self.rank_pids, self.interval = rank_pids, interval
-        self.samples: dict[int, list[tuple[float, dict]]] = {}  # pid -> (time, memory())
-        self.names: dict[int, str] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-
-    def _targets(self):
-        import psutil
-
-        for pid in self.rank_pids:
-            yield pid, "rank"
-        for proc in psutil.process_iter(["pid", "cmdline"]):
-            if any(self.READER in part for part in proc.info["cmdline"] or []):
-                yield proc.info["pid"], "reader"
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            for pid, kind in list(self._targets()):
-                try:
-                    value = memory(pid)
-                except OSError:
-                    continue
-                self.samples.setdefault(pid, []).append((time.time(), value))
-                self.names[pid] = kind
-            self._stop.wait(self.interval)
-
-    def __enter__(self) -> Sampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
+    pids = [(pid, "rank") for pid in rank_pids] + [
+        (proc.info["pid"], "reader") for proc in psutil.process_iter(["pid", "cmdline"])
+        if any("ReadSequences" in part for part in proc.info["cmdline"] or [])]
+    out = {}
+    for pid, kind in pids:
+        try:
+            out[pid] = (kind, memory(pid))
+        except OSError:
+            continue
+    return out
 
 
 def measure(data_dir: Path, args, seed: int) -> dict:
@@ -211,8 +167,14 @@ def measure(data_dir: Path, args, seed: int) -> dict:
     ranks = [actor.remote(str(data_dir), r, 2, args.micro_batch_size, args.accumulation, args.samples,
                           data.num_sequences, seed) for r in range(2)]
     pids = ray.get([r.pid.remote() for r in ranks])
-    with Sampler(pids) as sampler:
+    with Sampler(lambda: ranks_and_readers(pids), 0.2) as sampler:
         results = ray.get([r.run.remote() for r in ranks])
+    samples: dict[int, list[tuple[float, dict]]] = {}  # pid -> (time, memory())
+    names: dict[int, str] = {}
+    for t, seen in sampler.samples:
+        for pid, (kind, value) in seen.items():
+            samples.setdefault(pid, []).append((t, value))
+            names[pid] = kind
     for r in ranks:
         ray.kill(r)
     cached_after = resident_bytes(files)
@@ -220,11 +182,11 @@ def measure(data_dir: Path, args, seed: int) -> dict:
     started = max(r["first_step_done"] for r in results)
     processes = []
     for r in results:
-        seen = [v for t, v in sampler.samples.get(r["pid"], []) if t >= r["first_step_done"]]
+        seen = [v for t, v in samples.get(r["pid"], []) if t >= r["first_step_done"]]
         processes.append(summarise(f"rank {r['rank']}", r["after_first"], [*seen, r["end"]], r["before"]))
-    for pid, samples in sorted(sampler.samples.items()):
-        seen = [v for t, v in samples if t >= started]
-        if sampler.names[pid] == "reader" and len(seen) > 1:
+    for pid, values in sorted(samples.items()):
+        seen = [v for t, v in values if t >= started]
+        if names[pid] == "reader" and len(seen) > 1:
             processes.append(summarise("reader", seen[0], seen))
     return {"tokens": data.num_sequences * (data.seq_len + 1), "num_sequences": data.num_sequences,
             "bytes_on_disk": data.num_bytes, "shards": len(files), "ranks": results, "processes": processes,

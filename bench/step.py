@@ -1,17 +1,12 @@
 """Throughput and MFU of one optimizer step: dense vs MoE at equal active parameters, eager vs compiled.
 
-    python -m bench.step                                   # hidden 512, 4 layers, seq 256, micro-batch 8, fp32, CPU
-    python -m bench.step --dtype both --compile            # bf16 rows too, and torch.compile'd ones
+    python -m bench.step --dtype both --compile            # fp32 and bf16 rows, eager and torch.compile'd
     python -m bench.step --experts 4 8 --top-k 1 2         # MoE: 4 and 8 experts, top-1 and top-2
     python -m bench.step --dispatch split grouped          # the MoE layer's two dispatches side by side
-    python -m bench.step --no-moe --device cuda --dtype bf16 --compile --hidden-size 768 --num-hidden-layers 16
     python -m bench.step --estimate h200                   # each phase's time on an H200, the predicted MFU range
 
-Every configuration runs `minilm.step.optimizer_step` (accumulation 1) on the same batches, all alternating step
-by step (`common.alternate`), warm-up steps (the compilation) untimed. A MoE model has the dense model's active
-FFN width (each expert 1/top-k of it). MFU is against the matmul peak measured before and after (the larger), and
-the data sheet's on a GPU minilm.progress lists. The GPU check's rows time one configuration with the same
-`build` and `figures`. Writes step.json (details: bench/README.md).
+Every configuration runs `minilm.step.optimizer_step` on the same batches, alternating step by step
+(`common.alternate`); the GPU check's rows use the same `build`, `stepper` and `figures`. Writes step.json.
 """
 
 from __future__ import annotations
@@ -174,13 +169,10 @@ def print_results(results: list[dict], args) -> None:
 
 # ---- --estimate: each phase's time on a GPU, added up, and the MFU range it predicts ------------------------
 
-# H200 SXM, dense bf16 (fp32 accumulation) and HBM3e. Ceilings (not reached by this step): the data sheet's, and as
-# KINDS.md measured them on the lent machine (an 8192^3 bf16 matmul: 769-798 TFLOP/s; a device-to-device copy:
-# ~4.3 TB/s, reads + writes). The rates the phases run at, (fast, mid, slow), assumed until a lent GPU measures
-# them: the blocks' GEMMs have K = hidden (768 or 512), which Hopper runs at ~600 TFLOP/s at K = 768, not the
-# large-GEMM 790, and less at 512; SDPA's flash kernel (FA2's: ~200 TFLOP/s forward, ~150 backward at head dim 128,
-# causal, seq 512 on an H100, less at head dim 96 or 64), forward + backward (the backward 2.5x the forward's
-# FLOPs): ~110-180 TFLOP/s; Inductor's elementwise kernels (norms with their reductions) 65-90% of the copy rate.
+# H200 SXM, bf16. Ceilings (not reached by this step): the data sheet's, and as measured on the lent machine (an
+# 8192^3 matmul, a device copy). The rates the phases run at, (fast, mid, slow), are assumptions until a lent GPU
+# measures them: GEMMs with K = hidden run below the large-GEMM rate; FA2's flash kernel at these shapes; Inductor's
+# elementwise kernels at 65-90% of the copy rate.
 HARDWARE = {"h200": {"name": "NVIDIA H200", "bf16_datasheet": 989.5e12, "bf16_measured": 790e12,
                      "hbm_datasheet": 4.8e12, "hbm_measured": 4.3e12, "launch_s": 5e-6,
                      "gemm": {768: (660e12, 600e12, 540e12), 512: (600e12, 520e12, 440e12)},
