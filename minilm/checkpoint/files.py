@@ -336,9 +336,14 @@ def write_export(path: Path, writers: dict[str, Callable[[Path], str]], kind: st
 def export_weights(path: str | os.PathLike, model: torch.nn.Module, config: ModelConfig,
                    tokenizer_path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float16,
                    step: int | None = None, minimind_pth: bool = False) -> Path:
-    """`write_weights_export` of a live model."""
-    return write_weights_export(path, model_tensors(model.state_dict(), dtype), config, tokenizer_path, dtype, step,
-                                minimind_pth=minimind_pth)
+    """`write_weights_export` of a model, taken in eval mode as MiniMind's loop does (what inference sees)."""
+    was_training = model.training
+    model.eval()
+    try:
+        state = model_tensors(model.state_dict(), dtype)
+    finally:
+        model.train(was_training)
+    return write_weights_export(path, state, config, tokenizer_path, dtype, step, minimind_pth=minimind_pth)
 
 
 def write_weights_export(path: str | os.PathLike, model_state: dict[str, torch.Tensor], config: ModelConfig,
