@@ -11,9 +11,10 @@
 #   cluster/local.sh stop             # stops THIS head only; other local Ray instances keep running
 #
 # Where a Prometheus binary is found (PROMETHEUS, else `prometheus` on PATH: Debian's `prometheus`
-# package), `start` also starts it on 127.0.0.1, scraping every node Ray lists in its service-discovery
-# file, and tells the dashboard (RAY_PROMETHEUS_HOST) so its Metrics view and the ray_minilm_* gauges
-# can be queried; `stop` ends it with the head. Set RAY_GRAFANA_HOST yourself for a Grafana of yours.
+# package; PROMETHEUS=none for none), `start` also starts it on 127.0.0.1, scraping every node Ray
+# lists in its service-discovery file, and tells the dashboard (RAY_PROMETHEUS_HOST) so its Metrics
+# view and the ray_minilm_* gauges can be queried; `stop` ends it with the head. Set RAY_GRAFANA_HOST
+# yourself for a Grafana of yours.
 #
 # `env` prints only values it has checked (an http://127.0.0.1:PORT address, an absolute token path of
 # plain characters), shell-quoted, so evaluating its output runs nothing that the state file could hold.
@@ -76,7 +77,11 @@ find_ray() {
 }
 
 find_prometheus() {
-    if [ -n "${PROMETHEUS:-}" ]; then echo "$PROMETHEUS"; else command -v prometheus || true; fi
+    case "${PROMETHEUS:-}" in
+        none) ;;
+        "") command -v prometheus || true ;;
+        *) echo "$PROMETHEUS" ;;
+    esac
 }
 
 # Prometheus for this head: Ray writes the nodes' metrics addresses into its session's discovery file.

@@ -304,7 +304,8 @@ def local_sh(verb: str, tmp_path, **env) -> subprocess.CompletedProcess:
     fake.parent.mkdir(exist_ok=True)
     fake.write_text('#!/bin/sh\necho "$@" > "$(dirname "$0")/args"\nenv > "$(dirname "$0")/env"\n')
     fake.chmod(0o755)
-    base = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path / "home"), "RAY": str(fake), "RAY_AUTH_TOKEN": "t"}
+    base = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path / "home"), "RAY": str(fake), "RAY_AUTH_TOKEN": "t",
+            "PROMETHEUS": "none"}  # a real one beside the stand-in head would outlive the test
     return subprocess.run(["bash", str(CLUSTER / "local.sh"), verb], env={**base, **env}, capture_output=True,
                           text=True, timeout=60)
 
