@@ -6,7 +6,6 @@ Each runs the main(argv) of its module, as `python -m MODULE ...` does (the form
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 
 from minilm.cli import ArgumentParser
@@ -32,8 +31,6 @@ def main(argv: list[str] | None = None) -> int:
     for name in COMMANDS:
         sub.add_parser(name, add_help=False)
     name = p.parse_args(argv[:1]).command  # the command's own parser reads the rest, --help included
-    if name == "pretrain":
-        os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")  # as `python -m ray_jobs.pretrain` sets it
     module = importlib.import_module(COMMANDS[name][0])
     code = module.main(argv[1:])
     if name == "train":  # a torchrun rank of several leaves as `python -m minilm.train` does

@@ -66,6 +66,7 @@ USER_ERRORS = (UsageError, ConfigError, D.DataError, C.CheckpointError, TrackerE
 @command(*USER_ERRORS, interrupted="interrupted; continue with --resume auto and the same --run-dir")
 def main(argv: list[str] | None = None) -> int:
     os.umask(0o027)  # run folders and checkpoints: readable by their owner and group only
+    os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")  # one place for every way in (python -m, the minilm command)
     return run(build_parser().parse_args(argv))
 
 
@@ -427,5 +428,4 @@ def summarize(result, run_dir: Path | None, wall_s: float) -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
     sys.exit(main())
