@@ -123,6 +123,12 @@ head_pids() {
 cmd_start() {
     local ray_bin
     ray_bin="$(find_ray)"
+    local prom pport="${PROMETHEUS_PORT:-9090}"
+    prom="$(find_prometheus)"
+    if [ -n "$prom" ] && [ ! -x "$prom" ]; then
+        echo "error: PROMETHEUS=$prom is not an executable file (or PROMETHEUS=none)" >&2
+        exit 2
+    fi
     if [ -n "$(head_pids)" ]; then
         echo "error: a head from $DIR is already running; cluster/local.sh stop first" >&2
         exit 1
@@ -164,8 +170,6 @@ cmd_start() {
     # the raylet and the metrics port listen on every interface.
     export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
     export RAY_TRAIN_ENABLE_STATE_TRACKING="${RAY_TRAIN_ENABLE_STATE_TRACKING:-1}"
-    local prom pport="${PROMETHEUS_PORT:-9090}"
-    prom="$(find_prometheus)"
     if [ -n "$prom" ]; then export RAY_PROMETHEUS_HOST="http://127.0.0.1:$pport"; fi  # read by the dashboard
     "$ray_bin" "${args[@]}"
     if [ -n "$prom" ]; then start_prometheus "$prom" "$pport"; fi
