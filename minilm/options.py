@@ -73,6 +73,8 @@ class RunOptions:
     allow_config_change: bool = option(False, "resume even though the schedule or optimizer settings differ from the "
                                        "checkpoint's (lr, warmup, steps, betas, weight decay, ...): each change is "
                                        "logged and used", action="store_true")
+    dry_run: bool = option(False, "every check of the run (flags, configs, data, run folder and --resume, cluster), "
+                           "then exit: nothing is started or written", action="store_true")
     run_dir: str | None = None  # checkpoints, metrics.jsonl, world_size.csv (local storage)
     run_id: str = ""
     resume_path: str | None = None  # what the run continues when its folder holds no checkpoint (decide_resume's)

@@ -71,6 +71,15 @@ class Launch:
         """The launcher's own side effects, once every check has passed."""
 
 
+DRY_RUN = "dry run: every check passed; nothing was started or written"
+
+
+def dry_run_done(say=print) -> int:
+    """What a command given --dry-run ends with, once its plan (and its own checks) passed: one line, exit 0."""
+    say(DRY_RUN)
+    return 0
+
+
 def plan_run(configs: Configs, launch: Launch, say=print) -> RunPlan:
     """Every check of a run, then (the whole run folder's lease held) its side effects; a RunPlan holding the lease."""
     plan = check_run(configs, launch)
@@ -95,16 +104,23 @@ def check_run(configs: Configs, launch: Launch) -> RunPlan:
 
 def claim(plan: RunPlan, launch: Launch, say=print) -> None:
     """Under the run folder's lease (taken first, before any cluster is joined): the resume, cluster and origin
-    checks, then --abandon-newer's move and the launcher's effects. Refused: the lease (and any folder it made) goes."""
+    checks, then --abandon-newer's move and the launcher's effects. Refused: the lease (and any folder it made) goes.
+    --dry-run: the same checks, the lease read but not taken, and none of the effects."""
     opts = plan.opts
     plan.folder = launch.folder(opts)
-    plan.lease = C.Lease(plan.folder, say).take() if plan.folder is not None else None
+    lease = C.Lease(plan.folder, say) if plan.folder is not None else None
+    if lease is not None and opts.dry_run:
+        lease.check(writable=True)  # a folder a live run holds is refused; nothing is written
+    elif lease is not None:
+        plan.lease = lease.take()
     try:
         decision = C.decide_resume(plan.folder, opts.resume, opts.abandon_newer)
         opts.resume_path = decision.origin
         launch.check_cluster(plan)
         plan.state = C.check_origin(plan.folder, decision.origin, plan.model_cfg, plan.train_cfg,
                                     plan.data.fingerprint, opts.allow_config_change, say)
+        if opts.dry_run:  # the precision (Ray's probe is a task), the move and the launcher's effects are not checks
+            return
         plan.train_cfg.dtype = launch.dtype(plan)
         decision.apply(plan.folder, say)
         launch.act(plan)

@@ -38,7 +38,7 @@ from .errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, UsageError
 from .model import MiniMindForCausalLM
 from .options import RunOptions, add_run_flags, build_configs, load_yaml, option
 from .rows import rows_note
-from .run import Launch, RunPlan, check_run, claim
+from .run import Launch, RunPlan, check_run, claim, dry_run_done
 from .step import TORCH_DTYPES, NonFiniteLossError, resolve_dtype_name
 from .testing import FaultHooks
 from .testing import from_env as hooks_from_env
@@ -170,8 +170,9 @@ class LocalLaunch(Launch):
         return C.resumed_dtype(plan.train_cfg.dtype, plan.state)
 
 
-def start(argv: list[str] | None) -> tuple[Trainer, RunPlan]:
-    """Flags -> a Trainer at its first step (rank 0 holding the run folder's lease); every user error raises."""
+def start(argv: list[str] | None) -> tuple[Trainer | None, RunPlan]:
+    """Flags -> a Trainer at its first step (rank 0 holding the run folder's lease), or None after --dry-run's checks;
+    every user error raises."""
     started_at = time.time()
     signal.signal(signal.SIGTERM, interrupt)  # until the loop reads its stop flag, a SIGTERM ends the start at once
     args = build_parser().parse_args(argv)
@@ -195,6 +196,10 @@ def start(argv: list[str] | None) -> tuple[Trainer, RunPlan]:
         raise refused or RefusedOnRank0("")
     if refused is not None:
         raise refused
+    if plan.opts.dry_run:  # every check passed (rank 0's under torchrun): no Trainer
+        if rank == 0:
+            dry_run_done(say)
+        return None, plan
     train_cfg = plan.train_cfg
     if train_cfg.dtype == "auto":
         train_cfg.dtype = agreed_dtype(train_cfg.dtype, device)
@@ -222,6 +227,8 @@ def run_cli(argv: list[str] | None) -> int:
     """Parse, check, train; every user error is one line and an exit code."""
     try:
         trainer, plan = start(argv)
+        if trainer is None:  # --dry-run
+            return 0
     except RefusedOnRank0:
         return EXIT_USAGE
     except (UsageError, ConfigError, D.DataError, C.CheckpointError, TrackerError, ValueError, FileNotFoundError) as e:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from pathlib import Path
 
@@ -18,6 +19,7 @@ def nodes_missing_path(storage: Path) -> list[str]:
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     if len(nodes) <= 1:
         return []
+    created = [p for p in (storage, *storage.parents) if not p.exists()]  # removed after (a --dry-run keeps none)
     storage.mkdir(parents=True, exist_ok=True)
     marker = storage / f".minilm-storage-check-{uuid.uuid4().hex}"
     marker.write_text("written by the driver's node")
@@ -34,4 +36,7 @@ def nodes_missing_path(storage: Path) -> list[str]:
         results = dict(zip(refs, ray.get(list(refs.values()), timeout=120), strict=True))
     finally:
         marker.unlink(missing_ok=True)
+        for folder in created:
+            with contextlib.suppress(OSError):
+                folder.rmdir()
     return sorted(name for name, ok in results.items() if not ok)

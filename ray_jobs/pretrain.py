@@ -266,7 +266,7 @@ def nodes_with(resources: dict[str, float]) -> list[dict]:
 def run(args: argparse.Namespace) -> int:
     plan = plan_run(args)
     try:
-        return start(plan)
+        return run_plan.dry_run_done() if plan.opts.dry_run else start(plan)
     finally:
         plan.release()
 

@@ -28,6 +28,7 @@ from minilm import data as D
 from minilm.cli import command, note
 from minilm.config import ConfigError, ModelConfig, TrainConfig
 from minilm.options import plan_steps
+from minilm.run import dry_run_done
 from minilm.safety import check_name, join_uri
 
 from .cli import UsageError, load_yaml, redact_uri
@@ -329,16 +330,19 @@ def sweep(plan: RunPlan, dims, num_samples, concurrent, scheduler, grace, metric
     from ray.tune.schedulers import ASHAScheduler
 
     sweep_path = join_uri(plan.opts.storage_path, plan.opts.name)  # before a URI's ?query
+    restore = tune.Tuner.can_restore(sweep_path)
+    if restore and resume != "auto":
+        raise UsageError(f"sweep {plan.opts.name} already exists under {redact_uri(plan.opts.storage_path)}: add "
+                         f"--resume auto to continue it, or choose another --run-dir")
+    if plan.opts.dry_run:
+        return dry_run_done()
     shipped = dataclasses.replace(plan, lease=None)  # the lease stays with this driver
     trainable = tune.with_resources(tune.with_parameters(trial, plan=shipped, sweep_dir=sweep_path),
                                     {"CPU": TRIAL_CPUS})
-    if resume == "auto" and tune.Tuner.can_restore(sweep_path):
+    if restore:
         print(f"resuming sweep {plan.opts.name} from {redact_uri(sweep_path)}", flush=True)
         tuner = tune.Tuner.restore(sweep_path, trainable=trainable, resume_errored=True)
     else:
-        if tune.Tuner.can_restore(sweep_path):
-            raise UsageError(f"sweep {plan.opts.name} already exists under {redact_uri(plan.opts.storage_path)}: add "
-                             f"--resume auto to continue it, or choose another --run-dir")
         sched = None
         if scheduler == "asha":
             # max_t one past the last step: a trial stopped at max_t would leave its workers' placement group behind.

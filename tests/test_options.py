@@ -23,7 +23,7 @@ from ray_jobs.pretrain import build_parser as pretrain_parser
 # The run flags users type today: a rename or a lost flag is a broken command line.
 SHARED_FLAGS = {"--data", "--name", "--resume", "--abandon-newer", "--keep-checkpoints", "--exit-after-steps",
                 "--exit-after-minutes", "--collective-timeout-s", "--tracker", "--mlflow-uri", "--wandb-project",
-                "--allow-config-change"}
+                "--allow-config-change", "--dry-run"}
 TRAIN_FLAGS = SHARED_FLAGS | {"--tokens", "--random-tokens", "--run-dir"}
 PRETRAIN_FLAGS = SHARED_FLAGS | {"--num-workers", "--use-gpu", "--cpus-per-worker", "--resources-per-worker",
                                  "--storage-path", "--max-failures", "--elastic-check-seconds", "--backend-timeout-s",

@@ -85,6 +85,71 @@ def test_pretrain_refused_late_leaves_the_run_folder_and_rays_snapshot_as_they_w
     assert tree(storage / "r") == before
 
 
+@pytest.mark.parametrize("acting", ["auto", *ACTING])
+def test_a_dry_run_of_minilm_train_checks_and_leaves_the_run_folder_as_it_was(finished, run_data, tmp_path, capsys,
+                                                                              acting):
+    """--dry-run: the resume decision and the checkpoint's configs checked, then nothing written: no lease, no move of
+    --abandon-newer, no checkpoint; a refusal is the same one line as without it."""
+    from minilm.run import DRY_RUN
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished, run_dir)
+    before = tree(run_dir)
+    flags = [str(f) for f in train_flags(run_data, run_dir)] + ["--dry-run"] + flags_for(
+        ACTING.get(acting, []), ckpt=run_dir / "checkpoint_00000008")
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        assert train.main(flags) == 0
+        out = capsys.readouterr().out
+        assert out.splitlines()[-1] == DRY_RUN and "moved" not in out
+        extra, line = REFUSALS["tracker" if acting == "never" else "drift"]  # a fresh start has no drift
+        assert train.main([*flags, *extra]) == 2  # refused as ever
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    assert line in capsys.readouterr().err
+    assert tree(run_dir) == before
+
+
+def test_a_dry_run_refuses_a_folder_a_live_run_holds_and_makes_no_new_one(run_data, tmp_path, capsys):
+    import json
+    import os
+    import socket
+    import time
+
+    from minilm.run import DRY_RUN
+
+    held = tmp_path / "held"
+    held.mkdir()
+    (held / "lease.json").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getppid(),
+                                                 "heartbeat": time.time()}))
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        assert train.main([*map(str, train_flags(run_data, held)), "--dry-run"]) == 2
+        assert "in use by a live run" in capsys.readouterr().err
+        new = tmp_path / "new" / "run"
+        assert train.main([*map(str, train_flags(run_data, new)), "--dry-run"]) == 0
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    assert capsys.readouterr().out.splitlines()[-1] == DRY_RUN and not (tmp_path / "new").exists()
+
+
+@pytest.mark.ray
+def test_a_dry_run_of_pretrain_leaves_the_run_folder_and_rays_snapshot_as_they_were(ray_address, finished, run_data,
+                                                                                    tmp_path, capsys):
+    """After the cluster check (Ray joined), a dry run stops: the newer checkpoints stay (--abandon-newer moves
+    nothing) and so does Ray Train's snapshot, which a start removes."""
+    from minilm.run import DRY_RUN
+
+    storage = tmp_path / "runs"
+    shutil.copytree(finished, storage / "r")
+    (storage / "r" / pretrain.RAY_SNAPSHOT).write_text("{}")
+    before = tree(storage / "r")
+    code = pretrain.main(tiny_args(run_data, storage, "r", "--resume", str(storage / "r" / "checkpoint_00000008"),
+                                   "--abandon-newer", "--num-workers", "1", "--dry-run"))
+    assert code == 0 and capsys.readouterr().out.splitlines()[-1] == DRY_RUN
+    assert tree(storage / "r") == before
+
+
 def test_two_branches_abandoned_within_one_second_are_both_kept(tmp_path, monkeypatch):
     """Two --abandon-newer starts in the same second each get their own abandoned-<time> folder: the second's move
     does not land in (or over) the first's."""

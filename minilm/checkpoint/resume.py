@@ -170,6 +170,19 @@ class Lease:
     def take(self) -> Lease:
         local = self.folder.local
         self.created = [p for p in (local, *local.parents) if not p.exists()] if local is not None else []
+        self.check()
+        try:
+            self._beat()
+        except OSError as e:
+            self.release()
+            raise self.unwritable(e.strerror or str(e)) from None
+        self._thread = threading.Thread(target=self._heartbeat, name="minilm-lease", daemon=True)
+        self._thread.start()
+        return self
+
+    def check(self, writable: bool = False) -> None:
+        """Refuse a folder a live run holds (a note for one whose run is gone), reading only; `writable`: also a local
+        folder that could not be made or written (what taking the lease would find out by writing)."""
         held = self.holder()
         if held is not None and not self.mine(held):
             who = f"pid {held['pid']} on {held['host']}, heartbeat {time.time() - held['heartbeat']:.0f} s ago"
@@ -177,15 +190,15 @@ class Lease:
                 raise UsageError(f"run folder {self.folder.display} is in use by a live run ({who}): wait for it to "
                                  f"end (or stop it), or use another --run-dir")
             self.say(f"note: taking over run folder {self.folder.display} from a run that is gone ({who})")
-        try:
-            self._beat()
-        except OSError as e:
-            self.release()
-            raise UsageError(f"run folder {self.folder.display}: cannot create or write there ({e.strerror or e}); "
-                             f"choose a writable folder (--run-dir) or an s3:// / gs:// URI") from None
-        self._thread = threading.Thread(target=self._heartbeat, name="minilm-lease", daemon=True)
-        self._thread.start()
-        return self
+        local = self.folder.local
+        if writable and local is not None:
+            nearest = next(p for p in (local, *local.parents) if p.exists())
+            if not nearest.is_dir() or not os.access(nearest, os.W_OK | os.X_OK):
+                raise self.unwritable(f"{nearest} is not a folder" if not nearest.is_dir() else "Permission denied")
+
+    def unwritable(self, why: str) -> UsageError:
+        return UsageError(f"run folder {self.folder.display}: cannot create or write there ({why}); choose a writable "
+                          f"folder (--run-dir) or an s3:// / gs:// URI")
 
     def live(self, held: dict | None = None) -> bool:
         """Another process runs in the folder (`held`: its lease, else read now)."""
