@@ -1,10 +1,12 @@
 """Test helpers shared by the test files: small prepared datasets written directly in the on-disk format of
-docs/data.md, a module run as a user runs it, a run's metrics, weight comparisons, waits on a running process."""
+docs/data.md, a module run as a user runs it, a run's metrics, weight comparisons, waits on a running process, the
+outputs the docs quote."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -118,3 +120,34 @@ def tree(folder: Path) -> dict[str, tuple[int, int] | None]:
     """Every file under `folder` with its size and mtime, and every folder: what 'untouched' compares."""
     return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) if p.is_file() else None
             for p in sorted(folder.rglob("*"))}
+
+
+# ---- what the docs quote (tests/test_documented_commands.py) ----
+
+def quoted_block(doc: str, first: str) -> list[str]:
+    """The lines of a code block of `doc` from the one that starts with `first` on, their common indent removed."""
+    lines, block = (ROOT / doc).read_text().splitlines(), []
+    start = next(i for i, line in enumerate(lines) if line.strip().startswith(first) and line.startswith("    "))
+    indent = len(lines[start]) - len(lines[start].lstrip())
+    for line in lines[start:]:
+        if line.strip() and len(line) - len(line.lstrip()) < indent:
+            break
+        block.append(line[indent:].rstrip())
+    return [line for line in block if line]
+
+
+def output_form(line: str) -> str:
+    """A console line with what changes from run to run masked: quoted text, paths, durations, numbers, dtypes."""
+    line = re.sub(r"'[^']*'|\"[^\"]*\"", "Q", line)
+    line = re.sub(r"\S*[/~]\S*", "P", line)
+    line = re.sub(r"\b(bfloat16|float32|float16)\b", "D", line)
+    line = re.sub(r"\b\d+(\.\d+)?(h\d+m|m\d+s|s)\b", "T", line)
+    line = re.sub(r"\d[\d,]*(\.\d+)?(e[+-]\d+)?", "N", line)
+    return " ".join(line.split())
+
+
+def assert_quoted(quoted: list[str], printed: str) -> None:
+    """Each quoted line (but `...`) is, in `output_form`, a line of what the command printed."""
+    printed_forms = {output_form(line) for line in printed.splitlines()}
+    missing = [line for line in quoted if line.strip() != "..." and output_form(line) not in printed_forms]
+    assert not missing, f"quoted but not printed in this form: {missing}\nprinted:\n{printed[-3000:]}"

@@ -222,31 +222,6 @@ def test_kuberay_manifests_and_images_agree_on_one_ray_version():
 # --- docs, runtime env, local head ------------------------------------------------------------------
 
 
-def readme_commands(text: str) -> list[str]:
-    """Shell commands of the README's indented code blocks, continuation lines joined."""
-    lines, out, cur = text.splitlines(), [], ""
-    for line in lines:
-        if not line.startswith("    "):
-            cur = ""
-            continue
-        cur += line.strip()
-        if cur.endswith("\\"):
-            cur = cur[:-1] + " "
-            continue
-        out.append(cur)
-        cur = ""
-    return out
-
-
-def test_readme_pretrain_commands_parse_with_the_pretrain_cli():
-    commands = readme_commands((CLUSTER / "README.md").read_text())
-    commands = [c for c in commands if "-m ray_jobs.pretrain" in c]
-    assert len(commands) >= 3, commands
-    for command in commands:
-        args = [a for a in entrypoint_args(command.split("#")[0]) if a != "..."]
-        parse_pretrain(args)
-
-
 def test_readme_covers_launch_submit_watch_resume_teardown_storage_and_elastic():
     text = (CLUSTER / "README.md").read_text()
     for needle in ("ray up cluster/aws.yaml", "ray dashboard cluster/aws.yaml", "ray job submit",

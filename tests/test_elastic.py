@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import run_env
-from helpers import ROOT, make_prepared, metrics
+from helpers import ROOT, make_prepared, metrics, output_form, quoted_block
 from inprocess import configs
 from reference import check_run, recorded_steps, replay
 from runs import start_pretrain, timeline
@@ -231,3 +231,6 @@ def test_multi_node_run_with_node_local_storage_is_refused(cluster, data, tmp_pa
     assert len(error) == 1 and "not visible from 4 node(s)" in error[0] and "s3://" in error[0] \
         and "NFS" in error[0], proc.stderr[-3000:]
     assert not (storage / "local-storage").exists() and not list(storage.iterdir())  # nothing reached the real disk
+    quoted = " ".join(quoted_block("docs/elastic.md", "error: --storage-path"))  # its lines joined: one printed
+    assert output_form(error[0].split(" (")[0]) == output_form(quoted.split(" (")[0])
+    assert error[0].split("): ", 1)[1] == quoted.split("): ", 1)[1]

@@ -11,7 +11,7 @@ import signal
 
 import pytest
 import torch
-from helpers import bitwise_equal, metrics, wait_for
+from helpers import assert_quoted, bitwise_equal, metrics, quoted_block, wait_for
 from runs import (
     STEPS,
     final_weights,
@@ -236,6 +236,9 @@ def test_scores_beside_training_leave_the_weights_bitwise_and_arrive_once(ray_ad
     assert scores[best["step"]] == best["value"] and (run_dir / best["checkpoint"]).is_dir()
     assert f"eval  step {STEPS}: cloze acc " in proc.stdout
     assert [line for line in proc.stdout.splitlines() if line.startswith("warning")] == []
+    # docs/evaluation.md's lines (the demo's tasks, cloze and comments: here cloze and held)
+    assert_quoted([line.replace("comments", "held") for line in quoted_block("docs/evaluation.md", "eval  step")],
+                  proc.stdout)
 
 
 @pytest.mark.ray

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 from conftest import run_env
-from helpers import metrics
+from helpers import assert_quoted, metrics, quoted_block
 from inprocess import configs
 from reference import check_run, replay
 from runs import STEPS, final_weights, pretrain, tiny_args
@@ -160,6 +160,7 @@ def test_zero_argument_job_for_a_few_steps_keeps_the_console_readable(ray_addres
     assert [r["optimizer_step"] for r in records] == [2, 4]
     assert "=== run summary ===" in proc.stdout and "step 4/4" in proc.stdout
     console_of_a_user(proc, runs)
+    assert_quoted(quoted_block("README.md", "run minilm-"), proc.stdout + proc.stderr)  # the README's `make demo`
 
 
 @pytest.mark.nightly
