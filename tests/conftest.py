@@ -1,4 +1,4 @@
-"""Shared fixtures: one local Ray per test session, small prepared datasets, and the baseline run.
+"""Shared fixtures: one local Ray per test session, small prepared datasets, an S3 server, and the baseline run.
 
 `run_data`, `run_storage` and `baseline` serve tests/test_pretrain.py and the fault-injection suite
 in tests/faults/ (helpers in tests/runs.py): the uninterrupted reference run is made once per session.
@@ -87,6 +87,17 @@ def run_data(tmp_path_factory) -> Path:
 def run_storage(tmp_path_factory) -> Path:
     """One --storage-path for every end-to-end run of the session (each run has its own --name)."""
     return tmp_path_factory.mktemp("runs")
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """An S3-compatible server (moto's, tests/s3_server.py) with an empty `bucket`, for s3:// run folders."""
+    from s3_server import S3Server
+
+    server = S3Server().start()
+    server.filesystem().create_dir("bucket")
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="session")

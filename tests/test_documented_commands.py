@@ -571,16 +571,6 @@ def quick(ray_address, tmp_path_factory):
 # ---- dry-run: every check, nothing started ------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def s3():
-    from s3_server import S3Server
-
-    server = S3Server().start()
-    server.filesystem().create_dir("bucket")
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
 def dry(quick, tmp_path_factory):
     """The folder of the dry runs: a dataset big enough for every documented size, task lists."""
     folder = tmp_path_factory.mktemp("dry")

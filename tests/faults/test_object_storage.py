@@ -20,21 +20,12 @@ from inprocess import configs
 from reference import replay
 from runs import STEPS, hold_again_after, pretrain, ray_train_workers, start_pretrain, tiny_args
 from runs import wait_until_workers_exit as wait_for_workers_to_exit
-from s3_server import S3Server
 from safetensors.torch import load as load_safetensors
 
 from minilm import checkpoint as C
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 TIMEOUT_S = 8  # --collective-timeout-s: long beside a tiny step, short for the suite
-
-
-@pytest.fixture(scope="module")
-def s3():
-    server = S3Server().start()
-    server.filesystem().create_dir("bucket")
-    yield server
-    server.stop()
 
 
 def s3_checkpoints(fs, run: str) -> dict[str, list[str]]:
