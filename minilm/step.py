@@ -47,7 +47,10 @@ def resolve_dtype_name(name: str, device: torch.device | str) -> str:
 
 
 def cpu_bf16_is_faster(size: int = 512, repeats: int = 8) -> bool:
-    """Start-up probe: is a bf16 matmul faster than fp32 on this CPU? (Only with native bf16 units.)"""
+    """Start-up probe: is a bf16 matmul faster than fp32 on this CPU? Without native bf16 units (AVX512-BF16 or AMX)
+    bf16 is emulated, ~10x slower: not worth the seconds a timing takes."""
+    if not (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()):
+        return False
     a, b = torch.randn(size, size, device="cpu"), torch.randn(size, size, device="cpu")
 
     def best(x, y) -> float:

@@ -134,6 +134,7 @@ def rank0_results(tmp_path_factory):
     return torch.load(out / "rank0.pt", weights_only=False)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("use_moe", [False, True], ids=["dense", "moe"])
 @pytest.mark.parametrize("W", SIZES)

@@ -100,6 +100,7 @@ def tokenizer_file(tmp_path_factory) -> Path:
 @FUZZ
 @given(lines=st.lists(hostile_record.filter(lambda line: not usable(line)), min_size=1, max_size=4),
        mode=st.sampled_from(["skip", "error"]))
+@pytest.mark.slow
 def test_prepare_on_hostile_records_exits_2_with_one_error_line(tmp_path_factory, tokenizer_file, capsys, lines,
                                                                  mode):
     """Records that are all bad or empty never reach Ray's tokenizer tasks: the whole command runs here."""
@@ -163,6 +164,7 @@ yaml_value = st.one_of(st.sampled_from(SPELLINGS), st.integers(-10**6, 10**6).ma
 yaml_key = st.one_of(st.sampled_from(FIELDS), st.sampled_from(["1", "~", "[a]", "not_a_field", "lr-", "Lr"]))
 
 
+@pytest.mark.slow
 @FUZZ
 @given(items=st.dictionaries(yaml_key, yaml_value, max_size=5))
 def test_yaml_configs_run_or_exit_2_with_an_error_line(in_tmp, capsys, items):
@@ -182,6 +184,7 @@ flag_value = st.one_of(st.sampled_from(["-1", "0", "-0", "1e308", "-1e308", "nan
                        st.integers(-2**70, 2**70).map(str))
 
 
+@pytest.mark.slow
 @FUZZ
 @given(flags=st.dictionaries(st.sampled_from(NUMERIC_FLAGS), flag_value, min_size=1, max_size=3))
 def test_flags_negative_zero_or_huge_run_or_exit_2_with_an_error_line(in_tmp, capsys, flags):

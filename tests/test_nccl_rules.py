@@ -104,6 +104,7 @@ def loop_now(run_data, tmp_path_factory):
     return run_two_ranks(run_data, out, "new"), out
 
 
+@pytest.mark.slow
 def test_every_collective_is_on_the_training_device_in_the_same_order(loop_now):
     ranks, out = loop_now
     for r in ranks:
@@ -116,6 +117,7 @@ def test_every_collective_is_on_the_training_device_in_the_same_order(loop_now):
     assert (out / "run" / "checkpoint_00000007" / "COMPLETE.json").is_file()
 
 
+@pytest.mark.slow
 def test_the_stand_in_refuses_the_old_cpu_stop_flags(run_data, tmp_path):
     """What the loop did before: `torch.tensor([...])` (a CPU tensor on a GPU run) all-reduced after every step."""
     ranks = run_two_ranks(run_data, tmp_path / "old", "old-stop-flags")

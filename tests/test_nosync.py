@@ -90,6 +90,7 @@ def ddp_results(tmp_path_factory):
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("use_moe", [False, True], ids=["dense", "moe"])
 def test_one_allreduce_per_optimizer_step(ddp_results, use_moe):
@@ -102,12 +103,14 @@ def test_one_allreduce_per_optimizer_step(ddp_results, use_moe):
         assert buckets >= 1 and len(forwards) == STEPS * buckets
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_without_no_sync_every_micro_step_allreduces(ddp_results):
     for rank_result in ddp_results:
         assert sorted(set(rank_result["control_allreduce_forwards"])) == list(range(STEPS * ACCUMULATION))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("use_moe", [False, True], ids=["dense", "moe"])
 def test_ddp_matches_single_process_on_the_union(ddp_results, use_moe):

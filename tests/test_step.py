@@ -343,6 +343,16 @@ def test_resolve_dtype():
     assert not make_grad_scaler(torch.float32, "cpu").is_enabled()
 
 
+def test_auto_on_a_cpu_without_native_bf16_is_fp32_without_timing_a_matmul(monkeypatch):
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setattr(torch, "randn", lambda *a, **k: pytest.fail("the probe timed a matmul"))
+    assert resolve_dtype("auto", "cpu") == torch.float32
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)  # native: the probe times it
+    with pytest.raises(pytest.fail.Exception, match="timed a matmul"):
+        resolve_dtype("auto", "cpu")
+
+
 def test_bf16_autocast_step_keeps_fp32_master_weights():
     model, data = make_model(), batch(4, seed=5)
     m = optimizer_step(model, make_optimizer(model, TrainConfig(optimizer="adamw")), fp32_scaler(), [data], lr=1e-3,

@@ -157,6 +157,7 @@ def check_series(series: dict[str, list[tuple[int, float]]], expected: dict[int,
         assert [v for _, v in points] == pytest.approx([v for _, v in want], rel=rel), name
 
 
+@pytest.mark.slow
 def test_metrics_jsonl_holds_the_redone_steps(killed_run):
     points = jsonl_points(killed_run)
     assert sorted(points) == [4, 8, 12, 16, 20]
@@ -164,6 +165,7 @@ def test_metrics_jsonl_holds_the_redone_steps(killed_run):
     assert points[8] == T.flatten_metrics(reported(8, attempt=0))
 
 
+@pytest.mark.slow
 def test_tensorboard_overwrites_redone_steps(killed_run):
     """TensorBoard: one run (the run folder); the redone step 12 replaces the first attempt's, so every
     point equals metrics.jsonl, read with TensorBoard's own loader."""
@@ -183,6 +185,7 @@ def test_tensorboard_overwrites_redone_steps(killed_run):
     assert "_hparams_/session_start_info" in acc.PluginTagToContent("hparams")
 
 
+@pytest.mark.slow
 def test_mlflow_keeps_one_run_and_never_appends_a_redone_step(killed_run):
     """MLflow (SQLite store in the run folder): one run, continued; every point equals metrics.jsonl except
     the redone step 12, which keeps the first attempt's record (losses equal, timings differ)."""
@@ -290,6 +293,7 @@ def read_wandb_offline(run_dir: Path) -> tuple[set[str], dict, list[tuple[int, d
     return {s[1] for s in segments}, segments[0][2], [h for s in segments for h in s[3]]
 
 
+@pytest.mark.slow
 def test_wandb_offline_keeps_one_run_and_never_appends_a_redone_step(failed_run):
     """W&B offline: both attempts write segments of one run id (`wandb sync` joins them); the step axis
     is strictly increasing and every point equals metrics.jsonl except the redone step 12 (first attempt's)."""

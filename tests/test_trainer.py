@@ -41,6 +41,7 @@ def uninterrupted(run_data, tmp_path_factory):
             "outcome": outcome, "lines": lines}
 
 
+@pytest.mark.slow
 def test_an_uninterrupted_run_is_the_reference_replay(uninterrupted):
     assert uninterrupted["outcome"] == "finished"
     records = metrics(uninterrupted["run_dir"])
@@ -55,6 +56,7 @@ def test_an_uninterrupted_run_is_the_reference_replay(uninterrupted):
     assert "starting run uninterrupted fresh: 20 optimizer steps" in uninterrupted["lines"][0]
 
 
+@pytest.mark.slow
 def test_exit_after_steps_then_resume_is_bitwise_equal(run_data, tmp_path, uninterrupted):
     run_dir, ids = tmp_path / "split", tmp_path / "ids"
     _, outcome, _ = run_local(run_data, run_dir, record=ids, exit_after_steps=8)
@@ -69,7 +71,8 @@ def test_exit_after_steps_then_resume_is_bitwise_equal(run_data, tmp_path, unint
     assert steps == sorted(set(steps)) and steps[-1] == STEPS
 
 
-@pytest.mark.parametrize("before,after", [(2, 1), pytest.param(1, 2, marks=pytest.mark.slow)])  # ~10 s each
+@pytest.mark.slow
+@pytest.mark.parametrize("before,after", [(2, 1), (1, 2)])
 def test_resume_at_another_world_size_under_torchrun(run_data, tmp_path, uninterrupted, before, after):
     """Plain DDP (torchrun, gloo) stopped at step 6 and continued at another world size: the same samples at
     every step, and the replay's weights and losses (within the reduction-order difference)."""
@@ -96,6 +99,7 @@ if os.environ.get("RANK") is not None:  # a torchrun rank, not the launcher
 """
 
 
+@pytest.mark.slow
 def test_a_torchrun_rank_never_finalizes_the_interpreter_with_gloos_threads_alive(run_data, tmp_path):
     """A gloo thread that drops a finished collective's tensors while the interpreter finalizes aborts the rank
     (SIGABRT, "terminate called without an active exception": 2 of 20 torchrun runs here, and CI once), and
@@ -116,6 +120,7 @@ def test_a_torchrun_rank_never_finalizes_the_interpreter_with_gloos_threads_aliv
     assert not [rank for rank, threads in records.items() if "gloo" in threads], records
 
 
+@pytest.mark.slow
 def test_resume_from_a_path(run_data, tmp_path, uninterrupted):
     start = uninterrupted["run_dir"] / "checkpoint_00000012"
     if not start.exists():  # kept: the last 3 (12, 16, 20)
@@ -126,6 +131,7 @@ def test_resume_from_a_path(run_data, tmp_path, uninterrupted):
     assert bitwise_equal(checkpoint_weights(run_dir), uninterrupted["weights"])
 
 
+@pytest.mark.slow
 def test_truncated_and_bit_flipped_checkpoints_are_skipped(run_data, tmp_path, uninterrupted):
     run_dir = tmp_path / "corrupt"
     run_local(run_data, run_dir, exit_after_steps=12)
@@ -143,6 +149,7 @@ def test_truncated_and_bit_flipped_checkpoints_are_skipped(run_data, tmp_path, u
     assert bitwise_equal(checkpoint_weights(run_dir), uninterrupted["weights"])
 
 
+@pytest.mark.slow
 def test_a_full_disk_at_a_checkpoint_stops_the_run_and_resume_is_bitwise_equal(run_data, tmp_path, uninterrupted):
     run_dir = tmp_path / "diskfull"
     with pytest.raises(C.CheckpointError) as e:
@@ -156,6 +163,7 @@ def test_a_full_disk_at_a_checkpoint_stops_the_run_and_resume_is_bitwise_equal(r
     assert bitwise_equal(checkpoint_weights(run_dir), uninterrupted["weights"])
 
 
+@pytest.mark.slow
 def test_a_nan_step_is_skipped_and_counted(run_data, tmp_path, uninterrupted):
     run_dir = tmp_path / "nan1"
     trainer, outcome, lines = run_local(run_data, run_dir, hooks={"nan_at_steps": (5,)}, max_steps=8)
@@ -165,6 +173,7 @@ def test_a_nan_step_is_skipped_and_counted(run_data, tmp_path, uninterrupted):
     assert any("skipped 1" in line for line in lines)
 
 
+@pytest.mark.slow
 def test_nan_steps_in_a_row_stop_the_run_naming_the_steps(run_data, tmp_path):
     with pytest.raises(NonFiniteLossError, match=r"3 optimizer steps in a row \(5\.\.7\) had a non-finite loss"):
         run_local(run_data, tmp_path / "nan3", hooks={"nan_at_steps": (5, 6, 7)}, max_nonfinite_steps=3, max_steps=12)
@@ -173,6 +182,7 @@ def test_nan_steps_in_a_row_stop_the_run_naming_the_steps(run_data, tmp_path):
     assert [r["optimizer_step"] for r in metrics(tmp_path / "nan3")] == [s for s in (4, 8, 12) if s <= stopped_at]
 
 
+@pytest.mark.slow
 def test_moe_reports_aux_loss_and_exports_minimind_weights(run_data, tmp_path):
     run_dir = tmp_path / "moe"
     trainer, _, lines = run_local(run_data, run_dir, use_moe=True, max_steps=8)
@@ -199,6 +209,7 @@ def start_train(flags: list[str], **env: str) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True)
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_at_the_agreed_step_and_resume_is_bitwise_equal(run_data, tmp_path, uninterrupted):
     """SIGTERM while the run is held after step 9: every rank checkpoints at step 9 + AGREEMENT_DELAY, exits,
     and the resumed run redoes nothing."""
@@ -226,6 +237,7 @@ def test_sigterm_checkpoints_at_the_agreed_step_and_resume_is_bitwise_equal(run_
     assert bitwise_equal(checkpoint_weights(run_dir), uninterrupted["weights"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_killed_during_a_checkpoint_write_resumes_from_the_previous_one(run_data, tmp_path, uninterrupted, mode):
     """SIGKILL while checkpoint 8 is written (every file there but COMPLETE.json; in async mode by the background
@@ -280,6 +292,7 @@ def test_checkpoint_and_evaluation_time_stay_out_of_the_next_intervals_tokens_pe
     assert second["mfu"] == 2048 / 1e6
 
 
+@pytest.mark.slow
 def test_validation_reports_val_loss_and_val_bpb_as_scored_independently(run_data, tmp_path):
     """val_loss and val_bpb of the last step against minilm.bpb.score_rows and the model's own loss, computed here
     on the held-out rows (split_ids) of the final weights."""
@@ -303,6 +316,7 @@ def test_validation_reports_val_loss_and_val_bpb_as_scored_independently(run_dat
     assert np.isfinite(last["val_bpb"]) and last["val_bpb"] > 0
 
 
+@pytest.mark.slow
 def test_a_resumed_muon_run_is_bitwise_equal_and_the_replay(run_data, tmp_path):
     """Muon (block matrices) + AdamW (the rest) as one optimizer, through the Trainer's checkpoint: stopped at 8 and
     resumed, bitwise the uninterrupted run; both the replay's, which builds its optimizer from the same config."""

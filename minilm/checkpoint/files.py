@@ -16,7 +16,7 @@ import json
 import os
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -381,10 +381,14 @@ def open_weights(path: str | os.PathLike, device: str | torch.device = "cpu"):
         if not isinstance(raw, dict):
             raise CheckpointError(f"{what} {path}: its model_config is a {type(raw).__name__}, not a mapping of fields")
         config = ModelConfig.from_dict(raw).validate()
-        with torch.device("meta"):  # the shapes this config makes, nothing allocated
-            expected = {k: list(v.shape) for k, v in MiniMindForCausalLM(config).state_dict().items()}
         with safe_open(str(path / "model.safetensors"), "pt") as f:
             found = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 (not a dict)
+        # Built to one layer past the weights' last: a config of thousands of layers is refused as fast as any
+        indices = [k.split(".")[2] for k in found if k.startswith("model.layers.")]
+        layers = 1 + max((int(i) for i in indices if i.isdigit()), default=-1)
+        shapes = replace(config, num_hidden_layers=min(config.num_hidden_layers, layers + 1))
+        with torch.device("meta"):  # the shapes this config makes, nothing allocated
+            expected = {k: list(v.shape) for k, v in MiniMindForCausalLM(shapes).state_dict().items()}
         wrong = next((k for k in sorted(expected.keys() | found.keys()) if found.get(k) != expected.get(k)), None)
         if wrong is not None:
             raise CheckpointError(f"{what} {path}: its weights do not match its model_config: {wrong} is "
