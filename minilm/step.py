@@ -16,6 +16,7 @@ from fractions import Fraction
 import torch
 
 from .config import TrainConfig
+from .muon import native_bf16
 
 # The one table of --dtype names (minilm.config.DTYPES, less "auto") and their torch dtypes.
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -49,7 +50,7 @@ def resolve_dtype_name(name: str, device: torch.device | str) -> str:
 def cpu_bf16_is_faster(size: int = 512, repeats: int = 8) -> bool:
     """Start-up probe: is a bf16 matmul faster than fp32 on this CPU? Without native bf16 units (AVX512-BF16 or AMX)
     bf16 is emulated, ~10x slower: not worth the seconds a timing takes."""
-    if not (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()):
+    if not native_bf16("cpu"):
         return False
     a, b = torch.randn(size, size, device="cpu"), torch.randn(size, size, device="cpu")
 
