@@ -238,7 +238,7 @@ def export_part(c: Check) -> None:
 
 
 def sample_part(c: Check) -> None:
-    part = c.r.run("sample", ["-m", "minilm.sample", "--weights", str(c.work / "export"), "--prompt", "Return the",
+    part = c.r.run("sample", ["-m", "minilm.sample", "--checkpoint", str(c.work / "export"), "--prompt", "Return the",
                               "--max-new-tokens", "24"])
     text = " ".join(part.output.split()) if part.status == "ok" else ""
     if part.status == "ok" and not text:
