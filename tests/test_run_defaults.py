@@ -102,6 +102,14 @@ def test_seq_len_and_vocab_size_not_given_are_the_manifests(run_data, given, yam
     assert [n for n in plan.notes if "manifest" in n] == ([note] if note else [])
 
 
+def test_pretrain_takes_them_from_the_manifest_too(run_data):
+    model, train_cfg, opts = build_configs(pretrain.build_parser().parse_args(["--data", str(run_data)]), {}, RayOptions)
+    notes = []
+    pretrain.RayLaunch(demo=False).open_data(model, train_cfg, opts, notes)  # no Ray: --data is a local folder
+    assert (train_cfg.seq_len, model.vocab_size) == (32, 256)
+    assert "note: seq_len 32 and vocab_size 256 from the data's manifest" in notes
+
+
 @pytest.mark.parametrize(("given", "yaml_values", "message"), [
     (["--seq-len", "64"], {}, "packed with seq_len 32 but the run asks for seq_len 64 (set --seq-len 32"),
     ([], {"seq_len": 64}, "packed with seq_len 32 but the run asks for seq_len 64"),
