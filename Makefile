@@ -8,12 +8,14 @@ STAMP  := $(VENV)/.installed
 
 setup: $(STAMP)
 
-# The CPU build of torch goes in first so the project's `torch>=2.11` is already met
-# (a plain `pip install torch` can pull a multi-GB CUDA build).
+# The CPU build of torch goes in first, from PyTorch's CPU index, so the project's `torch>=2.11` is already met
+# (a plain `pip install torch` on Linux pulls PyPI's multi-GB CUDA build); where that index cannot be reached
+# (no retries: seconds), the configured index's torch.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0 || $(PY) -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
+	$(PY) -m pip install -q --retries 0 torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu \
+		|| $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 

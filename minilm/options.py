@@ -24,9 +24,11 @@ from .config import (
     field_kinds,
 )
 from .errors import UsageError
+from .safety import redact
 
 # What a run on the built-in demo corpus (no --data) uses: a small model that trains in a few minutes
-# on 2 CPUs. With --data, the dataclasses' defaults (MiniMind's) apply; flags and --config override both.
+# on 2 CPUs. With --data, the dataclasses' defaults (MiniMind's) apply, and the data's seq_len and vocab_size;
+# flags and --config override both.
 DEMO_PRESET = {
     "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
     "seq_len": 256, "micro_batch_size": 8, "global_batch_size": 32, "lr": 1e-3, "warmup_steps": 0,
@@ -84,6 +86,7 @@ class RunOptions:
     test_hooks: dict | None = None  # minilm.testing.FaultHooks, only ever set by a test
     eval_task_names: list[str] = field(default_factory=list)  # tasks scored beside training (ray_jobs.evaluator)
     eval_wait_s: float = 0.0  # after the last step, how long rank 0 waits for the last checkpoint's scores
+    from_manifest: list[str] = field(default_factory=list)  # seq_len, vocab_size not given: --data's manifest's
 
     def tracker_settings(self) -> dict:
         return {"mlflow_uri": self.mlflow_uri, "wandb_project": self.wandb_project, "group": self.tracker_group}
@@ -195,14 +198,18 @@ def build_configs(args: argparse.Namespace, file_values: dict, cls: type[RunOpti
             choices = f.metadata["argparse"].get("choices")
             if choices and run[name] not in choices:  # a YAML value argparse did not see
                 raise UsageError(f"{flag(name)} must be one of {', '.join(choices)}, got {values[name]!r}")
-    return Configs(model, train, cls(**run))
+    opts = cls(**run)
+    if values.get("data"):  # what the run does not set, the data's manifest does (data.fit_configs)
+        opts.from_manifest = [name for name in ("seq_len", "vocab_size") if name not in values]
+    return Configs(model, train, opts)
 
 
 def check_configs(model_cfg: ModelConfig, train_cfg: TrainConfig, run: RunOptions) -> None:
     """Every check that needs no data and no world size: once per start."""
     model_cfg.validate()
     train_cfg.validate()
-    check_fits(model_cfg, train_cfg)
+    if "seq_len" not in run.from_manifest:  # else once --data's manifest has set it (minilm.run.check_run)
+        check_fits(model_cfg, train_cfg)
     run.validate()
 
 
@@ -285,6 +292,20 @@ def load_yaml(path: str | None) -> dict:
         raise UsageError(f"--config {path}: option names must be strings, got {bad[0]!r}")
     data = {k.replace("-", "_"): v for k, v in data.items()}
     return {k: yaml_value(k, v, path) for k, v in data.items()}
+
+
+PER_START = ("resume", "abandon_newer", "allow_config_change", "exit_after_steps", "exit_after_minutes", "dry_run")
+
+
+def dump_yaml(model: ModelConfig, train: TrainConfig, opts: RunOptions, header: str = "") -> str:
+    """The configs as a --config file: every config field, and each run option that is a flag and set, but those
+    of one start (PER_START); a URI's credentials as *** (redact), which a rerun gives again as flags."""
+    run = {f.name: getattr(opts, f.name) for f in flag_fields(type(opts))
+           if f.name not in PER_START and getattr(opts, f.name) is not None}
+    shown = {k: redact(v) if isinstance(v, str) else v for k, v in run.items()}
+    if shown != run:
+        header += "# *** stands for a credential: give that option again as a flag\n"
+    return header + yaml.safe_dump({**model.to_dict(), **train.to_dict(), **shown}, sort_keys=False)
 
 
 def yaml_value(key: str, value, path: str):

@@ -4,15 +4,18 @@ first, then the side effects: a refused command changes nothing in the run folde
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from . import checkpoint as C
-from .config import ModelConfig, TrainConfig
-from .options import Configs, RunOptions, StepPlan, check_configs, plan_steps
+from .config import ModelConfig, TrainConfig, check_fits
+from .options import Configs, RunOptions, StepPlan, check_configs, dump_yaml, plan_steps
 from .safety import check_name, redact
 from .trackers import check_trackers
+
+CONFIG = "config.yaml"  # RUN/config.yaml: the effective config of the run's latest start, a --config file
 
 
 @dataclass
@@ -45,6 +48,7 @@ class Launch:
     """What differs between launchers; `plan_run` calls these in this order. Checks raise; only `act` has effects."""
 
     plan_class = RunPlan  # the launcher's RunPlan (Ray's adds the workers' config)
+    writes_config = True  # RUN/CONFIG at each start (a sweep's folder: no, each trial's has one)
 
     def check(self, model_cfg: ModelConfig, train_cfg: TrainConfig, opts: RunOptions) -> None:
         """The launcher's own flags, before any data is opened."""
@@ -96,6 +100,7 @@ def check_run(configs: Configs, launch: Launch) -> RunPlan:
     launch.check(model_cfg, train_cfg, opts)
     notes: list[str] = []
     data = launch.open_data(model_cfg, train_cfg, opts, notes)
+    check_fits(model_cfg, train_cfg)  # again: the data's manifest may have set seq_len (data.fit_configs)
     where = f"{redact(data.location)}: " if hasattr(data, "location") else ""  # PreparedData's, maybe a URI
     steps = plan_steps(train_cfg, data.num_sequences, launch.world_sizes(opts), where=where)
     opts.trackers = check_trackers(opts.tracker, opts.tracker_settings(), run_dir=opts.run_dir)
@@ -124,6 +129,14 @@ def claim(plan: RunPlan, launch: Launch, say=print) -> None:
         plan.train_cfg.dtype = launch.dtype(plan)
         decision.apply(plan.folder, say)
         launch.act(plan)
+        if plan.folder is not None and launch.writes_config:
+            write_config(plan)
     except BaseException:
         plan.release()
         raise
+
+
+def write_config(plan: RunPlan, folder: C.RunFolder | None = None) -> None:
+    """RUN/config.yaml (`folder`'s, else the plan's): this start's configs, for --config; each start rewrites it."""
+    header = f"# run {plan.opts.name}, started {time.strftime('%Y-%m-%d %H:%M:%S')}: reuse with --config (flags win)\n"
+    (folder or plan.folder).write(CONFIG, dump_yaml(plan.model_cfg, plan.train_cfg, plan.opts, header).encode())

@@ -138,8 +138,8 @@ class LocalLaunch(Launch):
     def open_data(self, model_cfg: ModelConfig, train_cfg: TrainConfig, opts: LocalOptions, notes: list) -> Dataset:
         if opts.data:
             prepared = D.open_local(opts.data)  # a remote URI is copied to this node once, as for ray_jobs.pretrain
-            D.check_compatible(prepared, vocab_size=model_cfg.vocab_size, seq_len=train_cfg.seq_len)
-            notes.append(rows_note(prepared.manifest, opts.data))
+            notes += [D.fit_configs(prepared, model_cfg, train_cfg, opts.from_manifest),
+                      rows_note(prepared.manifest, opts.data)]
             return Dataset.prepared(prepared)
         if opts.tokens:
             path = Path(opts.tokens)

@@ -42,7 +42,7 @@ from minilm.trackers import TrackerError
 
 from .cli import RayOptions, apply_run_dir, available_cores, ensure_ray, redact_uri
 from .elastic import SHARED_STORAGE_HINT, nodes_missing_path
-from .ray_compat import CONTROLLER_POLL_ENV
+from .ray_compat import CONTROLLER_POLL_ENV, JOB_DRIVER_ENV
 
 
 def build_parser(prog: str = "python -m ray_jobs.pretrain", doc: str = __doc__, skip: tuple[str, ...] = (),
@@ -108,8 +108,9 @@ class RayLaunch(run_plan.Launch):
 
     plan_class = RunPlan
 
-    def __init__(self, demo: bool, concurrent_runs: int = 1, reserved_cpus: float = 0.0):
+    def __init__(self, demo: bool, concurrent_runs: int = 1, reserved_cpus: float = 0.0, sweep: bool = False):
         self.demo, self.concurrent_runs, self.reserved_cpus = demo, concurrent_runs, reserved_cpus
+        self.writes_config = not sweep
         self.started_ray: bool | None = None
         self.eval_tasks: list = []
 
@@ -123,6 +124,11 @@ class RayLaunch(run_plan.Launch):
         opts.name = check_name(opts.name or time.strftime("minilm-%Y%m%d-%H%M%S"), "--name")  # STORAGE/NAME
         check_world_sizes(train_cfg, self.world_sizes(opts), where=f"--num-workers {opts.num_workers}: ")
         if "://" not in opts.storage_path:
+            if JOB_DRIVER_ENV in os.environ and not Path(opts.storage_path).expanduser().is_absolute():
+                print(f"warning: the run folder {join_uri(opts.storage_path, opts.name)} (--run-dir) is relative: in a "
+                      f"Ray job it lands in the job's temporary working directory ({Path.cwd()}), which Ray may "
+                      f"delete; give --run-dir an absolute path on shared storage or a URI (s3://, gs://)",
+                      file=sys.stderr, flush=True)
             opts.storage_path = str(Path(opts.storage_path).expanduser().resolve())
             opts.run_dir = str(Path(opts.storage_path) / opts.name)
         self.eval_tasks = check_eval_options(opts, Path(opts.run_dir) if opts.run_dir else None)
@@ -136,8 +142,8 @@ class RayLaunch(run_plan.Launch):
         else:
             opts.data_dir = opts.data if D.is_remote(opts.data) else str(Path(opts.data).expanduser().resolve())
         prepared = D.open_prepared(opts.data_dir)  # a missing, incomplete or damaged --data: refused before Ray
-        D.check_compatible(prepared, vocab_size=model_cfg.vocab_size, seq_len=train_cfg.seq_len)
-        notes.append(rows_note(prepared.manifest, prepared.location))
+        notes += [D.fit_configs(prepared, model_cfg, train_cfg, opts.from_manifest),
+                  rows_note(prepared.manifest, prepared.location)]
         return prepared
 
     @staticmethod
@@ -184,14 +190,14 @@ class RayLaunch(run_plan.Launch):
 
 
 def plan_run(args: argparse.Namespace, concurrent_runs: int = 1, reserved_cpus: float = 0.0,
-             file_values: dict | None = None) -> RunPlan:
+             file_values: dict | None = None, sweep: bool = False) -> RunPlan:
     """Flags + YAML (`file_values`, else --config's) -> a checked RunPlan holding its run folder's lease."""
     started_at = time.time()
     file_values = load_yaml(args.config) if file_values is None else file_values
     demo = not (args.data or file_values.get("data"))
     configs = build_configs(args, file_values, RayOptions, demo=demo)
     configs.run.started_at = started_at
-    return run_plan.plan_run(configs, RayLaunch(demo, concurrent_runs, reserved_cpus), lambda m: print(m, flush=True))
+    return run_plan.plan_run(configs, RayLaunch(demo, concurrent_runs, reserved_cpus, sweep), lambda m: print(m, flush=True))
 
 
 def check_eval_options(opts: RayOptions, run_dir: Path | None) -> list:

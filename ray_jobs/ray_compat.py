@@ -17,6 +17,8 @@ CHECKED_RAY_VERSION = "2.60.0"
 # Ray Train's controller polls its workers' reports every this many seconds (2 by default); read from the
 # environment of the process that calls fit(). Not a documented setting: see bench.overhead --mode report.
 CONTROLLER_POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+# Set by Ray's job supervisor for the entrypoint of `ray job submit` only (ray/dashboard/modules/job/job_supervisor.py)
+JOB_DRIVER_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 DRAIN_FALLBACK_EVERY = 50  # steps between the barrier calls of drain_announced's fallback (the same on every rank)
 
 _TOKEN_SETUP = "ray._private.authentication.authentication_token_setup"

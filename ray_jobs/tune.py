@@ -28,7 +28,7 @@ from minilm import data as D
 from minilm.cli import command, note
 from minilm.config import ConfigError, ModelConfig, TrainConfig
 from minilm.options import plan_steps
-from minilm.run import dry_run_done
+from minilm.run import dry_run_done, write_config
 from minilm.safety import check_name, join_uri
 
 from .cli import UsageError, load_yaml, redact_uri
@@ -133,8 +133,10 @@ def trial(params: dict, plan: RunPlan, sweep_dir: str) -> None:
     opts = dataclasses.replace(plan.opts, name=name,
                                storage_path=join_uri(plan.opts.storage_path, plan.opts.name, "trials"),
                                run_dir=str(Path(sweep_dir) / "trials" / name) if plan.run_dir else None)
-    C.RunFolder(join_uri(opts.storage_path, name)).delete(RAY_SNAPSHOT)  # a restored trial: minilm's rules, not Ray's
+    folder = C.RunFolder(join_uri(opts.storage_path, name))
+    folder.delete(RAY_SNAPSHOT)  # a restored trial: minilm's rules, not Ray's
     trial_plan = dataclasses.replace(plan, model_cfg=m, train_cfg=t, opts=opts)
+    write_config(trial_plan, folder)  # for ray_jobs.pretrain --config
     evaluator = start_evaluator(trial_plan)  # --eval-tasks: the trial's checkpoints scored beside it
     try:
         make_trainer(trial_plan.config(opts), opts, callbacks=[TuneReportCallback()]).fit()
@@ -269,7 +271,8 @@ def run(args: argparse.Namespace) -> int:
     args.num_workers = str(workers)
     args.name = args.name or time.strftime("sweep-%Y%m%d-%H%M%S")
     resume_sweep, args.resume = args.resume, "auto"  # a restored trial continues its own latest checkpoint
-    plan = plan_run(args, concurrent_runs=concurrent, reserved_cpus=concurrent * TRIAL_CPUS, file_values=file_values)
+    plan = plan_run(args, concurrent_runs=concurrent, reserved_cpus=concurrent * TRIAL_CPUS, file_values=file_values,
+                    sweep=True)  # RUN/config.yaml: each trial's, in its folder
     plan.opts.tracker_group = plan.opts.name  # trials of one sweep: one W&B group / MLflow tag
     try:
         metric = check_metric(sweep_opts["metric"], plan)

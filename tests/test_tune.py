@@ -184,6 +184,9 @@ def test_sweep_reports_val_loss_and_ranks_trials_by_a_score_of_eval_tasks(ray_ad
     assert len(rows) == 2 and all(r["val_loss"] not in ("", "None") for r in rows)
     assert float(rows[0]["eval/cloze/acc_norm"]) >= float(rows[1]["eval/cloze/acc_norm"])  # maximised: best first
     logs = sorted((tmp_path / "val" / "trials").glob("*/metrics.jsonl"))
+    # each trial's folder keeps its effective config (its own lr), for pretrain --config; the sweep's folder none
+    assert sorted(yaml.safe_load((p.parent / "config.yaml").read_text())["lr"] for p in logs) == [3e-4, 3e-3]
+    assert not (tmp_path / "val" / "config.yaml").exists()
     assert len(logs) == 2 and all(any("val_loss" in json.loads(x) for x in p.read_text().splitlines()) for p in logs)
     last = []  # the score Tune ranked by is each trial's last checkpoint's, as the trial's eval.jsonl holds it
     for log in logs:

@@ -264,7 +264,7 @@ class ResumeDecision:
 
 # The run's logs and evaluation state belong to the branch that wrote them: a fresh start moves them aside with it.
 BRANCH_LOGS = ("metrics.jsonl", "world_size.csv", "last_optimizer_step", "eval.jsonl", "best.json",
-               "eval-pending.json")
+               "eval-pending.json", "config.yaml")
 
 
 def decide_resume(folder: RunFolder | None, resume: str, abandon_newer: bool = False) -> ResumeDecision:
@@ -358,7 +358,8 @@ def resume_problems(state: dict[str, Any], model_config: ModelConfig, train_conf
     # A field added to ModelConfig since the checkpoint was written (e.g. document_mask) has its default there.
     saved_model = {**ModelConfig().to_dict(), **state["model_config"]}
     if saved_model != model_config.to_dict():
-        changed = sorted(k for k, v in model_config.to_dict().items() if saved_model.get(k) != v)
+        changed = sorted(f"{k} {v} != {saved_model.get(k)}" for k, v in model_config.to_dict().items()
+                         if saved_model.get(k) != v)
         problems.append(f"the model config differs from the checkpoint's ({', '.join(changed)})")
     if state["data_fingerprint"] != data_fingerprint:
         problems.append(f"the data fingerprint {data_fingerprint[:12]} differs from the checkpoint's "

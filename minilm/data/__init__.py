@@ -12,6 +12,7 @@ from .format import (
     check_compatible,
     check_manifest,
     file_sha256,
+    fit_configs,
     is_remote,
     token_dtype_for,
 )
@@ -33,7 +34,6 @@ __all__ = [
     "COPY_CHUNK", "FORMAT", "MANIFEST", "MAX_OPEN_SHARDS", "TOKENIZER_FILE", "TOKEN_DTYPES", "VAL_SEED",
     "DataError", "DataPosition", "LocalRankStream", "PreparedData", "RankOrder", "RowsInMemory", "SequenceStore",
     "_copy_verified", "cache_root", "check_compatible", "check_manifest", "check_val_samples", "epoch_order",
-    "file_sha256", "is_remote", "materialise", "open_local", "open_prepared", "rank_micro_batches", "record_verified",
-    "split_ids",
-    "steps_per_epoch", "token_dtype_for", "verify_hashes",
+    "file_sha256", "fit_configs", "is_remote", "materialise", "open_local", "open_prepared", "rank_micro_batches",
+    "record_verified", "split_ids", "steps_per_epoch", "token_dtype_for", "verify_hashes",
 ]

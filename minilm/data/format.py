@@ -166,6 +166,19 @@ def _hash_mismatch(where: str, got: str, want: str) -> str:
             f"corrupt); prepare the dataset again")
 
 
+def fit_configs(data: PreparedData, model_cfg, train_cfg, unset=()) -> str | None:
+    """`check_compatible` for a run's configs once those of `unset` (seq_len, vocab_size: given by neither flag nor
+    YAML) are the manifest's; the start line's note naming them."""
+    taken = {name: getattr(data, name) for name in unset}
+    for cfg in (model_cfg, train_cfg):
+        for name in taken.keys() & cfg.__dataclass_fields__.keys():
+            setattr(cfg, name, taken[name])
+    check_compatible(data, vocab_size=model_cfg.vocab_size, seq_len=train_cfg.seq_len)
+    if taken:
+        return f"note: {' and '.join(f'{k} {v}' for k, v in taken.items())} from the data's manifest"
+    return None
+
+
 def check_compatible(data: PreparedData, *, vocab_size: int, seq_len: int) -> None:
     """Refuse data that does not fit the model before any worker starts."""
     problems = []
