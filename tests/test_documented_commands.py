@@ -256,6 +256,8 @@ def action(c: Command) -> Action | None:
     """How `c` is run (None: nothing here knows its program)."""
     prog, words = program_words(c)
     if prog in ("python", "python3", ".venv/bin/python", "minilm", "torchrun"):
+        if words[1:2] == ["-c"]:
+            return Action(NOT_RUN, "a line of Python that checks an install (whether torch sees a GPU)")
         if prog == "minilm":
             from ray_jobs.__main__ import COMMANDS
 
@@ -594,7 +596,7 @@ def dry_run(a: Action, folder: Path, server, monkeypatch) -> None:
     from minilm.run import DRY_RUN
 
     args = s3_args(a.args, server)
-    s3_before = server.filesystem().get_file_info(_all_of_bucket())
+    s3_before = s3_listing(server)
     before = tree(folder)
     monkeypatch.setenv("WANDB_MODE", "offline")  # --tracker wandb without an account (docs/tracking.md)
     if a.torchrun is not None:
@@ -607,13 +609,15 @@ def dry_run(a: Action, folder: Path, server, monkeypatch) -> None:
         outcome = in_process(a.module, [*args, "--dry-run"], folder)
     assert outcome.code == 0 and DRY_RUN in outcome.out, outcome
     assert tree(folder) == before, "a dry run wrote into its folder"
-    assert server.filesystem().get_file_info(_all_of_bucket()) == s3_before, "a dry run wrote to S3"
+    assert s3_listing(server) == s3_before, "a dry run wrote to S3"
 
 
-def _all_of_bucket():
+def s3_listing(server) -> list[tuple]:
+    """Every object and folder in the bucket; a folder's mtime left out (S3 has none: the server makes one up)."""
     import pyarrow.fs as pafs
 
-    return pafs.FileSelector("bucket", recursive=True)
+    infos = server.filesystem().get_file_info(pafs.FileSelector("bucket", recursive=True))
+    return sorted((f.path, f.type.name, f.size, f.mtime if f.type == pafs.FileType.File else None) for f in infos)
 
 
 RUNNABLE = [c for c in COMMANDS for a in [action(c)] if a is not None
