@@ -105,9 +105,14 @@ def bench_dtype(args, dtype_name: str) -> dict:
     batches = random_batches(args, args.warmup + args.steps, device)
     runs, steps = {}, {}
     for name, experts, top_k, dispatch, compile_ in configs(args):
-        model, optimizer = build(model_config(args, experts, top_k), TrainConfig(lr=1e-4, compile=compile_), device)
+        train_cfg = TrainConfig(lr=1e-4, compile=compile_, optimizer=args.optimizer[0])
+        model, optimizer = build(model_config(args, experts, top_k), train_cfg, device)
         runs[name] = (model, experts, top_k, dispatch, compile_)
         steps[name] = stepper(model, optimizer, batches, dtype, dispatch)
+    for opt in args.optimizer[1:]:  # a dense row per further optimizer: its /dense is its step over the first's
+        model, optimizer = build(model_config(args), TrainConfig(lr=1e-4, optimizer=opt), device)
+        runs[f"dense {opt}"] = (model, 0, 1, "auto", False)
+        steps[f"dense {opt}"] = stepper(model, optimizer, batches, dtype)
     times = alternate(steps, args.steps, args.warmup, device)
     MoEFeedForward.dispatch = "auto"  # the process's default, as it was
     peak_after = measured_matmul_peak(dtype, n=args.peak_size, repeats=10, device=device)
@@ -286,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=["fp32", "bf16", "both"], default="fp32")
     p.add_argument("--device", default="cpu", help="cpu or cuda (one GPU)")
     p.add_argument("--compile", action="store_true", help="add rows with torch.compile'd blocks")
+    p.add_argument("--optimizer", nargs="+", choices=["muon", "adamw"], default=["muon"],
+                   help="every row's optimizer (the first; default muon, as the loop's); each further one adds a "
+                        "dense row")
     p.add_argument("--experts", type=int, nargs="+", default=[4], help="the MoE rows' expert counts")
     p.add_argument("--top-k", type=int, nargs="+", default=[1], help="the MoE rows' experts per token")
     p.add_argument("--dispatch", nargs="+", choices=["auto", "split", "grouped"], default=["auto"],

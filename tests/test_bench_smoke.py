@@ -37,6 +37,14 @@ def test_step(tmp_path):
     assert result["rows"][0]["active_params"] <= result["rows"][1]["active_params"] < result["rows"][1]["params"]
 
 
+def test_step_times_a_further_optimizer_beside_the_first(tmp_path):
+    run_bench("bench.step", [*TINY_MODEL, "--seq-len", "32", "--micro-batch-size", "2", "--steps", "2", "--warmup",
+                             "1", "--peak-size", "256", "--no-moe", "--optimizer", "muon", "adamw"], tmp_path)
+    rows = written(tmp_path, "step.json")["results"][0]["rows"]
+    assert [r["config"] for r in rows] == ["dense", "dense adamw"]
+    assert rows[1]["over_dense"] == pytest.approx(rows[1]["step_s_median"] / rows[0]["step_s_median"])
+
+
 def test_step_moe_experts_and_top_k(tmp_path):
     # bench.step's MoE rows (once bench.moe): every expert count and top-k at the dense model's active width
     out = run_bench("bench.step", [*TINY_MODEL, "--seq-len", "32", "--micro-batch-size", "2", "--steps", "1",
