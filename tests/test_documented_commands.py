@@ -87,14 +87,14 @@ PROGRAM_ACTIONS = {
                          "tests/test_cluster_configs.py checks them offline"),
     "docker": (NOT_RUN, "needs a Docker daemon and a registry; tests/test_cluster_configs.py checks cluster/Dockerfile"),
     "mlflow": (NOT_RUN, "MLflow's web UI, of the full `mlflow` package (the [mlflow] extra is the client only)"),
-    "lm_eval": (NOT_RUN, "lm-eval-harness (the [eval] extra, not a dev dependency) downloads HellaSwag; "
+    "lm_eval": (NOT_RUN, "lm-eval-harness (the [eval] extra) downloads HellaSwag, which this machine cannot; "
                          "tests/test_lm_eval.py runs `lm_eval --model hf` offline on a local task where it is installed"),
     "llama-cli": (NOT_RUN, "llama.cpp is not installed here; tests/test_gguf_export.py runs llama.cpp through "
                            "llama-cpp-python where it is"),
     "bench/gpu_check.sh": (NOT_RUN, "the lent GPU machine's check (docs/gpu.md); its CPU dry run is "
                                     "tests/test_gpu_check.py's rehearsal (make rehearsal)"),
 }
-GGUF_MISSING = "the gguf package (the [gguf] extra, not a dev dependency) is not installed: its flags parsed; " \
+GGUF_MISSING = "the gguf package (the [gguf] extra, in dev) is not installed: its flags parsed; " \
                "tests/test_gguf_export.py writes and reads the file where it is"
 
 # Documented paths -> the ones used here; relative paths stay as written (each command runs in its workspace).
