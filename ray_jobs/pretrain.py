@@ -23,7 +23,7 @@ from minilm import data as D
 from minilm import run as run_plan
 from minilm import testing
 from minilm.cli import ArgumentParser, command, fail
-from minilm.config import ConfigError, ModelConfig, TrainConfig
+from minilm.config import ConfigError, ModelConfig, TrainConfig, check_fits
 from minilm.distributed import collective_timeout_s
 from minilm.errors import EXIT_FAILED, UsageError
 from minilm.options import (
@@ -96,6 +96,7 @@ def without_secrets(config: dict) -> tuple[dict, dict]:
 def check_options(model_cfg: ModelConfig, train_cfg: TrainConfig, opts: RayOptions) -> None:
     """Every check that needs no data and no Ray."""
     check_configs(model_cfg, train_cfg, opts)
+    check_fits(model_cfg, train_cfg)  # check_configs leaves it to check_run when the manifest sets seq_len
     check_world_sizes(train_cfg, RayLaunch.world_sizes(opts), where=f"--num-workers {opts.num_workers}: ")
 
 

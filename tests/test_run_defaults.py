@@ -168,3 +168,13 @@ def test_a_ray_runs_folder_keeps_its_config_which_reruns_it(baseline, run_data, 
     again = build_configs(args, load_yaml(args.config), RayOptions)
     assert (again.model, again.train) == (given.model, given.train)
     assert run_flags(again.run) == run_flags(dataclasses.replace(given.run, storage_path=str(run_storage.resolve())))
+
+
+def test_a_sweep_points_seq_len_is_checked_against_the_model_when_the_manifest_set_the_runs():
+    from minilm.config import ConfigError, ModelConfig, TrainConfig
+    from ray_jobs.pretrain import RayOptions, check_options
+
+    opts = RayOptions(from_manifest=["seq_len", "vocab_size"])
+    with pytest.raises(ConfigError, match="exceeds max_position_embeddings"):
+        check_options(ModelConfig(max_position_embeddings=64), TrainConfig(seq_len=256), opts)
+    check_options(ModelConfig(max_position_embeddings=257), TrainConfig(seq_len=256), opts)
