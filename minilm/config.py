@@ -110,6 +110,28 @@ def _rough(n: int) -> str:
     return f"{n:.3g}" if n < 10**300 else f"~1e+{len(str(n)) - 1}"
 
 
+class _Config:
+    """What both configs share: one ConfigError naming every problem, and plain dicts in and out."""
+
+    def validate(self, **kwargs):
+        problems = self.problems(**kwargs)
+        if problems:
+            raise ConfigError(problems)
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]):
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            what = cls.__name__.removesuffix("Config").lower()
+            raise ConfigError([f"unknown {what} config field(s): {', '.join(unknown)} (known: {', '.join(sorted(known))})"])
+        return cls(**d)
+
+
 def _default_intermediate_size(hidden_size: int) -> int:
     # MiniMind's SwiGLU width: ~pi * hidden, rounded up to a multiple of 64.
     if hidden_size > MAX_NUMBERS:  # a mistyped size, refused by problems(); past a float's range it still is one
@@ -118,7 +140,7 @@ def _default_intermediate_size(hidden_size: int) -> int:
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(_Config):
     hidden_size: int = 768
     num_hidden_layers: int = 8
     num_attention_heads: int = 8
@@ -188,22 +210,9 @@ class ModelConfig:
         embedding = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return layers * (attention + mlp + 2 * h) + h + embedding
 
-    def validate(self) -> ModelConfig:
-        problems = self.problems()
-        if problems:
-            raise ConfigError(problems)
-        return self
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
-        return _from_dict(cls, d, "model config")
-
 
 @dataclass
-class TrainConfig:
+class TrainConfig(_Config):
     lr: float = 5e-4
     warmup_steps: int = 0
     min_lr_ratio: float = 0.1
@@ -233,6 +242,10 @@ class TrainConfig:
     muon_lr: float = 0.02
     muon_momentum: float = 0.95
     embedding_lr_ratio: float = 3.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.betas, list):  # YAML, JSON and state.json give a list
+            self.betas = tuple(self.betas)
 
     def inert(self) -> frozenset[str]:
         """The fields that change nothing in this config: Muon's settings when AdamW moves everything."""
@@ -265,22 +278,8 @@ class TrainConfig:
             return [f"warmup_steps ({self.warmup_steps}) must be smaller than the total optimizer steps ({total_steps})"]
         return []
 
-    def validate(self, world_size: int | None = None, total_steps: int | None = None) -> TrainConfig:
-        problems = self.problems(world_size, total_steps)
-        if problems:
-            raise ConfigError(problems)
-        return self
-
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["betas"] = list(self.betas)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
-        cfg = _from_dict(cls, d, "train config")
-        cfg.betas = tuple(cfg.betas)
-        return cfg
+        return {**dataclasses.asdict(self), "betas": list(self.betas)}
 
 
 def check_fits(model: ModelConfig, train: TrainConfig) -> None:
@@ -335,10 +334,3 @@ def _type_problems(cfg) -> list[str]:
             p.append(f"{name} must be {word}, got {value!r}"[:200])
     return p
 
-
-def _from_dict(cls, d: dict[str, Any], what: str):
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - known)
-    if unknown:
-        raise ConfigError([f"unknown {what} field(s): {', '.join(unknown)} (known: {', '.join(sorted(known))})"])
-    return cls(**d)

@@ -189,8 +189,6 @@ def build_configs(args: argparse.Namespace, file_values: dict, cls: type[RunOpti
             values[name] = getattr(args, name)
     model = ModelConfig(**{k: v for k, v in values.items() if k in model_fields})
     train = TrainConfig(**{k: v for k, v in values.items() if k in train_fields})
-    if isinstance(train.betas, list):
-        train.betas = tuple(train.betas)
     run = {}
     for name, f in run_fields.items():
         if name in values:
