@@ -1,8 +1,5 @@
-"""minilm: MiniMind-class language models, pretrained with Ray. The library is pure PyTorch.
-
-The package's names are imported on first use, so that `import minilm.data` (a Ray Data reader, the
-prepare driver) does not pay for torch.
-"""
+"""minilm: MiniMind-class language models, pretrained with Ray. Names are imported on first use, so that
+`import minilm.data` (a Ray Data reader, the prepare driver) does not pay for torch."""
 
 __all__ = ["ConfigError", "ModelConfig", "TrainConfig", "MiniMindForCausalLM", "load_pretrained"]
 __version__ = "0.1.0"

@@ -1,7 +1,5 @@
-"""The entry points' shared plumbing: one argument parser, one `error: ...` line, one Ctrl-C. Only entry points
-import this module. Every command names the same things with the same flags: `--run-dir` a run folder,
-`--checkpoint` one checkpoint (or RUN_DIR/best), `--output` what it writes, `--resume auto|never|PATH` wherever a
-run continues; a spelling of the last release (`ArgumentParser.rename`) still works, with a `note:`."""
+"""The entry points' shared plumbing: one argument parser, one `error: ...` line, one Ctrl-C; a flag's spelling of
+the last release (`ArgumentParser.rename`) still works, with a `note:`."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""The eval log (RUN/eval.jsonl, or `ray_jobs.evaluate --output`): one record per (checkpoint, task), appended by the
-evaluator. Rank 0 reads what is new at each log step (`EvalInbox.poll`) and hands each score on once, as
-`eval/<task>/<metric>` at the checkpoint's step, waiting only for the last checkpoint's (`EvalInbox.wait_for`).
-Scores are keyed by the weights SHA-256: an abandoned branch's score of a step is never taken for the new run's.
-"""
+"""The eval log (RUN/eval.jsonl): one record per (checkpoint, task). Rank 0 hands each score on once, as
+`eval/<task>/<metric>` at its checkpoint's step; scores are keyed by the weights SHA-256, never by step alone."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Evaluation beyond loss: what a checkpoint does on fixed tasks (minilm.tasks'), away from the training path.
-
-A multiple-choice item is scored as lm-eval-harness does: the log-likelihood of each choice's tokens after the
-context. `evaluate_checkpoint(path, tasks)` is the whole per-checkpoint job: plain arguments in, plain records out,
-so it can run in-process or as a Ray task.
-"""
+"""Evaluation beyond loss, away from the training path: `evaluate_checkpoint(path, tasks)` is the whole job of one
+checkpoint, plain arguments in and plain records out, so it runs in-process or as a Ray task."""
 
 from __future__ import annotations
 

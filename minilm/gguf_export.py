@@ -1,8 +1,5 @@
-"""GGUF export: one `model.gguf` that llama.cpp loads with no converter run, written with `gguf`, llama.cpp's writer.
-
-MiniMind's blocks are Qwen3's (q/k norms, NEOX RoPE: no weight is permuted), so the architecture is `qwen3` or
-`qwen3moe`; the tokenizer is GGUF's `gpt2` byte-level BPE with the `gpt-2` split.
-"""
+"""GGUF export: one `model.gguf` that llama.cpp loads as it is. MiniMind's blocks are Qwen3's, so no weight is
+permuted (architecture `qwen3` or `qwen3moe`, tokenizer GGUF's `gpt2` byte-level BPE)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""The MiniMind architecture in plain PyTorch, readable top to bottom.
-
-Pre-norm decoder: RMSNorm -> grouped-query attention (q/k RMSNorm, RoPE, SDPA) -> residual -> RMSNorm -> SwiGLU
-FFN or a top-k mixture of SwiGLU experts -> residual; tied embeddings. Parameter names are MiniMind's, so state
-dicts load both ways with `strict=True`.
-"""
+"""The MiniMind architecture in plain PyTorch, readable top to bottom; parameter names are MiniMind's, so state
+dicts load both ways with `strict=True`."""
 
 from __future__ import annotations
 

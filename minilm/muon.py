@@ -1,8 +1,5 @@
-"""Muon for the hidden weight matrices, AdamW for everything else, in one optimizer (so one `optimizer.pt`).
-
-Muon moves a 2-D weight by the nearest semi-orthogonal matrix to its momentum, so every direction moves at the same
-rate. The update is deterministic, the same on every DDP rank; `optimizer.found_inf` skips a step without a sync.
-"""
+"""Muon for the hidden weight matrices, AdamW for everything else, in one optimizer (so one `optimizer.pt`); its
+update is deterministic, the same on every DDP rank."""
 
 from __future__ import annotations
 

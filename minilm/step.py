@@ -1,9 +1,5 @@
-"""One optimizer step per worker, as MiniMind's training loop lists it: per micro-batch an autocast forward and a
-scaled backward (DDP's all-reduce on the rank's last only), then unscale, clip, step, scaler update, zero_grad.
-
-No host sync: a non-finite gradient norm skips the update on the device (the `found_inf` protocol of torch's fused
-optimizers), and the metrics stay tensors until a log step reads them.
-"""
+"""One optimizer step per worker, as MiniMind's loop lists it, with no host sync: a non-finite gradient norm skips
+the update on the device, and the metrics stay tensors until a log step reads them."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""Evaluation tasks: the four kinds' files read and checked, and the task list (docs/evaluation.md).
-
-    hellaswag  multiple choice, HellaSwag's JSONL ({"ctx", "endings", "label"})
-    choice     multiple choice, MMLU / C-Eval / CMMLU CSV (or JSONL): question, choices A-D, answer letter
-    bpb        bits per byte of held-out documents (JSONL {"text"} or one .txt), each read from its start
-    generate   greedy continuations (temperature 0) of fixed prompts (JSONL {"prompt"} or .txt, one a line)
-
-A malformed item is one TaskError line naming the file and line, never a skip; a task list is trusted by type only.
-"""
+"""Evaluation tasks: the files of the four kinds (hellaswag, choice, bpb, generate) read and checked, and the task
+list (docs/evaluation.md). A malformed item is one TaskError line naming the file and line, never a skip."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""The world-size timeline of a run and the work lost at each restart (`world_size.csv` in the run folder).
-
-Rank 0 writes one row per (re)start of the worker group (an elastic run is resized by restarting it from the latest
-checkpoint): time, optimizer_step, world_size, accumulation_steps, event, redone_steps. `event` is start, restart
-(a failure, or a new job continuing the run), shrink or grow (the world size changed), preempt (SIGTERM: a checkpoint
-was written first), exit or finish. `redone_steps` is the work lost: the optimizer steps the previous group completed
-past the checkpoint it resumed from, as `last_optimizer_step` says. That file is written at every log step (not every
-step: it may sit on a network filesystem), so a group that dies abruptly is counted up to its last log step.
-"""
+"""The world-size timeline of a run and the work lost at each restart (`world_size.csv` in the run folder): one row
+per (re)start of the worker group, its event and the steps redone since its checkpoint (docs/elastic.md)."""
 
 from __future__ import annotations
 

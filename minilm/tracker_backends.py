@@ -1,6 +1,4 @@
-"""The tracker backends, one class per kind, each opening (or continuing) one tracker run on rank 0 and importing its
-package only then; and what they share with `minilm.trackers`: the packages each kind needs, TrackerError, MLflow's
-store."""
+"""The tracker backends, one class per kind, each importing its package only when it opens a run on rank 0."""
 
 from __future__ import annotations
 

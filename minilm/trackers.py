@@ -1,9 +1,5 @@
-"""Experiment trackers (TensorBoard, MLflow, Weights & Biases) that survive resume.
-
-Rank 0 opens the trackers once per (re)start and saves each one's run id in the checkpoint, so a resumed run
-continues the same tracker run. Steps redone after a crash never make a step axis go backwards: TensorBoard purges
-them, MLflow and W&B skip steps at or below the last one they hold (docs/tracking.md).
-"""
+"""Experiment trackers (TensorBoard, MLflow, W&B) that survive resume: each one's run id is saved in the checkpoint,
+and steps redone after a crash never make a step axis go backwards (docs/tracking.md)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Checkpoints scored beside training: `ray_jobs.pretrain --eval-tasks tasks.yaml --eval-resources CPU=1`.
-
-A driver thread hands each new complete checkpoint to a Ray task on resources the workers never wait for; its
-records go to RUN/eval.jsonl (shared with `ray_jobs.evaluate`: each checkpoint scored once) and best.json. A
-checkpoint waiting for its scores is pinned (eval-pending.json); a failed scoring is one warning, training goes on.
-"""
+"""Checkpoints scored beside training (`--eval-tasks`): a driver thread hands each new complete checkpoint to a Ray
+task the workers never wait for, into RUN/eval.jsonl and best.json; a failed scoring is one warning."""
 
 from __future__ import annotations
 

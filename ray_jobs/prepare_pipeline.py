@@ -1,8 +1,5 @@
-"""The Ray side of `ray_jobs.prepare`: blocks of records, a Ray task each, taken back in submission order.
-
-Plain tasks, not Ray Data: an ordered map of independent blocks needs none of its planning, and its executor would
-take driver CPU from the encoders. Imports stay stdlib only: Ray workers import this module for `_encode_block`.
-"""
+"""The Ray side of `ray_jobs.prepare`: blocks of records, a plain Ray task each (an ordered map needs none of Ray
+Data's planning), taken back in order. Imports stay stdlib only: Ray workers import this module."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Every use of Ray's private internals, in one place, each with the public behaviour it falls back to.
-
-Checked against Ray 2.60.0 (`CHECKED_RAY_VERSION`). Each function reaches one internal through `importlib` at
-call time and returns False, doing nothing, when it has moved: the run then behaves as plain Ray does
-(`tests/test_ray_compat.py` takes each internal away and checks its fallback).
-"""
+"""Every use of Ray's private internals (checked against `CHECKED_RAY_VERSION`), in one place: each is reached at
+call time and does nothing, returning False, when it has moved, so the run behaves as plain Ray does."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""Each worker's stream of micro-batches, through Ray Data, from any resume point.
-
-Ray Data has no resumable iterator (ray-project/ray#37633, #48224) and `streaming_split` does not promise
-which rank gets which rows, so the order is ours (`minilm.data.RankOrder`) and Ray Data only streams: the
-positions of what this rank consumes from its resume step to the last (`ray.data.range`), turned into rows by
-a reader actor on the rank's own node (`SequenceStore` over the node's copy of the token files), prefetched
-while the step runs. Restarting at any step and world size is the same pipeline from another first step.
-"""
+"""Each worker's stream of micro-batches, through Ray Data, from any resume point. Ray Data has no resumable
+iterator and `streaming_split` does not promise which rank gets which rows, so the order is ours (`RankOrder`):
+Ray Data only streams the positions this rank consumes, turned into rows by a reader actor on the rank's node."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Checkpoints, one owner: `manager` (when, staging, writing, publishing, pruning, loading), `files` (the folder on
-disk, its marker, exports), `resume` (the run folder, its lease, which checkpoint a run continues), `best` (the best checkpoint by an eval metric,
-and the checkpoints pruning keeps for it)."""
+"""Checkpoints, one owner: `manager` (when and how), `files` (the folder on disk), `resume` (the run folder and
+which checkpoint a run continues), `best` (the best checkpoint and what pruning keeps)."""
 
 from . import best, files, resume  # noqa: F401
 from .best import *  # noqa: F403

@@ -1,11 +1,6 @@
-"""The run's best checkpoint by one eval metric (`best.json`), and the checkpoints pruning must leave alone.
-
-`eval-pending.json` names the checkpoints queued for evaluation, by evaluator; either file changes only under the run
-folder's evaluation lock (`eval.lock`). A checkpoint stays pinned throughout: an evaluator pins it before it is
-scored, `update_best` writes its score, and only then is it unpinned; `pinned` reads the pending list before
-best.json, so a score that lands between the two reads is seen in one or the other. `resolve` turns RUN/best into
-that checkpoint's folder.
-"""
+"""The run's best checkpoint by one eval metric (`best.json`), and the checkpoints pruning must leave alone
+(`eval-pending.json`), both changed only under the run folder's `eval.lock`. An evaluator pins a checkpoint before
+scoring it and unpins it after `update_best`; `pinned` reads the pins first, so a score between its reads is seen."""
 
 from __future__ import annotations
 

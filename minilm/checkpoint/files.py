@@ -1,10 +1,5 @@
-"""A checkpoint or export folder on disk: each file hashed as it is written and fsynced, COMPLETE.json last.
-
-A resume checkpoint is `model.safetensors` (fp32 master weights, MiniMind's keys), `optimizer.pt`, `scaler.pt`
-(torch.save of tensors and numbers: weights_only-loadable) and `state.json` (step, world size, configs,
-fingerprints, run ids). A weights export (`weights/`, `ray_jobs.export`) is half-precision `model.safetensors` +
-`config.json` (+ `tokenizer.json`, MiniMind's `.pth`), loadable with `minilm.load_pretrained(DIR)`.
-"""
+"""A checkpoint or export folder on disk: each file hashed as it is written and fsynced, COMPLETE.json last
+(the files of each: docs/reliability.md)."""
 
 from __future__ import annotations
 

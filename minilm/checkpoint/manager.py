@@ -1,12 +1,6 @@
 """The one owner of a run's checkpoints: when to save, where it is staged, how it is written, published, verified,
-pruned, and which one a (re)start loads. The save path:
-
-    Trainer.fit -> CheckpointManager.report -> (writer thread) files.write_resume_state -> Storage.report (a rename,
-    or Ray's upload) -> CheckpointManager.published (fsync, verify, prune)
-
-The training thread copies the state into reused host buffers (`StateSnapshot`) and goes on; at most one save is in
-flight, so the buffers are never overwritten while read. `--checkpoint-mode sync` writes the live state instead.
-"""
+pruned, and which one a (re)start loads. The loop only copies the state into reused host buffers (`StateSnapshot`);
+a writer thread does the rest, one save in flight at a time, so the buffers are never overwritten while read."""
 
 from __future__ import annotations
 

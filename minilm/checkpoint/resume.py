@@ -1,10 +1,5 @@
-"""Which checkpoint a run continues, and who may write its folder: the rules every entry point follows.
-
-`RunFolder` is a run's folder on any storage (a local path, or s3:// / gs:// through pyarrow). Its `Lease` keeps one
-live run in it; `decide_resume` applies --resume under the lease (`ray_jobs.pretrain`'s driver, `minilm.train`'s rank
-0); every (re)started process then continues the newest complete checkpoint of the folder, else the one
-`decide_resume` chose (`CheckpointManager.load`).
-"""
+"""Which checkpoint a run continues, and who may write its folder: `RunFolder` (any storage, through pyarrow), its
+`Lease` (one live run) and `decide_resume` (--resume, applied under the lease); the rules every entry point follows."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""The sample order, and the resume contract it keeps, exact at any world size, from pure functions, not iterator
-state: a fixed held-out slice (`split_ids`), a seeded permutation per epoch (`epoch_order`), step s of an epoch
-taking positions [s*G, (s+1)*G) of it, and rank r of W the r-th contiguous slice of that (`rank_micro_batches`).
-So the only position to save is the optimizer step.
-"""
+"""The sample order from pure functions, not iterator state, exact at any world size: a held-out slice, a seeded
+permutation per epoch, step s taking its positions [s*G, (s+1)*G) and rank r the r-th contiguous slice of those.
+So the only position to save is the optimizer step."""
 
 from __future__ import annotations
 
