@@ -4,7 +4,6 @@ the update on the device, and the metrics stay tensors until a log step reads th
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -13,6 +12,7 @@ import torch
 
 from .config import TrainConfig
 from .muon import native_bf16
+from .progress import measured_matmul_peak
 
 # The one table of --dtype names (minilm.config.DTYPES, less "auto") and their torch dtypes.
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -48,18 +48,8 @@ def cpu_bf16_is_faster(size: int = 512, repeats: int = 8) -> bool:
     bf16 is emulated, ~10x slower: not worth the seconds a timing takes."""
     if not native_bf16("cpu"):
         return False
-    a, b = torch.randn(size, size, device="cpu"), torch.randn(size, size, device="cpu")
-
-    def best(x, y) -> float:
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            x @ y
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
-    best(a, b)  # warm-up
-    return best(a.bfloat16(), b.bfloat16()) < 0.8 * best(a, b)
+    fp32 = measured_matmul_peak(torch.float32, size, repeats)
+    return measured_matmul_peak(torch.bfloat16, size, repeats) > 1.25 * fp32
 
 
 def autocast(device_type: str, dtype: torch.dtype):
