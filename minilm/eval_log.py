@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .errors import UsageError
-from .jsonl import append_jsonl, read_jsonl
+from .fsio import append_jsonl, read_jsonl
 
 EVAL_LOG = "eval.jsonl"  # in the run folder
 PREFIX = "eval/"

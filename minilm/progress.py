@@ -9,8 +9,7 @@ from pathlib import Path
 
 import torch
 
-from .fsio import write_atomic
-from .jsonl import append_jsonl, read_jsonl
+from .fsio import append_jsonl, read_jsonl, write_atomic
 
 # Dense bf16 tensor-core peak FLOP/s (fp32 accumulation) from NVIDIA's data sheets, keyed by the exact name
 # torch.cuda.get_device_name() reports (an L40S is not an L4); Ampere and later only. An unlisted name (an older

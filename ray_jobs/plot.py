@@ -20,7 +20,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from minilm.cli import ArgumentParser, command, fail, note
-from minilm.jsonl import read_jsonl
+from minilm.fsio import read_jsonl
 
 # (metric, panel title, y-axis label); world size is a step function.
 PANELS = (
