@@ -77,31 +77,20 @@ def write_gguf(f: Path, state_dict: dict[str, torch.Tensor], config: ModelConfig
 
     c, (np_dtype, file_type) = config, GGUF_DTYPES[dtype]
     w = gguf.GGUFWriter(f, gguf_arch(c))
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
-    w.add_rope_freq_base(c.rope_theta)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_file_type(file_type)
-    if c.use_moe:
-        w.add_expert_count(c.num_experts)
-        w.add_expert_used_count(c.num_experts_per_tok)
-        w.add_expert_feed_forward_length(c.intermediate_size)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
-    w.add_token_list(tokenizer["tokens"])
-    w.add_token_types(tokenizer["types"])
-    w.add_token_merges(tokenizer["merges"])
-    w.add_bos_token_id(BOS_ID)
-    w.add_eos_token_id(EOS_ID)
-    w.add_pad_token_id(PAD_ID)
-    w.add_add_bos_token(True)  # minilm scores and generates after a BOS, as its documents were packed
-    w.add_add_eos_token(False)
+    moe = {"expert_count": c.num_experts, "expert_used_count": c.num_experts_per_tok,
+           "expert_feed_forward_length": c.intermediate_size} if c.use_moe else {}
+    metadata = {  # each key's writer is GGUFWriter.add_<key>
+        "context_length": c.max_position_embeddings, "embedding_length": c.hidden_size,
+        "block_count": c.num_hidden_layers, "feed_forward_length": c.intermediate_size,
+        "head_count": c.num_attention_heads, "head_count_kv": c.num_key_value_heads, "key_length": c.head_dim,
+        "value_length": c.head_dim, "rope_freq_base": c.rope_theta, "layer_norm_rms_eps": c.rms_norm_eps,
+        "file_type": file_type, **moe, "tokenizer_model": "gpt2", "tokenizer_pre": "gpt-2",
+        "token_list": tokenizer["tokens"], "token_types": tokenizer["types"], "token_merges": tokenizer["merges"],
+        "bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID,
+        "add_bos_token": True, "add_eos_token": False,  # minilm scores and generates after a BOS, as it packs documents
+    }
+    for key, value in metadata.items():
+        getattr(w, f"add_{key}")(value)
     for name, t in gguf_tensors(state_dict, c).items():
         t = t.detach().cpu()
         if t.ndim == 1 or dtype == "fp32":
