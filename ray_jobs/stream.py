@@ -5,15 +5,11 @@ Ray Data only streams the positions this rank consumes, turned into rows by a re
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import numpy as np
 import ray
 
 from minilm import data as D
-
-if TYPE_CHECKING:
-    import torch
 
 NODE_ID_LABEL = "ray.io/node-id"
 PREFETCH_BATCHES = 4  # optimizer steps read ahead while the step runs
@@ -45,22 +41,12 @@ def rank_dataset(order: D.RankOrder, num_positions: int, data: str, micro_batch_
         compute=ray.data.ActorPoolStrategy(size=1), num_cpus=0, label_selector={NODE_ID_LABEL: node_id})
 
 
-class RankStream:
-    """Each optimizer step's micro-batches on `device` and their sample ids, from `order.start_step` to
-    `total_steps`; `data_wait_s` is the time spent waiting on the pipeline."""
+class RankStream(D.LocalRankStream):
+    """`LocalRankStream` with its rows read by the Ray Data pipeline; `data_wait_s` is the time spent waiting on it."""
 
-    def __init__(self, data_dir: str, order: D.RankOrder, total_steps: int, micro_batch_size: int,
-                 device: torch.device | str):
-        import torch  # here, not at the top: the reader actor imports this module and needs no torch
-
-        self.data_dir, self.order, self.m, self.device = str(data_dir), order, micro_batch_size, torch.device(device)
-        self.num_steps = max(0, total_steps - order.start_step)
-        self._batches = None
-        self.data_wait_s = 0.0
-
-    def __iter__(self):
-        for _ in range(self.num_steps):
-            yield self.next_step()
+    def __init__(self, data_dir: str, order: D.RankOrder, total_steps: int, micro_batch_size: int, device):
+        super().__init__(None, order, total_steps, micro_batch_size, device)
+        self.data_dir, self._batches = str(data_dir), None
 
     def _start(self):
         ds = rank_dataset(self.order, self.num_steps * self.order.per_rank, self.data_dir, self.m,
@@ -69,19 +55,10 @@ class RankStream:
         return iter(ds.iter_batches(batch_size=self.order.per_rank, prefetch_batches=PREFETCH_BATCHES, batch_format="numpy",
                                     drop_last=False))
 
-    def next_step(self) -> tuple[list[torch.Tensor], np.ndarray]:
+    def next_step(self) -> tuple[list, np.ndarray]:
         t0 = time.perf_counter()
         if self._batches is None:
             self._batches = self._start()
         batch = next(self._batches)
         self.data_wait_s += time.perf_counter() - t0
-        rows = batch["input_ids"]
-        return [self._to_device(rows[i:i + self.m]) for i in range(0, len(rows), self.m)], batch["sample_id"]
-
-    def _to_device(self, rows: np.ndarray) -> torch.Tensor:
-        import torch
-
-        t = torch.from_numpy(np.ascontiguousarray(rows))
-        if self.device.type == "cuda":
-            t = t.pin_memory()  # so the copy is async
-        return t.to(self.device, non_blocking=True).long()
+        return self.micro_batches(batch["input_ids"]), batch["sample_id"]

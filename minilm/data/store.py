@@ -98,8 +98,8 @@ class SequenceStore:
 
 
 class LocalRankStream:
-    """One rank's stream read in this process (no Ray), like `ray_jobs.stream.RankStream`: per optimizer step, its
-    micro-batches on `device` and their host sample ids; `data_wait_s` is the time spent reading."""
+    """One rank's stream read in this process (`ray_jobs.stream.RankStream` reads it through Ray Data): per optimizer
+    step, its micro-batches on `device` and their host sample ids; `data_wait_s` is the time spent reading."""
 
     def __init__(self, store, order: RankOrder, total_steps: int, micro_batch_size: int, device="cpu"):
         import torch
@@ -114,17 +114,21 @@ class LocalRankStream:
             yield self.next_step()
 
     def next_step(self):
-        import torch
-
         t0 = time.perf_counter()
         ids = self.order.sample_ids(np.arange(self.position, self.position + self.order.per_rank))
         self.position += self.order.per_rank
-        rows = torch.from_numpy(np.ascontiguousarray(self.store.take(ids)))
-        if self.device.type == "cuda":  # a non-blocking copy from pageable memory is a synchronous one
-            rows = rows.pin_memory()
-        batches = [chunk.to(self.device, non_blocking=True).long() for chunk in rows.split(self.m)]
+        batches = self.micro_batches(self.store.take(ids))
         self.data_wait_s += time.perf_counter() - t0
         return batches, ids
+
+    def micro_batches(self, rows: np.ndarray) -> list:
+        """A step's rows as micro-batches of at most `m` on the device."""
+        import torch
+
+        rows = torch.from_numpy(np.ascontiguousarray(rows))
+        if self.device.type == "cuda":  # a non-blocking copy from pageable memory is a synchronous one
+            rows = rows.pin_memory()
+        return [chunk.to(self.device, non_blocking=True).long() for chunk in rows.split(self.m)]
 
 
 class RowsInMemory:
