@@ -14,6 +14,7 @@ BOS_TOKEN = "<|im_start|>"
 EOS_TOKEN = "<|im_end|>"
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN)  # ids 0, 1, 2, as in MiniMind
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+SPECIAL_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id")  # the manifest's and the configs' names, id order
 
 DEFAULT_VOCAB_SIZE = 6400
 # The special tokens plus the 256 byte symbols every byte-level BPE starts from.
@@ -91,19 +92,14 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
 
 def special_ids(tok: Tokenizer) -> dict[str, int | None]:
     """{"pad_token_id", "bos_token_id", "eos_token_id"} as `tok` has them (None where missing)."""
-    return {
-        "pad_token_id": tok.token_to_id(PAD_TOKEN),
-        "bos_token_id": tok.token_to_id(BOS_TOKEN),
-        "eos_token_id": tok.token_to_id(EOS_TOKEN),
-    }
+    return {key: tok.token_to_id(name) for key, name in zip(SPECIAL_KEYS, SPECIAL_TOKENS, strict=True)}
 
 
 def check_special_ids(tok: Tokenizer, where: str) -> None:
     """Refuse a tokenizer whose special tokens are not MiniMind's (packing and training rely on them)."""
-    found = special_ids(tok)
-    want = {"pad_token_id": PAD_ID, "bos_token_id": BOS_ID, "eos_token_id": EOS_ID}
-    bad = [f"{tokname} is {'missing' if found[key] is None else f'id {found[key]}'}"
-           for (key, wanted), tokname in zip(want.items(), SPECIAL_TOKENS, strict=True) if found[key] != wanted]
+    found = list(special_ids(tok).values())
+    bad = [f"{name} is {'missing' if found[i] is None else f'id {found[i]}'}"
+           for i, name in enumerate(SPECIAL_TOKENS) if found[i] != i]
     if bad:
         raise TokenizerError(f"{where}: MiniMind's special tokens must be {PAD_TOKEN}=0, {BOS_TOKEN}=1, "
                              f"{EOS_TOKEN}=2, but " + ", ".join(bad))
