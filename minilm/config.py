@@ -113,7 +113,7 @@ def _rough(n: int) -> str:
 class _Config:
     """What both configs share: one ConfigError naming every problem, and plain dicts in and out."""
 
-    def validate(self, **kwargs):
+    def validate(self, **kwargs) -> typing.Self:
         problems = self.problems(**kwargs)
         if problems:
             raise ConfigError(problems)
@@ -123,7 +123,7 @@ class _Config:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]):
+    def from_dict(cls, d: dict[str, Any]) -> typing.Self:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
