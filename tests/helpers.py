@@ -112,6 +112,11 @@ def wait_for(condition, proc: subprocess.Popen, what: str, timeout: float = 240,
         time.sleep(poll)
 
 
+def matches(text: str, pattern: str) -> bool:
+    """`pattern` with each "…" standing for any text."""
+    return re.fullmatch(".*".join(map(re.escape, pattern.split("…"))), text, re.DOTALL) is not None
+
+
 def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("error:")]
 
