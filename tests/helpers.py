@@ -61,6 +61,12 @@ def make_prepared(out: Path, *, num_sequences: int, seq_len: int, vocab_size: in
     return out
 
 
+def reference_rows(path: Path) -> np.ndarray:
+    """Every row of a uint16 prepared dataset, read from its token files by hand (not through minilm.data)."""
+    m = json.loads((path / "manifest.json").read_text())
+    return np.concatenate([np.fromfile(path / s["file"], "<u2").reshape(-1, m["seq_len"] + 1) for s in m["shards"]])
+
+
 def run_module(module: str, args: list[str], env: dict | None = None, timeout: float = 300,
                check: bool = False) -> subprocess.CompletedProcess:
     try:

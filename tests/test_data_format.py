@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import ROOT, make_prepared, matches, run_module
+from helpers import ROOT, make_prepared, matches, reference_rows, run_module
 
 from minilm import data as D
 from minilm.data import remote as data_remote
@@ -35,11 +35,6 @@ def dataset(tmp_path: Path, name: str = "tok", *, num_sequences: int = 50, rows_
     for f in out.iterdir():  # written long ago: old enough for a verification stamp
         os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns - 10**10))
     return out
-
-
-def reference_rows(path: Path) -> np.ndarray:
-    m = json.loads((path / "manifest.json").read_text())
-    return np.concatenate([np.fromfile(path / s["file"], "<u2").reshape(-1, SEQ + 1) for s in m["shards"]])
 
 
 def edit_manifest(path: Path, change) -> None:
