@@ -127,10 +127,15 @@ def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("error:")]
 
 
-def tree(folder: Path) -> dict[str, tuple[int, int] | None]:
-    """Every file under `folder` with its size and mtime, and every folder: what 'untouched' compares."""
-    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) if p.is_file() else None
+def tree(folder: Path) -> dict[str, tuple[int, int, bytes] | None]:
+    """Every file under `folder` with its size, mtime and first bytes, and every folder: what 'untouched' compares."""
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns, head(p)) if p.is_file() else None
             for p in sorted(folder.rglob("*"))}
+
+
+def head(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(64)
 
 
 # ---- what the docs quote (tests/test_documented_commands.py) ----

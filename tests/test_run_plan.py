@@ -12,6 +12,7 @@ import shutil
 import signal
 
 import pytest
+from helpers import tree
 from inprocess import run_local, train_flags
 from runs import tiny_args
 
@@ -26,11 +27,6 @@ REFUSALS = {  # flag -> (what is refused, a piece of its one line)
     "data": (["--data", "{missing}"], "does not exist"),
     "tracker": (["--tracker", "bogus"], "bogus"),
 }
-
-
-def tree(folder) -> dict[str, tuple[int, int, bytes]]:
-    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns, p.read_bytes()[:64])
-            for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def flags_for(flags: list[str], **values) -> list[str]:
@@ -211,35 +207,6 @@ def test_a_crafted_pid_is_not_a_live_process(pid):
     from minilm.fsio import pid_alive
 
     assert pid_alive(pid) is False
-
-
-@pytest.mark.parametrize("entry, message", [
-    ("{name: a, kind: [bpb], path: held.jsonl}", "'kind' must be one of"),
-    ("{name: a/b, kind: bpb, path: held.jsonl}", "'name' 'a/b' is not a safe name"),
-    ("{name: a, kind: choice, path: held.jsonl, fewshot: 1, fewshot_path: [1, 2]}", "fewshot_path must name a file"),
-])
-def test_a_task_list_entry_of_the_wrong_type_is_one_line(tmp_path, entry, message):
-    """Task lists are trusted by type only: a list for a kind, a name that is no single path part (it keys
-    eval/<name>/<metric>), a path option that is no string (an alias bomb there would expand without end)."""
-    from minilm.evaluate import TaskError, load_tasks
-
-    (tmp_path / "held.jsonl").write_text('{"text": "the cat"}\n')
-    (tmp_path / "tasks.yaml").write_text(f"tasks:\n  - {entry}\n")
-    with pytest.raises(TaskError, match="^task list ") as e:
-        load_tasks(tmp_path / "tasks.yaml")
-    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
-
-
-def test_a_yaml_alias_bomb_in_a_path_option_is_refused_at_once(tmp_path):
-    from minilm.evaluate import TaskError, load_tasks
-
-    bomb = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
-        f"{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n" for p, c in zip("abcdefgh", "bcdefghi", strict=True))
-    (tmp_path / "held.jsonl").write_text('{"ctx": "a", "endings": ["b", "c"], "label": 0}\n')
-    (tmp_path / "tasks.yaml").write_text(bomb + "tasks:\n  - {name: t, kind: choice, path: held.jsonl, fewshot: 1, "
-                                                "fewshot_path: *i}\n")
-    with pytest.raises(TaskError, match="fewshot_path must name a file, got a list"):
-        load_tasks(tmp_path / "tasks.yaml")
 
 
 def test_an_evaluate_output_file_that_is_not_utf8_is_one_line(tmp_path):
