@@ -94,6 +94,22 @@ def max_rel_diff(got: dict, want: dict) -> float:
                for k in got)
 
 
+def trained_state():
+    """A tiny model one optimizer step in (so the AdamW state is not empty), its optimizer and fp32 scaler."""
+    import torch
+
+    from minilm.config import ModelConfig, TrainConfig
+    from minilm.model import MiniMindForCausalLM
+    from minilm.step import make_grad_scaler, make_optimizer, optimizer_step
+
+    torch.manual_seed(0)
+    model = MiniMindForCausalLM(ModelConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2))
+    optimizer, scaler = make_optimizer(model, TrainConfig()), make_grad_scaler(torch.float32, "cpu")
+    optimizer_step(model, optimizer, scaler, [torch.randint(0, 256, (2, 17))], lr=1e-3, grad_clip=1.0)
+    return model, optimizer, scaler
+
+
 def bitwise_equal(a: dict, b: dict) -> bool:
     import torch
 
