@@ -4,9 +4,11 @@ outputs the docs quote."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -120,6 +122,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def sigterm_kept():
+    """minilm.train installs its own SIGTERM handler: the test process's is put back afterwards."""
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, handler)
 
 
 def wait_for(condition, proc: subprocess.Popen, what: str, timeout: float = 240, poll: float = 0.1) -> None:

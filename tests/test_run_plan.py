@@ -9,10 +9,9 @@ and the run folder is left byte for byte as it was, its lease too.
 from __future__ import annotations
 
 import shutil
-import signal
 
 import pytest
-from helpers import tree
+from helpers import sigterm_kept, tree
 from inprocess import run_local, train_flags
 from runs import tiny_args
 
@@ -50,12 +49,9 @@ def test_minilm_train_refused_late_leaves_the_run_folder_as_it_was(finished, run
     before = tree(run_dir)
     extra, line = REFUSALS[refusal]
     values = {"ckpt": run_dir / "checkpoint_00000008", "missing": tmp_path / "missing"}
-    handler = signal.getsignal(signal.SIGTERM)
-    try:
+    with sigterm_kept():
         code = train.main([str(f) for f in train_flags(run_data, run_dir) + flags_for(ACTING[acting] + extra,
                                                                                          **values)])
-    finally:
-        signal.signal(signal.SIGTERM, handler)
     out = capsys.readouterr()
     assert code == 2 and out.err.count("\n") == 1 and out.err.startswith("error: ") and line in out.err, out.err
     assert "--abandon-newer: moved" not in out.out  # no note of a move that did not happen
@@ -93,15 +89,12 @@ def test_a_dry_run_of_minilm_train_checks_and_leaves_the_run_folder_as_it_was(fi
     before = tree(run_dir)
     flags = [str(f) for f in train_flags(run_data, run_dir)] + ["--dry-run"] + flags_for(
         ACTING.get(acting, []), ckpt=run_dir / "checkpoint_00000008")
-    handler = signal.getsignal(signal.SIGTERM)
-    try:
+    with sigterm_kept():
         assert train.main(flags) == 0
         out = capsys.readouterr().out
         assert out.splitlines()[-1] == DRY_RUN and "moved" not in out
         extra, line = REFUSALS["tracker" if acting == "never" else "drift"]  # a fresh start has no drift
         assert train.main([*flags, *extra]) == 2  # refused as ever
-    finally:
-        signal.signal(signal.SIGTERM, handler)
     assert line in capsys.readouterr().err
     assert tree(run_dir) == before
 
@@ -118,14 +111,11 @@ def test_a_dry_run_refuses_a_folder_a_live_run_holds_and_makes_no_new_one(run_da
     held.mkdir()
     (held / "lease.json").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getppid(),
                                                  "heartbeat": time.time()}))
-    handler = signal.getsignal(signal.SIGTERM)
-    try:
+    with sigterm_kept():
         assert train.main([*map(str, train_flags(run_data, held)), "--dry-run"]) == 2
         assert "in use by a live run" in capsys.readouterr().err
         new = tmp_path / "new" / "run"
         assert train.main([*map(str, train_flags(run_data, new)), "--dry-run"]) == 0
-    finally:
-        signal.signal(signal.SIGTERM, handler)
     assert capsys.readouterr().out.splitlines()[-1] == DRY_RUN and not (tmp_path / "new").exists()
 
 
