@@ -4,9 +4,11 @@ outputs the docs quote."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -61,6 +63,12 @@ def make_prepared(out: Path, *, num_sequences: int, seq_len: int, vocab_size: in
     return out
 
 
+def reference_rows(path: Path) -> np.ndarray:
+    """Every row of a uint16 prepared dataset, read from its token files by hand (not through minilm.data)."""
+    m = json.loads((path / "manifest.json").read_text())
+    return np.concatenate([np.fromfile(path / s["file"], "<u2").reshape(-1, m["seq_len"] + 1) for s in m["shards"]])
+
+
 def run_module(module: str, args: list[str], env: dict | None = None, timeout: float = 300,
                check: bool = False) -> subprocess.CompletedProcess:
     try:
@@ -88,6 +96,22 @@ def max_rel_diff(got: dict, want: dict) -> float:
                for k in got)
 
 
+def trained_state():
+    """A tiny model one optimizer step in (so the AdamW state is not empty), its optimizer and fp32 scaler."""
+    import torch
+
+    from minilm.config import ModelConfig, TrainConfig
+    from minilm.model import MiniMindForCausalLM
+    from minilm.step import make_grad_scaler, make_optimizer, optimizer_step
+
+    torch.manual_seed(0)
+    model = MiniMindForCausalLM(ModelConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2))
+    optimizer, scaler = make_optimizer(model, TrainConfig()), make_grad_scaler(torch.float32, "cpu")
+    optimizer_step(model, optimizer, scaler, [torch.randint(0, 256, (2, 17))], lr=1e-3, grad_clip=1.0)
+    return model, optimizer, scaler
+
+
 def bitwise_equal(a: dict, b: dict) -> bool:
     import torch
 
@@ -98,6 +122,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def sigterm_kept():
+    """minilm.train installs its own SIGTERM handler: the test process's is put back afterwards."""
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, handler)
 
 
 def wait_for(condition, proc: subprocess.Popen, what: str, timeout: float = 240, poll: float = 0.1) -> None:
@@ -112,14 +146,24 @@ def wait_for(condition, proc: subprocess.Popen, what: str, timeout: float = 240,
         time.sleep(poll)
 
 
+def matches(text: str, pattern: str) -> bool:
+    """`pattern` with each "…" standing for any text."""
+    return re.fullmatch(".*".join(map(re.escape, pattern.split("…"))), text, re.DOTALL) is not None
+
+
 def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("error:")]
 
 
-def tree(folder: Path) -> dict[str, tuple[int, int] | None]:
-    """Every file under `folder` with its size and mtime, and every folder: what 'untouched' compares."""
-    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) if p.is_file() else None
+def tree(folder: Path) -> dict[str, tuple[int, int, bytes] | None]:
+    """Every file under `folder` with its size, mtime and first bytes, and every folder: what 'untouched' compares."""
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns, head(p)) if p.is_file() else None
             for p in sorted(folder.rglob("*"))}
+
+
+def head(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(64)
 
 
 # ---- what the docs quote (tests/test_documented_commands.py) ----

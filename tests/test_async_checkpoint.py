@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import metrics
+from helpers import metrics, trained_state
 from inprocess import STEPS, checkpoint_weights, configs, run_local, torchrun, train_flags
 from reference import check_run, replay
 from safetensors import safe_open
@@ -27,24 +27,13 @@ from safetensors.torch import load_file, save
 from minilm import checkpoint as C
 from minilm import data as D
 from minilm.checkpoint.manager import StateSnapshot
-from minilm.config import ModelConfig, TrainConfig
-from minilm.model import MiniMindForCausalLM
-from minilm.step import make_grad_scaler, make_optimizer, optimizer_step
+from minilm.config import TrainConfig
+from minilm.step import optimizer_step
 from minilm.testing import FaultHooks
 from minilm.train import LocalLauncher
 from minilm.trainer import Dataset, Preempted, RunOptions, Trainer
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def tiny_state(seed: int = 0):
-    torch.manual_seed(seed)
-    model = MiniMindForCausalLM(ModelConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2,
-                                            num_attention_heads=4, num_key_value_heads=2))
-    optimizer = make_optimizer(model, TrainConfig())
-    scaler = make_grad_scaler(torch.float32, "cpu")
-    optimizer_step(model, optimizer, scaler, [torch.randint(0, 256, (2, 17))], lr=1e-3, grad_clip=1.0)
-    return model, optimizer, scaler
 
 
 # ---- units ---------------------------------------------------------------------------------------
@@ -67,7 +56,7 @@ def test_the_streaming_safetensors_writer_writes_safetensors_bytes_and_their_has
 
 
 def test_a_resume_checkpoint_is_hashed_as_written_and_verifies(tmp_path):
-    model, optimizer, scaler = tiny_state()
+    model, optimizer, scaler = trained_state()
     path = C.save_resume_state(tmp_path / "c", model=model, optimizer=optimizer, scaler=scaler,
                                state={"optimizer_step": 1})
     marker = json.loads((path / C.MARKER).read_text())["files"]
@@ -78,7 +67,7 @@ def test_a_resume_checkpoint_is_hashed_as_written_and_verifies(tmp_path):
 def test_the_snapshot_reuses_its_buffers_and_holds_the_state_of_its_step():
     """Host buffers are allocated once and refilled at every snapshot (on CUDA they are pinned: the same code with
     pin_memory); a snapshot keeps the values of its step while training moves on."""
-    model, optimizer, scaler = tiny_state()
+    model, optimizer, scaler = trained_state()
     snapshots = StateSnapshot("cpu")
     assert not snapshots.pinned
     first = snapshots.take(model, optimizer, scaler)
@@ -98,7 +87,7 @@ def test_the_snapshot_reuses_its_buffers_and_holds_the_state_of_its_step():
 
 
 def test_the_manager_writes_one_save_at_a_time_and_its_checkpoint_loads_as_the_live_state(tmp_path):
-    model, optimizer, scaler = tiny_state()
+    model, optimizer, scaler = trained_state()
     (tmp_path / "run").mkdir()
     manager = C.CheckpointManager(C.LocalStorage(tmp_path / "run"), TrainConfig(), rank=0, device=torch.device("cpu"),
                                   say=lambda m: None)

@@ -8,13 +8,12 @@ for the few cases that need to look at data on a running cluster).
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 from fixtures.make_checkpoint_fixture import train_args
-from helpers import make_prepared, tree
+from helpers import make_prepared, matches, tree
 from test_best_checkpoint import marked, update
 from test_checkpoint_compat import CHECKPOINT, FORMATS, edit_state, resumable_copy
 from test_plot import write_run
@@ -41,6 +40,7 @@ def setup_files(tmp: Path) -> dict[str, str]:
     (tmp / "broken.yaml").write_text("lr: [1, 2\n")
     (tmp / "nomanifest").mkdir()
     (tmp / "doc.jsonl").write_text('{"text": "hello"}\n{"text": "hello"\n')
+    (tmp / "c.jsonl").write_text('{"text": "hello"}\n{"text": "a second line"}\n')
     (tmp / "held.jsonl").write_text(json.dumps({"text": "the cat"}) + "\n")
     (tmp / "tasks.yaml").write_text("tasks:\n  - {name: held, kind: bpb, path: held.jsonl}\n")
     (tmp / "null-resume.yaml").write_text("resume: ~\n")
@@ -138,7 +138,15 @@ CASES = [
     ("pretrain", ["--eval-resources", "CPU=0"], "--eval-resources 'CPU=0': expected NAME=N with N > 0"),
     ("pretrain", ["--eval-wait-minutes", "0"], "--eval-wait-minutes must be > 0"),
     ("prepare", ["--input", "{tmp}/missing.jsonl", "--output", "{tmp}/out"], "missing.jsonl"),
-    ("prepare", ["--input", "{tmp}/doc.jsonl", "--output", "{tmp}/out2", "--seq-len", "0"], "seq-len"),
+    ("prepare", ["--input", "{tmp}/doc.jsonl", "--output", "{tmp}/out2", "--seq-len", "0"],
+     "--seq-len must be at least 1"),
+    ("prepare", ["--output", "x"], "the following arguments are required: --input"),
+    *[("prepare", ["--input", "{tmp}/c.jsonl", "--output", "{tmp}/out", *flags], needle) for flags, needle in [
+        (["--seq-len", "0"], "--seq-len must be at least 1"), (["--vocab-size", "2"], "--vocab-size 2 is too small"),
+        (["--vocab-size", "100"], "needs at least 259"), (["--num-cpus", "0"], "--num-cpus must be at least 1"),
+        (["--rows-per-shard", "0"], "--rows-per-shard must be at least 1"), (["--seq-len", "abc"], "invalid int value"),
+        (["--vocab-size", "300", "--tokenizer", "t.json"], "not allowed with argument"),
+        (["--on-bad-record", "ignore"], "invalid choice")]],
     ("prepare", ["--input", "{tmp}/doc.jsonl", "--output", "{tmp}/out3", "--vocab-size", "4", "--seq-len", "8"],
      "vocab"),
     ("export", ["--checkpoint", "{tmp}/no-ckpt", "--output", "{tmp}/exp"], "does not exist"),
@@ -229,11 +237,6 @@ MODULES = {"pretrain": pretrain, "prepare": prepare, "tune": tune, "export": exp
 
 def case_id(command: str, argv: list[str], message: str, setup=None) -> str:
     return f"{command}:{setup.__name__ + ':' if setup else ''}{' '.join(argv)[:40]}"
-
-
-def matches(text: str, pattern: str) -> bool:
-    """`pattern` with each "…" standing for any text."""
-    return re.fullmatch(".*".join(map(re.escape, pattern.split("…"))), text, re.DOTALL) is not None
 
 
 @pytest.mark.timeout(120)

@@ -10,13 +10,12 @@ import math
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_evaluate import write_checkpoint
+from test_evaluate import tiny_model, write_checkpoint
 
 from minilm import checkpoint as C
 from minilm import sample
 from minilm.cli import UsageError
-from minilm.config import ModelConfig, TrainConfig
-from minilm.model import MiniMindForCausalLM
+from minilm.config import TrainConfig
 from minilm.tokenizer import BOS_ID, save_tokenizer, train_tokenizer
 from ray_jobs import evaluate, export
 
@@ -180,13 +179,6 @@ def test_a_damaged_pending_file_pins_nothing(tmp_path, text):
 
 
 # ---- RUN/best in export, sample and evaluate ----------------------------------------------------------------
-
-def tiny_model(seed: int) -> MiniMindForCausalLM:
-    torch.manual_seed(seed)
-    cfg = ModelConfig(vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=64)
-    return MiniMindForCausalLM(cfg).eval()
-
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):

@@ -34,13 +34,12 @@ UNICODE_TEXTS = ["naïve café, Übergrößenträger — 日本語のテキス�
 def tokenizer(tmp_path_factory):
     texts = list(demo_corpus_documents(max_bytes=200_000)) + UNICODE_TEXTS[:2]
     tok = train_tokenizer(texts, 800)
-    path = save_tokenizer(tok, tmp_path_factory.mktemp("tok") / "tokenizer.json")
-    return tok, path
+    # the byte lengths as minilm.bpb reads them: from the saved tokenizer.json
+    return tok, token_byte_lengths(save_tokenizer(tok, tmp_path_factory.mktemp("tok") / "tokenizer.json"))
 
 
 def test_byte_lengths_sum_to_the_utf8_bytes_of_real_text(tokenizer):
-    tok, path = tokenizer
-    lengths = token_byte_lengths(path)
+    tok, lengths = tokenizer
     texts = list(demo_corpus_documents(max_bytes=60_000)) + UNICODE_TEXTS[:2]
     for text in texts:
         ids = tok.encode(text, add_special_tokens=False).ids
@@ -51,8 +50,7 @@ def test_byte_lengths_sum_to_the_utf8_bytes_of_real_text(tokenizer):
 
 
 def test_special_tokens_spell_no_bytes(tokenizer):
-    tok, path = tokenizer
-    lengths = token_byte_lengths(path)
+    tok, lengths = tokenizer
     for i, special in enumerate(SPECIAL_TOKENS):
         assert tok.token_to_id(special) == i and lengths[i] == 0
     assert (lengths[len(SPECIAL_TOKENS):] > 0).all()
@@ -65,8 +63,7 @@ def test_special_tokens_spell_no_bytes(tokenizer):
 
 def test_packed_rows_carry_the_bytes_of_their_documents(tokenizer):
     """The table gives the bytes a packed row scores, which keeping text bytes in the manifest would give."""
-    tok, path = tokenizer
-    lengths = token_byte_lengths(path)
+    tok, lengths = tokenizer
     texts = list(demo_corpus_documents(max_bytes=30_000))
     docs = [tok.encode(t, add_special_tokens=False).ids for t in texts]
     rows, dropped = pack_documents(docs, 63)
@@ -121,8 +118,7 @@ def uniform_model(vocab: int) -> MiniMindForCausalLM:
 
 
 def test_uniform_model_has_log2_vocab_bits_per_token(tokenizer):
-    tok, path = tokenizer
-    lengths = token_byte_lengths(path)
+    tok, lengths = tokenizer
     vocab = len(lengths)
     docs = [tok.encode(t, add_special_tokens=False).ids for t in demo_corpus_documents(max_bytes=8_000)]
     r = evaluate_documents(uniform_model(vocab), docs, lengths, prefix=[BOS_ID], window=32, stride=16)
@@ -154,8 +150,7 @@ def window_nats(model, toks: list[int], first: int, lengths: np.ndarray) -> tupl
 
 
 def test_batched_windows_equal_one_window_at_a_time(tokenizer):
-    tok, path = tokenizer
-    lengths = token_byte_lengths(path)
+    tok, lengths = tokenizer
     model = tiny_model(len(lengths))
     texts = list(itertools.islice(demo_corpus_documents(max_bytes=60_000), 6))
     docs = [tok.encode(t, add_special_tokens=False).ids[:30] for t in texts]
@@ -172,8 +167,7 @@ def test_batched_windows_equal_one_window_at_a_time(tokenizer):
 
 
 def test_score_rows_sums_text_targets_only(tokenizer):
-    tok, path = tokenizer
-    lengths = token_byte_lengths(path)
+    tok, lengths = tokenizer
     model = tiny_model(len(lengths), seed=1)
     docs = [tok.encode(t, add_special_tokens=False).ids for t in demo_corpus_documents(max_bytes=4_000)]
     rows, _ = pack_documents(docs, 31)

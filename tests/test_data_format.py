@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import ROOT, make_prepared, run_module
+from helpers import ROOT, make_prepared, matches, reference_rows, run_module
 
 from minilm import data as D
 from minilm.data import remote as data_remote
@@ -35,11 +35,6 @@ def dataset(tmp_path: Path, name: str = "tok", *, num_sequences: int = 50, rows_
     for f in out.iterdir():  # written long ago: old enough for a verification stamp
         os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns - 10**10))
     return out
-
-
-def reference_rows(path: Path) -> np.ndarray:
-    m = json.loads((path / "manifest.json").read_text())
-    return np.concatenate([np.fromfile(path / s["file"], "<u2").reshape(-1, SEQ + 1) for s in m["shards"]])
 
 
 def edit_manifest(path: Path, change) -> None:
@@ -82,81 +77,60 @@ def test_store_keeps_a_bounded_number_of_files_open(tmp_path, monkeypatch):
 
 # ---- damage: one clear error each -------------------------------------------------------------------
 
-def test_missing_token_file(tmp_path):
-    path = dataset(tmp_path)
-    (path / "shard-00001.bin").unlink()
-    with pytest.raises(D.DataError) as e:
-        D.open_prepared(path)
-    assert one_line(e) == f"{path}: token file shard-00001.bin listed in manifest.json is missing"
-
-
-def test_truncated_token_file(tmp_path):
-    path = dataset(tmp_path)
-    with open(path / "shard-00002.bin", "r+b") as f:
-        f.truncate(100)
-    with pytest.raises(D.DataError) as e:
-        D.open_prepared(path)
-    assert one_line(e).startswith(f"{path / 'shard-00002.bin'} holds 100 bytes but manifest.json lists 340 "
-                                  f"(truncated, or not this dataset's file)")
-
-
-def test_hash_mismatch_even_after_an_earlier_verification(tmp_path):
-    path = dataset(tmp_path)
-    D.open_prepared(path)  # verified and stamped
+def flip_a_byte(path: Path) -> None:
+    D.open_prepared(path)  # verified and stamped first: a later change is still found
     with open(path / "shard-00000.bin", "r+b") as f:  # same size, one byte changed
         f.seek(7)
         byte = f.read(1)
         f.seek(7)
         f.write(bytes([byte[0] ^ 1]))
-    with pytest.raises(D.DataError) as e:
-        D.open_prepared(path)
-    assert "shard-00000.bin: sha256 " in one_line(e) and "does not match manifest.json's" in str(e.value)
 
 
-def test_manifest_that_disagrees_with_the_file_sizes(tmp_path):
-    path = dataset(tmp_path)
-    edit_manifest(path, lambda m: m["shards"][1].update(bytes=1000))
-    with pytest.raises(D.DataError) as e:
-        D.open_prepared(path)
-    assert "shard shard-00001.bin lists 1,000 bytes, but 20 rows of seq_len + 1 = 17 uint16 tokens take 680" in \
-        one_line(e)
+def truncate(path: Path) -> None:
+    with open(path / "shard-00002.bin", "r+b") as f:
+        f.truncate(100)
+
+
+def manifest(change):
+    return lambda path: edit_manifest(path, change)
+
+
+# (damage done to a fresh dataset at {path}, the one-line message: "…" stands for any text)
+DAMAGE = [
+    (lambda path: (path / "shard-00001.bin").unlink(),
+     "{path}: token file shard-00001.bin listed in manifest.json is missing"),
+    (truncate, "{path}/shard-00002.bin holds 100 bytes but manifest.json lists 340 (truncated, or not this "
+               "dataset's file)…"),
+    (flip_a_byte, "…shard-00000.bin: sha256 …does not match manifest.json's…"),
+    (manifest(lambda m: m["shards"][1].update(bytes=1000)),
+     "…shard shard-00001.bin lists 1,000 bytes, but 20 rows of seq_len + 1 = 17 uint16 tokens take 680…"),
     # a manifest consistent with itself that lists more rows than the file holds
-    path = dataset(tmp_path, "tok2")
-    edit_manifest(path, lambda m: (m["shards"][-1].update(num_sequences=11, bytes=11 * 34),
-                                   m.update(num_sequences=51)))
-    with pytest.raises(D.DataError) as e:
-        D.open_prepared(path)
-    assert "shard-00002.bin holds 340 bytes but manifest.json lists 374 (truncated" in one_line(e)
+    (manifest(lambda m: (m["shards"][-1].update(num_sequences=11, bytes=11 * 34), m.update(num_sequences=51))),
+     "…shard-00002.bin holds 340 bytes but manifest.json lists 374 (truncated…"),
+    (lambda path: (path / "manifest.json").write_text(json.dumps({"format": "minilm-packed-v1", "seq_len": 512,
+                                                                 "num_sequences": 3, "shards": [], "fingerprint": "f"})),
+     "{path}/manifest.json: format 'minilm-packed-v1' is not 'minilm-packed-v2'"),
+    *[(manifest(change), f"…{needle}…") for change, needle in [
+        (lambda m: m.update(token_dtype="int8"), "token_dtype 'int8' is not one of uint16, uint32"),
+        (lambda m: m["tokenizer"].update(vocab_size=70000), "token_dtype uint16 cannot hold the ids of a 70000-token"),
+        (lambda m: m["shards"][1].update(first_sample_id=21), "starts at sample 21, expected 20"),
+        (lambda m: m["shards"][0].update(file="../x.bin"), "shard file name '../x.bin' is not a safe name"),
+        (lambda m: m["shards"][0].update(file="x\x00.bin"), "shard file name 'x\\x00.bin' is not a safe name"),
+        (lambda m: m.update(fingerprint="../../../.ssh"), "fingerprint '../../../.ssh' is not a safe name"),
+        (lambda m: m.update(seq_len=1e400), "malformed (OverflowError"),
+        (lambda m: m.update(num_sequences=49), "shard sizes do not add up to num_sequences 49"),
+        (lambda m: m.pop("token_dtype"), "missing token_dtype"),
+        (lambda m: m.update(shards=[1, 2]), "malformed (TypeError")]],
+]
 
 
-@pytest.mark.parametrize("change, needle", [
-    (lambda m: m.update(token_dtype="int8"), "token_dtype 'int8' is not one of uint16, uint32"),
-    (lambda m: m["tokenizer"].update(vocab_size=70000), "token_dtype uint16 cannot hold the ids of a 70000-token"),
-    (lambda m: m["shards"][1].update(first_sample_id=21), "starts at sample 21, expected 20"),
-    (lambda m: m["shards"][0].update(file="../x.bin"), "shard file name '../x.bin' is not a safe name"),
-    (lambda m: m["shards"][0].update(file="x\x00.bin"), "shard file name 'x\\x00.bin' is not a safe name"),
-    (lambda m: m.update(fingerprint="../../../.ssh"), "fingerprint '../../../.ssh' is not a safe name"),
-    (lambda m: m.update(seq_len=1e400), "malformed (OverflowError"),
-    (lambda m: m.update(num_sequences=49), "shard sizes do not add up to num_sequences 49"),
-    (lambda m: m.pop("token_dtype"), "missing token_dtype"),
-    (lambda m: m.update(shards=[1, 2]), "malformed (TypeError"),
-])
-def test_inconsistent_manifest(tmp_path, change, needle):
+@pytest.mark.parametrize("damage, message", DAMAGE)
+def test_damaged_data_is_one_clear_error(tmp_path, damage, message):
     path = dataset(tmp_path)
-    edit_manifest(path, change)
+    damage(path)
     with pytest.raises(D.DataError) as e:
         D.open_prepared(path)
-    assert needle in one_line(e)
-
-
-def test_another_format_is_refused_naming_both_formats(tmp_path):
-    old = tmp_path / "old"
-    old.mkdir()
-    (old / "manifest.json").write_text(json.dumps({
-        "format": "minilm-packed-v1", "seq_len": 512, "num_sequences": 3, "shards": [], "fingerprint": "f"}))
-    with pytest.raises(D.DataError) as e:
-        D.open_prepared(old)
-    assert one_line(e) == f"{old / 'manifest.json'}: format 'minilm-packed-v1' is not 'minilm-packed-v2'"
+    assert matches(one_line(e), message.replace("{path}", str(path))), str(e.value)
 
 
 def test_pretrain_refuses_damaged_data_before_it_starts(tmp_path):

@@ -7,20 +7,14 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import ROOT, make_prepared
+from helpers import ROOT, make_prepared, reference_rows
 
 from minilm import data as D
 
 pytestmark = pytest.mark.ray
-
-
-def reference_rows(path: Path, seq_len: int) -> np.ndarray:
-    m = json.loads((path / "manifest.json").read_text())
-    return np.concatenate([np.fromfile(path / s["file"], "<u2").reshape(-1, seq_len + 1) for s in m["shards"]])
 
 
 def test_rank_stream_delivers_the_rows_of_its_order(ray_address, tmp_path):
@@ -29,7 +23,7 @@ def test_rank_stream_delivers_the_rows_of_its_order(ray_address, tmp_path):
     from ray_jobs.stream import RankStream
 
     path = make_prepared(tmp_path / "tok", num_sequences=130, seq_len=16, vocab_size=300, rows_per_shard=40)
-    rows = reference_rows(path, 16)
+    rows = reference_rows(path)
     train_ids, _ = D.split_ids(130, 10)
     G, W, m, start, total = 12, 2, 3, 7, 22  # 10 steps per epoch: the stream crosses an epoch start
     spe = D.steps_per_epoch(len(train_ids), G)

@@ -44,7 +44,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from helpers import ROOT, assert_quoted, free_port, make_prepared, quoted_block, tree  # noqa: E402
+from helpers import ROOT, assert_quoted, free_port, make_prepared, quoted_block, sigterm_kept, tree  # noqa: E402
 
 DOCS = ("README.md", *(f"docs/{p.name}" for p in sorted((ROOT / "docs").glob("*.md"))), "cluster/README.md")
 
@@ -502,16 +502,12 @@ class Outcome:
 
 def in_process(module: str, args: list[str], folder: Path) -> Outcome:
     """`python -m MODULE ARGS` as its main(argv), in `folder`; what it printed."""
-    import signal
-
-    buf, handler, t0 = io.StringIO(), signal.getsignal(signal.SIGTERM), time.time()
+    buf, t0 = io.StringIO(), time.time()
     try:
-        with contextlib.chdir(folder), contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+        with sigterm_kept(), contextlib.chdir(folder), contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
             code = importlib.import_module(module).main(args)
     except SystemExit as e:
         code = e.code
-    finally:
-        signal.signal(signal.SIGTERM, handler)  # minilm.train sets its own
     return Outcome(code, buf.getvalue(), time.time() - t0)
 
 

@@ -209,6 +209,15 @@ TASK_LIST_ERRORS = [
     ("- {name: t, kind: hellaswag, path: nothere.jsonl}", "nothere.jsonl does not exist"),
     ("- {name: t, kind: hellaswag, path: hs.jsonl}\n- {name: t, kind: hellaswag, path: hs.jsonl}", "'t' repeats"),
     ("[unclosed", "not valid YAML or JSON"),
+    # trusted by type only: a list for a kind, a name that is no single path part (it keys eval/<name>/<metric>),
+    # a path option that is no string (an alias bomb there would expand without end)
+    ("- {name: t, kind: [bpb], path: hs.jsonl}", "'kind' must be one of"),
+    ("- {name: a/b, kind: bpb, path: hs.jsonl}", "'name' 'a/b' is not a safe name"),
+    ("- {name: t, kind: choice, path: hs.jsonl, fewshot: 1, fewshot_path: [1, 2]}", "fewshot_path must name a file"),
+    ("a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(f"{c}: &{c} [{', '.join([f'*{p}'] * 9)}]\n" for p, c in
+                                                   zip("abcdefgh", "bcdefghi", strict=True)) +
+     "tasks:\n  - {name: t, kind: choice, path: hs.jsonl, fewshot: 1, fewshot_path: *i}",
+     "fewshot_path must name a file, got a list"),
 ]
 
 
@@ -216,7 +225,7 @@ TASK_LIST_ERRORS = [
 def test_a_bad_task_list_is_one_line(tmp_path, listing, what):
     write_jsonl(tmp_path / "hs.jsonl", [{"ctx": "a", "endings": ["b", "c"], "label": 0}] * 2)
     (tmp_path / "tasks.yaml").write_text(listing + "\n")
-    with pytest.raises(TaskError) as e:
+    with pytest.raises(TaskError, match="^task list ") as e:
         load_tasks(tmp_path / "tasks.yaml")
     assert what in str(e.value) and "\n" not in str(e.value), str(e.value)
 

@@ -19,13 +19,9 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_
             max_position_embeddings=512)
 
 
-def tiny(**kw) -> ModelConfig:
-    return ModelConfig(**{**TINY, **kw})
-
-
 def make_model(seed: int = 0, **kw) -> MiniMindForCausalLM:
     torch.manual_seed(seed)
-    return MiniMindForCausalLM(tiny(**kw))
+    return MiniMindForCausalLM(ModelConfig(**{**TINY, **kw}))
 
 
 # ---- shapes and loss ------------------------------------------------------------------------------
@@ -112,7 +108,7 @@ def reference_attention(attn: Attention, x: torch.Tensor, theta: float, eps: flo
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 1), (4, 2), (4, 4), (8, 2)])
 def test_attention_matches_reference(heads, kv_heads):
-    cfg = tiny(num_attention_heads=heads, num_key_value_heads=kv_heads, rope_theta=10000.0)
+    cfg = ModelConfig(**{**TINY, "num_attention_heads": heads, "num_key_value_heads": kv_heads, "rope_theta": 1e4})
     torch.manual_seed(0)
     attn = Attention(cfg).eval()
     with torch.no_grad():  # non-trivial norm gains so the q/k norms are really checked

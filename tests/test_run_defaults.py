@@ -8,10 +8,10 @@ baseline run's folder (tests/conftest.py) and the sweeps of tests/test_tune.py c
 from __future__ import annotations
 
 import dataclasses
-import signal
 
 import pytest
 import yaml
+from helpers import sigterm_kept
 from inprocess import TINY_MODEL
 
 from minilm import train
@@ -29,11 +29,8 @@ TINY = [f"--{k.replace('_', '-')}={v}" for k, v in TINY_MODEL.items() if k != "v
 
 def start(*argv) -> train.RunPlan:
     """`python -m minilm.train ARGV` up to its first step (the run folder claimed, config.yaml written), then let go."""
-    handler = signal.getsignal(signal.SIGTERM)
-    try:
+    with sigterm_kept():
         trainer, plan = train.start([str(a) for a in argv])
-    finally:
-        signal.signal(signal.SIGTERM, handler)
     trainer.close("finished")
     plan.release()
     return plan

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from helpers import bitwise_equal, metrics, tree
+from helpers import bitwise_equal, metrics, sigterm_kept, tree
 from inprocess import checkpoint_weights, configs, run_local, torchrun, train_flags
 from runs import tiny_args
 
@@ -36,15 +35,13 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture
 def cli(capsys):
     """`python -m minilm.train FLAGS` in this process: (exit code, stdout, stderr); the SIGTERM handler restored."""
-    handler = signal.getsignal(signal.SIGTERM)
-
     def run(*flags):
         code = train.main([str(f) for f in flags])
         out = capsys.readouterr()
         return code, out.out, out.err
 
-    yield run
-    signal.signal(signal.SIGTERM, handler)
+    with sigterm_kept():
+        yield run
 
 
 def checkpoints(run_dir: Path) -> list[str]:

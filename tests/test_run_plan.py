@@ -9,9 +9,9 @@ and the run folder is left byte for byte as it was, its lease too.
 from __future__ import annotations
 
 import shutil
-import signal
 
 import pytest
+from helpers import sigterm_kept, tree
 from inprocess import run_local, train_flags
 from runs import tiny_args
 
@@ -26,11 +26,6 @@ REFUSALS = {  # flag -> (what is refused, a piece of its one line)
     "data": (["--data", "{missing}"], "does not exist"),
     "tracker": (["--tracker", "bogus"], "bogus"),
 }
-
-
-def tree(folder) -> dict[str, tuple[int, int, bytes]]:
-    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns, p.read_bytes()[:64])
-            for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def flags_for(flags: list[str], **values) -> list[str]:
@@ -54,12 +49,9 @@ def test_minilm_train_refused_late_leaves_the_run_folder_as_it_was(finished, run
     before = tree(run_dir)
     extra, line = REFUSALS[refusal]
     values = {"ckpt": run_dir / "checkpoint_00000008", "missing": tmp_path / "missing"}
-    handler = signal.getsignal(signal.SIGTERM)
-    try:
+    with sigterm_kept():
         code = train.main([str(f) for f in train_flags(run_data, run_dir) + flags_for(ACTING[acting] + extra,
                                                                                          **values)])
-    finally:
-        signal.signal(signal.SIGTERM, handler)
     out = capsys.readouterr()
     assert code == 2 and out.err.count("\n") == 1 and out.err.startswith("error: ") and line in out.err, out.err
     assert "--abandon-newer: moved" not in out.out  # no note of a move that did not happen
@@ -97,15 +89,12 @@ def test_a_dry_run_of_minilm_train_checks_and_leaves_the_run_folder_as_it_was(fi
     before = tree(run_dir)
     flags = [str(f) for f in train_flags(run_data, run_dir)] + ["--dry-run"] + flags_for(
         ACTING.get(acting, []), ckpt=run_dir / "checkpoint_00000008")
-    handler = signal.getsignal(signal.SIGTERM)
-    try:
+    with sigterm_kept():
         assert train.main(flags) == 0
         out = capsys.readouterr().out
         assert out.splitlines()[-1] == DRY_RUN and "moved" not in out
         extra, line = REFUSALS["tracker" if acting == "never" else "drift"]  # a fresh start has no drift
         assert train.main([*flags, *extra]) == 2  # refused as ever
-    finally:
-        signal.signal(signal.SIGTERM, handler)
     assert line in capsys.readouterr().err
     assert tree(run_dir) == before
 
@@ -122,14 +111,11 @@ def test_a_dry_run_refuses_a_folder_a_live_run_holds_and_makes_no_new_one(run_da
     held.mkdir()
     (held / "lease.json").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getppid(),
                                                  "heartbeat": time.time()}))
-    handler = signal.getsignal(signal.SIGTERM)
-    try:
+    with sigterm_kept():
         assert train.main([*map(str, train_flags(run_data, held)), "--dry-run"]) == 2
         assert "in use by a live run" in capsys.readouterr().err
         new = tmp_path / "new" / "run"
         assert train.main([*map(str, train_flags(run_data, new)), "--dry-run"]) == 0
-    finally:
-        signal.signal(signal.SIGTERM, handler)
     assert capsys.readouterr().out.splitlines()[-1] == DRY_RUN and not (tmp_path / "new").exists()
 
 
@@ -211,35 +197,6 @@ def test_a_crafted_pid_is_not_a_live_process(pid):
     from minilm.fsio import pid_alive
 
     assert pid_alive(pid) is False
-
-
-@pytest.mark.parametrize("entry, message", [
-    ("{name: a, kind: [bpb], path: held.jsonl}", "'kind' must be one of"),
-    ("{name: a/b, kind: bpb, path: held.jsonl}", "'name' 'a/b' is not a safe name"),
-    ("{name: a, kind: choice, path: held.jsonl, fewshot: 1, fewshot_path: [1, 2]}", "fewshot_path must name a file"),
-])
-def test_a_task_list_entry_of_the_wrong_type_is_one_line(tmp_path, entry, message):
-    """Task lists are trusted by type only: a list for a kind, a name that is no single path part (it keys
-    eval/<name>/<metric>), a path option that is no string (an alias bomb there would expand without end)."""
-    from minilm.evaluate import TaskError, load_tasks
-
-    (tmp_path / "held.jsonl").write_text('{"text": "the cat"}\n')
-    (tmp_path / "tasks.yaml").write_text(f"tasks:\n  - {entry}\n")
-    with pytest.raises(TaskError, match="^task list ") as e:
-        load_tasks(tmp_path / "tasks.yaml")
-    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
-
-
-def test_a_yaml_alias_bomb_in_a_path_option_is_refused_at_once(tmp_path):
-    from minilm.evaluate import TaskError, load_tasks
-
-    bomb = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
-        f"{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n" for p, c in zip("abcdefgh", "bcdefghi", strict=True))
-    (tmp_path / "held.jsonl").write_text('{"ctx": "a", "endings": ["b", "c"], "label": 0}\n')
-    (tmp_path / "tasks.yaml").write_text(bomb + "tasks:\n  - {name: t, kind: choice, path: held.jsonl, fewshot: 1, "
-                                                "fewshot_path: *i}\n")
-    with pytest.raises(TaskError, match="fewshot_path must name a file, got a list"):
-        load_tasks(tmp_path / "tasks.yaml")
 
 
 def test_an_evaluate_output_file_that_is_not_utf8_is_one_line(tmp_path):

@@ -44,13 +44,22 @@ def fp32_scaler():
     return make_grad_scaler(torch.float32, "cpu")
 
 
+def adamw(model, **kw):
+    return make_optimizer(model, TrainConfig(optimizer="adamw", **kw))
+
+
+def step(model, micro_batches, opt=None, lr=1e-3, **kw) -> StepMetrics:
+    """One optimizer_step at clip 1.0 with the fp32 (disabled) scaler; a fresh AdamW unless `opt` is given."""
+    return optimizer_step(model, opt or adamw(model), fp32_scaler(), list(micro_batches), lr=lr, grad_clip=1.0, **kw)
+
+
 # ---- gradient accumulation ------------------------------------------------------------------------
 
 def run_steps(micro: int, use_moe: bool, coef: float, steps: int = 2, lr: float = 1e-4):
     """`steps` optimizer steps on 8 sequences each, split into micro-batches of `micro`; returns the
     model, the metrics and the gradients AdamW saw at each step (after clipping)."""
     model = make_model(use_moe=use_moe, router_aux_loss_coef=coef)
-    opt = make_optimizer(model, TrainConfig(optimizer="adamw", lr=lr, weight_decay=0.1))
+    opt = adamw(model, lr=lr, weight_decay=0.1)
     grads: list[list[torch.Tensor]] = []
     opt.register_step_pre_hook(
         lambda o, args, kwargs: grads.append([p.grad.clone() for g in o.param_groups for p in g["params"]]))
@@ -114,8 +123,7 @@ def test_metrics_are_window_means():
     data = batch(8, seed=7)
     with torch.no_grad():
         per_micro = [model(m, labels=m).loss for m in data.split(2)]
-    m = optimizer_step(model, make_optimizer(model, TrainConfig(optimizer="adamw")), fp32_scaler(), list(data.split(2)),
-                       lr=1e-3, grad_clip=1.0)
+    m = step(model, data.split(2))
     torch.testing.assert_close(m.lm_loss, torch.stack(per_micro).mean())
     assert m.aux_loss.item() == 0.0 and m.lr == 1e-3 and not m.skipped
     assert all(p.grad is None for p in model.parameters())  # zero_grad(set_to_none=True)
@@ -176,7 +184,7 @@ def test_clip_before_unscale_is_wrong():
 
 def test_scaler_overflow_skips_and_backs_off():
     model, data = make_model(), batch(4, seed=2)
-    opt = make_optimizer(model, TrainConfig(optimizer="adamw"))
+    opt = adamw(model)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, enabled=True)
     handle = model.model.norm.weight.register_hook(lambda g: torch.full_like(g, float("inf")))
     before = params_of(model)
@@ -190,10 +198,10 @@ def test_scaler_overflow_skips_and_backs_off():
 
 def test_inf_gradient_skips_step_and_keeps_weights():
     model, data = make_model(), batch(4, seed=3)
-    opt = make_optimizer(model, TrainConfig(optimizer="adamw"))
+    opt = adamw(model)
     before = params_of(model)
     handle = model.model.layers[0].self_attn.q_proj.weight.register_hook(lambda g: torch.full_like(g, float("inf")))
-    m = optimizer_step(model, opt, fp32_scaler(), list(data.split(2)), lr=1e-3, grad_clip=1.0)
+    m = step(model, data.split(2), opt)
     handle.remove()
     assert m.skipped and not torch.isfinite(m.grad_norm)
     assert torch.isfinite(m.loss)  # the loss was fine; only the gradient was not
@@ -202,7 +210,7 @@ def test_inf_gradient_skips_step_and_keeps_weights():
     assert all(int(s["step"]) == 0 and not s["exp_avg"].any() and not s["exp_avg_sq"].any() for s in opt.state.values())
     assert all(p.grad is None for p in model.parameters())  # the bad gradient is gone
 
-    m = optimizer_step(model, opt, fp32_scaler(), list(data.split(2)), lr=1e-3, grad_clip=1.0)
+    m = step(model, data.split(2), opt)
     assert not m.skipped
     assert not torch.equal(before["model.embed_tokens.weight"], model.lm_head.weight)
 
@@ -223,7 +231,7 @@ def test_inf_loss_skips_step():
     inner = make_model()
     model, data = InfLoss(inner), batch(4, seed=4)
     before = params_of(inner)
-    m = optimizer_step(model, make_optimizer(model, TrainConfig(optimizer="adamw")), fp32_scaler(), [data], lr=1e-3, grad_clip=1.0)
+    m = step(model, [data])
     assert m.skipped and not torch.isfinite(m.loss)
     assert all(torch.equal(before[k], p) for k, p in inner.named_parameters())
 
@@ -314,14 +322,14 @@ class NoHostReads:
 def test_the_step_reads_nothing_back_from_the_device(inject_inf):
     """optimizer_step and the guard run without a host sync, also when a non-finite step is skipped."""
     model, data = make_model(), batch(4, seed=6)
-    opt = make_optimizer(model, TrainConfig(optimizer="adamw"))
+    opt = adamw(model)
     guard = NonFiniteGuard(3)
     handle = model.lm_head.weight.register_hook(lambda g: g * float("inf")) if inject_inf else None
     before = params_of(model)
     with NoHostReads():
-        for step in range(1, 3):
-            m = optimizer_step(model, opt, fp32_scaler(), list(data.split(2)), lr=1e-3, grad_clip=1.0)
-            guard.update(m, step)
+        for n in range(1, 3):
+            m = step(model, data.split(2), opt)
+            guard.update(m, n)
     if handle:
         handle.remove()
     assert bool(m.skipped) == inject_inf
@@ -355,15 +363,14 @@ def test_auto_on_a_cpu_without_native_bf16_is_fp32_without_timing_a_matmul(monke
 
 def test_bf16_autocast_step_keeps_fp32_master_weights():
     model, data = make_model(), batch(4, seed=5)
-    m = optimizer_step(model, make_optimizer(model, TrainConfig(optimizer="adamw")), fp32_scaler(), [data], lr=1e-3,
-                       grad_clip=1.0, dtype=torch.bfloat16)
+    m = step(model, [data], dtype=torch.bfloat16)
     assert torch.isfinite(m.loss) and not m.skipped
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
 def test_weight_decay_only_on_matrices():
     model = make_model()
-    opt = make_optimizer(model, TrainConfig(optimizer="adamw", weight_decay=0.1, betas=(0.8, 0.9)))
+    opt = adamw(model, weight_decay=0.1, betas=(0.8, 0.9))
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() == 1 for p in no_decay["params"])
@@ -387,8 +394,7 @@ def test_a_row_of_seq_len_plus_one_feeds_and_scores_seq_len_positions():
     model, rows = make_model(), batch(4, seed=5)
     fed = []
     model.model.register_forward_pre_hook(lambda mod, args: fed.append(tuple(args[0].shape)))
-    m = optimizer_step(model, make_optimizer(model, TrainConfig(optimizer="adamw", lr=0.0)), fp32_scaler(), [rows], lr=0.0,
-                       grad_clip=1.0)
+    m = step(model, [rows], adamw(model, lr=0.0), lr=0.0)
     assert fed == [(4, SEQ)] and m.tokens == 4 * SEQ
     with torch.no_grad():
         torch.testing.assert_close(m.lm_loss, model(rows, labels=rows).loss, rtol=1e-6, atol=1e-6)
@@ -405,8 +411,7 @@ def test_wrap_ddp_makes_the_gradients_views_of_its_buckets(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
     try:
         plain, wrapped = make_model(), wrap_ddp(make_model(), torch.device("cpu"))
-        steps = [optimizer_step(model, make_optimizer(model, TrainConfig(optimizer="adamw")), fp32_scaler(), [batch(4, seed=6)],
-                                lr=1e-3, grad_clip=1.0) for model in (plain, wrapped)]
+        steps = [step(model, [batch(4, seed=6)]) for model in (plain, wrapped)]
         wrapped(batch(2, seed=7)[:, :-1], targets=batch(2, seed=7)[:, 1:]).loss.backward()
         storages = {p.grad.untyped_storage().data_ptr() for p in wrapped.module.parameters()}
         inner = wrapped.module
@@ -439,8 +444,7 @@ class CountingNoSync(torch.nn.Module):
 
 def test_no_sync_on_all_micro_steps_but_the_last():
     model = CountingNoSync(make_model())
-    optimizer_step(model, make_optimizer(model, TrainConfig(optimizer="adamw")), fp32_scaler(), list(batch(8, seed=1).split(2)),
-                   lr=1e-3, grad_clip=1.0)
+    step(model, batch(8, seed=1).split(2))
     assert model.skipped_syncs == 3
 
 
@@ -453,13 +457,12 @@ def test_activation_checkpointing_gives_the_same_step(use_moe, dtype):
     for checkpointing in (False, True):
         model = make_model(use_moe=use_moe, dropout=0.1)
         assert prepare_model(model, TrainConfig(activation_checkpointing=checkpointing), "cpu") is model
-        opt = make_optimizer(model, TrainConfig(optimizer="adamw"))
+        opt = adamw(model)
         seen = []
         opt.register_step_pre_hook(
             lambda o, a, k, seen=seen: seen.extend(p.grad.clone() for g in o.param_groups for p in g["params"]))
         torch.manual_seed(7)
-        m = optimizer_step(model, opt, fp32_scaler(), list(batch(4, seed=2).split(2)), lr=1e-3, grad_clip=1.0,
-                           dtype=dtype)
+        m = step(model, batch(4, seed=2).split(2), opt, dtype=dtype)
         grads.append((m.loss, seen, list(model.state_dict())))
     (loss_a, grads_a, keys_a), (loss_b, grads_b, keys_b) = grads
     assert torch.equal(loss_a, loss_b) and keys_a == keys_b

@@ -16,25 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import trained_state
 
 from minilm import checkpoint as C
 from minilm import fsio
-from minilm.config import ModelConfig, TrainConfig
-from minilm.model import MiniMindForCausalLM
-from minilm.step import make_grad_scaler, make_optimizer, optimizer_step
+from minilm.config import TrainConfig
 from minilm.testing import FaultHooks
-
-
-def trained_state():
-    """A tiny model one optimizer step in, so the AdamW state is not empty."""
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2)
-    model = MiniMindForCausalLM(cfg)
-    optimizer = make_optimizer(model, TrainConfig())
-    scaler = make_grad_scaler(torch.float32, "cpu")
-    optimizer_step(model, optimizer, scaler, [torch.randint(0, 256, (2, 17))], lr=1e-3, grad_clip=1.0)
-    return model, optimizer, scaler
 
 
 def save(path: Path, step: int, model, optimizer, scaler, hooks=None) -> Path:
