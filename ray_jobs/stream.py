@@ -3,7 +3,7 @@
 Ray Data has no resumable iterator (ray-project/ray#37633, #48224) and `streaming_split` does not promise
 which rank gets which rows, so the order is ours (`minilm.data.RankOrder`) and Ray Data only streams: the
 positions of what this rank consumes from its resume step to the last (`ray.data.range`), turned into rows by
-a reader actor on the rank's own node (`SequenceStore` over the node's copy of the token files), prefetched
+read tasks on the rank's own node (`SequenceStore` over the node's copy of the token files), prefetched
 while the step runs. Restarting at any step and world size is the same pipeline from another first step.
 """
 
@@ -24,30 +24,30 @@ NODE_ID_LABEL = "ray.io/node-id"
 PREFETCH_BATCHES = 4  # optimizer steps read ahead while the step runs
 
 
-class ReadSequences:
-    """Ray Data callable class: stream positions in, sample ids and packed rows out. `order` pickles without its
-    training ids, so the actor's arguments stay small (ray-project/ray#53727)."""
+_STORES: dict[str, D.SequenceStore] = {}  # a reader process's open stores: Ray reuses it for the next tasks
 
-    def __init__(self, data: str, order: D.RankOrder):
-        self.store = D.SequenceStore(D.open_local(data))
-        self.order = order
 
-    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        ids = self.order.sample_ids(batch["id"])
-        return {"sample_id": ids, "input_ids": self.store.take(ids)}
+def read_sequences(batch: dict[str, np.ndarray], data: str, order: D.RankOrder) -> dict[str, np.ndarray]:
+    """Ray Data batch function: stream positions in, sample ids and packed rows out. `order` pickles without its
+    training ids, so each task's arguments stay small (ray-project/ray#53727)."""
+    if data not in _STORES:
+        _STORES[data] = D.SequenceStore(D.open_local(data))
+    ids = order.sample_ids(batch["id"])
+    return {"sample_id": ids, "input_ids": _STORES[data].take(ids)}
 
 
 def rank_dataset(order: D.RankOrder, num_positions: int, data: str, micro_batch_size: int, node_id: str):
-    """The rank's Ray Data pipeline; its reader actor runs on `node_id` (the rank's node)."""
+    """The rank's Ray Data pipeline; its read tasks run on `node_id` (the rank's node)."""
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True  # the order is the resume contract
     ctx.enable_progress_bars = False  # one pipeline per worker: bars would drown the log line
     ctx.print_on_execution_start = False
     # A label selector is a hard constraint (NodeAffinitySchedulingStrategy is deprecated in Ray 2.60).
-    # One read task at a time (each starts a worker process); the reader reserves no CPU the training workers need.
+    # One read task at a time, the range and the reading fused in it: a restart reuses the worker process of the
+    # tasks before (an actor reader was a new process each time, ~1-5 s); it reserves no CPU the training needs.
     return ray.data.range(num_positions, concurrency=1).map_batches(
-        ReadSequences, fn_constructor_args=(data, order), batch_size=micro_batch_size, batch_format="numpy",
-        compute=ray.data.ActorPoolStrategy(size=1), num_cpus=0, label_selector={NODE_ID_LABEL: node_id})
+        read_sequences, fn_args=(data, order), batch_size=micro_batch_size, batch_format="numpy", concurrency=1,
+        num_cpus=0, label_selector={NODE_ID_LABEL: node_id})
 
 
 class RankStream:
@@ -56,7 +56,7 @@ class RankStream:
 
     def __init__(self, data_dir: str, order: D.RankOrder, total_steps: int, micro_batch_size: int,
                  device: torch.device | str):
-        import torch  # here, not at the top: the reader actor imports this module and needs no torch
+        import torch  # here, not at the top: the read tasks import this module and need no torch
 
         self.data_dir, self.order, self.m, self.device = str(data_dir), order, micro_batch_size, torch.device(device)
         self.num_steps = max(0, total_steps - order.start_step)
