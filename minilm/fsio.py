@@ -174,7 +174,7 @@ def private_folder(path: Path) -> Path:
 
 @contextlib.contextmanager
 def node_lock(lock_path: Path) -> Iterator[None]:
-    """An exclusive lock between the processes of this node (the ranks and reader actors of a run)."""
+    """An exclusive lock between the processes of this node (the ranks and read tasks of a run)."""
     try:
         lock_path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)

@@ -8,7 +8,7 @@ import threading
 from pathlib import Path
 
 TAG = "[minilm] "
-# Raylet messages that need nothing from the user (reader actors start worker processes Ray did not expect).
+# Raylet messages that need nothing from the user (read tasks start worker processes Ray did not expect).
 ROUTINE_RAYLET = ("PYTHON worker processes have been started",)
 
 

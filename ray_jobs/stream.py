@@ -1,6 +1,6 @@
 """Each worker's stream of micro-batches, through Ray Data, from any resume point. Ray Data has no resumable
 iterator and `streaming_split` does not promise which rank gets which rows, so the order is ours (`RankOrder`):
-Ray Data only streams the positions this rank consumes, turned into rows by a reader actor on the rank's node."""
+Ray Data only streams the positions this rank consumes, turned into rows by read tasks on the rank's node."""
 
 from __future__ import annotations
 
@@ -13,32 +13,30 @@ from minilm import data as D
 
 NODE_ID_LABEL = "ray.io/node-id"
 PREFETCH_BATCHES = 4  # optimizer steps read ahead while the step runs
+_STORES: dict[str, D.SequenceStore] = {}  # a reader process's open stores: Ray reuses it for the next tasks
 
 
-class ReadSequences:
-    """Ray Data callable class: stream positions in, sample ids and packed rows out. `order` pickles without its
-    training ids, so the actor's arguments stay small (ray-project/ray#53727)."""
-
-    def __init__(self, data: str, order: D.RankOrder):
-        self.store = D.SequenceStore(D.open_local(data))
-        self.order = order
-
-    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        ids = self.order.sample_ids(batch["id"])
-        return {"sample_id": ids, "input_ids": self.store.take(ids)}
+def read_sequences(batch: dict[str, np.ndarray], data: str, order: D.RankOrder) -> dict[str, np.ndarray]:
+    """Ray Data batch function: stream positions in, sample ids and packed rows out. `order` pickles without its
+    training ids, so each task's arguments stay small (ray-project/ray#53727)."""
+    if data not in _STORES:
+        _STORES[data] = D.SequenceStore(D.open_local(data))
+    ids = order.sample_ids(batch["id"])
+    return {"sample_id": ids, "input_ids": _STORES[data].take(ids)}
 
 
 def rank_dataset(order: D.RankOrder, num_positions: int, data: str, micro_batch_size: int, node_id: str):
-    """The rank's Ray Data pipeline; its reader actor runs on `node_id` (the rank's node)."""
+    """The rank's Ray Data pipeline; its read tasks run on `node_id` (the rank's node)."""
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True  # the order is the resume contract
     ctx.enable_progress_bars = False  # one pipeline per worker: bars would drown the log line
     ctx.print_on_execution_start = False
     # A label selector is a hard constraint (NodeAffinitySchedulingStrategy is deprecated in Ray 2.60).
-    # One read task at a time (each starts a worker process); the reader reserves no CPU the training workers need.
+    # One read task at a time, the range and the reading fused in it: a restart reuses the worker process of the
+    # tasks before (an actor reader was a new process each time, ~1-5 s); it reserves no CPU the training needs.
     return ray.data.range(num_positions, concurrency=1).map_batches(
-        ReadSequences, fn_constructor_args=(data, order), batch_size=micro_batch_size, batch_format="numpy",
-        compute=ray.data.ActorPoolStrategy(size=1), num_cpus=0, label_selector={NODE_ID_LABEL: node_id})
+        read_sequences, fn_args=(data, order), batch_size=micro_batch_size, batch_format="numpy", concurrency=1,
+        num_cpus=0, label_selector={NODE_ID_LABEL: node_id})
 
 
 class RankStream(D.LocalRankStream):

@@ -114,9 +114,10 @@ class RayStorage:
             return ray.train.report(public, **mode)
         name = self.folder.next_name(save.step)
         ckpt = ray.train.Checkpoint.from_directory(save.path)
-        if not blocking:
+        if not blocking:  # the upload function removes the staging folder, so Ray's own delete would find none
             return ray.train.report(public, checkpoint=ckpt, checkpoint_dir_name=name, **mode,
-                                    checkpoint_upload_fn=self.upload_when_written(save, name))
+                                    checkpoint_upload_fn=self.upload_when_written(save, name),
+                                    delete_local_checkpoint_after_upload=False)
         try:
             with upload_errors(f"{self.folder.display}/{name}", save.step):
                 ray.train.report(public, checkpoint=ckpt, checkpoint_dir_name=name)
