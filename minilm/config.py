@@ -13,7 +13,7 @@ from typing import Any
 from .schedule import SCHEDULES
 
 DTYPES = ("auto", "bf16", "fp16", "fp32")  # "auto" and the names of minilm.step.TORCH_DTYPES
-OPTIMIZERS = ("adamw", "muon")
+OPTIMIZERS = ("auto", "adamw", "muon")  # "auto": minilm.step.choose_optimizer's rule
 CHECKPOINT_MODES = ("async", "sync")  # how rank 0 writes a checkpoint: minilm.checkpoint.manager
 CHOICES = {"schedule": SCHEDULES, "dtype": DTYPES, "checkpoint_mode": CHECKPOINT_MODES, "optimizer": OPTIMIZERS}
 
@@ -54,7 +54,9 @@ FIELD_HELP = {
                                                                "the run",
     "compile": "torch.compile each transformer block",
     "activation_checkpointing": "recompute each block in backward: less memory, ~1/3 more compute",
-    "optimizer": "muon: Muon for the blocks' weight matrices, AdamW for the rest; adamw: AdamW for everything",
+    "optimizer": "muon: Muon for the blocks' weight matrices, AdamW for the rest; adamw: AdamW for everything; "
+                 "auto: muon unless its Newton-Schulz, timed at start, costs over a quarter of a step (a resume: "
+                 "the checkpoint's)",
     "muon_lr": "Muon's peak lr (the schedule scales it like lr)", "muon_momentum": "Muon's momentum",
     # Beside matrices moving at muon_lr, an embedding at MiniMind's lr is what holds the loss back (docs/quality.md)
     "embedding_lr_ratio": "with Muon: the embedding and tied head (and MoE routers) at lr x this",
@@ -238,7 +240,7 @@ class TrainConfig(_Config):
     max_nonfinite_steps: int = 5
     compile: bool = False
     activation_checkpointing: bool = False
-    optimizer: str = "muon"
+    optimizer: str = "auto"
     muon_lr: float = 0.02
     muon_momentum: float = 0.95
     embedding_lr_ratio: float = 3.0

@@ -86,6 +86,7 @@ class RunOptions:
     test_hooks: dict | None = None  # minilm.testing.FaultHooks, only ever set by a test
     eval_task_names: list[str] = field(default_factory=list)  # tasks scored beside training (ray_jobs.evaluator)
     eval_wait_s: float = 0.0  # after the last step, how long rank 0 waits for the last checkpoint's scores
+    optimizer_why: str = ""  # why --optimizer auto chose the run's optimizer (minilm.step.choose_optimizer)
     from_manifest: list[str] = field(default_factory=list)  # seq_len, vocab_size not given: --data's manifest's
 
     def tracker_settings(self) -> dict:

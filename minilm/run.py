@@ -67,9 +67,9 @@ class Launch:
         """The run folder this command holds the lease of, or None (nothing kept)."""
         return None
 
-    def dtype(self, plan: RunPlan) -> str:
-        """The run's precision, given the checkpoint it continues (`plan.state`)."""
-        return plan.train_cfg.dtype
+    def resolve(self, plan: RunPlan) -> None:
+        """Settle --dtype auto and --optimizer auto once for every rank, given the checkpoint it continues
+        (`plan.state`; check_origin gave a resume the checkpoint's optimizer)."""
 
     def act(self, plan: RunPlan) -> None:
         """The launcher's own side effects, once every check has passed."""
@@ -124,9 +124,9 @@ def claim(plan: RunPlan, launch: Launch, say=print) -> None:
         launch.check_cluster(plan)
         plan.state = C.check_origin(plan.folder, decision.origin, plan.model_cfg, plan.train_cfg,
                                     plan.data.fingerprint, opts.allow_config_change, say)
-        if opts.dry_run:  # the precision (Ray's probe is a task), the move and the launcher's effects are not checks
+        if opts.dry_run:  # the precision and optimizer (probes that time), the move and the launcher's effects: no checks
             return
-        plan.train_cfg.dtype = launch.dtype(plan)
+        launch.resolve(plan)
         decision.apply(plan.folder, say)
         launch.act(plan)
         if plan.folder is not None and launch.writes_config:

@@ -4,14 +4,15 @@ the update on the device, and the metrics stay tensors until a log step reads th
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
 import torch
 
-from .config import TrainConfig
-from .muon import native_bf16
+from .config import ModelConfig, TrainConfig
+from .muon import muon_param_groups, native_bf16, orthogonalize
 from .progress import measured_matmul_peak
 
 # The one table of --dtype names (minilm.config.DTYPES, less "auto") and their torch dtypes.
@@ -50,6 +51,56 @@ def cpu_bf16_is_faster(size: int = 512, repeats: int = 8) -> bool:
         return False
     fp32 = measured_matmul_peak(torch.float32, size, repeats)
     return measured_matmul_peak(torch.bfloat16, size, repeats) > 1.25 * fp32
+
+
+# --optimizer auto's rule, in one place: Muon reached MiniMind's loss in 0.40-0.56 of AdamW's steps (docs/quality.md),
+# so it is ahead while its step costs less than 1/0.8 of AdamW's even where that lead narrows to 0.8.
+MUON_MAX_SHARE = 0.25  # of a step's forward + backward, the most Newton-Schulz may take for auto to choose muon
+
+
+def choose_optimizer(ns_s: float | None, step_s: float | None) -> tuple[str, str]:
+    """--optimizer auto: muon while one Newton-Schulz pass (`ns_s`) takes at most MUON_MAX_SHARE of a step's forward +
+    backward (`step_s`), else adamw; not timed (None, on a GPU, where it is a few percent): muon. (name, why)."""
+    if ns_s is None or step_s is None:
+        return "muon", "auto: on a GPU Newton-Schulz is a few percent of a step"
+    share = ns_s / step_s
+    name = "muon" if share <= MUON_MAX_SHARE else "adamw"
+    return name, f"auto: Newton-Schulz {ns_s:.2f} s = {share:.0%} of a step, muon up to {MUON_MAX_SHARE:.0%}"
+
+
+def time_muon(model_cfg: ModelConfig, train_cfg: TrainConfig, world_size: int = 1) -> tuple[float, float]:
+    """On this CPU: one Newton-Schulz pass over the model's Muon matrices as Muon batches them (the better of a warm-up
+    pass and a second), and one rank's forward + backward of a step, its FLOPs at the measured matmul rate of the run's dtype."""
+    from .model import MiniMindForCausalLM
+
+    model = MiniMindForCausalLM(model_cfg)
+    by_shape: dict[torch.Size, list[torch.Tensor]] = {}
+    for p in muon_param_groups(model, lr=1.0, muon_lr=1.0, weight_decay=0.0, embedding_lr_ratio=1.0)[0]["params"]:
+        by_shape.setdefault(p.shape, []).append(p.detach())
+    stacks = [torch.stack(same) for same in by_shape.values()]
+
+    def one_pass() -> float:
+        t0 = time.perf_counter()
+        for stack in stacks:
+            orthogonalize(stack)
+        return time.perf_counter() - t0
+
+    ns_s = min(one_pass(), one_pass())  # the first warms up; another process's work only ever adds time
+    tokens = -(-train_cfg.global_batch_size // world_size) * train_cfg.seq_len  # rank 0's share, the largest
+    rate = measured_matmul_peak(TORCH_DTYPES[train_cfg.dtype])
+    return ns_s, model.flops_per_token(train_cfg.seq_len) * tokens / rate
+
+
+def resolve_auto(model_cfg: ModelConfig, train_cfg: TrainConfig, device: torch.device | str,
+                 world_size: int = 1) -> str:
+    """Settle --dtype auto and --optimizer auto in `train_cfg` for this device, once per run (a resume's came from
+    its checkpoint already); returns why auto chose the optimizer ("" when it was given)."""
+    train_cfg.dtype = resolve_dtype_name(train_cfg.dtype, device)
+    if train_cfg.optimizer != "auto":
+        return ""
+    timed = (None, None) if torch.device(device).type == "cuda" else time_muon(model_cfg, train_cfg, world_size)
+    train_cfg.optimizer, why = choose_optimizer(*timed)
+    return why
 
 
 def autocast(device_type: str, dtype: torch.dtype):

@@ -26,7 +26,7 @@ import torch
 from . import checkpoint as C
 from . import data as D
 from .cli import ArgumentParser, command, fail
-from .config import ConfigError, ModelConfig, TrainConfig
+from .config import OPTIMIZERS, ConfigError, ModelConfig, TrainConfig
 from .distributed import (
     Collectives,
     collective_failure,
@@ -39,7 +39,7 @@ from .model import MiniMindForCausalLM
 from .options import RunOptions, add_run_flags, build_configs, load_yaml, option
 from .rows import rows_note
 from .run import Launch, RunPlan, check_run, claim, dry_run_done
-from .step import TORCH_DTYPES, NonFiniteLossError, resolve_dtype_name
+from .step import TORCH_DTYPES, NonFiniteLossError, resolve_auto
 from .testing import FaultHooks
 from .testing import from_env as hooks_from_env
 from .trackers import TrackerError
@@ -126,7 +126,7 @@ class LocalLaunch(Launch):
     """minilm.train's side of the run plan: data read in this process, a local run folder, torchrun's world size."""
 
     def __init__(self, world_size: int):
-        self.world_size = world_size
+        self.world_size, self.device = world_size, torch.device("cpu")  # torchrun's device, once its group is up
 
     def check(self, model_cfg: ModelConfig, train_cfg: TrainConfig, opts: LocalOptions) -> None:
         if sum(x is not None for x in (opts.data, opts.tokens, opts.random_tokens)) != 1:
@@ -166,8 +166,10 @@ class LocalLaunch(Launch):
     def folder(self, opts: LocalOptions) -> C.RunFolder | None:
         return C.RunFolder(opts.run_dir) if opts.run_dir else None
 
-    def dtype(self, plan: RunPlan) -> str:  # a fresh `auto` is settled by every rank after (agreed_dtype)
-        return C.resumed_dtype(plan.train_cfg.dtype, plan.state)
+    def resolve(self, plan: RunPlan) -> None:  # on rank 0, which hands its answer to the others (agreed_auto)
+        cfg = plan.train_cfg
+        cfg.dtype = C.resumed_dtype(cfg.dtype, plan.state)
+        plan.opts.optimizer_why = resolve_auto(plan.model_cfg, cfg, self.device, self.world_size)
 
 
 def start(argv: list[str] | None) -> tuple[Trainer | None, RunPlan]:
@@ -184,7 +186,7 @@ def start(argv: list[str] | None) -> tuple[Trainer | None, RunPlan]:
     plan = check_run(configs, launch)  # before torchrun's process group: a refused run needs no peers
     rank, world_size, device = init_from_torchrun(timeout_s=plan.opts.collective_timeout_s)
     say = lambda m: print(m, flush=True)  # noqa: E731
-    refused = None
+    refused, launch.device = None, device
     if rank == 0:
         try:
             claim(plan, launch, say)
@@ -201,8 +203,8 @@ def start(argv: list[str] | None) -> tuple[Trainer | None, RunPlan]:
             dry_run_done(say)
         return None, plan
     train_cfg = plan.train_cfg
-    if train_cfg.dtype == "auto":
-        train_cfg.dtype = agreed_dtype(train_cfg.dtype, device)
+    if world_size > 1:
+        agreed_auto(train_cfg, device)
     launcher = LocalLauncher(plan.data, train_cfg.micro_batch_size, rank=rank, world_size=world_size, device=device,
                              run_dir=plan.run_dir, say=say)
     if rank == 0:
@@ -261,11 +263,13 @@ def run_cli(argv: list[str] | None) -> int:
     return 0
 
 
-def agreed_dtype(name: str, device: torch.device) -> str:
-    """--dtype auto resolved once; under torchrun rank 0's answer is every rank's (a probe can disagree)."""
-    names = list(TORCH_DTYPES)
-    code = torch.tensor([names.index(resolve_dtype_name("auto", device))], device="cpu")
-    return names[int(Collectives(device).broadcast_from_rank0(code)[0])]
+def agreed_auto(train_cfg: TrainConfig, device: torch.device) -> None:
+    """Under torchrun, rank 0's dtype and optimizer (it resolved "auto" in the claim) become every rank's."""
+    dtypes, optimizers = list(TORCH_DTYPES), list(OPTIMIZERS)
+    known = "auto" not in (train_cfg.dtype, train_cfg.optimizer)  # always on rank 0
+    codes = [dtypes.index(train_cfg.dtype), optimizers.index(train_cfg.optimizer)] if known else [0, 0]
+    dtype, optimizer = Collectives(device).broadcast_from_rank0(torch.tensor(codes, device="cpu")).tolist()
+    train_cfg.dtype, train_cfg.optimizer = dtypes[dtype], optimizers[optimizer]
 
 
 def exit_process(code: int) -> None:

@@ -34,7 +34,7 @@ from .step import (
     make_optimizer,
     optimizer_step,
     prepare_model,
-    resolve_dtype_name,
+    resolve_auto,
 )
 from .testing import FaultHooks
 from .timeline import WorldSizeTimeline
@@ -91,7 +91,8 @@ class Trainer:
         self.model_cfg, self.train_cfg, self.run, self.data, self.launcher = model_cfg, train_cfg, run, data, launcher
         self.hooks = hooks or FaultHooks.from_dict(run.test_hooks) or FaultHooks()
         self.rank, self.world_size, self.device = launcher.rank, launcher.world_size, torch.device(launcher.device)
-        train_cfg.dtype = resolve_dtype_name(train_cfg.dtype, self.device)  # the entry point resolved "auto" already
+        # the entry points resolved "auto" already, once for every rank; an in-process run resolves it here
+        self.optimizer_why = resolve_auto(model_cfg, train_cfg, self.device, self.world_size) or run.optimizer_why
         self.dtype = TORCH_DTYPES[train_cfg.dtype]
         self.accumulation = accumulation_steps(train_cfg.global_batch_size, train_cfg.micro_batch_size,
                                                self.world_size)  # rank 0's micro-batches, the most of any rank
@@ -140,8 +141,9 @@ class Trainer:
             self.log_line(f"starting run {self.run.name} fresh: {self.total_steps} optimizer steps of "
                           f"{cfg.global_batch_size} sequences, world size {self.world_size} x accumulation "
                           f"{self.accumulation} x micro-batch {cfg.micro_batch_size}{self.uneven()}, dtype "
-                          f"{str(self.dtype).removeprefix('torch.')}, {self.raw_model.num_params() / 1e6:.2f}M "
-                          f"parameters ({self.raw_model.num_params(active=True) / 1e6:.2f}M active)"
+                          f"{str(self.dtype).removeprefix('torch.')}, optimizer {cfg.optimizer}"
+                          + (f" ({self.optimizer_why})" if self.optimizer_why else "")
+                          + f", {self.raw_model.num_params() / 1e6:.2f}M parameters ({self.raw_model.num_params(active=True) / 1e6:.2f}M active)"
                           + (f", {torch.get_num_threads()} CPU thread(s) per worker" if self.device.type == "cpu"
                              else ""))
         if self.metrics_log:

@@ -177,9 +177,11 @@ class RayLaunch(run_plan.Launch):
         return C.RunFolder(join_uri(opts.storage_path, opts.name),
                            display=redact_uri(join_uri(opts.storage_path.split("?", 1)[0], opts.name)))
 
-    def dtype(self, plan: RunPlan) -> str:  # one precision for every rank and restart: a fresh `auto` probed once
-        dtype = C.resumed_dtype(plan.train_cfg.dtype, plan.state)
-        return dtype if dtype != "auto" else probe_dtype(plan.opts)
+    def resolve(self, plan: RunPlan) -> None:  # one precision and optimizer for every rank and restart
+        cfg = plan.train_cfg
+        cfg.dtype = C.resumed_dtype(cfg.dtype, plan.state)
+        if "auto" in (cfg.dtype, cfg.optimizer):
+            cfg.dtype, cfg.optimizer, plan.opts.optimizer_why = probe_auto(plan)
 
     def act(self, plan: RunPlan) -> None:
         plan.folder.delete(RAY_SNAPSHOT)  # Ray would refuse an index naming a checkpoint minilm pruned or moved aside
@@ -240,26 +242,30 @@ def auto_cpus_per_worker(workers: int, local: bool, opts: RayOptions, reserved_c
     return float(max(1, int(min(r["CPU"] for r in nodes) - 1 - math.ceil(reserved_cpus)) // per_node))
 
 
-def probe_dtype(opts: RayOptions) -> str:
-    """Resolve `--dtype auto` in one Ray task placed like a training worker (GPU, CPUs, custom resources)."""
+def probe_auto(plan: RunPlan) -> tuple[str, str, str]:
+    """Resolve `--dtype auto` and `--optimizer auto` in one Ray task placed like a training worker (GPU, CPUs, custom
+    resources), at the most workers the run may have: (dtype, optimizer, why auto chose it)."""
     import ray
 
-    from minilm.step import resolve_dtype_name
+    from minilm.step import resolve_auto
 
+    opts, model_cfg, train_cfg = plan.opts, plan.model_cfg, dataclasses.replace(plan.train_cfg)
     use_gpu = uses_gpu(opts)
 
     @ray.remote(num_cpus=0.01 if use_gpu else max(0.01, opts.cpus_per_worker), num_gpus=1 if use_gpu else 0,
                 resources=opts.resources_per_worker or None)
-    def probe() -> str:
-        return resolve_dtype_name("auto", "cuda" if use_gpu else "cpu")
+    def probe() -> tuple[str, str, str]:
+        why = resolve_auto(model_cfg, train_cfg, "cuda" if use_gpu else "cpu", opts.workers[1])
+        return train_cfg.dtype, train_cfg.optimizer, why
 
     try:
         return ray.get(probe.remote(), timeout=180)
     except ray.exceptions.GetTimeoutError:
-        fallback = "bf16" if use_gpu else "fp32"
-        print(f"warning: no worker-like slot free within 3 minutes to probe --dtype auto: using {fallback} "
-              f"(set --dtype to choose)", file=sys.stderr, flush=True)
-        return fallback
+        dtype = train_cfg.dtype if train_cfg.dtype != "auto" else "bf16" if use_gpu else "fp32"
+        optimizer = train_cfg.optimizer if train_cfg.optimizer != "auto" else "muon"
+        print(f"warning: no worker-like slot free within 3 minutes to probe --dtype / --optimizer auto: using "
+              f"{dtype}, {optimizer} (set --dtype and --optimizer to choose)", file=sys.stderr, flush=True)
+        return dtype, optimizer, ""
 
 
 def nodes_with(resources: dict[str, float]) -> list[dict]:

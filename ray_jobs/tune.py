@@ -129,8 +129,11 @@ def trial(params: dict, plan: RunPlan, sweep_dir: str) -> None:
     from .pretrain import RAY_SNAPSHOT, make_trainer, start_evaluator
 
     m, t = apply_params(plan.model_cfg, plan.train_cfg, params)
+    if t.optimizer == "auto":  # searched: the sweep's own choice, resolved once on the driver like every run's
+        t.optimizer = plan.train_cfg.optimizer
     name = check_name(tune.get_context().get_trial_name(), "trial name")  # it names the trial's folder
-    opts = dataclasses.replace(plan.opts, name=name,
+    opts = dataclasses.replace(plan.opts, name=name, optimizer_why=plan.opts.optimizer_why if params.get(
+                               "optimizer", "auto") == "auto" else "",
                                storage_path=join_uri(plan.opts.storage_path, plan.opts.name, "trials"),
                                run_dir=str(Path(sweep_dir) / "trials" / name) if plan.run_dir else None)
     folder = C.RunFolder(join_uri(opts.storage_path, name))

@@ -81,15 +81,14 @@ def edit_state(checkpoint: Path, edit) -> None:
     C.write_marker(checkpoint, C.RESUME_FILES)
 
 
-def test_a_run_begun_with_adamw_is_refused_by_todays_default_optimizer_with_the_flag_that_continues_it(
-        tmp_path, capsys):
-    """Muon became the default after these fixtures ran AdamW: resuming one without --optimizer adamw is one line
-    that names the flag, exit 2, and the checkpoint is left as it was."""
+def test_a_run_begun_with_adamw_is_refused_by_optimizer_muon_with_the_flag_that_continues_it(tmp_path, capsys):
+    """These fixtures ran AdamW: resuming one with --optimizer muon is one line that names the flag, exit 2, and the
+    checkpoint is left as it was (--optimizer auto, the default, continues it with AdamW)."""
     run_dir, tokens = resumable_copy("checkpoint_format1", tmp_path)
     args = train_args(tokens, run_dir)
     files = lambda: {p: p.read_bytes() for p in sorted((run_dir / CHECKPOINT).rglob("*")) if p.is_file()}  # noqa: E731
     before = files()
-    assert train_main(args[:args.index("--optimizer")] + args[args.index("--optimizer") + 2:]) == 2
+    assert train_main(args[:args.index("--optimizer")] + ["--optimizer", "muon"] + args[args.index("--optimizer") + 2:]) == 2
     err = capsys.readouterr().err
     assert "optimizer muon != adamw in the checkpoint" in err and "continue it with --optimizer adamw" in err, err
     assert files() == before and sorted(run_dir.iterdir()) == [run_dir / CHECKPOINT]

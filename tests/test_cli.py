@@ -60,7 +60,7 @@ def test_help_lists_the_new_names_and_every_default(module, _required, new, old,
     if module in ("ray_jobs.pretrain", "minilm.train"):  # model/train flags: a meaning, 0/False defaults, choices
         assert "--warmup-steps WARMUP_STEPS optimizer steps of linear warmup (default: 0)" in text
         assert "--compile, --no-compile torch.compile each transformer block (default: False)" in text
-        assert "--optimizer {adamw,muon}" in text and "--schedule {cosine,wsd}" in text
+        assert "--optimizer {auto,adamw,muon}" in text and "--schedule {cosine,wsd}" in text
 
 
 @pytest.mark.parametrize("module", IDS)

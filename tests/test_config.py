@@ -81,7 +81,7 @@ TRAIN_CASES = [
     ({"betas": (-0.1, 0.95)}, "betas must be two numbers in [0, 1)"),
     ({"warmup_steps": 10, "max_steps": 10},
      "warmup_steps (10) must be smaller than the total optimizer steps (10)"),
-    ({"optimizer": "sgd"}, "optimizer must be one of adamw, muon"),
+    ({"optimizer": "sgd"}, "optimizer must be one of auto, adamw, muon"),
     ({"optimizer": "muon", "muon_lr": 0}, "muon_lr must be a positive number"),
     ({"embedding_lr_ratio": 0.0}, "embedding_lr_ratio must be a positive number"),
     ({"muon_momentum": 1.0}, "muon_momentum must be in"),

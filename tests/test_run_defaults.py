@@ -54,9 +54,7 @@ def test_config_yaml_is_the_effective_config_and_reruns_the_same_run(run_data, t
     # read back as --config: the same configs, the same run options (the secret given again as a flag wins)
     args = train.build_parser().parse_args(["--config", str(run / CONFIG), "--mlflow-uri", secret_uri])
     again = build_configs(args, load_yaml(args.config), train.LocalOptions)
-    # (minilm.train resolves --dtype auto after the claim, on every rank: the file keeps auto, which a resume resolves
-    # to the checkpoint's precision)
-    assert (again.model, again.train) == (first.model_cfg, dataclasses.replace(first.train_cfg, dtype="auto"))
+    assert (again.model, again.train) == (first.model_cfg, first.train_cfg)  # --dtype auto as it was resolved
     assert run_flags(again.run) == run_flags(first.opts) and again.run.from_manifest == []
     # and as a command: the rerun continues the run folder, its configs those of the first start
     second = start("--config", run / CONFIG, "--mlflow-uri", secret_uri)
@@ -175,3 +173,21 @@ def test_a_sweep_points_seq_len_is_checked_against_the_model_when_the_manifest_s
     with pytest.raises(ConfigError, match="exceeds max_position_embeddings"):
         check_options(ModelConfig(max_position_embeddings=64), TrainConfig(seq_len=256), opts)
     check_options(ModelConfig(max_position_embeddings=257), TrainConfig(seq_len=256), opts)
+
+
+def test_optimizer_auto_is_said_on_the_start_line_recorded_and_a_resume_keeps_it_untimed(run_data, tmp_path,
+                                                                                         monkeypatch, capsys):
+    """--optimizer auto (the default) is resolved once at the start: the start line says which and why, config.yaml
+    and state.json hold the choice; a resume keeps the checkpoint's without timing, and refuses another given one."""
+    from minilm import step
+
+    monkeypatch.setattr(step, "time_muon", lambda *a: (0.04, 1.0))
+    run, auto = tmp_path / "run", [a for a in TINY if a != "--optimizer=adamw"]
+    assert train.main(["--data", str(run_data), "--run-dir", str(run), *auto, "--exit-after-steps", "2"]) == 0
+    assert "optimizer muon (auto: Newton-Schulz 0.04 s = 4% of a step, muon up to 25%)" in capsys.readouterr().out
+    assert yaml.safe_load((run / CONFIG).read_text())["optimizer"] == "muon"
+    assert yaml.safe_load(next(run.glob("checkpoint_*/state.json")).read_text())["train_config"]["optimizer"] == "muon"
+    monkeypatch.setattr(step, "time_muon", lambda *a: pytest.fail("a resume timed Newton-Schulz"))
+    assert start("--data", run_data, "--run-dir", run, *auto).train_cfg.optimizer == "muon"
+    assert train.main(["--data", str(run_data), "--run-dir", str(run), *auto, "--optimizer", "adamw"]) == 2
+    assert "optimizer adamw != muon in the checkpoint" in capsys.readouterr().err

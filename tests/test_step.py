@@ -8,17 +8,21 @@ import copy
 import pytest
 import torch
 
+from minilm import step as S
 from minilm.config import ModelConfig, TrainConfig
 from minilm.model import CausalLMOutput, MiniMindForCausalLM
 from minilm.step import (
+    MUON_MAX_SHARE,
     NonFiniteGuard,
     NonFiniteLossError,
     StepMetrics,
+    choose_optimizer,
     configure_backends,
     make_grad_scaler,
     make_optimizer,
     optimizer_step,
     prepare_model,
+    resolve_auto,
     resolve_dtype,
 )
 
@@ -359,6 +363,49 @@ def test_auto_on_a_cpu_without_native_bf16_is_fp32_without_timing_a_matmul(monke
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)  # native: the probe times it
     with pytest.raises(pytest.fail.Exception, match="timed a matmul"):
         resolve_dtype("auto", "cpu")
+
+
+@pytest.mark.parametrize("ns_s, step_s, chosen", [
+    (0.0, 1.0, "muon"), (0.03, 1.0, "muon"), (MUON_MAX_SHARE, 1.0, "muon"), (2.5, 10.0, "muon"),
+    (MUON_MAX_SHARE + 1e-9, 1.0, "adamw"), (0.45, 1.0, "adamw"), (3.0, 1.0, "adamw"), (None, None, "muon")])
+def test_optimizer_auto_is_muon_while_newton_schulz_takes_at_most_a_quarter_of_a_step(ns_s, step_s, chosen):
+    name, why = choose_optimizer(ns_s, step_s)
+    assert name == chosen and why.startswith("auto: ")
+    if ns_s is not None:
+        assert f"Newton-Schulz {ns_s:.2f} s = {ns_s / step_s:.0%} of a step" in why, why
+    else:
+        assert "on a GPU" in why
+
+
+def cpu_without_native_bf16(monkeypatch):
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+
+
+def test_optimizer_auto_times_newton_schulz_on_a_cpu_where_it_dominates_adamw_else_muon(monkeypatch):
+    """Measured: hidden 256 with 8 tokens a step is mostly Newton-Schulz, so adamw; with Newton-Schulz stubbed to take
+    no time, muon. Both resolve --dtype auto too (fp32 without native bf16)."""
+    cpu_without_native_bf16(monkeypatch)
+    wide = ModelConfig(hidden_size=256, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+                       vocab_size=256)
+    cfg = TrainConfig(seq_len=8, micro_batch_size=1, global_batch_size=1)
+    assert "of a step, muon up to 25%" in resolve_auto(wide, cfg, "cpu") and (cfg.optimizer, cfg.dtype) == (
+        "adamw", "fp32")
+    monkeypatch.setattr(S, "orthogonalize", lambda g: g)
+    cfg = TrainConfig(seq_len=8, micro_batch_size=1, global_batch_size=1)
+    assert resolve_auto(wide, cfg, "cpu").startswith("auto: Newton-Schulz 0.00 s = 0% of a step")
+    assert (cfg.optimizer, cfg.dtype) == ("muon", "fp32")
+
+
+def test_optimizer_auto_is_muon_on_a_gpu_and_a_given_optimizer_stays_without_timing(monkeypatch):
+    monkeypatch.setattr(S, "time_muon", lambda *a: pytest.fail("timed"))
+    monkeypatch.setattr(S, "resolve_dtype_name", lambda name, device: "bf16")
+    cfg = TrainConfig()
+    assert resolve_auto(ModelConfig(), cfg, "cuda") == "auto: on a GPU Newton-Schulz is a few percent of a step"
+    assert cfg.optimizer == "muon"
+    for given in ("adamw", "muon"):
+        cfg = TrainConfig(optimizer=given)
+        assert resolve_auto(ModelConfig(), cfg, "cpu") == "" and cfg.optimizer == given
 
 
 def test_bf16_autocast_step_keeps_fp32_master_weights():

@@ -381,10 +381,13 @@ def check_resume(state: dict[str, Any], where, model_config: ModelConfig, train_
 
 def check_origin(folder: RunFolder | None, origin: str | None, model_config: ModelConfig, train_config,
                  data_fingerprint: str, allow_config_change: bool, say=print) -> dict[str, Any] | None:
-    """The state.json of the checkpoint a fresh start continues, `check_resume`d with a note for each change."""
+    """The state.json of the checkpoint a fresh start continues, `check_resume`d with a note for each change;
+    --optimizer auto becomes the checkpoint's optimizer."""
     if origin is None:
         return None
     state = (folder or RunFolder(".")).state(origin)
+    if train_config.optimizer == "auto":  # the checkpoint's, untimed: its optimizer state fits that optimizer only
+        train_config.optimizer = state["train_config"].get("optimizer", "adamw")  # no field: before Muon
     for c in check_resume(state, origin, model_config, train_config, data_fingerprint, allow_config_change):
         say(f"note: resuming with {c}" + ("" if c.safe else " (--allow-config-change)"))
     return state
