@@ -210,10 +210,11 @@ def run_minilm(data: Path, flags: list[str], steps: int, seed: int, args, run_di
     every = max(1, steps // curve) if curve else steps
     cmd = [sys.executable, "-m", "minilm.train", "--data", str(data), "--run-dir", str(run_dir),
            "--hidden-size", str(args.hidden_size), "--num-hidden-layers", str(args.num_hidden_layers),
-           "--seq-len", str(args.seq_len), "--micro-batch-size", str(args.batch_size),
-           "--global-batch-size", str(args.batch_size), "--lr", str(args.lr), "--max-steps", str(steps),
-           "--epochs", "1000", "--dtype", "fp32", "--seed", str(seed), "--checkpoint-every", str(every),
-           "--keep-checkpoints", str(steps // every + 1), "--log-every", str(min(20, every)), *flags]
+           "--seq-len", str(args.seq_len), "--vocab-size", str(ModelConfig.vocab_size),  # MiniMind's, not the data's
+           "--micro-batch-size", str(args.batch_size), "--global-batch-size", str(args.batch_size), "--lr",
+           str(args.lr), "--max-steps", str(steps), "--epochs", "1000", "--dtype", "fp32", "--seed", str(seed),
+           "--checkpoint-every", str(every), "--keep-checkpoints", str(steps // every + 1), "--log-every",
+           str(min(20, every)), *flags]
     started = time.time()
     wall = run_logged(cmd, Path.cwd(), run_dir / "train.log", env)
     checkpoints = sorted(run_dir.glob("checkpoint_*/model.safetensors"))
