@@ -25,9 +25,7 @@ def results_dir() -> Path:
 
 def write_json(name: str, payload: dict) -> Path:
     """`payload` as results_dir()/name; prints where."""
-    path = results_dir() / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    write_atomic(path := results_dir() / name, json.dumps(payload, indent=2, default=str) + "\n")
     print(f"wrote {path}")
     return path
 
