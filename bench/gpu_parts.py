@@ -169,9 +169,7 @@ def profiled_step(step, i: int, device) -> dict:
             "of": device.type, "flash": any("flash" in e.key.lower() for e in events)}
 
 
-def row(argv: list[str]) -> int:
-    """One row of the table: optimizer steps of one config, timed alone in this process with bench.step's `build`,
-    `stepper` and `figures`; writes --json (before the profiled step: its failure loses nothing)."""
+def row_args(argv: list[str]):
     p = parser("row")
     p.add_argument("--name", required=True)
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
@@ -182,7 +180,13 @@ def row(argv: list[str]) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (with --compile: the compilation)")
     p.add_argument("--peak-size", type=int, default=None, help="n of the n^3 matmul peak (default 8192 GPU, 2048 CPU)")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def row(argv: list[str]) -> int:
+    """One row of the table: optimizer steps of one config, timed alone in this process with bench.step's `build`,
+    `stepper` and `figures`; writes --json (before the profiled step: its failure loses nothing)."""
+    args = row_args(argv)
     import resource
 
     import torch
@@ -273,11 +277,10 @@ def fit_trainer(name: str, args, device, backend: str) -> tuple[dict, int]:
             self.model = wrap_ddp(self.raw_model, self.device)
 
     train_cfg = TrainConfig(optimizer="adamw", lr=1e-4, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
-                            global_batch_size=2 * args.micro_batch_size, max_steps=args.steps, warmup_steps=1,
-                            log_every=max(1, args.steps // 5), checkpoint_every=args.steps, compile=args.compile,
-                            dtype="bf16")
-    data = Dataset.in_memory(np.random.default_rng(1).integers(0, args.vocab_size,
-                                                               (4 * args.micro_batch_size, args.seq_len + 1)))
+                            global_batch_size=2 * args.micro_batch_size, max_steps=args.steps, warmup_steps=1, dtype="bf16",
+                            log_every=max(1, args.steps // 5), checkpoint_every=args.steps, compile=args.compile)
+    rows = np.random.default_rng(1).integers(0, args.vocab_size, (4 * args.micro_batch_size, args.seq_len + 1))
+    data = Dataset.in_memory(rows)
     with tempfile.TemporaryDirectory() as tmp:
         if name == "ddp":
             dist.init_process_group(backend, init_method=f"file://{tmp}/rendezvous", rank=0, world_size=1)
