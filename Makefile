@@ -35,11 +35,11 @@ rehearsal: $(STAMP)
 	$(PY) -m pytest -q --nightly tests/test_gpu_check.py::test_rehearsal_on_the_image_packages_and_the_bundle
 
 # The lent GPU machine's wheels (docs/gpu.md): Ray and what it needs that the image lacks, for its python 3.12,
-# built into gpu-bundle/ (a package index needed here) and verified. A phony target: the folder is its output.
+# built into gpu-bundle/ (a package index needed here), then installed offline by a dry run of the machine's own pip
+# line. A phony target: the folder is its output.
 .PHONY: gpu-bundle
 gpu-bundle: $(STAMP)
 	PYTHON=$(PY) bash bench/gpu_bundle.sh --python-version 3.12 --output gpu-bundle
-	$(PY) -m bench.gpu_bundle --verify gpu-bundle
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not ray"

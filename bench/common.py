@@ -1,12 +1,13 @@
-"""Shared helpers for the benchmarks. Results go to bench/results/, or to $MINILM_BENCH_RESULTS (the tests'
-temporary folder)."""
+"""Shared helpers for the benchmarks: the model flags and the model they make, round-robin timing, the machine,
+process memory, tables, a run's metrics. Results go to bench/results/, or to
+$MINILM_BENCH_RESULTS (the tests' temporary folder)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -14,10 +15,53 @@ from pathlib import Path
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
+MODEL_ARGS = {"hidden_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
+              "vocab_size": 6400, "seq_len": 256, "micro_batch_size": 8}  # issue #7's reference config
 
 
 def results_dir() -> Path:
     return Path(os.environ.get("MINILM_BENCH_RESULTS") or RESULTS)
+
+
+def write_json(name: str, payload: dict) -> Path:
+    """`payload` as results_dir()/name; prints where."""
+    write_atomic(path := results_dir() / name, json.dumps(payload, indent=2, default=str) + "\n")
+    print(f"wrote {path}")
+    return path
+
+
+def write_atomic(path: Path | str, data: str | bytes) -> None:
+    """Whole or not at all: the GPU check reads a part's file the moment it appears."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data.encode() if isinstance(data, str) else data)
+    os.replace(tmp, path)
+
+
+def add_model_args(p, keys=tuple(MODEL_ARGS), **defaults) -> None:
+    """Integer flags (the model's and the batch's by default): `keys`, defaults from `defaults`, else MODEL_ARGS."""
+    for key in keys:
+        p.add_argument("--" + key.replace("_", "-"), type=int, default=defaults.get(key, MODEL_ARGS.get(key)))
+
+
+def model_config(args, **changes):
+    """The ModelConfig of the model flags in `args` (the heads' where given), for rows of seq_len + 1 ids."""
+    from minilm.config import ModelConfig
+
+    heads = {k: getattr(args, k) for k in ("num_attention_heads", "num_key_value_heads") if hasattr(args, k)}
+    return ModelConfig(hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers, **heads,
+                       vocab_size=args.vocab_size, max_position_embeddings=args.seq_len + 1, **changes)
+
+
+def build(cfg, train_cfg, device: torch.device | str = "cpu"):
+    """(model, optimizer): seed 0 (the same weights for a size's every configuration), prepared as the loop does."""
+    from minilm.model import MiniMindForCausalLM
+    from minilm.step import make_optimizer, prepare_model
+
+    torch.manual_seed(0)
+    model = prepare_model(MiniMindForCausalLM(cfg).to(device).train(), train_cfg, torch.device(device))
+    return model, make_optimizer(model, train_cfg)
 
 
 def synchronize(device: torch.device | str = "cpu") -> None:
@@ -41,17 +85,6 @@ def alternate(steps: dict[str, Callable[[int], object]], timed: int, warmup: int
     return times
 
 
-MODEL_ARGS = {"hidden_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
-              "vocab_size": 6400, "seq_len": 256, "micro_batch_size": 8}  # issue #7's reference config
-
-
-def add_model_args(p, keys=tuple(MODEL_ARGS), helps: dict | None = None, **defaults) -> None:
-    """The model and batch flags of `keys`, defaults from `defaults`, else MODEL_ARGS."""
-    for key in keys:
-        p.add_argument("--" + key.replace("_", "-"), type=int, default=defaults.get(key, MODEL_ARGS.get(key)),
-                       help=(helps or {}).get(key))
-
-
 def load_average() -> list[float] | None:
     try:
         return [round(x, 2) for x in os.getloadavg()]
@@ -61,11 +94,8 @@ def load_average() -> list[float] | None:
 
 def environment() -> dict:
     cpu = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     env = {"cpu": cpu, "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
            "torch": torch.__version__, "python": platform.python_version(), "load_average": load_average(),
            "time": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
@@ -74,44 +104,44 @@ def environment() -> dict:
     return env
 
 
-def write_json(name: str, payload: dict) -> Path:
-    directory = results_dir()
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / name
-    path.write_text(json.dumps(payload, indent=2) + "\n")
-    return path
+def machine(env: dict, gpu: bool = False) -> str:
+    """The header line of a benchmark's output."""
+    where = env.get("gpu", "no GPU") if gpu else f"{env['cpu']}, {env['cpus']} CPUs, {env['torch_threads']} threads"
+    return f"# {where}, torch {env['torch']}, load average {env['load_average']}"
+
+
+def table(head: list[str], rows: list[list], left: int = 1) -> str:
+    """Columns as wide as their widest cell; the first `left` aligned left, the others right."""
+    cells = [[str(c) for c in row] for row in [head, *rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in
+                               enumerate(zip(row, widths, strict=True))).rstrip() for row in cells)
 
 
 def memory(pid: int | None = None) -> dict:
-    """RSS, its peak (hwm) and its parts from /proc/PID/status, in bytes: anon is private memory, shmem shared
-    memory mapped (Ray's object store), file mapped files (libraries)."""
+    """RSS, its peak (hwm), anon (private), shmem (Ray's object store) and file, in bytes, from /proc/PID/status."""
     out = {}
     with open(f"/proc/{pid or os.getpid()}/status") as f:
         for line in f:
-            for key in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"):
-                if line.startswith(key + ":"):
-                    out[key.removeprefix("Vm").removeprefix("Rss").lower()] = int(line.split()[1]) * 1024
+            key = line.split(":")[0]
+            if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"):
+                out[key.removeprefix("Vm").removeprefix("Rss").lower()] = int(line.split()[1]) * 1024
     return out
 
 
-class Sampler:
-    """`sample()` every `interval` seconds in a thread while in the `with` block: `samples`, (time, value) pairs."""
+def child_env(**extra: str) -> dict:
+    """This environment for a child that starts its own local Ray (no RAY_ADDRESS), with `extra` set."""
+    return {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, **extra}
 
-    def __init__(self, sample: Callable[[], object], interval: float):
-        self.sample, self.interval = sample, interval
-        self.samples: list[tuple[float, object]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.samples.append((time.time(), self.sample()))
-            self._stop.wait(self.interval)
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
-    def __enter__(self) -> Sampler:
-        self._thread.start()
-        return self
 
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
+def steady_step_s(records: list[dict], checkpoint_every: int) -> tuple[float, int]:
+    """(wall seconds per step, steps counted) between metrics records, without the intervals that hold a checkpoint."""
+    pairs = [(a, b) for a, b in zip(records[:-1], records[1:], strict=True) if a["optimizer_step"] % checkpoint_every]
+    steps = sum(b["optimizer_step"] - a["optimizer_step"] for a, b in pairs)
+    if steps == 0:
+        raise SystemExit("no steady log interval: raise --steps to several --log-every")
+    return sum(b["time"] - a["time"] for a, b in pairs) / steps, steps

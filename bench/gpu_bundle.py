@@ -1,19 +1,12 @@
-"""The bundle for the lent GPU machine: wheels of what the GPU check needs that the machine's image lacks.
-
-    bash bench/gpu_bundle.sh                                   # cp312 (the image's python) into gpu-bundle/
-    make gpu-bundle                                            # that, then --verify gpu-bundle
-
-The machine reaches no package registry and takes at most 64 MiB of working tree a call: the requirements of
-`ray[train,tune,data]`, resolved for the target python, less what the image holds (bench/gpu_image_packages.txt),
-as wheels, Ray's slimmed (`SLIM_PREFIXES`); `install.sh` installs them (docs/gpu.md).
-"""
+"""The bundle for the lent GPU machine (`make gpu-bundle`): wheels of what the GPU check needs that the machine's
+image lacks. The machine reaches no package registry and takes at most 64 MiB of working tree a call: the
+requirements of `ray[train,tune,data]`, resolved for the target python, less what the image holds
+(bench/gpu_image_packages.txt), as wheels, Ray's slimmed (`SLIM_PREFIXES`); `install.sh` installs them."""
 
 from __future__ import annotations
 
 import argparse
-import base64
 import csv
-import hashlib
 import io
 import json
 import re
@@ -53,8 +46,7 @@ def canonical(name: str) -> str:
 
 
 def image_packages(path: Path = IMAGE_PACKAGES) -> set[str]:
-    words = [w for line in path.read_text().splitlines() if not line.startswith("#") for w in line.split()]
-    return {canonical(w) for w in words}
+    return {canonical(w) for line in path.read_text().splitlines() if not line.startswith("#") for w in line.split()}
 
 
 def image_versions(path: Path = IMAGE_PACKAGES) -> dict[str, str]:
@@ -63,66 +55,37 @@ def image_versions(path: Path = IMAGE_PACKAGES) -> dict[str, str]:
     return dict(word.split("==", 1) for line in lines for word in line.split())
 
 
-def pip_target_flags(python_version: str) -> list[str]:
-    return ["--only-binary=:all:", "--python-version", python_version, "--implementation", "cp",
-            *[x for p in PLATFORMS for x in ("--platform", p)]]
-
-
-def resolve(requirements: list[str], python_version: str) -> list[tuple[str, str]]:
-    """(name, version) of everything pip would install for `requirements` on the target python, from a dry run's
-    report (metadata only: nothing is downloaded)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        report = Path(tmp) / "report.json"
-        cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet", "--report",
-               str(report), "--target", str(Path(tmp) / "target"), *pip_target_flags(python_version), *requirements]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise BundleError(f"pip could not resolve {' '.join(requirements)} for cp{python_version}: "
-                              f"{last_error(proc.stderr)}")
-        items = json.loads(report.read_text())["install"]
-    return [(item["metadata"]["name"], item["metadata"]["version"]) for item in items]
-
-
-def last_error(text: str) -> str:
-    lines = [line for line in text.splitlines() if line.strip() and not line.startswith("WARNING")]
-    return lines[-1].strip() if lines else "(no message)"
-
-
-def download(pins: list[tuple[str, str]], python_version: str, out: Path) -> None:
-    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", *pip_target_flags(python_version),
-           "-d", str(out), *[f"{name}=={version}" for name, version in pins]]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+def pip(args: list[str], python_version: str, failed: str) -> None:
+    """`pip ARGS` for the target python's wheels; BundleError(`failed`: pip's last error) if it fails."""
+    proc = subprocess.run([sys.executable, "-m", "pip", *args, "--only-binary=:all:", "--python-version",
+                           python_version, "--implementation", "cp", *[x for p in PLATFORMS for x in ("--platform", p)]],
+                          capture_output=True, text=True)
     if proc.returncode != 0:
-        raise BundleError(f"pip download failed: {last_error(proc.stderr)}")
-
-
-def record_hash(data: bytes) -> str:
-    return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        lines = [line for line in proc.stderr.splitlines() if line.strip() and not line.startswith("WARNING")]
+        raise BundleError(f"{failed}: {lines[-1].strip() if lines else '(no message)'}")
 
 
 def slim_wheel(path: Path, prefixes: tuple[str, ...]) -> dict:
     """Rewrite the wheel at `path` without its members under `prefixes`, RECORD rewritten to list exactly what is
-    left (each line's hash and size checked against the member): still a valid wheel of the same name."""
+    left: still a valid wheel of the same name."""
     with zipfile.ZipFile(path) as src:
-        names = src.namelist()
-        record_name = next((n for n in names if n.endswith(".dist-info/RECORD") and n.count("/") == 1), None)
-        if record_name is None:
+        record = next((n for n in src.namelist() if n.endswith(".dist-info/RECORD") and n.count("/") == 1), None)
+        if record is None:
             raise BundleError(f"{path.name}: not a wheel (no .dist-info/RECORD)")
-        dropped = [n for n in names if n.startswith(prefixes)]
-        rows = list(csv.reader(io.StringIO(src.read(record_name).decode())))
-        kept_rows = [row for row in rows if row and not row[0].startswith(prefixes)]
-        listed = {row[0] for row in kept_rows}
-        tmp = path.with_suffix(".slim")
+        dropped = [n for n in src.namelist() if n.startswith(prefixes)]
+        rows = csv.reader(io.StringIO(src.read(record).decode()))
+        kept = [row for row in rows if row and not row[0].startswith(prefixes)]
+        listed, tmp = {row[0] for row in kept}, path.with_suffix(".slim")
         with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED, compresslevel=6) as dst:
             for info in src.infolist():
-                if info.filename in dropped or info.filename == record_name:
+                if info.filename in dropped or info.filename == record:
                     continue
                 if info.filename not in listed and not info.filename.endswith("/"):
                     raise BundleError(f"{path.name}: {info.filename} is not in its RECORD")
                 dst.writestr(info, src.read(info.filename), compress_type=zipfile.ZIP_DEFLATED, compresslevel=6)
             text = io.StringIO()
-            csv.writer(text, lineterminator="\n").writerows(kept_rows)
-            dst.writestr(record_name, text.getvalue())
+            csv.writer(text, lineterminator="\n").writerows(kept)
+            dst.writestr(record, text.getvalue())
     before = path.stat().st_size
     tmp.replace(path)
     return {"wheel": path.name, "removed_prefixes": list(prefixes), "removed_files": len(dropped),
@@ -130,78 +93,50 @@ def slim_wheel(path: Path, prefixes: tuple[str, ...]) -> dict:
 
 
 def build(python_version: str, out: Path, *, limit_mib: float = LIMIT_MIB) -> dict:
+    """What pip would install for REQUIREMENTS on the target python (a dry run's report: metadata only), less the
+    image's packages, downloaded as wheels; Ray's slimmed; install.sh and bundle.json beside them."""
     if not re.fullmatch(r"3\.\d+", python_version):
         raise BundleError(f"--python-version must look like 3.12, got {python_version!r}")
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("*.whl"):
         old.unlink()
-    requirements = [r.format(ray=RAY_VERSION) for r in REQUIREMENTS]
-    image = image_packages()
-    resolved = resolve(requirements, python_version)
+    requirements, image = [r.format(ray=RAY_VERSION) for r in REQUIREMENTS], image_packages()
+    with tempfile.TemporaryDirectory() as tmp:
+        pip(["install", "--dry-run", "--ignore-installed", "--quiet", "--report", f"{tmp}/report.json", "--target",
+             f"{tmp}/target", *requirements], python_version,
+            f"pip could not resolve {' '.join(requirements)} for cp{python_version}")
+        resolved = [(i["metadata"]["name"], i["metadata"]["version"])
+                    for i in json.loads(Path(tmp, "report.json").read_text())["install"]]
     carried = [(n, v) for n, v in resolved if canonical(n) not in image]
-    download(carried, python_version, out)
+    pip(["download", "--quiet", "--no-deps", "-d", str(out), *[f"{n}=={v}" for n, v in carried]], python_version,
+        "pip download failed")
     wheels = sorted(out.glob("*.whl"))
     if len(wheels) != len(carried):
         raise BundleError(f"expected {len(carried)} wheels in {out}, found {len(wheels)}")
-    ray_wheels = [w for w in wheels if w.name.startswith("ray-")]
-    slimmed = [slim_wheel(w, SLIM_PREFIXES) for w in ray_wheels]
+    slimmed = [slim_wheel(w, SLIM_PREFIXES) for w in wheels if w.name.startswith("ray-")]
     (out / "install.sh").write_text(INSTALL_SH.format(name=out.name))
     sizes = {w.name: w.stat().st_size for w in wheels}
-    total = sum(sizes.values()) + (out / "install.sh").stat().st_size
     manifest = {"python_version": python_version, "requirements": requirements,
                 "image_packages": str(IMAGE_PACKAGES.relative_to(ROOT)),
                 "from_image": sorted(f"{n}=={v}" for n, v in resolved if canonical(n) in image),
-                "wheels": sizes, "slimmed": slimmed, "total_bytes": total}
+                "wheels": sizes, "slimmed": slimmed, "total_bytes": sum(sizes.values())
+                + (out / "install.sh").stat().st_size}
     (out / "bundle.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    if total > limit_mib * 2**20:
-        raise BundleError(f"the bundle in {out} is {total / 2**20:.1f} MiB, over the {limit_mib:g} MiB limit")
+    if manifest["total_bytes"] > limit_mib * 2**20:
+        raise BundleError(f"the bundle in {out} is {manifest['total_bytes'] / 2**20:.1f} MiB, over the {limit_mib:g} "
+                          f"MiB limit")
+    with tempfile.TemporaryDirectory() as tmp:  # what the lent machine's install line will do, offline
+        pip(["install", "--dry-run", "--quiet", "--no-index", "--no-deps", "--target", tmp, *map(str, wheels)],
+            python_version, f"pip would not install {out}'s wheels for cp{python_version}")
     return manifest
 
 
-def verify(out: Path, limit_mib: float = LIMIT_MIB) -> str:
-    """The bundle in `out` is what the lent machine can install (the wheels bundle.json lists, whole, none the image
-    holds, under the limit; pip's offline dry run takes them): a one-line summary, or BundleError."""
-    if not (out / "bundle.json").is_file() or not (out / "install.sh").is_file():
-        raise BundleError(f"{out} has no bundle.json or install.sh: build it with make gpu-bundle")
-    manifest = json.loads((out / "bundle.json").read_text())
-    wheels = {w.name: w.stat().st_size for w in out.glob("*.whl")}
-    if wheels != manifest["wheels"]:
-        raise BundleError(f"{out}: its wheels differ from bundle.json's list (rebuild it)")
-    image = image_packages()
-    for name in wheels:
-        if canonical(name.split("-")[0]) in image:
-            raise BundleError(f"{name} is a package the image holds: the carried copy would shadow the image's")
-        with zipfile.ZipFile(out / name) as z:
-            record = next(n for n in z.namelist() if n.endswith(".dist-info/RECORD") and n.count("/") == 1)
-            for row in csv.reader(io.StringIO(z.read(record).decode())):
-                if row and row[1] and record_hash(z.read(row[0])) != row[1]:
-                    raise BundleError(f"{name}: {row[0]} does not match its RECORD")
-    if not any(name.startswith("ray-") for name in wheels):
-        raise BundleError(f"{out} holds no ray wheel")
-    total = sum(wheels.values()) + (out / "install.sh").stat().st_size
-    if total > limit_mib * 2**20:
-        raise BundleError(f"the bundle in {out} is {total / 2**20:.1f} MiB, over the {limit_mib:g} MiB limit")
-    with tempfile.TemporaryDirectory() as tmp:
-        proc = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--no-index",
-                               "--no-deps", "--target", tmp, *pip_target_flags(manifest["python_version"]),
-                               *map(str, sorted(out.glob("*.whl")))], capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise BundleError(f"pip would not install {out}'s wheels for cp{manifest['python_version']}: "
-                          f"{last_error(proc.stderr)}")
-    return (f"{out}: {len(wheels)} wheels, {total / 2**20:.1f} MiB, whole and installable offline for "
-            f"cp{manifest['python_version'].replace('.', '')}")
-
-
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="bench/gpu_bundle.sh", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="bench/gpu_bundle.sh", description=__doc__)
     p.add_argument("--python-version", default="3.12", help="the target python, X.Y (default 3.12: the image's)")
     p.add_argument("--output", default=str(ROOT / "gpu-bundle"), help="the bundle folder (default gpu-bundle/)")
-    p.add_argument("--verify", metavar="DIR", default=None, help="check a built bundle instead of building one")
     args = p.parse_args(argv)
     try:
-        if args.verify:
-            print(verify(Path(args.verify)))
-            return 0
         m = build(args.python_version, Path(args.output))
     except BundleError as e:
         print(f"error: bench/gpu_bundle.sh: {e}", file=sys.stderr)

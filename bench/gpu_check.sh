@@ -2,7 +2,7 @@
 # The GPU check: one command on one CUDA GPU, within the lent machine's 10 minutes, one table (bench/gpu_check.py).
 #
 #   bash bench/gpu_check.sh --bundle gpu-bundle   # on the lent GPU machine: install the bundle, then the check
-#   bash bench/gpu_check.sh --bundle gpu-bundle --only step-104m-compiled,stream   # a rerun of what was left
+#   bash bench/gpu_check.sh --bundle gpu-bundle --only step-104m-compiled,ray-job   # a rerun of what was left
 #   bash bench/gpu_check.sh --plan                # the plan alone: the parts in order, their limits, the total
 #   bash bench/gpu_check.sh --device cpu          # dry run: tiny configs through the same commands (minutes on 2 cores)
 #

@@ -1,10 +1,6 @@
-"""Held-out quality against MiniMind's own `trainer/train_pretrain.py`, run beside minilm on the same documents.
-
-    python -m bench.minimind --minimind ~/src/minimind                          # 4 corpora: MiniMind vs minilm defaults
-    python -m bench.minimind --minimind DIR --corpus kjv-passages --runs minimind,minilm,"minilm --rows packed"
-
-bench/README.md has the details; the corpora are bench/corpora.py's. Writes minimind.json.
-"""
+"""Held-out quality against MiniMind's own `trainer/train_pretrain.py`, run beside minilm on the same documents
+on four corpora: the built-in demo corpus, the King James Bible as passages and as chapters (Debian's bible-kjv, or
+--kjv FILE), and Chinese fortunes (Debian's fortunes-zh). bench/README.md has the details. Writes minimind.json."""
 
 from __future__ import annotations
 
@@ -19,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,13 +25,99 @@ from safetensors.torch import load_file, save_file
 
 from minilm.bpb import evaluate_documents, token_byte_lengths
 from minilm.config import ModelConfig
+from minilm.corpus import demo_corpus_documents
 from minilm.model import MiniMindForCausalLM
 from minilm.tokenizer import BOS_ID
 
-from .common import add_model_args, environment, load_average, write_json
-from .corpora import CORPORA, BenchError, Split, corpus_documents, split_corpus
+from .common import add_model_args, environment, load_average, table, write_json
 
-# ---- the runs -----------------------------------------------------------------------------------------
+# ---- the corpora and their seeded held-out split -------------------------------------------------------------
+
+CORPORA = ("demo", "kjv-passages", "kjv-chapters", "zh-fortunes")
+ZH_FORTUNES = Path("/usr/share/games/fortunes")  # Debian's fortunes-zh (GPL-3.0+)
+ZH_FILES = ("chinese", "tang300", "song100")
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+KJV_VERSE = re.compile(r"^(\d?[A-Za-z]+)(\d+):(\d+) (.*)$")
+PASSAGE_CHARS = 900
+CHAPTERS_PER_DOC = 3
+
+
+class BenchError(ValueError):
+    """A bad flag, a missing checkout or corpus, or a run that failed: one line, exit 2."""
+
+
+def kjv_chapters(kjv_file: str | None) -> list[tuple[str, list[str]]]:
+    """[(book, [verse text, ...]) per chapter] of the KJV, in order."""
+    if kjv_file:
+        text = Path(kjv_file).read_text(encoding="utf-8")
+    elif shutil.which("bible"):
+        text = subprocess.run(["bible", "-f", "Gen1:1-Rev22:21"], capture_output=True, text=True, check=True).stdout
+    else:
+        raise BenchError("the kjv corpora need Debian's bible-kjv (apt-get install bible-kjv) or --kjv FILE")
+    chapters: dict[tuple[str, str], list[str]] = {}
+    for m in filter(None, map(KJV_VERSE.match, map(str.strip, text.splitlines()))):
+        chapters.setdefault((m.group(1), m.group(2)), []).append(m.group(4).strip())
+    if len(chapters) < 100:
+        raise BenchError(f"--kjv: found {len(chapters)} chapters, expected the whole KJV (1,189)")
+    return [(book, verses) for (book, _), verses in chapters.items()]
+
+
+def zh_fortunes(folder: Path = ZH_FORTUNES) -> list[str]:
+    """Debian's fortunes-zh: Chinese prose (quotations, essays, jokes, Debian's code of conduct), the 300 Tang poems
+    and 100 Song lyrics, one document per fortune (a few characters to ~9,000), colour escapes removed."""
+    if not all((folder / f).is_file() for f in ZH_FILES):
+        raise BenchError("the zh-fortunes corpus needs Debian's fortunes-zh (apt-get install fortunes-zh)")
+    parts = [ANSI.sub("", part).strip() for name in ZH_FILES
+             for part in (folder / name).read_text(encoding="utf-8", errors="replace").split("\n%\n")]
+    return [text for text in parts if len(text) >= 8]
+
+
+def corpus_documents(name: str, kjv_file: str | None) -> list[str]:
+    if name == "demo":
+        return list(demo_corpus_documents())
+    if name == "zh-fortunes":
+        return zh_fortunes()
+    if name not in CORPORA:
+        raise BenchError(f"--corpus: unknown corpus {name!r}; choose from {', '.join(CORPORA)}")
+    docs, group, book = [], [], None
+    for b, verses in kjv_chapters(kjv_file):
+        if name == "kjv-passages":  # consecutive verses of a chapter, closed once PASSAGE_CHARS is reached
+            for i, v in enumerate(verses, 1):
+                group.append(v)
+                if sum(map(len, group)) >= PASSAGE_CHARS or i == len(verses):
+                    docs.append(" ".join(group))
+                    group = []
+            continue
+        if group and (b != book or len(group) == CHAPTERS_PER_DOC):  # kjv-chapters: a few chapters of one book
+            docs.append("\n\n".join(group))
+            group = []
+        book = b
+        group.append(" ".join(verses))
+    return docs + (["\n\n".join(group)] if group else [])
+
+
+@dataclass
+class Split:
+    train: list[str]
+    held_out: list[str]
+    epochs: int  # MiniMind's --epochs that make `steps` optimizer steps over `train`
+    steps: int
+
+
+def split_corpus(docs: list[str], steps: int, batch_size: int, held_out: int, seed: int) -> Split:
+    """A seeded held-out set, then the training documents for `steps` MiniMind steps (whole epochs of whole batches)."""
+    order = np.random.default_rng(seed).permutation(len(docs))
+    held_out = min(held_out, len(docs) // 5)
+    available = len(docs) - held_out
+    epochs = max(1, math.ceil(steps * batch_size / available))
+    n_train = max(1, steps // epochs) * batch_size
+    if n_train > available:
+        raise BenchError(f"{len(docs)} documents are too few for {steps} steps of {batch_size}")
+    return Split([docs[i] for i in sorted(order[held_out:held_out + n_train])],
+                 [docs[i] for i in sorted(order[:held_out])], epochs, epochs * max(1, steps // epochs))
+
+
+# ---- the runs ---------------------------------------------------------------------------------------------------
 
 @dataclass
 class Result:
@@ -47,7 +130,6 @@ class Result:
     ce: float = float("nan")
     bpb: float = float("nan")
     budget: str = "steps"  # steps | tokens | wall | half-wall: what this run is matched to MiniMind's on
-    fp16_effect: float | None = None
     curve: list | None = None  # [(step, seconds since the command started, ce)] of the checkpoints along the run
     to_minimind_s: float | None = None  # when the curve first reaches MiniMind's final CE (None: never)
 
@@ -57,11 +139,10 @@ def run_logged(cmd: list[str], cwd: Path, log: Path, env: dict | None = None) ->
     t0 = time.perf_counter()
     with open(log, "w") as f:
         proc = subprocess.run(cmd, cwd=cwd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-    wall = time.perf_counter() - t0
     if proc.returncode:
         tail = log.read_text(errors="replace").strip().splitlines()[-1:] or [""]
         raise BenchError(f"{shlex.join(cmd[:4])}... exited {proc.returncode} (log {log}): {tail[0][:300]}")
-    return wall
+    return time.perf_counter() - t0
 
 
 def minimind_copy(checkout: Path, work: Path) -> Path:
@@ -87,27 +168,23 @@ def run_minimind(mm: Path, train_jsonl: Path, split: Split, args, seed: int, log
            "train_sha256": hashlib.sha256(train_jsonl.read_bytes()).hexdigest()}
     cached = log.with_name(f"minimind-h{args.hidden_size}x{args.num_hidden_layers}.json")
     if args.reuse and cached.is_file() and json.loads(cached.read_text())["key"] == key:
-        info = json.loads(cached.read_text())
         print(f"  (MiniMind's run reused from {cached})", flush=True)
-        return load_file(str(cached.with_suffix(".safetensors"))), info["wall_s"]
-    out = mm / "out"
-    shutil.rmtree(out, ignore_errors=True)
-    shutil.rmtree(mm / "checkpoints", ignore_errors=True)
+        return load_file(str(cached.with_suffix(".safetensors"))), json.loads(cached.read_text())["wall_s"]
+    for old in ("out", "checkpoints"):
+        shutil.rmtree(mm / old, ignore_errors=True)
     script_args = ["--epochs", str(split.epochs), "--batch_size", str(args.batch_size),
                    "--learning_rate", str(args.lr), "--device", "cpu", "--dtype", "float32",
                    "--num_workers", "0", "--accumulation_steps", "1", "--grad_clip", "1.0",
                    "--log_interval", "20", "--save_interval", str(10 ** 9),
                    "--hidden_size", str(args.hidden_size), "--num_hidden_layers", str(args.num_hidden_layers),
                    "--max_seq_len", str(args.seq_len + 1), "--data_path", str(train_jsonl)]
-    if seed == 42:
-        cmd = [sys.executable, "train_pretrain.py", *script_args]
-    else:  # MiniMind fixes its seed at 42: shift its setup_seed, run the same script
-        code = ("import runpy, sys; sys.path.insert(0, '..'); import trainer.trainer_utils as u; f = u.setup_seed; "
-                f"u.setup_seed = lambda s: f(s + {seed - 42}); sys.argv = ['train_pretrain.py'] + sys.argv[1:]; "
-                "runpy.run_path('train_pretrain.py', run_name='__main__')")
-        cmd = [sys.executable, "-c", code, *script_args]
+    # MiniMind fixes its seed at 42: for another, shift its setup_seed and run the same script
+    code = ("import runpy, sys; sys.path.insert(0, '..'); import trainer.trainer_utils as u; f = u.setup_seed; "
+            f"u.setup_seed = lambda s: f(s + {seed - 42}); sys.argv = ['train_pretrain.py'] + sys.argv[1:]; "
+            "runpy.run_path('train_pretrain.py', run_name='__main__')")
+    cmd = [sys.executable, *(["train_pretrain.py"] if seed == 42 else ["-c", code]), *script_args]
     wall = run_logged(cmd, mm / "trainer", log, env={"TOKENIZERS_PARALLELISM": "false", **env})
-    weights = out / f"pretrain_{args.hidden_size}.pth"
+    weights = mm / "out" / f"pretrain_{args.hidden_size}.pth"
     if not weights.is_file():
         raise BenchError(f"MiniMind wrote no {weights} (log {log})")
     state = torch.load(weights, map_location="cpu", weights_only=True)
@@ -118,25 +195,10 @@ def run_minimind(mm: Path, train_jsonl: Path, split: Split, args, seed: int, log
 
 
 def split_flags(flags: list[str]) -> tuple[list[str], list[str]]:
-    """(prepare flags, train flags) of a `minilm --flag value ...` run name."""
-    prep, train, i = [], [], 0
-    while i < len(flags):
-        if flags[i] == "--rows":
-            prep += flags[i:i + 2]
-            i += 2
-        else:
-            train.append(flags[i])
-            i += 1
-    return prep, train
-
-
-def prepare(train_jsonl: Path, tokenizer: Path, flags: list[str], work: Path, args) -> Path:
-    out = work / ("tok" + "".join("-" + f.strip("-") for f in flags))
-    if not (out / "manifest.json").is_file():
-        run_logged([sys.executable, "-m", "ray_jobs.prepare", "--input", str(train_jsonl), "--output", str(out),
-                    "--tokenizer", str(tokenizer), "--seq-len", str(args.seq_len), "--overwrite", *flags],
-                   Path.cwd(), out.with_suffix(".log"))
-    return out
+    """(prepare flags, train flags) of a `minilm --flag value ...` run name: --rows goes to prepare."""
+    rows = [i for i, f in enumerate(flags) if f == "--rows"]
+    prep = [f for i in rows for f in flags[i:i + 2]]
+    return prep, [f for i, f in enumerate(flags) if not any(i in (r, r + 1) for r in rows)]
 
 
 def run_minilm(data: Path, flags: list[str], steps: int, seed: int, args, run_dir: Path, env: dict,
@@ -148,10 +210,11 @@ def run_minilm(data: Path, flags: list[str], steps: int, seed: int, args, run_di
     every = max(1, steps // curve) if curve else steps
     cmd = [sys.executable, "-m", "minilm.train", "--data", str(data), "--run-dir", str(run_dir),
            "--hidden-size", str(args.hidden_size), "--num-hidden-layers", str(args.num_hidden_layers),
-           "--seq-len", str(args.seq_len), "--micro-batch-size", str(args.batch_size),
-           "--global-batch-size", str(args.batch_size), "--lr", str(args.lr), "--max-steps", str(steps),
-           "--epochs", "1000", "--dtype", "fp32", "--seed", str(seed), "--checkpoint-every", str(every),
-           "--keep-checkpoints", str(steps // every + 1), "--log-every", str(min(20, every)), *flags]
+           "--seq-len", str(args.seq_len), "--vocab-size", str(ModelConfig.vocab_size),  # MiniMind's, not the data's
+           "--micro-batch-size", str(args.batch_size), "--global-batch-size", str(args.batch_size), "--lr",
+           str(args.lr), "--max-steps", str(steps), "--epochs", "1000", "--dtype", "fp32", "--seed", str(seed),
+           "--checkpoint-every", str(every), "--keep-checkpoints", str(steps // every + 1), "--log-every",
+           str(min(20, every)), *flags]
     started = time.time()
     wall = run_logged(cmd, Path.cwd(), run_dir / "train.log", env)
     checkpoints = sorted(run_dir.glob("checkpoint_*/model.safetensors"))
@@ -163,8 +226,7 @@ def run_minilm(data: Path, flags: list[str], steps: int, seed: int, args, run_di
 
 
 def time_to_reach(curve: list[tuple[int, float, float]], target: float) -> float | None:
-    """The seconds at which a [(step, seconds, ce)] curve first reaches `target`, linear between two checkpoints;
-    None if it never does."""
+    """When a [(step, seconds, ce)] curve first reaches `target`, linear between two checkpoints (None: never)."""
     before = None
     for _step, t, ce in curve:
         if ce <= target:
@@ -177,14 +239,13 @@ def time_to_reach(curve: list[tuple[int, float, float]], target: float) -> float
 
 
 def ce_at(curve: list[tuple[int, float, float]], seconds: float) -> float:
-    """The CE of a [(step, seconds, ce)] curve at `seconds`, linear between two checkpoints; outside it, its first or
-    last CE (a run that ended sooner is not credited with steps it did not take)."""
+    """The CE of a [(step, seconds, ce)] curve at `seconds`, linear between checkpoints, its first or last outside."""
     return float(np.interp(seconds, [t for _, t, _ in curve], [ce for _, _, ce in curve]))
 
 
 def score(state: dict, model_cfg: ModelConfig, held_docs: list[list[int]], byte_lengths: np.ndarray, args) -> dict:
     model = MiniMindForCausalLM(model_cfg)
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing, _ = model.load_state_dict(state, strict=False)
     # MiniMind's state dict also holds the RoPE tables as buffers and the tied head; nothing trainable may be missing.
     trainable_missing = [k for k in missing if k != "lm_head.weight" or not model_cfg.tie_word_embeddings]
     if trainable_missing:
@@ -200,36 +261,10 @@ def real_tokens_minimind(train_docs: list[list[int]], epochs: int, row_len: int)
     return epochs * sum(min(len(d), row_len - 2) + 1 for d in train_docs)
 
 
-# ---- the benchmark ------------------------------------------------------------------------------------
-
-def parse_runs(spec: str) -> list[str]:
-    runs = [r.strip() for r in spec.split(",") if r.strip()]
-    for r in runs:
-        if r != "minimind" and r.split()[0] != "minilm":
-            raise BenchError(f"--runs: {r!r}: a run is minimind, minilm, or minilm followed by its flags")
-    return runs
-
-
-def write_split(split: Split, tokenizer_file: Path, cwork: Path) -> tuple[Path, list[list[int]], list[list[int]]]:
-    """The training documents as the JSONL both loops read, and both sets' token ids."""
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(tokenizer_file))
-    cwork.mkdir(parents=True, exist_ok=True)
-    train_jsonl = cwork / "train.jsonl"
-    with open(train_jsonl, "w") as f:
-        for t in split.train:
-            f.write(json.dumps({"text": t}) + "\n")
-    return (train_jsonl, [e.ids for e in tok.encode_batch(split.train, add_special_tokens=False)],
-            [e.ids for e in tok.encode_batch(split.held_out, add_special_tokens=False)])
-
-
-def record(r: Result, state: dict, results: list[Result], scorer, pool, fp16_effect: bool) -> None:
+def record(r: Result, state: dict, results: list[Result], scorer, pool) -> None:
     """Score a finished run (and its curve's checkpoints, --parallel at a time, now that the round is over),
     append it to `results` and print its line; `scorer(state)` scores a state dict on the held-out documents."""
     r.__dict__.update(scorer(state))
-    if fp16_effect and r.run == "minilm" and r.budget == "steps":
-        r.fp16_effect = scorer({k: v.half().float() for k, v in state.items()})["ce"]
     results.append(r)
     ref = next((x for x in results if x.run == "minimind"), None)
     if r.curve and ref:
@@ -239,7 +274,7 @@ def record(r: Result, state: dict, results: list[Result], scorer, pool, fp16_eff
                    if r.to_minimind_s is not None else f"not within its {r.train_s:.0f} s")
         print(f"  {r.run} reaches MiniMind's final CE {ref.ce:.4f}: {reached}; curve " + ", ".join(
             f"{step}: {ce:.3f} @ {t:.0f} s" for step, t, ce in r.curve), flush=True)
-    elif r.curve:
+    else:
         r.curve = None  # nothing to reach without MiniMind's run
     ratio = f"  ce / MiniMind {r.ce / ref.ce:.4f}  bpb / MiniMind {r.bpb / ref.bpb:.4f}" if ref else ""
     print(f"  {r.run:40s} [{r.budget:9s}] steps {r.steps:4d}  tokens {r.real_tokens:9,}  train {r.train_s:6.1f} s"
@@ -247,23 +282,26 @@ def record(r: Result, state: dict, results: list[Result], scorer, pool, fp16_eff
 
 
 def bench_corpus(name: str, seed: int, runs: list[str], args, work: Path, checkout: Path) -> list[Result]:
-    from concurrent.futures import ThreadPoolExecutor
-
     split = split_corpus(corpus_documents(name, args.kjv), args.steps, args.batch_size, args.held_out, seed)
     cwork = work / f"{name}-seed{seed}-h{args.hidden_size}x{args.num_hidden_layers}"
     mm = minimind_copy(checkout, work)
     tokenizer_file = mm / "model" / "tokenizer.json"
     byte_lengths = token_byte_lengths(tokenizer_file)
-    train_jsonl, train_docs, held_docs = write_split(split, tokenizer_file, cwork)
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_file))
+    cwork.mkdir(parents=True, exist_ok=True)
+    train_jsonl = cwork / "train.jsonl"  # the training documents as the JSONL both loops read
+    train_jsonl.write_text("".join(json.dumps({"text": t}) + "\n" for t in split.train))
+    train_docs, held_docs = ([e.ids for e in tok.encode_batch(docs, add_special_tokens=False)]
+                             for docs in (split.train, split.held_out))
     lengths = [len(d) for d in train_docs]
     print(f"\n== {name} (seed {seed}): {len(train_docs):,} training documents (median {int(np.median(lengths))} "
           f"tokens, {sum(lengths):,} in all), {len(held_docs):,} held out ({sum(map(len, held_docs)):,} tokens); "
           f"MiniMind: {split.epochs} epoch(s) = {split.steps} steps; load {load_average()}", flush=True)
     model_cfg = ModelConfig(hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers)
     mm_tokens = real_tokens_minimind(train_docs, split.epochs, args.seq_len + 1)
-    per_step = args.batch_size * args.seq_len
-    results: list[Result] = []
-    env = {"OMP_NUM_THREADS": str(args.threads)}
+    per_step, results, env = args.batch_size * args.seq_len, [], {"OMP_NUM_THREADS": str(args.threads)}
 
     def scorer(state: dict) -> dict:
         return score(state, model_cfg, held_docs, byte_lengths, args)
@@ -273,68 +311,53 @@ def bench_corpus(name: str, seed: int, runs: list[str], args, work: Path, checko
             state, wall = run_minimind(mm, train_jsonl, split, args, seed, cwork / "minimind.log", env)
             return Result(name, seed, run, split.steps, mm_tokens, wall), state
         prep_flags, train_flags = split_flags(shlex.split(run)[1:])
-        data = prepared[tuple(prep_flags)]
         tag = re.sub(r"[^A-Za-z0-9]+", "-", run).strip("-") + ("" if budget == "steps" else f"-{budget}")
         curve = args.curve if budget == "steps" else 0
-        state, wall, points = run_minilm(data, train_flags, steps, seed, args, cwork / f"run-{tag}", env, curve)
-        result = Result(name, seed, run, steps, steps * per_step, wall, budget=budget)
-        result.curve = points if curve else None
-        return result, state
+        state, wall, points = run_minilm(prepared[tuple(prep_flags)], train_flags, steps, seed, args,
+                                         cwork / f"run-{tag}", env, curve)
+        return Result(name, seed, run, steps, steps * per_step, wall, budget=budget, curve=points if curve else None), state
 
     # Runs go `--parallel` at a time (each with `--threads`), MiniMind's first, beside minilm's defaults: the
-    # wall times of runs that ran side by side compare on a shared machine.
+    # wall times of runs that ran side by side compare on a shared machine. One prepare at a time (each starts a
+    # local Ray), before the runs.
     order = sorted(runs, key=lambda r: (r != "minimind", r != "minilm"))
-    prepared = {}  # one prepare at a time (each starts a local Ray)
-    for run in order:
-        if run != "minimind":
-            flags = tuple(split_flags(shlex.split(run)[1:])[0])
-            if flags not in prepared:
-                prepared[flags] = prepare(train_jsonl, tokenizer_file, list(flags), cwork, args)
+    prepared = {}
+    for flags in dict.fromkeys(tuple(split_flags(shlex.split(r)[1:])[0]) for r in order if r != "minimind"):
+        out = cwork / ("tok" + "".join("-" + f.strip("-") for f in flags))
+        if not (out / "manifest.json").is_file():
+            run_logged([sys.executable, "-m", "ray_jobs.prepare", "--input", str(train_jsonl), "--output", str(out),
+                        "--tokenizer", str(tokenizer_file), "--seq-len", str(args.seq_len), "--overwrite", *flags],
+                       Path.cwd(), out.with_suffix(".log"))
+        prepared[flags] = out
     with ThreadPoolExecutor(args.parallel) as pool:
         # Scored once the round is over: a score computed beside a run would slow that run alone.
         for r, state in list(pool.map(lambda run: job(run, split.steps, "steps"), order)):
-            record(r, state, results, scorer, pool, args.fp16_effect)
-        for r, state in list(pool.map(lambda a: job(*a), budget_runs(results, mm_tokens, per_step, split.steps,
-                                                                         args.budgets))):
-            record(r, state, results, scorer, pool, args.fp16_effect)
+            record(r, state, results, scorer, pool)
+        extra = budget_runs(results, mm_tokens, per_step, split.steps) if args.budgets else []
+        for r, state in list(pool.map(lambda a: job(*a), extra)):
+            record(r, state, results, scorer, pool)
     return results
 
 
-def budget_runs(results: list[Result], mm_tokens: int, per_step: int, steps: int, budgets: bool) -> list[tuple]:
-    """The minilm runs matched to MiniMind on real tokens, wall time and half its wall time (where those differ by
-    more than 2% from equal steps): (run, steps, budget) each."""
+def budget_runs(results: list[Result], mm_tokens: int, per_step: int, steps: int) -> list[tuple]:
+    """(run, steps, budget) of minilm at MiniMind's real tokens, wall and half its wall (if > 2% off equal steps)."""
     mm = next((x for x in results if x.run == "minimind"), None)
     base = next((x for x in results if x.run == "minilm"), None)
-    extra: list[tuple] = []
-    if budgets and base:
-        token_steps = max(1, round(mm_tokens / per_step))
-        if abs(token_steps - steps) > 0.02 * steps:
-            extra.append(("minilm", token_steps, "tokens"))
-        if mm:
-            wall_steps = max(1, math.floor(steps * mm.train_s / base.train_s))
-            if abs(wall_steps - steps) > 0.02 * steps:
-                extra.append(("minilm", wall_steps, "wall"))
-            # The stretch goal: MiniMind's held-out loss in half its wall time.
-            extra.append(("minilm", max(1, math.floor(wall_steps / 2)), "half-wall"))
-    return extra
-
-
-def print_table(results: list[Result]) -> None:
-    print(f"\n{'corpus':13s} {'seed':>4s} {'run':40s} {'budget':9s} {'steps':>5s} {'real tokens':>11s} "
-          f"{'train s':>7s} {'ce':>7s} {'bpb':>7s} {'ce/MM':>6s} {'bpb/MM':>6s}")
-    for r in results:
-        ref = next((x for x in results if x.run == "minimind" and x.corpus == r.corpus and x.seed == r.seed), None)
-        ce_ratio = f"{r.ce / ref.ce:.4f}" if ref else "-"
-        bpb_ratio = f"{r.bpb / ref.bpb:.4f}" if ref else "-"
-        print(f"{r.corpus:13s} {r.seed:4d} {r.run:40s} {r.budget:9s} {r.steps:5d} {r.real_tokens:11,} {r.train_s:7.1f} "
-              f"{r.ce:7.4f} {r.bpb:7.4f} {ce_ratio:>6s} {bpb_ratio:>6s}")
+    if not base:
+        return []
+    extra = [("minilm", max(1, round(mm_tokens / per_step)), "tokens")]
+    if mm:
+        wall_steps = max(1, math.floor(steps * mm.train_s / base.train_s))
+        extra.append(("minilm", wall_steps, "wall"))
+    extra = [e for e in extra if abs(e[1] - steps) > 0.02 * steps]
+    # The stretch goal: MiniMind's held-out loss in half its wall time.
+    return extra + ([("minilm", max(1, math.floor(wall_steps / 2)), "half-wall")] if mm else [])
 
 
 def print_summary(results: list[Result]) -> None:
-    """Per corpus, seed and minilm run, against MiniMind: CE ratio at equal steps and at equal wall time, and the
-    wall time the run needs to reach MiniMind's final CE as a ratio of MiniMind's."""
-    print(f"\n{'corpus':13s} {'seed':>4s} {'run':40s} {'CE/MM equal steps':>18s} {'CE/MM equal wall':>17s} "
-          f"{'time to MM CE / MM wall':>24s}")
+    """Per corpus, seed and minilm run against MiniMind: the CE ratio at equal steps and at equal wall time, and the
+    wall time the run needs to reach MiniMind's final CE as a ratio of MiniMind's (every run's line came before)."""
+    rows = []
     for mm in (r for r in results if r.run == "minimind"):
         for run in dict.fromkeys(r.run for r in results if r.run != "minimind"):
             mine = {r.budget: r for r in results if r.run == run and (r.corpus, r.seed) == (mm.corpus, mm.seed)}
@@ -345,17 +368,18 @@ def print_summary(results: list[Result]) -> None:
                 wall_ce = mine["wall"].ce
             elif steps.curve:  # the curve at MiniMind's wall time (no credit for a schedule planned to end there)
                 wall_ce = ce_at([c for c in steps.curve if c[0] < steps.steps] + [(steps.steps, steps.train_s, steps.ce)],
-                               mm.train_s)
+                                mm.train_s)
             else:  # no curve and no wall run: the walls were within 2%
                 wall_ce = steps.ce
             reach = steps.to_minimind_s
-            to_mm = f"{reach / mm.train_s:.3f}" if reach is not None else f"> {steps.train_s / mm.train_s:.3f}"
-            print(f"{mm.corpus:13s} {mm.seed:4d} {run[:40]:40s} {steps.ce / mm.ce:18.4f} {wall_ce / mm.ce:17.4f} "
-                  f"{to_mm:>24s}")
+            rows.append([mm.corpus, mm.seed, run[:40], f"{steps.ce / mm.ce:.4f}", f"{wall_ce / mm.ce:.4f}",
+                         f"{reach / mm.train_s:.3f}" if reach is not None else f"> {steps.train_s / mm.train_s:.3f}"])
+    print("\n" + table(["corpus", "seed", "run", "CE/MM equal steps", "CE/MM equal wall", "time to MM CE / MM wall"],
+                       rows, left=3))
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.minimind", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.minimind", description=__doc__)
     p.add_argument("--minimind", required=True, metavar="DIR", help="a checkout of github.com/jingyaogong/minimind")
     p.add_argument("--corpus", default=",".join(CORPORA), help=f"comma-separated, from {', '.join(CORPORA)}")
     p.add_argument("--kjv", metavar="FILE", help="the output of `bible -f \"Gen1:1-Rev22:21\"` (default: run it)")
@@ -366,7 +390,6 @@ def main(argv: list[str] | None = None) -> int:
                    help="also run the last minilm run at MiniMind's real tokens and wall time (default: on)")
     p.add_argument("--reuse", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse MiniMind's run of the same corpus, seed and settings from the work folder")
-    p.add_argument("--fp16-effect", action="store_true", help="also score minilm's weights rounded to fp16")
     p.add_argument("--curve", type=int, default=8, help="checkpoints along each minilm run, scored for the "
                                                         "time it needs to reach MiniMind's final CE (0: none)")
     p.add_argument("--parallel", type=int, default=1, help="runs at a time (default 1)")
@@ -384,12 +407,11 @@ def main(argv: list[str] | None = None) -> int:
             raise BenchError(f"--minimind {checkout}: no such folder")
         if args.curve < 0:
             raise BenchError(f"--curve must be >= 0 (checkpoints along minilm's run; 0: none), got {args.curve}")
-        runs = parse_runs(args.runs)
-        corpora = [c.strip() for c in args.corpus.split(",") if c.strip()]
-        for c in corpora:
-            if c not in CORPORA:
-                raise BenchError(f"--corpus: unknown corpus {c!r}; choose from {', '.join(CORPORA)}")
-        seeds = [int(s) for s in args.seeds.split(",")]
+        runs, corpora = ([x.strip() for x in flag.split(",") if x.strip()] for flag in (args.runs, args.corpus))
+        for r in (r for r in runs if r != "minimind" and r.split()[0] != "minilm"):
+            raise BenchError(f"--runs: {r!r}: a run is minimind, minilm, or minilm followed by its flags")
+        for c in (c for c in corpora if c not in CORPORA):
+            raise BenchError(f"--corpus: unknown corpus {c!r}; choose from {', '.join(CORPORA)}")
         # Scoring uses --threads too: a score computed while another bench's run trains must not take its core.
         torch.set_num_threads(args.threads)
         work = Path(args.work) if args.work else Path(__file__).resolve().parent / "results" / "minimind-work"
@@ -399,14 +421,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"MiniMind checkout {checkout} at {commit}; model hidden {args.hidden_size} x {args.num_hidden_layers} "
               f"layers, seq {args.seq_len}, batch {args.batch_size}, lr {args.lr}, fp32, {torch.get_num_threads()} "
               f"thread(s); load {load_average()}", flush=True)
-        results: list[Result] = []
-        for seed in seeds:
-            for c in corpora:
-                results += bench_corpus(c, seed, runs, args, work, checkout)
+        results = [r for seed in map(int, args.seeds.split(",")) for c in corpora
+                   for r in bench_corpus(c, seed, runs, args, work, checkout)]
     except (BenchError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print_table(results)
     print_summary(results)
     write_json("minimind.json", {"environment": environment(), "args": vars(args), "minimind_commit": commit,
                                  "results": [r.__dict__ for r in results]})

@@ -1,13 +1,6 @@
-"""Throughput and MFU of one optimizer step: dense vs MoE at equal active parameters, eager vs compiled.
-
-    python -m bench.step --dtype both --compile            # fp32 and bf16 rows, eager and torch.compile'd
-    python -m bench.step --experts 4 8 --top-k 1 2         # MoE: 4 and 8 experts, top-1 and top-2
-    python -m bench.step --dispatch split grouped          # the MoE layer's two dispatches side by side
-    python -m bench.step --estimate h200                   # each phase's time on an H200, the predicted MFU range
-
-Every configuration runs `minilm.step.optimizer_step` on the same batches, alternating step by step
-(`common.alternate`); the GPU check's rows use the same `build`, `stepper` and `figures`. Writes step.json.
-"""
+"""Throughput and MFU of one optimizer step: dense vs MoE at equal active parameters, eager vs compiled, on the same
+batches, alternating step by step (`common.alternate`); `--estimate h200`: each phase's time on an H200 and the MFU
+range it predicts. The GPU check's rows use the same `build`, `stepper` and `figures`. Writes step.json."""
 
 from __future__ import annotations
 
@@ -21,16 +14,10 @@ from minilm import loss as L
 from minilm.config import ModelConfig, TrainConfig
 from minilm.model import MiniMindForCausalLM, MoEFeedForward
 from minilm.progress import datasheet_peak, measured_matmul_peak
-from minilm.step import (
-    TORCH_DTYPES,
-    configure_backends,
-    make_grad_scaler,
-    make_optimizer,
-    optimizer_step,
-    prepare_model,
-)
+from minilm.step import TORCH_DTYPES, configure_backends, make_grad_scaler, optimizer_step
 
-from .common import add_model_args, alternate, environment, write_json
+from .common import add_model_args, alternate, build, environment, machine, table, write_json
+from .common import model_config as dense_config
 
 MFU_GOALS = {"26m": 0.30, "104m": 0.45}  # compiled bf16, H100/H200 class (nanochat: ~46% at its d18)
 MOE_TARGET = 1.10  # MoE / dense step time on CPU
@@ -38,23 +25,13 @@ MOE_TARGET = 1.10  # MoE / dense step time on CPU
 
 def model_config(args, experts: int = 0, top_k: int = 1, document_mask: bool = False) -> ModelConfig:
     """The dense model of the flags, or MoE with experts 1/top_k as wide as its FFN (the same active FLOPs)."""
-    dense = ModelConfig(hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers,
-                        num_attention_heads=args.num_attention_heads, num_key_value_heads=args.num_key_value_heads,
-                        vocab_size=args.vocab_size, max_position_embeddings=args.seq_len + 1,
-                        document_mask=document_mask)
+    dense = dense_config(args, document_mask=document_mask)
     if not experts:
         return dense
     if dense.intermediate_size % top_k:
         raise SystemExit(f"error: intermediate size {dense.intermediate_size} is not divisible by top-k {top_k}")
     return ModelConfig(**{**dense.to_dict(), "use_moe": True, "num_experts": experts, "num_experts_per_tok": top_k,
                           "intermediate_size": dense.intermediate_size // top_k})
-
-
-def build(cfg: ModelConfig, train_cfg: TrainConfig, device: torch.device):
-    """The model (seed 0, the same weights for every configuration of a size) prepared as the loop prepares it."""
-    torch.manual_seed(0)
-    model = prepare_model(MiniMindForCausalLM(cfg).to(device).train(), train_cfg, device)
-    return model, make_optimizer(model, train_cfg)
 
 
 def random_batches(args, n: int, device: torch.device) -> list[torch.Tensor]:
@@ -76,27 +53,27 @@ def stepper(model, optimizer, batches, dtype, dispatch: str = "auto"):
 
 def figures(model, times: list[float], args, peak: float, sheet: float | None) -> dict:
     """A row's figures from its timed steps: step time, tokens/s, MFU (measured and data-sheet peak), expert load."""
-    step_s = statistics.median(times)
-    tokens = args.micro_batch_size * args.seq_len
-    load = model.expert_load()
+    step_s, tokens, load = statistics.median(times), args.micro_batch_size * args.seq_len, model.expert_load()
+    mfu = lambda s, p: model.estimate_mfu(tokens / s, args.seq_len, p)  # noqa: E731
     return {"params": model.num_params(), "active_params": model.num_params(active=True),
             "flops_per_token": model.flops_per_token(args.seq_len), "tokens_per_step": tokens,
             "step_s_median": step_s, "step_s_min": min(times), "step_s_max": max(times), "step_s_all": times,
             "tokens_per_s": tokens / step_s, "achieved_flops": model.flops_per_token(args.seq_len) * tokens / step_s,
-            "peak_flops": peak, "peak_flops_datasheet": sheet,
-            "mfu": model.estimate_mfu(tokens / step_s, args.seq_len, peak),
-            "mfu_best_step": model.estimate_mfu(tokens / min(times), args.seq_len, peak),
-            "mfu_datasheet": model.estimate_mfu(tokens / step_s, args.seq_len, sheet) if sheet else None,
+            "peak_flops": peak, "peak_flops_datasheet": sheet, "mfu": mfu(step_s, peak),
+            "mfu_best_step": mfu(min(times), peak), "mfu_datasheet": mfu(step_s, sheet) if sheet else None,
             "max_expert_share": float(load.max()) if load is not None else None}
 
 
-def configs(args) -> list[tuple[str, int, int, str, bool]]:
-    """(name, experts, top-k, dispatch, compile) of every configuration: dense, each MoE, each again compiled."""
+def configs(args) -> list[tuple[str, int, int, str, bool, str]]:
+    """(name, experts, top-k, dispatch, compile, optimizer): dense, each MoE, each compiled, each further optimizer."""
     named = args.dispatch != ["auto"]
     moe = [(f"moe {e}x top-{k}" + (f" {d}" if named else ""), e, k, d)
            for e in ([] if args.no_moe else args.experts) for k in args.top_k for d in args.dispatch]
     eager = [("dense", 0, 1, "auto"), *moe]
-    return [(*c, False) for c in eager] + ([(f"{c[0]}+compile", *c[1:], True) for c in eager] if args.compile else [])
+    compiled = [(f"{c[0]}+compile", *c[1:], True) for c in eager] if args.compile else []
+    first = args.optimizer[0]
+    return ([(*c, False, first) for c in eager] + [(*c, first) for c in compiled]
+            + [(f"dense {opt}", 0, 1, "auto", False, opt) for opt in args.optimizer[1:]])
 
 
 def bench_dtype(args, dtype_name: str) -> dict:
@@ -104,48 +81,37 @@ def bench_dtype(args, dtype_name: str) -> dict:
     peak_before = measured_matmul_peak(dtype, n=args.peak_size, repeats=10, device=device)
     batches = random_batches(args, args.warmup + args.steps, device)
     runs, steps = {}, {}
-    for name, experts, top_k, dispatch, compile_ in configs(args):
-        train_cfg = TrainConfig(lr=1e-4, compile=compile_, optimizer=args.optimizer[0])
-        model, optimizer = build(model_config(args, experts, top_k), train_cfg, device)
+    for name, experts, top_k, dispatch, compile_, opt in configs(args):
+        model, optimizer = build(model_config(args, experts, top_k), TrainConfig(lr=1e-4, compile=compile_,
+                                                                                 optimizer=opt), device)
         runs[name] = (model, experts, top_k, dispatch, compile_)
         steps[name] = stepper(model, optimizer, batches, dtype, dispatch)
-    for opt in args.optimizer[1:]:  # a dense row per further optimizer: its /dense is its step over the first's
-        model, optimizer = build(model_config(args), TrainConfig(lr=1e-4, optimizer=opt), device)
-        runs[f"dense {opt}"] = (model, 0, 1, "auto", False)
-        steps[f"dense {opt}"] = stepper(model, optimizer, batches, dtype)
     times = alternate(steps, args.steps, args.warmup, device)
     MoEFeedForward.dispatch = "auto"  # the process's default, as it was
     peak_after = measured_matmul_peak(dtype, n=args.peak_size, repeats=10, device=device)
     peak = max(peak_before, peak_after)  # the less disturbed by other load on the host
     sheet = datasheet_peak(torch.cuda.get_device_name(device), dtype) if device.type == "cuda" else None
+    med = {k: statistics.median(v) for k, v in times.items()}
     rows = []
     for name, (model, experts, top_k, dispatch, compile_) in runs.items():
-        dense = times["dense+compile" if compile_ else "dense"]
-        eager = times.get(name.removesuffix("+compile"))
+        dense = "dense+compile" if compile_ else "dense"
         rows.append({"config": name, "dtype": dtype_name, "compile": compile_, "experts": experts,
                      "top_k": top_k if experts else None, "dispatch": dispatch if experts else None,
-                     **figures(model, times[name], args, peak, sheet),
-                     "over_dense": statistics.median(times[name]) / statistics.median(dense),
-                     "over_dense_min": min(times[name]) / min(dense),
-                     # > 1: compile made the step faster by that factor
-                     "compile_speedup": statistics.median(eager) / statistics.median(times[name])
-                     if compile_ else None})
+                     **figures(model, times[name], args, peak, sheet), "over_dense": med[name] / med[dense],
+                     "over_dense_min": min(times[name]) / min(times[dense]),  # > 1: compile made the step faster
+                     "compile_speedup": med[name.removesuffix("+compile")] / med[name] if compile_ else None})
     return {"dtype": dtype_name, "peak_flops": peak, "peak_flops_before": peak_before, "peak_flops_after": peak_after,
             "peak_flops_datasheet": sheet, "rows": rows}
 
 
 def print_results(results: list[dict], args) -> None:
-    header = (f"{'config':<24} {'dtype':<5} {'params':>8} {'active':>8} {'step s':>8} {'min s':>8} {'tokens/s':>10} "
-              f"{'GFLOP/s':>9} {'MFU':>6} {'best':>6} {'/dense':>7}")
     print("step s = median optimizer step; MFU from the median, best = of the fastest step; /dense = median step "
           "over the dense one's (same compile)")
-    print(header + "\n" + "-" * len(header))
-    for res in results:
-        for r in res["rows"]:
-            print(f"{r['config']:<24} {r['dtype']:<5} {r['params'] / 1e6:>7.1f}M {r['active_params'] / 1e6:>7.1f}M "
-                  f"{r['step_s_median']:>8.4f} {r['step_s_min']:>8.4f} {r['tokens_per_s']:>10.0f} "
-                  f"{r['achieved_flops'] / 1e9:>9.1f} {r['mfu']:>6.1%} {r['mfu_best_step']:>6.1%} "
-                  f"{r['over_dense']:>6.2f}x")
+    print(table(["config", "dtype", "params", "active", "step s", "min s", "tokens/s", "GFLOP/s", "MFU", "best",
+                 "/dense"], [[r["config"], r["dtype"], f"{r['params'] / 1e6:.1f}M", f"{r['active_params'] / 1e6:.1f}M",
+                              f"{r['step_s_median']:.4f}", f"{r['step_s_min']:.4f}", f"{r['tokens_per_s']:.0f}",
+                              f"{r['achieved_flops'] / 1e9:.1f}", f"{r['mfu']:.1%}", f"{r['mfu_best_step']:.1%}",
+                              f"{r['over_dense']:.2f}x"] for res in results for r in res["rows"]], left=2))
     for res in results:
         print(f"matmul peak ({res['dtype']}, {args.peak_size}^3, best of 10): {res['peak_flops_before'] / 1e9:.1f} "
               f"GFLOP/s before, {res['peak_flops_after'] / 1e9:.1f} after the steps; MFU uses the larger")
@@ -164,9 +130,8 @@ def print_results(results: list[dict], args) -> None:
                       + ("" if r["over_dense"] <= MOE_TARGET else "  ABOVE TARGET"))
             split = by_name.get(r["config"].replace(" grouped", " split"))
             if r["dispatch"] == "grouped" and split:
-                print(f"grouped / split dispatch step time ({how}): "
-                      f"{r['step_s_median'] / split['step_s_median']:.2f}x median, "
-                      f"{r['step_s_min'] / split['step_s_min']:.2f}x best")
+                print(f"grouped / split dispatch step time ({how}): {r['step_s_median'] / split['step_s_median']:.2f}x"
+                      f" median, {r['step_s_min'] / split['step_s_min']:.2f}x best")
             if r["compile"]:
                 print(f"compile speed-up, eager / compiled step ({res['dtype']}, {r['config']}; > 1: compile is "
                       f"faster): {r['compile_speedup']:.2f}x median")
@@ -182,9 +147,8 @@ HARDWARE = {"h200": {"name": "NVIDIA H200", "bf16_datasheet": 989.5e12, "bf16_me
                      "hbm_datasheet": 4.8e12, "hbm_measured": 4.3e12, "launch_s": 5e-6,
                      "gemm": {768: (660e12, 600e12, 540e12), 512: (600e12, 520e12, 440e12)},
                      "attention": (180e12, 140e12, 110e12), "hbm": (3.9e12, 3.4e12, 2.8e12)}}
-# The GPU check's two shapes (bench/gpu_check.py GPU): (name, hidden, layers, micro-batch), seq 512, vocab 6400
+# The GPU check's two shapes (bench/gpu_plan.py GPU): (name, hidden, layers, micro-batch), seq 512, vocab 6400
 ESTIMATE_SIZES = (("26m", 512, 8, 32), ("104m", 768, 16, 128))
-CASES = ("fast", "mid", "slow")
 
 
 def phase_work(cfg: ModelConfig, batch: int, seq: int) -> list[tuple[str, str, float, float]]:
@@ -228,9 +192,8 @@ def estimate_phases(cfg: ModelConfig, batch: int, seq: int, hw: dict) -> list[di
         rate = hw["attention"] if how == "attention" else gemm
         times = [(flops / rate[c] if how != "memory" else 0.0, nbytes / hw["hbm"][c] if "memory" in how else 0.0)
                  for c in range(3)]
-        compute_s, memory_s = times[1]
-        out.append({"phase": name, "runs": how, "flops": flops, "bytes": nbytes, "compute_s": compute_s,
-                    "memory_s": memory_s, "time_s": compute_s + memory_s, "range_s": [sum(times[0]), sum(times[2])],
+        out.append({"phase": name, "runs": how, "flops": flops, "bytes": nbytes, "compute_s": times[1][0],
+                    "memory_s": times[1][1], "time_s": sum(times[1]), "range_s": [sum(times[0]), sum(times[2])],
                     "bound": "memory" if how == "memory" else "compute" if how != "gemm+memory" else "both"})
     kernels = cfg.num_hidden_layers * 50 + 15 * -(-batch * seq * cfg.vocab_size // L.HEAD_CHUNK_LOGITS) + 40
     host = kernels * hw["launch_s"]
@@ -240,95 +203,78 @@ def estimate_phases(cfg: ModelConfig, batch: int, seq: int, hw: dict) -> list[di
 
 
 def estimate_size(args, name: str, hidden: int, layers: int, batch: int, hw: dict) -> dict:
-    cfg = ModelConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=args.num_attention_heads,
-                      num_key_value_heads=args.num_key_value_heads, vocab_size=args.vocab_size,
-                      max_position_embeddings=args.seq_len + 1)
-    model = MiniMindForCausalLM(cfg)
-    phases = estimate_phases(cfg, batch, args.seq_len, hw)
-    device = [p for p in phases if p["bound"] != "host"]
-    host = phases[-1]["time_s"]
+    args = argparse.Namespace(**{**vars(args), "hidden_size": hidden, "num_hidden_layers": layers})
+    cfg = dense_config(args)
+    model, seq, tokens = MiniMindForCausalLM(cfg), args.seq_len, batch * args.seq_len
+    phases = estimate_phases(cfg, batch, seq, hw)
+    device, host = phases[:-1], phases[-1]["time_s"]
     step_s = max(sum(p["time_s"] for p in device), host)
     step_range = [max(sum(p["range_s"][k] for p in device), host) for k in (0, 1)]
-    tokens = batch * args.seq_len
-    mfu = [model.estimate_mfu(tokens / t, args.seq_len, hw["bf16_datasheet"]) for t in (step_s, *step_range)]
+    mfu = [model.estimate_mfu(tokens / t, seq, hw["bf16_datasheet"]) for t in (step_s, *step_range)]
     print(f"\n{name}: hidden {hidden}, {layers} layers, {cfg.num_attention_heads}/{cfg.num_key_value_heads} heads of "
           f"dim {cfg.head_dim}, vocab {cfg.vocab_size}, {model.num_params() / 1e6:.1f}M parameters; micro-batch "
-          f"{batch} x seq {args.seq_len} = {tokens:,} tokens; compiled bf16 step")
-    print(f"  {'phase':<52} {'TFLOP':>8} {'GB':>8} {'compute ms':>10} {'memory ms':>9} {'time ms':>8} {'range ms':>13}")
-    for p in phases:
-        print(f"  {p['phase']:<52} {p['flops'] / 1e12:>8.2f} {p['bytes'] / 1e9:>8.2f} {p['compute_s'] * 1e3:>10.2f} "
-              f"{p['memory_s'] * 1e3:>9.2f} {p['time_s'] * 1e3:>8.2f} "
-              f"{p['range_s'][0] * 1e3:>6.2f}-{p['range_s'][1] * 1e3:.2f}")
+          f"{batch} x seq {seq} = {tokens:,} tokens; compiled bf16 step")
+    print(table(["phase", "TFLOP", "GB", "compute ms", "memory ms", "time ms", "range ms"], [
+        [p["phase"], f"{p['flops'] / 1e12:.2f}", f"{p['bytes'] / 1e9:.2f}", f"{p['compute_s'] * 1e3:.2f}",
+         f"{p['memory_s'] * 1e3:.2f}", f"{p['time_s'] * 1e3:.2f}",
+         f"{p['range_s'][0] * 1e3:.2f}-{p['range_s'][1] * 1e3:.2f}"] for p in phases]))
     print(f"  predicted step {step_s * 1e3:.1f} ms ({step_range[0] * 1e3:.1f}-{step_range[1] * 1e3:.1f}), "
-          f"{tokens / step_s:,.0f} tokens/s; model FLOPs {model.flops_per_token(args.seq_len) * tokens / 1e12:.1f} "
+          f"{tokens / step_s:,.0f} tokens/s; model FLOPs {model.flops_per_token(seq) * tokens / 1e12:.1f} "
           f"TFLOP (minilm's 6N + 12LHT per token); predicted MFU {mfu[0]:.1%} of the data sheet (range "
           f"{mfu[2]:.1%}-{mfu[1]:.1%}; goal {MFU_GOALS[name]:.0%}): the phases added, each at the rate it runs at")
-    return {"size": name, "hidden": hidden, "layers": layers, "micro_batch": batch, "seq_len": args.seq_len,
+    return {"size": name, "hidden": hidden, "layers": layers, "micro_batch": batch, "seq_len": seq,
             "params": model.num_params(), "phases": phases, "step_s": step_s, "step_s_range": step_range,
             "tokens_per_s": tokens / step_s, "mfu_datasheet": mfu[0], "mfu_datasheet_range": [mfu[2], mfu[1]]}
 
 
 def estimate_main(args) -> int:
-    hw = HARDWARE[args.estimate]
+    hw, rates = HARDWARE[args.estimate], lambda rs, d=0: "-".join(f"{r / 1e12:.{d}f}" for r in rs)
     print(f"# {hw['name']}: ceilings bf16 {hw['bf16_datasheet'] / 1e12:.0f} TFLOP/s data sheet, "
           f"{hw['bf16_measured'] / 1e12:.0f} measured (the roofline of a large GEMM), HBM "
           f"{hw['hbm_datasheet'] / 1e12:.1f} TB/s data sheet, {hw['hbm_measured'] / 1e12:.1f} measured; the phases "
-          f"run at (fast-mid-slow) GEMMs " + ", ".join(f"at K = {k} " + "-".join(f"{r / 1e12:.0f}" for r in rates)
-                                                      for k, rates in hw["gemm"].items())
-          + " TFLOP/s, flash attention (FA2) " + "-".join(f"{r / 1e12:.0f}" for r in hw["attention"])
-          + " TFLOP/s, elementwise " + "-".join(f"{r / 1e12:.1f}" for r in hw["hbm"]) + " TB/s")
-    results = [estimate_size(args, *size, hw) for size in ESTIMATE_SIZES]
-    print(f"\nwrote {write_json('step-estimate.json', {'hardware': hw, 'sizes': results})}")
+          f"run at (fast-mid-slow) GEMMs " + ", ".join(f"at K = {k} {rates(r)}" for k, r in hw["gemm"].items())
+          + f" TFLOP/s, flash attention (FA2) {rates(hw['attention'])} TFLOP/s, elementwise {rates(hw['hbm'], 1)} TB/s")
+    write_json("step-estimate.json", {"hardware": hw, "sizes": [estimate_size(args, *s, hw) for s in ESTIMATE_SIZES]})
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.step", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.step", description=__doc__)
     add_model_args(p)
     p.add_argument("--steps", type=int, default=8, help="timed optimizer steps per config")
-    p.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps per config first "
-                                                          "(with --compile they include the compilation)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per config first (with --compile: compiling)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "both"], default="fp32")
     p.add_argument("--device", default="cpu", help="cpu or cuda (one GPU)")
     p.add_argument("--compile", action="store_true", help="add rows with torch.compile'd blocks")
     p.add_argument("--optimizer", nargs="+", choices=["muon", "adamw"], default=["muon"],
-                   help="every row's optimizer (the first; default muon, as the loop's); each further one adds a "
-                        "dense row")
+                   help="every row's optimizer (the first, as the loop's); each further one adds a dense row")
     p.add_argument("--experts", type=int, nargs="+", default=[4], help="the MoE rows' expert counts")
     p.add_argument("--top-k", type=int, nargs="+", default=[1], help="the MoE rows' experts per token")
     p.add_argument("--dispatch", nargs="+", choices=["auto", "split", "grouped"], default=["auto"],
                    help="the MoE layer's dispatch(es) to time (minilm.model.MoEFeedForward.dispatch)")
     p.add_argument("--no-moe", action="store_true", help="the dense model only (no MoE rows)")
     p.add_argument("--peak-size", type=int, default=None, help="n of the n^3 matmul peak (default 2048 CPU, 8192 GPU)")
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--estimate", choices=sorted(HARDWARE), default=None,
                    help="print each phase's predicted time and the MFU range on that GPU (nothing is run)")
     args = p.parse_args(argv)
     if args.estimate:
         args.seq_len = 512 if "--seq-len" not in (argv or sys.argv) else args.seq_len  # the GPU check's
         return estimate_main(args)
-    if args.steps < 1 or args.warmup < 0:
-        p.error("--steps must be >= 1 and --warmup >= 0")
-    if any(k < 1 or k > e for e in args.experts for k in args.top_k):
-        p.error("every --top-k must be in [1, every --experts]")
+    if args.steps < 1 or args.warmup < 0 or any(k < 1 or k > e for e in args.experts for k in args.top_k):
+        p.error("--steps must be >= 1, --warmup >= 0 and every --top-k in [1, every --experts]")
     device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: this torch sees no CUDA device")
-    if device.type not in ("cpu", "cuda"):
-        p.error("--device must be cpu or cuda")
+    if device.type not in ("cpu", "cuda") or device.type == "cuda" and not torch.cuda.is_available():
+        p.error("--device must be cpu or cuda (a CUDA device this torch sees)")
     args.peak_size = args.peak_size or (8192 if device.type == "cuda" else 2048)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     configure_backends(device)  # TF32 on Ampere+ GPUs; nothing on CPU
     env = environment()
-    where = env.get("gpu", "") if device.type == "cuda" else f"{env['cpu']}, {env['torch_threads']} torch threads"
-    print(f"# {where}, torch {env['torch']}, load average {env['load_average']}")
-    print(f"# hidden {args.hidden_size}, layers {args.num_hidden_layers}, vocab {args.vocab_size}, "
-          f"seq {args.seq_len}, micro-batch {args.micro_batch_size}, accumulation 1, "
-          f"{args.steps} timed steps after {args.warmup} warm-up, device {args.device}")
+    print(machine(env, device.type == "cuda"))
+    print(f"# hidden {args.hidden_size}, layers {args.num_hidden_layers}, vocab {args.vocab_size}, seq {args.seq_len}, "
+          f"micro-batch {args.micro_batch_size}, accumulation 1, {args.steps} timed steps after {args.warmup} warm-up, "
+          f"device {args.device}")
     results = [bench_dtype(args, d) for d in (("fp32", "bf16") if args.dtype == "both" else (args.dtype,))]
     print_results(results, args)
-    print(f"wrote {write_json('step.json', {'args': vars(args), 'environment': env, 'results': results})}")
+    write_json("step.json", {"args": vars(args), "environment": env, "results": results})
     return 0
 
 

@@ -62,39 +62,20 @@ def test_step_moe_experts_and_top_k(tmp_path):
 
 def test_checkpoint(tmp_path):
     out = run_bench("bench.checkpoint", ["--sizes", "64x1", "64x2", "--vocab-size", "256", "--seq-len", "32",
-                                         "--micro-batch-size", "2", "--repeats", "1", "--dir", str(tmp_path)],
-                    tmp_path / "results")
+                                         "--micro-batch-size", "2", "--repeats", "1", "--checkpoint-every", "50",
+                                         "--dir", str(tmp_path)], tmp_path / "results")
     assert "checkpoint cost (64x2," in out and "of training time at checkpoint_every 50" in out
+    assert "async stall (64x2): " in out and "of the sync save" in out and "at a 0.2 s step" in out
     rows = written(tmp_path / "results", "checkpoint.json")["rows"]
     assert rows[0]["params"] < rows[1]["params"] and all(r["save_s"] > 0 and r["restore_s"] > 0 for r in rows)
-    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("bench-checkpoint-")] == []  # cleaned up
-
-
-def test_checkpoint_stall(tmp_path):
-    out = run_bench("bench.checkpoint", ["--mode", "stall", "--sizes", "64x2", "--vocab-size", "256", "--seq-len", "32",
-                                         "--repeats", "1", "--dir", str(tmp_path)], tmp_path / "results")
-    assert "async stall (64x2): " in out and "of the sync save" in out and "at a 0.2 s step" in out
-    row = written(tmp_path / "results", "checkpoint_stall.json")["rows"][0]
+    row = rows[1]
     assert row["sync_stall_s"] > 0 and row["async_stall_s"] > 0 and row["async_write_s"] >= row["async_stall_s"]
-    assert row["steps_in_flight"] >= 1 and row["tokens_per_s_in_flight"] > 0 and row["tokens_per_s_without"] > 0
-    assert row["sync_share"] == pytest.approx(row["sync_stall_s"] / (row["sync_stall_s"] + 100 * 0.2))
+    assert row["sync_share"] == pytest.approx(row["sync_stall_s"] / (row["sync_stall_s"] + 50 * 0.2))
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("bench-checkpoint-")] == []  # cleaned up
 
 
 @pytest.mark.ray
-@pytest.mark.slow  # ~11 s
-def test_data(ray_address, tiny_data, tmp_path):
-    out = run_bench("bench.data", ["--data", str(tiny_data), *TINY_MODEL, "--seq-len", "32",
-                                   "--micro-batch-size", "4", "--global-batch-size", "8", "--steps", "3",
-                                   "--threads", "1"], tmp_path, env=run_env(ray_address))
-    assert "data wait:" in out and "% of step time" in out
-    result = written(tmp_path, "data.json")
-    assert result["steps_per_epoch"] == 60 and result["steady_steps"] == 2
-    assert 0 <= result["data_wait_frac"] < 1
-
-
-@pytest.mark.ray
-@pytest.mark.nightly  # three fresh processes (one a Ray job), four 2-worker TorchTrainers and two report rounds
+@pytest.mark.nightly  # three fresh processes (one a Ray job) and two report rounds
 def test_overhead(ray_address, tiny_data, tmp_path):
     out = run_bench("bench.overhead", ["--data", str(tiny_data), *TINY_MODEL, "--seq-len", "32",
                                        "--micro-batch-size", "4", "--global-batch-size", "16", "--steps", "6",
@@ -102,17 +83,12 @@ def test_overhead(ray_address, tiny_data, tmp_path):
                                        "--report-intervals", "0.05,0.5"],
                     tmp_path, env=run_env(ray_address))
     assert "(c) Ray job, 1 worker, default flags" in out and "fixed cost per step over (a), paired by round:" in out
-    assert "scaling efficiency, 2 workers vs 1 (1 CPU each):" in out
-    assert "all-reduce share of step time:" in out
     result = written(tmp_path, "overhead.json")
     fixed = result["fixed_cost"]
     assert set(fixed["step_s_median"]) == {"bare", "trainer", "ray"} and min(fixed["step_s_median"].values()) > 0
     # 6 steps logged every 2, a checkpoint at step 4: the steady interval is 2 -> 4 (4 -> 6 holds the checkpoint)
     assert fixed["rounds"]["trainer"][0]["steps_counted"] == fixed["rounds"]["ray"][0]["steps_counted"] == 2
-    assert fixed["checkpoint_s"] > 0
-    assert set(result["two_workers"]["step_s_median"]) == {"single", "ddp_no_sync", "ddp_sync_every_micro_step",
-                                                           "ddp_no_allreduce"}
-    assert result["two_workers"]["accumulation_per_rank"] == 2
+    assert fixed["checkpoint_s"] > 0 and 0 <= fixed["data_wait_frac"] < 1
     report = result["report_blocking"]
     assert (report["ray_default"]["poll_s"], report["minilm"]["poll_s"]) == (2.0, 0.1)
     assert [r["interval_s"] for r in report["minilm"]["rows"]] == [0.05, 0.5]

@@ -4,9 +4,10 @@ venv: tests/test_bench_smoke.py's rehearsal.)"""
 
 from __future__ import annotations
 
+import base64
 import csv
+import hashlib
 import io
-import json
 import os
 import subprocess
 import sys
@@ -15,7 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from bench.gpu_bundle import INSTALL_SH, BundleError, main, record_hash, slim_wheel, verify
+from bench.gpu_bundle import INSTALL_SH, BundleError, main, slim_wheel
+
+
+def record_hash(data: bytes) -> str:
+    return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
 
 FILES = {"demo/__init__.py": b"VALUE = 42\n", "demo/jars/big.jar": b"\0" * 5000, "demo/web/app.js": b"x" * 3000,
          "demo/web/deep/map.js": b"y" * 100, "demo/core/raylet": b"binary" * 10}
@@ -79,29 +85,3 @@ def test_bad_python_version_is_one_error_line(capsys, tmp_path):
     assert main(["--python-version", "312", "--output", str(tmp_path / "b")]) == 2
     err = capsys.readouterr().err
     assert err == "error: bench/gpu_bundle.sh: --python-version must look like 3.12, got '312'\n"
-
-
-def test_verify_refuses_a_bundle_the_machine_could_not_use(tmp_path):
-    # make gpu-bundle's check: the listed wheels and no other, no Ray, a wheel pip refuses, a member changed
-    wheel = make_wheel(tmp_path, FILES)
-    (tmp_path / "install.sh").write_text(INSTALL_SH.format(name=tmp_path.name))
-
-    def listed(*wheels):
-        (tmp_path / "bundle.json").write_text(json.dumps({"python_version": "3.12", "wheels": {
-            w.name: w.stat().st_size for w in wheels}}))
-
-    listed()
-    with pytest.raises(BundleError, match="its wheels differ from bundle.json's list"):
-        verify(tmp_path)
-    listed(wheel)
-    with pytest.raises(BundleError, match="holds no ray wheel"):
-        verify(tmp_path)
-    ray = wheel.rename(tmp_path / "ray-1.0-py3-none-any.whl")  # its .dist-info still says demo: pip refuses it
-    listed(ray)
-    with pytest.raises(BundleError, match="pip would not install"):
-        verify(tmp_path)
-    with zipfile.ZipFile(ray, "a") as z, pytest.warns(UserWarning, match="Duplicate name"):
-        z.writestr("demo/__init__.py", b"VALUE = 43\n")  # a second member of that name, read back instead
-    listed(ray)
-    with pytest.raises(BundleError, match="demo/__init__.py does not match its RECORD"):
-        verify(tmp_path)

@@ -12,8 +12,8 @@ import textwrap
 import pytest
 from helpers import run_module
 
-from bench import corpora as C
 from bench import minimind as B
+from bench import minimind as C  # the corpora
 from minilm.tokenizer import save_tokenizer, train_tokenizer
 
 # The stand-in: MiniMind's command line, its output file (../out/pretrain_<hidden>.pth, fp16 state dict with
