@@ -55,7 +55,7 @@ FIELD_HELP = {
     "compile": "torch.compile each transformer block",
     "activation_checkpointing": "recompute each block in backward: less memory, ~1/3 more compute",
     "optimizer": "muon: Muon for the blocks' weight matrices, AdamW for the rest; adamw: AdamW for everything; "
-                 "auto: muon unless its Newton-Schulz, timed at start, costs over a quarter of a step (a resume: "
+                 "auto: muon unless its Newton-Schulz, timed at start, costs over half a step (a resume: "
                  "the checkpoint's)",
     "muon_lr": "Muon's peak lr (the schedule scales it like lr)", "muon_momentum": "Muon's momentum",
     # Beside matrices moving at muon_lr, an embedding at MiniMind's lr is what holds the loss back (docs/quality.md)

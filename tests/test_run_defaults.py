@@ -184,7 +184,7 @@ def test_optimizer_auto_is_said_on_the_start_line_recorded_and_a_resume_keeps_it
     monkeypatch.setattr(step, "time_muon", lambda *a: (0.04, 1.0))
     run, auto = tmp_path / "run", [a for a in TINY if a != "--optimizer=adamw"]
     assert train.main(["--data", str(run_data), "--run-dir", str(run), *auto, "--exit-after-steps", "2"]) == 0
-    assert "optimizer muon (auto: Newton-Schulz 0.04 s = 4% of a step, muon up to 25%)" in capsys.readouterr().out
+    assert "optimizer muon (auto: Newton-Schulz 0.04 s = 4% of a step, muon up to 50%)" in capsys.readouterr().out
     assert yaml.safe_load((run / CONFIG).read_text())["optimizer"] == "muon"
     assert yaml.safe_load(next(run.glob("checkpoint_*/state.json")).read_text())["train_config"]["optimizer"] == "muon"
     monkeypatch.setattr(step, "time_muon", lambda *a: pytest.fail("a resume timed Newton-Schulz"))
