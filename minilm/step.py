@@ -70,21 +70,23 @@ def choose_optimizer(ns_s: float | None, step_s: float | None) -> tuple[str, str
 
 
 def time_muon(model_cfg: ModelConfig, train_cfg: TrainConfig, world_size: int = 1) -> tuple[float, float]:
-    """On this CPU: one Newton-Schulz pass over the model's Muon matrices as Muon batches them (the better of a warm-up
-    pass and a second), and one rank's forward + backward of a step, its FLOPs at the measured matmul rate of the run's dtype."""
+    """On this CPU: one Newton-Schulz pass over the model's Muon matrices (one matrix of each shape timed, times how
+    many there are: a pass over all of them took 25-36 s at the default shape; the better of a warm-up pass and a
+    second), and one rank's forward + backward of a step, its FLOPs at the measured matmul rate of the run's dtype."""
     from .model import MiniMindForCausalLM
 
     model = MiniMindForCausalLM(model_cfg)
     by_shape: dict[torch.Size, list[torch.Tensor]] = {}
     for p in muon_param_groups(model, lr=1.0, muon_lr=1.0, weight_decay=0.0, embedding_lr_ratio=1.0)[0]["params"]:
         by_shape.setdefault(p.shape, []).append(p.detach())
-    stacks = [torch.stack(same) for same in by_shape.values()]
 
     def one_pass() -> float:
-        t0 = time.perf_counter()
-        for stack in stacks:
-            orthogonalize(stack)
-        return time.perf_counter() - t0
+        total = 0.0
+        for same in by_shape.values():
+            t0 = time.perf_counter()
+            orthogonalize(same[0])
+            total += (time.perf_counter() - t0) * len(same)
+        return total
 
     ns_s = min(one_pass(), one_pass())  # the first warms up; another process's work only ever adds time
     tokens = -(-train_cfg.global_batch_size // world_size) * train_cfg.seq_len  # rank 0's share, the largest
