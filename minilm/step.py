@@ -75,17 +75,19 @@ def time_muon(model_cfg: ModelConfig, train_cfg: TrainConfig, world_size: int = 
     second), and one rank's forward + backward of a step, its FLOPs at the measured matmul rate of the run's dtype."""
     from .model import MiniMindForCausalLM
 
-    model = MiniMindForCausalLM(model_cfg)
-    by_shape: dict[torch.Size, list[torch.Tensor]] = {}
+    with torch.device("meta"):  # shapes only: Newton-Schulz's time does not depend on the values
+        model = MiniMindForCausalLM(model_cfg)
+    counts: dict[torch.Size, int] = {}
     for p in muon_param_groups(model, lr=1.0, muon_lr=1.0, weight_decay=0.0, embedding_lr_ratio=1.0)[0]["params"]:
-        by_shape.setdefault(p.shape, []).append(p.detach())
+        counts[p.shape] = counts.get(p.shape, 0) + 1
+    one_of_each = [(torch.randn(shape), n) for shape, n in counts.items()]
 
     def one_pass() -> float:
         total = 0.0
-        for same in by_shape.values():
+        for g, n in one_of_each:
             t0 = time.perf_counter()
-            orthogonalize(same[0])
-            total += (time.perf_counter() - t0) * len(same)
+            orthogonalize(g)
+            total += (time.perf_counter() - t0) * n
         return total
 
     ns_s = min(one_pass(), one_pass())  # the first warms up; another process's work only ever adds time
