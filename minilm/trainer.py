@@ -201,8 +201,8 @@ class Trainer:
     def fit(self) -> str:
         """Train to the last step: "finished", or "exited" (--exit-after-*); or raise Preempted, NonFiniteLossError,
         CheckpointError (on every rank, at the same step)."""
-        self.peak = peak_flops(self.device, self.dtype)  # MFU's denominator, measured before the first step
-        cfg, policy = self.train_cfg, self.loop_policy()  # (so the time limit starts after the measurement)
+        self.peak = None  # MFU's denominator, measured at the first log: a CPU run's start is busy with Ray's
+        cfg, policy = self.train_cfg, self.loop_policy()
         self.meter = Meter(self.step, self.total_steps, self.batches.data_wait_s, self.mfu)
         try:
             for micro_batches, _sample_ids in self.batches:
@@ -313,6 +313,8 @@ class Trainer:
         return metrics
 
     def mfu(self, tokens_per_s: float) -> float:
+        if self.peak is None:  # between the interval's end and the loop's restart of it: not training time
+            self.peak = peak_flops(self.device, self.dtype)
         return self.raw_model.estimate_mfu(tokens_per_s / self.world_size, self.train_cfg.seq_len, self.peak)
 
     def checkpoint_state(self, metrics: dict) -> dict:

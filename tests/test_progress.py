@@ -93,3 +93,16 @@ def test_metrics_log_drops_the_steps_to_be_redone_and_a_torn_line(tmp_path):
     log.append({"optimizer_step": 3, "loss": 0.25})
     assert log.path.read_text() == ('{"loss": 1.0, "optimizer_step": 1}\n{"loss": 0.5, "optimizer_step": 2}\n'
                                     '{"loss": 0.25, "optimizer_step": 3}\n')
+
+
+def test_a_run_measures_the_peak_once_after_its_first_log_interval(run_data, tmp_path, monkeypatch):
+    """A run's start is busy (Ray's processes, the data pipeline): the peak measured then was low enough to print
+    MFU over 100%. It is measured once, at the first log, after that interval's steps."""
+    import minilm.trainer as T
+    from inprocess import run_local
+
+    ids, steps_done = tmp_path / "ids", []
+    monkeypatch.setattr(T, "peak_flops", lambda device, dtype: steps_done.append(
+        len((ids / "rank0.jsonl").read_text().splitlines())) or 1e12)
+    run_local(run_data, tmp_path / "run", record=ids, max_steps=8, log_every=4, checkpoint_every=8)
+    assert steps_done == [4]
