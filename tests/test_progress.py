@@ -98,8 +98,9 @@ def test_metrics_log_drops_the_steps_to_be_redone_and_a_torn_line(tmp_path):
 def test_a_run_measures_the_peak_once_after_its_first_log_interval(run_data, tmp_path, monkeypatch):
     """A run's start is busy (Ray's processes, the data pipeline): the peak measured then was low enough to print
     MFU over 100%. It is measured once, at the first log, after that interval's steps."""
-    import minilm.trainer as T
     from inprocess import run_local
+
+    import minilm.trainer as T
 
     ids, steps_done = tmp_path / "ids", []
     monkeypatch.setattr(T, "peak_flops", lambda device, dtype: steps_done.append(
