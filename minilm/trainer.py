@@ -201,7 +201,7 @@ class Trainer:
     def fit(self) -> str:
         """Train to the last step: "finished", or "exited" (--exit-after-*); or raise Preempted, NonFiniteLossError,
         CheckpointError (on every rank, at the same step)."""
-        self.peak = None  # MFU's denominator, measured at the first log: a CPU run's start is busy with Ray's
+        self.peak = None  # MFU's denominator, measured at the first log: a start is busy (Ray, the data pipeline)
         cfg, policy = self.train_cfg, self.loop_policy()
         self.meter = Meter(self.step, self.total_steps, self.batches.data_wait_s, self.mfu)
         try:
