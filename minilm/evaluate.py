@@ -15,15 +15,7 @@ from . import checkpoint as C
 from .bpb import evaluate_documents, padded_batches, token_byte_lengths
 from .config import TrainConfig
 from .model import MiniMindForCausalLM
-from .tasks import (  # noqa: F401  (load_tasks, read_*: re-exported, the task names callers import from here)
-    FEWSHOT_SEPARATOR,
-    ChoiceItem,
-    Task,
-    TaskError,
-    load_tasks,
-    read_choice,
-    read_hellaswag,
-)
+from .tasks import ChoiceItem, Task, TaskError
 from .tokenizer import BOS_ID, EOS_ID
 
 # ---- scoring ----------------------------------------------------------------------------------------
@@ -65,7 +57,8 @@ def choice_metrics(items: list[ChoiceItem], loglik: list[list[float]]) -> dict[s
 
 
 def fewshot_prefix(examples: list[ChoiceItem]) -> str:
-    return "".join(e.solved() + FEWSHOT_SEPARATOR for e in examples)
+    """Each few-shot example solved (its context and its right answer), then a blank line."""
+    return "".join(e.context + e.choices[e.label] + "\n\n" for e in examples)
 
 
 # ---- a checkpoint --------------------------------------------------------------------------------------

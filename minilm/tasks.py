@@ -27,7 +27,6 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "bpb": {"limit": None, "window": None, "stride": None, "batch_size": 16},
     "generate": {"limit": None, "max_new_tokens": 64},
 }
-FEWSHOT_SEPARATOR = "\n\n"
 
 
 class TaskError(ValueError):
@@ -42,10 +41,6 @@ class ChoiceItem:
     context: str
     choices: tuple[str, ...]
     label: int
-
-    def solved(self) -> str:
-        """The item with its answer, as a few-shot example."""
-        return self.context + self.choices[self.label]
 
 
 def _jsonl(path: Path) -> Iterator[tuple[str, dict]]:

@@ -20,7 +20,8 @@ from pathlib import Path
 
 from minilm import checkpoint as C
 from minilm.eval_log import append_records, scored_keys
-from minilm.evaluate import TaskError, evaluate_checkpoint, format_metrics, identify, load_tasks
+from minilm.evaluate import evaluate_checkpoint, format_metrics, identify
+from minilm.tasks import TaskError, load_tasks
 from minilm.tokenizer import TokenizerError
 
 from .cli import ArgumentParser, UsageError, command, fail

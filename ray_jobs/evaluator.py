@@ -9,8 +9,9 @@ from pathlib import Path
 
 from minilm import checkpoint as C
 from minilm.eval_log import EVAL_LOG, append_records, scored_keys
-from minilm.evaluate import Task, TaskError, evaluate_checkpoint, format_metrics, identify, load_tasks
+from minilm.evaluate import evaluate_checkpoint, format_metrics, identify
 from minilm.safety import redact
+from minilm.tasks import Task, TaskError, load_tasks
 
 from .cli import UsageError
 

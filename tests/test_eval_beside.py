@@ -25,7 +25,7 @@ from test_evaluate import reference_loglik
 
 from minilm import checkpoint as C
 from minilm.eval_log import EvalInbox, append_records, eval_metrics, read_records, scored_keys
-from minilm.evaluate import load_tasks, read_hellaswag
+from minilm.tasks import load_tasks, read_hellaswag
 from ray_jobs import demo_tasks
 from ray_jobs.cli import UsageError, parse_eval_resources
 from ray_jobs.evaluator import check_best_metric
