@@ -29,8 +29,7 @@ def byte_level_alphabet() -> dict[str, int]:
 
 def token_bytes(token: str) -> bytes:
     """The bytes a byte-level BPE token string stands for (KeyError if it is not byte-level)."""
-    alphabet = byte_level_alphabet()
-    return bytes(alphabet[c] for c in token)
+    return bytes(map(byte_level_alphabet().__getitem__, token))
 
 
 def token_byte_lengths(tokenizer_json: str | os.PathLike) -> np.ndarray:
@@ -45,8 +44,7 @@ def token_byte_lengths(tokenizer_json: str | os.PathLike) -> np.ndarray:
         raise ValueError(f"{path}: bits per byte needs a byte-level BPE tokenizer (model BPE, decoder ByteLevel)")
     special = {t["id"] for t in spec.get("added_tokens", [])}
     vocab: dict[str, int] = model["vocab"]
-    size = max([*vocab.values(), *special]) + 1
-    lengths = np.zeros(size, dtype=np.int64)
+    lengths = np.zeros(max([*vocab.values(), *special]) + 1, dtype=np.int64)
     for tok, i in vocab.items():
         if i in special:
             continue
