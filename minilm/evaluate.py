@@ -161,6 +161,11 @@ def run_task(task: Task, model: MiniMindForCausalLM, tokenizer, tokenizer_path: 
             "generations": [{"prompt": p, "text": t} for p, t in zip(task.items, texts, strict=True)]}
 
 
-def format_metrics(metrics: dict[str, float]) -> str:
-    return "  ".join(f"{k} {v:.4f}" if isinstance(v, float) and not math.isnan(v) else f"{k} {v}"
-                     for k, v in metrics.items())
+def format_scores(record: dict) -> str:
+    """A record's metrics, and for generations the first one, cut to fit a line (all of them are in the record)."""
+    text = "  ".join(f"{k} {v:.4f}" if isinstance(v, float) and not math.isnan(v) else f"{k} {v}"
+                     for k, v in record["metrics"].items())
+    if record.get("generations"):
+        first = record["generations"][0]
+        text += f"  {first['prompt'][:30]!r} -> {first['text'][:60]!r}"
+    return text
