@@ -11,7 +11,7 @@ from minilm import checkpoint as C
 from minilm.eval_log import EVAL_LOG, append_records, scored_keys
 from minilm.evaluate import evaluate_checkpoint, format_scores, identify
 from minilm.safety import redact
-from minilm.tasks import Task, TaskError, load_tasks
+from minilm.tasks import Task
 
 from .cli import UsageError
 
@@ -196,12 +196,4 @@ def ray_error_line(e: BaseException) -> str:
     return redact(lines[-1].strip() if lines else type(e).__name__)[:300]
 
 
-def load_eval_tasks(path: str) -> list[Task]:
-    """The task list, every item read and checked before any training starts (TaskError: one line)."""
-    try:
-        return load_tasks(path)
-    except TaskError as e:
-        raise UsageError(f"--eval-tasks: {e}") from None
-
-
-__all__ = ["Evaluator", "check_best_metric", "load_eval_tasks", "score_checkpoint"]
+__all__ = ["Evaluator", "check_best_metric", "score_checkpoint"]
