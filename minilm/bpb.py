@@ -68,10 +68,8 @@ def document_windows(ids: Sequence[int], window: int, stride: int) -> list[tuple
     if not 0 < stride < window:
         raise ValueError(f"need 0 < stride < window, got stride {stride}, window {window}")
     out: list[tuple[list[int], int]] = []
-    n_targets = len(ids) - 1
-    scored = 0  # targets scored so far
-    start = 0
-    while scored < n_targets:
+    scored = start = 0  # targets scored so far; the window's first token
+    while scored < len(ids) - 1:
         chunk = list(ids[start:start + window])
         out.append((chunk, scored - start))
         scored = start + len(chunk) - 1

@@ -36,7 +36,7 @@ def choice_loglikelihoods(model: torch.nn.Module, tokenizer, items: list[ChoiceI
             if room < 0:
                 raise TaskError(f"item {i + 1}: a choice of {len(cont)} tokens does not fit the window of {max_len} "
                                 f"({choice[:40]!r})")
-            kept = context[max(0, len(context) - room):] if room else []
+            kept = context[max(0, len(context) - room):]
             pieces.append(([BOS_ID, *kept, *cont], len(kept)))
     sums = []
     for inputs, targets in padded_batches(pieces, batch_size):
