@@ -34,10 +34,8 @@ def token_bytes(token: str) -> bytes:
 
 def token_byte_lengths(tokenizer_json: str | os.PathLike) -> np.ndarray:
     """UTF-8 bytes each token id decodes to (0 for special tokens and gaps), from a byte-level BPE
-    `tokenizer.json` or its folder; ValueError for another tokenizer, whose tokens have no fixed bytes."""
+    `tokenizer.json`; ValueError for another tokenizer, whose tokens have no fixed bytes."""
     path = Path(tokenizer_json)
-    if path.is_dir():
-        path = path / "tokenizer.json"
     spec = json.loads(path.read_text(encoding="utf-8"))
     model = spec.get("model") or {}
     if model.get("type") != "BPE" or (spec.get("decoder") or {}).get("type") != "ByteLevel":

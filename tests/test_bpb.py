@@ -79,7 +79,7 @@ def test_non_byte_level_tokenizer_is_refused(tmp_path):
     tok.train_from_iterator(["a b c"], trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
     tok.save(str(tmp_path / "tokenizer.json"))
     with pytest.raises(ValueError, match="byte-level BPE"):
-        token_byte_lengths(tmp_path)
+        token_byte_lengths(tmp_path / "tokenizer.json")
 
 
 def test_bits_per_byte_formula():
