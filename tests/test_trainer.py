@@ -279,14 +279,14 @@ def test_checkpoint_and_evaluation_time_stay_out_of_the_next_intervals_tokens_pe
     for _ in range(4):  # four steps of 512 tokens in one second
         clock[0] += 0.25
         step += 1
-        meter.add(512)
+        meter.tokens += 512
     first = meter.rates(step, data_wait_s=0.0)
     clock[0] += 10.0  # the checkpoint and validation of this log step
     meter.restart(data_wait_s=0.0)
     for _ in range(4):
         clock[0] += 0.25
         step += 1
-        meter.add(512)
+        meter.tokens += 512
     second = meter.rates(step, data_wait_s=0.0)
     assert first["tokens_per_s"] == second["tokens_per_s"] == 2048
     assert second["mfu"] == 2048 / 1e6
