@@ -32,8 +32,7 @@ class TrackerError(ValueError):
 
 
 def require_installed(kind: str, module: str, package: str, why: str | None = None, *, load: bool = False) -> Any:
-    """Find `module` (in the driver, importing nothing) or, with `load`, import it (in the worker); a missing one
-    is a TrackerError that names the extra to install."""
+    """Find `module` (driver) or, with `load`, import it (worker); a missing one: a TrackerError naming the extra."""
     try:
         if load:
             return importlib.import_module(module)
