@@ -89,8 +89,9 @@ def _check_reachable(uri: str) -> None:
     except ValueError:
         raise TrackerError(f"--mlflow-uri {redact(uri)}: its port is not a number") from None
     kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    conn = kind(parts.hostname, port, timeout=REACH_TIMEOUT_S)
     try:
-        with contextlib.closing(kind(parts.hostname, port, timeout=REACH_TIMEOUT_S)) as conn:
+        with contextlib.closing(conn):
             conn.request("GET", parts.path.rstrip("/") + "/health")
             conn.getresponse()  # any answer will do: MLflow says itself what else is wrong
     except ssl.SSLError:
