@@ -13,7 +13,6 @@ from .errors import UsageError
 from .fsio import append_jsonl, read_jsonl
 
 EVAL_LOG = "eval.jsonl"  # in the run folder
-PREFIX = "eval/"
 
 
 def eval_metrics(record: dict) -> dict[str, float]:
@@ -21,7 +20,7 @@ def eval_metrics(record: dict) -> dict[str, float]:
     metrics = record.get("metrics")
     if record.get("kind") == "generate" or "error" in record or not isinstance(metrics, dict):
         return {}
-    return {f"{PREFIX}{record['task']}/{k}": float(v) for k, v in metrics.items()
+    return {f"eval/{record['task']}/{k}": float(v) for k, v in metrics.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
 
 
@@ -96,19 +95,17 @@ class EvalInbox:
                 self.latest.update(metrics)
         return out
 
-    def scored(self, steps: int | list[int]) -> bool:
+    def scored(self, steps: list[int]) -> bool:
         """Every task has a record (a score or an error) for this branch's checkpoint(s) at `steps`."""
-        steps = [steps] if isinstance(steps, int) else steps
         self.look()
         return all(any((step, task, sha) in self.seen for s, sha in self.own if s == step)
                    for step in steps for task in self.tasks)
 
-    def wait_for(self, steps: int | list[int], timeout_s: float, poll_s: float = 1.0) -> list[dict]:
+    def wait_for(self, steps: list[int], timeout_s: float, poll_s: float = 1.0) -> list[dict]:
         """After the last step: wait up to `timeout_s` for the scores of the checkpoint(s) at `steps`; what arrived."""
-        last = steps if isinstance(steps, int) else max(steps)
         deadline, out = time.monotonic() + timeout_s, []
         while True:
-            out += self.poll(last)
+            out += self.poll(max(steps))
             if self.scored(steps) or time.monotonic() >= deadline:
                 return out
             time.sleep(poll_s)

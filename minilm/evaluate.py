@@ -12,18 +12,10 @@ from pathlib import Path
 import torch
 
 from . import checkpoint as C
-from .bpb import evaluate_documents, token_byte_lengths
+from .bpb import evaluate_documents, padded_batches, token_byte_lengths
 from .config import TrainConfig
 from .model import MiniMindForCausalLM
-from .tasks import (  # noqa: F401  (load_tasks, read_*: re-exported, the task names callers import from here)
-    FEWSHOT_SEPARATOR,
-    ChoiceItem,
-    Task,
-    TaskError,
-    load_tasks,
-    read_choice,
-    read_hellaswag,
-)
+from .tasks import ChoiceItem, Task, TaskError
 from .tokenizer import BOS_ID, EOS_ID
 
 # ---- scoring ----------------------------------------------------------------------------------------
@@ -35,31 +27,23 @@ def choice_loglikelihoods(model: torch.nn.Module, tokenizer, items: list[ChoiceI
     """For each item, the log-likelihood (nats) of each choice's tokens given [BOS] + prefix + context, the context
     cut from the left to fit `max_len` tokens (right-padded: positions outside the choice have no target, -100)."""
     max_len = max_len or model.config.max_position_embeddings
-    requests = []  # (item, choice, ids, number of choice tokens)
+    pieces = []  # (ids, the first scored target): one per (item, choice), in order
     for i, item in enumerate(items):
         context = tokenizer.encode(prefix + item.context).ids
-        for j, choice in enumerate(item.choices):
+        for choice in item.choices:
             cont = tokenizer.encode(choice).ids
             room = max_len - 1 - len(cont)  # context tokens that fit after BOS: the choice is what is scored, whole
             if room < 0:
                 raise TaskError(f"item {i + 1}: a choice of {len(cont)} tokens does not fit the window of {max_len} "
                                 f"({choice[:40]!r})")
-            kept = context[max(0, len(context) - room):] if room else []
-            requests.append((i, j, [BOS_ID, *kept, *cont], len(cont)))
-    out = [[0.0] * len(item.choices) for item in items]
-    for b in range(0, len(requests), batch_size):
-        batch = requests[b:b + batch_size]
-        width = max(len(ids) for _, _, ids, _ in batch)
-        inputs = torch.zeros(len(batch), width - 1, dtype=torch.long)
-        targets = torch.full((len(batch), width - 1), -100, dtype=torch.long)
-        for r, (_, _, ids, n) in enumerate(batch):
-            row = torch.as_tensor(ids)
-            inputs[r, :len(ids) - 1] = row[:-1]
-            targets[r, len(ids) - 1 - n:len(ids) - 1] = row[-n:]  # the choice's tokens, predicted one early
+            kept = context[max(0, len(context) - room):]
+            pieces.append(([BOS_ID, *kept, *cont], len(kept)))
+    sums = []
+    for inputs, targets in padded_batches(pieces, batch_size):
         nats = model(inputs.to(device), targets=targets.to(device), reduction="none").loss
-        for (i, j, _, _), value in zip(batch, (-nats.double().sum(1)).tolist(), strict=True):
-            out[i][j] = value
-    return out
+        sums += (-nats.double().sum(1)).tolist()
+    values = iter(sums)
+    return [[next(values) for _ in item.choices] for item in items]
 
 
 def choice_metrics(items: list[ChoiceItem], loglik: list[list[float]]) -> dict[str, float]:
@@ -73,20 +57,8 @@ def choice_metrics(items: list[ChoiceItem], loglik: list[list[float]]) -> dict[s
 
 
 def fewshot_prefix(examples: list[ChoiceItem]) -> str:
-    return "".join(e.solved() + FEWSHOT_SEPARATOR for e in examples)
-
-
-@torch.no_grad()
-def greedy_continuations(model: MiniMindForCausalLM, tokenizer, prompts: list[str], max_new_tokens: int,
-                         device: str | torch.device = "cpu") -> list[str]:
-    """Each prompt continued greedily from [BOS] + prompt, until EOS or `max_new_tokens`: the text it added."""
-    texts = []
-    for prompt in prompts:
-        ids = [BOS_ID, *tokenizer.encode(prompt).ids]
-        out = model.generate(torch.tensor([ids], device=device), max_new_tokens=max_new_tokens, temperature=0,
-                             eos_token_id=EOS_ID)[0, len(ids):].tolist()
-        texts.append(tokenizer.decode([t for t in out if t != EOS_ID]))
-    return texts
+    """Each few-shot example solved (its context and its right answer), then a blank line."""
+    return "".join(e.context + e.choices[e.label] + "\n\n" for e in examples)
 
 
 # ---- a checkpoint --------------------------------------------------------------------------------------
@@ -179,11 +151,21 @@ def run_task(task: Task, model: MiniMindForCausalLM, tokenizer, tokenizer_path: 
                                batch_size=opts["batch_size"], device=device)
         return {"metrics": {"bpb": r["bpb"], "nats_per_token": r["nats"] / max(1, r["tokens"])},
                 "items": len(docs), "bytes": r["bytes"], "tokens": r["tokens"]}
-    texts = greedy_continuations(model, tokenizer, task.items, opts["max_new_tokens"], device)
+    texts = []
+    for prompt in task.items:  # continued greedily from [BOS] + prompt until EOS or max_new_tokens: the text added
+        ids = [BOS_ID, *tokenizer.encode(prompt).ids]
+        out = model.generate(torch.tensor([ids], device=device), max_new_tokens=opts["max_new_tokens"], temperature=0,
+                             eos_token_id=EOS_ID)[0, len(ids):].tolist()
+        texts.append(tokenizer.decode([t for t in out if t != EOS_ID]))
     return {"metrics": {"prompts": len(texts)}, "items": len(texts),
             "generations": [{"prompt": p, "text": t} for p, t in zip(task.items, texts, strict=True)]}
 
 
-def format_metrics(metrics: dict[str, float]) -> str:
-    return "  ".join(f"{k} {v:.4f}" if isinstance(v, float) and not math.isnan(v) else f"{k} {v}"
-                     for k, v in metrics.items())
+def format_scores(record: dict) -> str:
+    """A record's metrics, and for generations the first one, cut to fit a line (all of them are in the record)."""
+    text = "  ".join(f"{k} {v:.4f}" if isinstance(v, float) and not math.isnan(v) else f"{k} {v}"
+                     for k, v in record["metrics"].items())
+    if record.get("generations"):
+        first = record["generations"][0]
+        text += f"  {first['prompt'][:30]!r} -> {first['text'][:60]!r}"
+    return text

@@ -36,9 +36,7 @@ def measured_matmul_peak(dtype: torch.dtype = torch.float32, n: int = 1024, repe
     """Best-of-`repeats` FLOP/s of an n x n matmul in `dtype` on `device`: MFU's reference where no data sheet
     applies. On a GPU each repeat runs it 10 times between synchronisations, so launch latency does not count."""
     device = torch.device(device)
-    gen = torch.Generator().manual_seed(0)
-    a = torch.randn(n, n, generator=gen, device="cpu").to(device=device, dtype=dtype)
-    b = torch.randn(n, n, generator=gen, device="cpu").to(device=device, dtype=dtype)
+    a, b = torch.randn(2, n, n, generator=torch.Generator().manual_seed(0)).to(device=device, dtype=dtype)
     cuda = device.type == "cuda"
     inner = 10 if cuda else 1
     a @ b  # warm-up: thread pool, kernel selection
@@ -64,7 +62,6 @@ def datasheet_peak(device_name: str, dtype: torch.dtype) -> float | None:
 
 def peak_flops(device: torch.device, dtype: torch.dtype, device_name: str | None = None) -> float:
     """MFU's denominator: a listed GPU's data-sheet peak, else a matmul peak measured on `device`."""
-    device = torch.device(device)
     if device.type != "cuda":
         return measured_matmul_peak(dtype, device=device)
     peak = datasheet_peak(device_name if device_name is not None else torch.cuda.get_device_name(device), dtype)
@@ -86,10 +83,7 @@ def format_log_line(m: dict) -> str:
             f"world {m['world_size']}x{m['accumulation_steps']} eta {format_duration(m['eta_s'])}")
     if m.get("skipped_steps"):
         line += f" skipped {m['skipped_steps']}"
-    if "val_loss" in m:
-        line += f" val_loss {m['val_loss']:.4f}"
-    if "val_bpb" in m:
-        line += f" val_bpb {m['val_bpb']:.4f}"
+    line += "".join(f" {k} {m[k]:.4f}" for k in ("val_loss", "val_bpb") if k in m)
     loads = m.get("expert_load")
     if loads:
         line += " expert_load " + " | ".join("/".join(f"{x:.2f}" for x in layer) for layer in loads)
@@ -129,9 +123,6 @@ class Meter:
 
     def restart(self, data_wait_s: float) -> None:
         self.t_mark, self.tokens, self.wait_mark = time.perf_counter(), 0, data_wait_s
-
-    def add(self, tokens: int) -> None:
-        self.tokens += tokens
 
     def rates(self, step: int, data_wait_s: float) -> dict:
         now = time.perf_counter()

@@ -27,7 +27,6 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "bpb": {"limit": None, "window": None, "stride": None, "batch_size": 16},
     "generate": {"limit": None, "max_new_tokens": 64},
 }
-FEWSHOT_SEPARATOR = "\n\n"
 
 
 class TaskError(ValueError):
@@ -42,10 +41,6 @@ class ChoiceItem:
     context: str
     choices: tuple[str, ...]
     label: int
-
-    def solved(self) -> str:
-        """The item with its answer, as a few-shot example."""
-        return self.context + self.choices[self.label]
 
 
 def _jsonl(path: Path) -> Iterator[tuple[str, dict]]:
@@ -115,22 +110,20 @@ def _csv_questions(path: Path) -> list[ChoiceItem]:
     items, columns, line = [], None, 1
     for row in reader:
         where, line = f"{path}:{line}", reader.line_num + 1  # a quoted field may span lines: its first one
-        if not any(cell.strip() for cell in row):
+        names = [c.strip().lower() for c in row]
+        if not any(names):
             continue
-        if columns is None and not items:
-            names = [c.strip().lower() for c in row]
-            if {"question", "a", "b", "c", "d"} <= set(names):
-                if "answer" not in names:
-                    raise TaskError(f"{where}: the header has no answer column (C-Eval's test split has no answers: "
-                                    f"use its dev or val split)")
-                columns = {n: names.index(n) for n in ("question", "a", "b", "c", "d", "answer")}
-                continue
-        width = max(columns.values()) + 1 if columns else 6
+        if columns is None and not items and {"question", "a", "b", "c", "d"} <= set(names):
+            if "answer" not in names:
+                raise TaskError(f"{where}: the header has no answer column (C-Eval's test split has no answers: "
+                                f"use its dev or val split)")
+            columns = [names.index(n) for n in ("question", "a", "b", "c", "d", "answer")]
+            continue
+        width = max(columns) + 1 if columns else 6
         if len(row) < width or (columns is None and len(row) != 6):
             raise TaskError(f"{where}: expected {'question, A, B, C, D, answer' if columns is None else width} "
                             f"columns, got {len(row)}")
-        q, a, b, c, d, answer = ([row[columns[n]] for n in ("question", "a", "b", "c", "d", "answer")]
-                                 if columns else row)
+        q, a, b, c, d, answer = [row[i] for i in columns or range(6)]
         for name, value in zip(("question", "A", "B", "C", "D"), (q, a, b, c, d), strict=True):
             if not value.strip():
                 raise TaskError(f"{where}: {name} is empty")

@@ -31,26 +31,21 @@ class TrackerError(ValueError):
         super().__init__(redact(message))  # a tracking URI's password is in no message
 
 
-def require_installed(kind: str, module: str, package: str, why: str | None = None) -> None:
+def require_installed(kind: str, module: str, package: str, why: str | None = None, *, load: bool = False) -> Any:
+    """Find `module` (driver) or, with `load`, import it (worker); a missing one: a TrackerError naming the extra."""
     try:
-        found = importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):  # a broken install, or a module stubbed out with None
-        found = False
-    if not found:
-        raise TrackerError(_missing_message(kind, package, why))
-
-
-def import_tracker(kind: str, module: str, package: str):
-    """Import a tracker package in the worker, with the same one-line message when it is missing."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as e:
-        raise TrackerError(_missing_message(kind, package, None) + f" ({e})") from None
-
-
-def _missing_message(kind: str, package: str, why: str | None) -> str:
-    return (f"--tracker {kind} needs the {package} package, which is not installed"
-            f"{' (' + why + ')' if why else ''}: pip install 'minilm[{kind}]' (or 'minilm[trackers]' for all three)")
+        if load:
+            return importlib.import_module(module)
+        if importlib.util.find_spec(module) is not None:
+            return None
+        error = ""
+    except (ImportError, ValueError) as e:  # a broken install, or a module stubbed out with None
+        if load and not isinstance(e, ImportError):
+            raise
+        error = f" ({e})" if load else ""
+    raise TrackerError(f"--tracker {kind} needs the {package} package, which is not installed"
+                       f"{' (' + why + ')' if why else ''}: pip install 'minilm[{kind}]' (or 'minilm[trackers]' for "
+                       f"all three){error}")
 
 
 def tensorboard_dir(run_dir: str | os.PathLike | None) -> Path:
@@ -71,9 +66,7 @@ def mlflow_tracking_uri(options: Mapping[str, Any], run_dir: str | os.PathLike |
                                "store is a SQLite file in the local run folder)")
         return "sqlite:///" + str(Path(run_dir).expanduser().resolve() / "mlflow.db")
     uri = str(uri)
-    if "://" not in uri and uri.endswith(".db"):
-        return "sqlite:///" + str(Path(uri).expanduser().resolve())
-    return uri
+    return "sqlite:///" + str(Path(uri).expanduser().resolve()) if "://" not in uri and uri.endswith(".db") else uri
 
 
 def is_sql_uri(uri: str) -> bool:
@@ -109,7 +102,7 @@ class TensorBoard(Backend):
     kind = "tensorboard"
 
     def __init__(self, run_dir: Path, start_step: int, hparams: dict):
-        tbx = import_tracker("tensorboard", *REQUIRED["tensorboard"])
+        tbx = require_installed("tensorboard", *REQUIRED["tensorboard"], load=True)
         run_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir = run_dir
         self.new_run = start_step == 0 or not any(run_dir.glob("*tfevents*"))
@@ -122,11 +115,9 @@ class TensorBoard(Backend):
         self.high_water = start_step
         if not self.new_run:
             return
-        from tensorboardX.summary import hparams as hparams_summary
-
         flat = flatten_hparams(hparams)
         # HParams dashboard: the values, and the metrics to show beside them (scalars of this run).
-        experiment, session_start, _ = hparams_summary(flat, {"loss": None, "val_loss": None})
+        experiment, session_start, _ = tbx.summary.hparams(flat, {"loss": None, "val_loss": None})
         self.writer.file_writer.add_summary(experiment)
         self.writer.file_writer.add_summary(session_start)
         table = "\n".join(f"| {k} | {v} |" for k, v in sorted(flat.items()))
@@ -169,7 +160,7 @@ class MLflow(Backend):
     def __init__(self, uri: str, saved: dict | None, run_name: str, hparams: dict, opts: dict,
                  run_dir: Path | None, say: Callable[[str], None]):
         for module, package in (REQUIRED["mlflow"], *(MLFLOW_SQL if is_sql_uri(uri) else ())):
-            import_tracker("mlflow", module, package)
+            require_installed("mlflow", module, package, load=True)
         from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient
 
@@ -178,9 +169,8 @@ class MLflow(Backend):
             with warnings.catch_warnings():  # SQLAlchemy deprecation notes from MLflow's store: not ours
                 warnings.simplefilter("ignore", DeprecationWarning)
                 self.client = MlflowClient(tracking_uri=uri)
-                self.run_id = self._continue(saved, say) if saved and saved.get("run_id") else None
-                if self.run_id is None:
-                    self.run_id = self._create(run_name, hparams, opts, run_dir)
+                continued = self._continue(saved, say) if saved and saved.get("run_id") else None
+                self.run_id = continued or self._create(run_name, hparams, opts, run_dir)
         except MlflowException as e:
             raise TrackerError(f"--tracker mlflow: cannot use the tracking store {uri}: "
                                f"{str(e.message).splitlines()[0]}") from None
@@ -200,9 +190,8 @@ class MLflow(Backend):
         self.client.update_run(run_id, status="RUNNING")
         self.new_run = False
         # The last step held: what this run logged before a crash can be past the checkpoint's step.
-        for key in run.data.metrics:
-            for point in self.client.get_metric_history(run_id, key):
-                self.high_water = max(self.high_water, int(point.step))
+        steps = [int(p.step) for key in run.data.metrics for p in self.client.get_metric_history(run_id, key)]
+        self.high_water = max([self.high_water, *steps])
         return run_id
 
     def _create(self, run_name: str, hparams: dict, opts: dict, run_dir: Path | None) -> str:
@@ -211,18 +200,15 @@ class MLflow(Backend):
 
         name = opts["mlflow_experiment"]
         experiment = self.client.get_experiment_by_name(name)
-        if experiment is not None:
-            experiment_id = experiment.experiment_id
-        else:
+        if experiment is None:
             # Artifacts (none are logged today) would otherwise go to ./mlruns of the worker's cwd.
             location = (run_dir / "mlartifacts").resolve().as_uri() if run_dir is not None else None
-            try:
-                experiment_id = self.client.create_experiment(name, artifact_location=location)
-            except MlflowException:  # another trial of a sweep created it first
-                experiment_id = self.client.get_experiment_by_name(name).experiment_id
+            with contextlib.suppress(MlflowException):  # another trial of a sweep created it first
+                self.client.create_experiment(name, artifact_location=location)
+            experiment = self.client.get_experiment_by_name(name)
         optional = {"minilm.group": opts.get("group"), "mlflow.source.git.commit": hparams.get("git_commit")}
         tags = {"minilm.run_name": run_name, **{k: str(v) for k, v in optional.items() if v}}
-        run_id = self.client.create_run(experiment_id, run_name=run_name, tags=tags).info.run_id
+        run_id = self.client.create_run(experiment.experiment_id, run_name=run_name, tags=tags).info.run_id
         params = [Param(k, str(v)[:500]) for k, v in flatten_hparams(hparams).items()]
         for i in range(0, len(params), 100):  # log_batch takes at most 100 params a call
             self.client.log_batch(run_id, params=params[i:i + 100])
@@ -255,7 +241,7 @@ class Wandb(Backend):
     kind = "wandb"
 
     def __init__(self, saved: dict | None, run_name: str, hparams: dict, opts: dict, run_dir: Path | None):
-        wandb = import_tracker("wandb", *REQUIRED["wandb"])
+        wandb = require_installed("wandb", *REQUIRED["wandb"], load=True)
         resuming = bool(saved and saved.get("run_id"))
         slug = re.sub(r"[^a-z0-9_-]+", "-", run_name.lower()).strip("-")[:48] or "run"  # W&B ids avoid / \ # ? % :
         self.run_id = saved["run_id"] if resuming else f"{slug}-{secrets.token_hex(4)}"  # readable and unique

@@ -47,24 +47,21 @@ def parse_kinds(kinds: str | Iterable[str] | None) -> list[str]:
     unknown = [n for n in names if n not in (*KINDS, "none")]
     if unknown:
         raise TrackerError(f"--tracker {unknown[0]}: unknown tracker; choose from none, {', '.join(KINDS)}")
-    if "none" in names:
-        if len(set(names)) > 1:
-            raise TrackerError("--tracker none cannot be combined with other trackers")
-        return []
-    return list(dict.fromkeys(names))
+    if "none" in names and len(set(names)) > 1:
+        raise TrackerError("--tracker none cannot be combined with other trackers")
+    return [] if "none" in names else list(dict.fromkeys(names))
 
 
 def check_trackers(kinds: str | Iterable[str] | None, options: Mapping[str, Any] | None = None, *,
                    run_dir: str | os.PathLike | None = None) -> list[str]:
     """Check tracker names, packages and options before any work (`run_dir` None: remote storage); the kinds."""
     names = parse_kinds(kinds)
-    opts = {**DEFAULT_OPTIONS, **(options or {})}
     for kind in names:
         tracker_backends.require_installed(kind, *tracker_backends.REQUIRED[kind])
     if "tensorboard" in names:
         tensorboard_dir(run_dir)
     if "mlflow" in names:
-        uri = mlflow_tracking_uri(opts, run_dir)
+        uri = mlflow_tracking_uri(options or {}, run_dir)
         if tracker_backends.is_sql_uri(uri):
             for module, package in tracker_backends.MLFLOW_SQL:
                 why = f"MLflow's SQL store ({uri.split(':', 1)[0]}) needs {package}"
@@ -94,23 +91,21 @@ def _check_reachable(uri: str) -> None:
     kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
     conn = kind(parts.hostname, port, timeout=REACH_TIMEOUT_S)
     try:
-        conn.request("GET", parts.path.rstrip("/") + "/health")
-        conn.getresponse()  # any answer will do: MLflow says itself what else is wrong
+        with contextlib.closing(conn):
+            conn.request("GET", parts.path.rstrip("/") + "/health")
+            conn.getresponse()  # any answer will do: MLflow says itself what else is wrong
     except ssl.SSLError:
         pass  # something answers (its certificate is MLflow's business, and its message)
     except (OSError, http.client.HTTPException) as e:
         raise TrackerError(f"--mlflow-uri {redact(uri)}: nothing answers at {parts.hostname}:{port} within "
                            f"{REACH_TIMEOUT_S:g} s ({getattr(e, 'strerror', None) or type(e).__name__}): start the "
                            f"MLflow server, or leave --mlflow-uri out for a SQLite file in the run folder") from None
-    finally:
-        conn.close()
 
 
 def _check_wandb_credentials() -> None:
     """Online W&B needs an API key; without one wandb.init would stop on a login prompt in a worker."""
-    mode = os.environ.get("WANDB_MODE", "").lower()
-    if mode in ("offline", "dryrun", "disabled") or os.environ.get("WANDB_API_KEY") \
-            or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "dryrun", "disabled") \
+            or os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
         return
     host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
     with contextlib.suppress(netrc.NetrcParseError, OSError):  # no .netrc, or a broken one
@@ -122,12 +117,12 @@ def _check_wandb_credentials() -> None:
 
 # ---- what gets logged ---------------------------------------------------------------------------
 
-def flatten_metrics(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
+def flatten_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
     """Reported metrics -> {name: float}. Lists become one scalar per element, named by level
     (expert_load -> expert_load/layer0/expert1); dicts become name/key; strings and None are dropped."""
     out: dict[str, float] = {}
     for key, value in metrics.items():
-        _flatten_into(out, f"{prefix}{key}", value, LIST_LEVELS.get(str(key), ()))
+        _flatten_into(out, str(key), value, LIST_LEVELS.get(str(key), ()))
     return out
 
 
@@ -147,13 +142,11 @@ def _flatten_into(out: dict[str, float], name: str, value: Any, levels: tuple[st
 
 def run_hparams(model_config: Mapping[str, Any], train_config: Mapping[str, Any], *, world_size: int,
                 data_fingerprint: str | None = None, tokenizer_sha256: str | None = None,
-                code_dir: str | os.PathLike | None = None, **extra: Any) -> dict[str, Any]:
+                code_dir: str | os.PathLike | None = None) -> dict[str, Any]:
     """The hyperparameters logged once per tracker run: configs, world size, data, code version."""
     hparams = {"model": dict(model_config), "train": dict(train_config), "world_size": world_size,
-               "data_fingerprint": data_fingerprint or None, "tokenizer_sha256": tokenizer_sha256 or None,
-               **code_version(code_dir)}
-    hparams.update({k: v for k, v in extra.items() if v is not None})
-    return {k: v for k, v in hparams.items() if v is not None}
+               "data_fingerprint": data_fingerprint, "tokenizer_sha256": tokenizer_sha256, **code_version(code_dir)}
+    return {k: v for k, v in hparams.items() if v is not None and v != ""}
 
 
 def code_version(code_dir: str | os.PathLike | None = None) -> dict[str, Any]:
@@ -164,14 +157,10 @@ def code_version(code_dir: str | os.PathLike | None = None) -> dict[str, Any]:
     root = Path(code_dir) if code_dir else Path(__file__).resolve().parents[1]
     if not (root / ".git").exists():  # not some unrelated repository that happens to enclose an install
         return {}
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10,
-                              check=True).stdout.strip()
-
     try:
-        commit = git("rev-parse", "HEAD")
-        dirty = git("status", "--porcelain", "--untracked-files=no")
+        commit, dirty = (subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10,
+                                        check=True).stdout.strip()
+                         for args in (("rev-parse", "HEAD"), ("status", "--porcelain", "--untracked-files=no")))
     except (OSError, subprocess.SubprocessError):
         return {}
     return {"git_commit": commit, "git_dirty": bool(dirty)} if commit else {}
@@ -192,13 +181,8 @@ class Trackers:
         self.carried = carried or {}  # state of trackers not opened this time, kept for a later resume
         self._away: dict[str, dict] = {}  # kind -> {"queue": [(eval?, scalars, step)], "retry_at", "lost": [steps]}
 
-    def __bool__(self) -> bool:
-        return bool(self.backends)
-
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         """Log one reported step (a step at or below a tracker's high water, redone after a crash, is not)."""
-        if not self.backends:
-            return
         scalars = flatten_metrics(metrics)
         before = [b.high_water for b in self.backends]
         for backend in self.backends:
@@ -250,9 +234,6 @@ class Trackers:
         """JSON-able resume state for state.json: each tracker's run id (and of trackers not open now)."""
         return {"version": STATE_VERSION, **self.carried, **{b.kind: b.state() for b in self.backends}}
 
-    def describe(self) -> str:
-        return "; ".join(b.describe() for b in self.backends)
-
     def close(self, outcome: str = "finished") -> None:
         """End the tracker runs: outcome "finished", "failed" (an error) or "killed" (preempted); a tracker that is
         away is tried once more, and what it still misses is said."""
@@ -270,12 +251,6 @@ class Trackers:
             except Exception as e:
                 self.say(redact(f"warning: closing {backend.kind} failed: {type(e).__name__}: {e}"))
         self.backends = []
-
-    def __enter__(self) -> Trackers:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        self.close("finished" if exc_type is None else "failed")
 
     def _write_sidecar(self) -> None:
         if self.sidecar is None:

@@ -214,7 +214,7 @@ class Trainer:
                                         world_size=self.world_size)
                 self.step += 1
                 self.guard.update(m, self.step, self.scaler.is_enabled())
-                self.meter.add(cfg.global_batch_size * cfg.seq_len)
+                self.meter.tokens += cfg.global_batch_size * cfg.seq_len
                 decision = policy.after_step(self.step)
                 if decision.log:
                     metrics = self.log(m, lr, decision.evaluate)

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 from minilm import checkpoint as C
 from minilm.eval_log import append_records, scored_keys
-from minilm.evaluate import TaskError, evaluate_checkpoint, format_metrics, identify, load_tasks
+from minilm.evaluate import evaluate_checkpoint, format_scores, identify
+from minilm.tasks import TaskError, load_tasks
 from minilm.tokenizer import TokenizerError
 
 from .cli import ArgumentParser, UsageError, command, fail
@@ -61,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         # A checkpoint named on the command line must be sound; one of --run-dir that is not is passed over, as
         # training's --resume auto does (it may be still being written, or torn by a crash).
         checkpoints = [(C.resolve(path), True) for path in args.checkpoint] + \
-            [(path, False) for path in run_checkpoints(args.run_dir)]
+            [(path, False) for path in (run_checkpoints(args.run_dir) if args.run_dir else [])]
         device = resolve_device(args.device)
         table = Table()
         for path, named in checkpoints:
@@ -79,8 +81,6 @@ def main(argv: list[str] | None = None) -> int:
 def follow(args: argparse.Namespace, tasks: list) -> int:
     """--follow: a Ray task per checkpoint (ray_jobs.evaluator, as beside training), while the run holds its lease;
     then the last ones are scored and the command ends."""
-    import time
-
     from .cli import ensure_ray, parse_eval_resources
     from .evaluator import Evaluator
 
@@ -92,14 +92,14 @@ def follow(args: argparse.Namespace, tasks: list) -> int:
     evaluator = Evaluator(args.run_dir, args.tasks, tasks, resources, folder.local.name, best_metric=None,
                           tokenizer=args.tokenizer, output=Path(args.output)).start()
     print(f"following {args.run_dir}: each checkpoint scored as it appears, until the run ends", flush=True)
+    wait_s = float("inf")
     try:
         while C.Lease(folder).live():
             time.sleep(2.0)  # the run ends when its lease is gone: looked at every 2 s
     except KeyboardInterrupt:
         print("stopped: what was scored is in --output; run the command again to go on", flush=True)
-        evaluator.finish(0.0)
-        return 0
-    evaluator.finish(float("inf"))
+        wait_s = 0.0
+    evaluator.finish(wait_s)
     return 0
 
 
@@ -116,13 +116,11 @@ def evaluate_one(path: str, tasks: list, done: set[tuple], args: argparse.Namesp
     records = evaluate_checkpoint(path, todo, tokenizer=args.tokenizer, device=device)
     append_records(Path(args.output), records, done)
     for r in records:
-        table.row(r["step"], f"{r['task']:<20} {row_text(r)}")
+        table.row(r["step"], f"{r['task']:<20} {format_scores(r)}")
 
 
-def run_checkpoints(run: str | None) -> list[str]:
+def run_checkpoints(run: str) -> list[str]:
     """The checkpoint folders of a local run folder, oldest first (each is verified when it is loaded)."""
-    if run is None:
-        return []
     if "://" in run:
         raise TaskError(f"--run-dir {run}: only a local run folder can be evaluated (copy it here first)")
     folder = C.RunFolder(run)
@@ -158,15 +156,6 @@ class Table:
             print(f"{'step':>8}  {'task':<20} metrics")
             self.started = True
         print(f"{'-' if step is None else step:>8}  {text}", flush=True)
-
-
-def row_text(record: dict) -> str:
-    """The metrics, and for generations the first one, cut to fit a line (all of them are in the record)."""
-    text = format_metrics(record["metrics"])
-    if record.get("generations"):
-        first = record["generations"][0]
-        text += f"  {first['prompt'][:30]!r} -> {first['text'][:60]!r}"
-    return text
 
 
 if __name__ == "__main__":

@@ -9,34 +9,29 @@ from pathlib import Path
 
 from minilm import checkpoint as C
 from minilm.eval_log import EVAL_LOG, append_records, scored_keys
-from minilm.evaluate import Task, TaskError, evaluate_checkpoint, format_metrics, identify, load_tasks
+from minilm.evaluate import evaluate_checkpoint, format_scores, identify
 from minilm.safety import redact
+from minilm.tasks import Task
 
 from .cli import UsageError
 
 POLL_S = 1.0
 
 
-def default_best_metric(tasks: list[Task]) -> str | None:
-    """The first task's headline score: acc_norm for multiple choice, bpb for text; none for generations only."""
-    for task in tasks:
-        if task.kind in ("hellaswag", "choice"):
-            return f"eval/{task.name}/acc_norm"
-        if task.kind == "bpb":
-            return f"eval/{task.name}/bpb"
-    return None
+# each kind's scores, and the one that chooses the best checkpoint by default (generations have none)
+SCORES = {"hellaswag": ("acc", "acc_norm"), "choice": ("acc", "acc_norm"), "bpb": ("bpb", "nats_per_token")}
+HEADLINE = {"hellaswag": "acc_norm", "choice": "acc_norm", "bpb": "bpb"}
 
 
 def check_best_metric(metric: str | None, tasks: list[Task], flag: str = "--eval-best") -> str | None:
-    """--eval-best (or tune's --metric): eval/<task>/<metric> of a task in the list."""
+    """--eval-best (or tune's --metric): eval/<task>/<metric> of a task in the list; by default the first task's
+    headline score."""
     if metric is None:
-        return default_best_metric(tasks)
+        return next((f"eval/{t.name}/{HEADLINE[t.kind]}" for t in tasks if t.kind in HEADLINE), None)
     name = metric.removeprefix("eval/")
     task, _, key = name.partition("/")
-    kinds = {t.name: t.kind for t in tasks}
-    keys = {"hellaswag": ("acc", "acc_norm"), "choice": ("acc", "acc_norm"), "bpb": ("bpb", "nats_per_token")}
-    if task not in kinds or key not in keys.get(kinds[task], ()):
-        choices = [f"eval/{t.name}/{k}" for t in tasks for k in keys.get(t.kind, ())]
+    if key not in SCORES.get({t.name: t.kind for t in tasks}.get(task), ()):
+        choices = [f"eval/{t.name}/{k}" for t in tasks for k in SCORES.get(t.kind, ())]
         raise UsageError(f"{flag} {metric}: not a score of the task list; choose from {', '.join(choices)}")
     return f"eval/{name}"
 
@@ -76,26 +71,23 @@ class Evaluator:
         """After training: the checkpoints not yet scored, waited for up to `wait_s`; what is left is said."""
         self._stop.set()
         self._thread.join()
+        deadline = time.monotonic() + wait_s
         try:
-            self._finish(wait_s)
+            self.submit_new()
+            while self.running and time.monotonic() < deadline:
+                self.collect(timeout=min(POLL_S, max(0.0, deadline - time.monotonic())))
+            if self.running:
+                import ray
+
+                names = sorted(self.running_names())
+                self.say(f"note: {len(names)} checkpoint(s) not scored within {wait_s / 60:g} min "
+                         f"({', '.join(names)}); score them later with: python -m ray_jobs.evaluate --run-dir "
+                         f"{self.folder.display} --tasks {self.tasks_file} --output {self.output}")
+                for ref in self.running:
+                    ray.cancel(ref, force=True)
+                self.running.clear()  # eval-pending.json still names them: pruning keeps them for a later scoring
         except Exception as e:  # training's outcome stands whatever happens here
             self.say(f"warning: evaluation beside training: {type(e).__name__}: {redact(str(e))}")
-
-    def _finish(self, wait_s: float) -> None:
-        deadline = time.monotonic() + wait_s
-        self.submit_new()
-        while self.running and time.monotonic() < deadline:
-            self.collect(timeout=min(POLL_S, max(0.0, deadline - time.monotonic())))
-        if self.running:
-            names = sorted(self.running_names())
-            self.say(f"note: {len(names)} checkpoint(s) not scored within {wait_s / 60:g} min ({', '.join(names)}); "
-                     f"score them later with: python -m ray_jobs.evaluate --run-dir {self.folder.display} --tasks "
-                     f"{self.tasks_file} --output {self.output}")
-            import ray
-
-            for ref in self.running:
-                ray.cancel(ref, force=True)
-            self.running.clear()  # eval-pending.json still names them: pruning keeps them for a later scoring
 
     def _watch(self) -> None:
         said = set()
@@ -163,7 +155,7 @@ class Evaluator:
         if not scores:
             return
         self.say(f"eval  step {scores[0]['step']}: " + "; ".join(
-            f"{r['task']} {format_metrics(r['metrics'])}" for r in scores if r["kind"] != "generate"))
+            f"{r['task']} {format_scores(r)}" for r in scores if r["kind"] != "generate"))
         if self.best_metric:
             task, _, key = self.best_metric.removeprefix("eval/").partition("/")
             for r in scores:
@@ -204,12 +196,4 @@ def ray_error_line(e: BaseException) -> str:
     return redact(lines[-1].strip() if lines else type(e).__name__)[:300]
 
 
-def load_eval_tasks(path: str) -> list[Task]:
-    """The task list, every item read and checked before any training starts (TaskError: one line)."""
-    try:
-        return load_tasks(path)
-    except TaskError as e:
-        raise UsageError(f"--eval-tasks: {e}") from None
-
-
-__all__ = ["Evaluator", "check_best_metric", "load_eval_tasks", "score_checkpoint"]
+__all__ = ["Evaluator", "check_best_metric", "score_checkpoint"]

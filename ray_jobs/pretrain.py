@@ -207,13 +207,18 @@ def check_eval_options(opts: RayOptions, run_dir: Path | None) -> list:
     """--eval-tasks read and checked (every item) before any work, and what rank 0 needs to know of them."""
     if not opts.eval_tasks:
         return []
-    from .evaluator import check_best_metric, load_eval_tasks
+    from minilm.tasks import TaskError, load_tasks
+
+    from .evaluator import check_best_metric
 
     if run_dir is None:
         raise UsageError(f"--eval-tasks needs a local or shared --storage-path, where the evaluation tasks read the "
                          f"checkpoints (not {redact_uri(opts.storage_path)}); score a remote run's checkpoints with "
                          f"python -m ray_jobs.evaluate after copying them")
-    tasks = load_eval_tasks(opts.eval_tasks)
+    try:
+        tasks = load_tasks(opts.eval_tasks)  # every item read and checked before any training starts
+    except TaskError as e:
+        raise UsageError(f"--eval-tasks: {e}") from None
     opts.eval_best = check_best_metric(opts.eval_best, tasks)
     opts.eval_task_names, opts.eval_wait_s = [t.name for t in tasks], opts.eval_wait_minutes * 60
     return tasks

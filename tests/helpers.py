@@ -118,6 +118,33 @@ def bitwise_equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+class NoHostReads:
+    """Fails any Python-level read of a tensor's value (`bool`, `item`, `tolist`, `float`, `int`): on a GPU each
+    one would make the host wait for the queued kernels."""
+
+    NAMES = ("__bool__", "item", "tolist", "__float__", "__int__", "__index__")
+
+    def __enter__(self):
+        import torch
+
+        self.saved = {name: getattr(torch.Tensor, name) for name in self.NAMES}
+
+        def refuse(name):
+            def read(t, *args, **kwargs):
+                raise AssertionError(f"the step read a tensor back to the host ({name})")
+            return read
+
+        for name in self.NAMES:
+            setattr(torch.Tensor, name, refuse(name))
+        return self
+
+    def __exit__(self, *exc):
+        import torch
+
+        for name, f in self.saved.items():
+            setattr(torch.Tensor, name, f)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

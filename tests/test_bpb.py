@@ -16,7 +16,6 @@ from minilm.bpb import (
     bits_per_byte,
     document_windows,
     evaluate_documents,
-    score_rows,
     token_byte_lengths,
     token_bytes,
 )
@@ -80,7 +79,7 @@ def test_non_byte_level_tokenizer_is_refused(tmp_path):
     tok.train_from_iterator(["a b c"], trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
     tok.save(str(tmp_path / "tokenizer.json"))
     with pytest.raises(ValueError, match="byte-level BPE"):
-        token_byte_lengths(tmp_path)
+        token_byte_lengths(tmp_path / "tokenizer.json")
 
 
 def test_bits_per_byte_formula():
@@ -166,16 +165,17 @@ def test_batched_windows_equal_one_window_at_a_time(tokenizer):
     assert r["nats"] == pytest.approx(nats, rel=1e-5)
 
 
-def test_score_rows_sums_text_targets_only(tokenizer):
+def test_packed_rows_score_their_text_targets_only(tokenizer):
+    """A packed row (seq_len + 1 tokens, EOS between documents) as one window: the special targets count nothing."""
     tok, lengths = tokenizer
     model = tiny_model(len(lengths), seed=1)
     docs = [tok.encode(t, add_special_tokens=False).ids for t in demo_corpus_documents(max_bytes=4_000)]
     rows, _ = pack_documents(docs, 31)
-    rows = torch.as_tensor(rows.astype(np.int64))
-    nats, nbytes = score_rows(model, rows, torch.as_tensor(lengths))
+    rows = rows.astype(np.int64).tolist()
+    r = evaluate_documents(model, rows, lengths, prefix=[], window=len(rows[0]))
     want_nats = want_bytes = 0
-    for row in rows.tolist():
+    for row in rows:
         a, b = window_nats(model, row, 0, lengths)
         want_nats, want_bytes = want_nats + a, want_bytes + b
-    assert int(nbytes) == want_bytes
-    assert float(nats) == pytest.approx(want_nats, rel=1e-5)
+    assert r["windows"] == len(rows) and r["bytes"] == want_bytes
+    assert r["nats"] == pytest.approx(want_nats, rel=1e-5)

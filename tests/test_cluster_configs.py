@@ -10,6 +10,7 @@ import math
 import re
 import shlex
 import subprocess
+from pathlib import Path
 
 import pytest
 import yaml
@@ -224,10 +225,9 @@ def test_kuberay_manifests_and_images_agree_on_one_ray_version():
 
 def test_readme_covers_launch_submit_watch_resume_teardown_storage_and_elastic():
     text = (CLUSTER / "README.md").read_text()
-    for needle in ("ray up cluster/aws.yaml", "ray dashboard cluster/aws.yaml", "ray job submit",
+    for needle in ("ray up cluster/aws.yaml", "ray dashboard cluster/aws.yaml", "ray job submit", "shared",
                    "ray job logs", "ray job stop", "--resume auto", "ray down cluster/aws.yaml",
                    "kubectl apply", "kubectl port-forward", "cluster/local.sh start", "cluster/local.sh stop",
-                   "shared",
                    "min_workers", "minReplicas", "--num-workers 2-4", "RAY_AUTH_MODE=token", "ray_minilm_"):
         assert needle in text, needle
 
@@ -236,8 +236,6 @@ def test_runtime_env_leaves_git_and_local_data_out():
     env = load("runtime-env.yaml")
     assert ".git" in env["excludes"] and ".venv" in env["excludes"]
     # Matched the way Ray's upload matches them: a top-level data/ goes, the minilm.data package stays.
-    from pathlib import Path
-
     from ray._private.runtime_env.packaging import _get_excludes
 
     excluded = _get_excludes(Path("."), env["excludes"])
@@ -248,8 +246,7 @@ def test_runtime_env_leaves_git_and_local_data_out():
 def test_no_config_or_doc_opens_the_dashboard_to_all_interfaces_without_auth():
     # Only the KubeRay head binds the pod network (token auth on, ClusterIP; checked above).
     for name in ("aws.yaml", "local.sh", "README.md", "runtime-env.yaml"):
-        path = CLUSTER / name
-        assert "0.0.0.0" not in path.read_text(), path.name
+        assert "0.0.0.0" not in (CLUSTER / name).read_text(), name
     local = (CLUSTER / "local.sh").read_text()
     assert "--dashboard-host 127.0.0.1" in local and "export RAY_AUTH_MODE=token" in local
     for name in KUBERAY_CLUSTERS:
@@ -285,16 +282,13 @@ def local_sh(verb: str, tmp_path, **env) -> subprocess.CompletedProcess:
                           text=True, timeout=60)
 
 
-def env_of_ray(tmp_path) -> list[str]:
-    return (tmp_path / "bin" / "env").read_text().splitlines()
-
-
 def test_local_head_binds_every_port_to_loopback_and_keeps_its_state_private(tmp_path):
     started = local_sh("start", tmp_path)
     assert started.returncode == 0, started.stderr
     args = (tmp_path / "bin" / "args").read_text().split()
     assert args[args.index("--node-ip-address") + 1] == "127.0.0.1"  # GCS, raylet and metrics port: loopback
-    assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0" in env_of_ray(tmp_path)  # else Ray resolves it to the routable IP
+    # without it Ray resolves the node IP to the routable one
+    assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0" in (tmp_path / "bin" / "env").read_text().splitlines()
     assert args[args.index("--dashboard-host") + 1] == "127.0.0.1"
     state_dir = tmp_path / "home" / ".cache" / "minilm" / "ray"  # no XDG_RUNTIME_DIR: under the home
     assert args[args.index("--temp-dir") + 1] == str(state_dir / "ray")
@@ -360,10 +354,8 @@ def fresh_dashboard_state(monkeypatch) -> None:
 
 @pytest.fixture
 def fake_gauges(monkeypatch):
-    import ray.util.metrics
-
     FakeGauge.made = []
-    monkeypatch.setattr(ray.util.metrics, "Gauge", FakeGauge)
+    monkeypatch.setattr("ray.util.metrics.Gauge", FakeGauge)
     fresh_dashboard_state(monkeypatch)
     return FakeGauge
 
@@ -404,15 +396,13 @@ def test_publish_eval_sets_one_gauge_tagged_by_task_and_metric(fake_gauges):
 
 
 def test_publish_never_raises_and_stops_after_a_failure(monkeypatch, caplog):
-    import ray.util.metrics
-
     calls = []
 
     def broken(*args, **kwargs):
         calls.append(args)
         raise RuntimeError("no metrics agent")
 
-    monkeypatch.setattr(ray.util.metrics, "Gauge", broken)
+    monkeypatch.setattr("ray.util.metrics.Gauge", broken)
     fresh_dashboard_state(monkeypatch)
     dashboard_metrics.publish({"loss": 1.0}, "run1")
     dashboard_metrics.publish({"loss": 1.0}, "run1")

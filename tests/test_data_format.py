@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+from collections import namedtuple
 from pathlib import Path
 
 import numpy as np
@@ -35,12 +37,6 @@ def dataset(tmp_path: Path, name: str = "tok", *, num_sequences: int = 50, rows_
     for f in out.iterdir():  # written long ago: old enough for a verification stamp
         os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns - 10**10))
     return out
-
-
-def edit_manifest(path: Path, change) -> None:
-    m = json.loads((path / "manifest.json").read_text())
-    change(m)
-    (path / "manifest.json").write_text(json.dumps(m))
 
 
 def one_line(e: pytest.ExceptionInfo) -> str:
@@ -92,7 +88,11 @@ def truncate(path: Path) -> None:
 
 
 def manifest(change):
-    return lambda path: edit_manifest(path, change)
+    def edit_manifest(path: Path) -> None:
+        m = json.loads((path / "manifest.json").read_text())
+        change(m)
+        (path / "manifest.json").write_text(json.dumps(m))
+    return edit_manifest
 
 
 # (damage done to a fresh dataset at {path}, the one-line message: "…" stands for any text)
@@ -168,8 +168,6 @@ def test_files_are_hashed_once_per_machine(tmp_path, monkeypatch):
 
 
 def test_stamps_of_deleted_datasets_are_forgotten(tmp_path, cache):
-    import shutil
-
     a, b = dataset(tmp_path, "a"), dataset(tmp_path, "b")
     D.open_prepared(a)
     shutil.rmtree(a)
@@ -235,9 +233,6 @@ def test_remote_damage_is_found_before_copying(tmp_path):
 
 
 def test_not_enough_space_for_the_copy(tmp_path, monkeypatch):
-    import shutil
-    from collections import namedtuple
-
     path = dataset(tmp_path)
     monkeypatch.setattr(shutil, "disk_usage", lambda p: namedtuple("u", "total used free")(10**9, 10**9, 1000))
     with pytest.raises(D.DataError, match=r"needs that much free space in .*cache/data, which has 0.00 GB free "

@@ -540,7 +540,7 @@ def quick(ray_address, tmp_path_factory):
             proc = subprocess.run(["bash", "-c", c.text], cwd=loop, capture_output=True, text=True)
             outcomes[c.where] = Outcome(proc.returncode, proc.stdout + proc.stderr)
             if proc.returncode == 0:
-                from minilm.evaluate import load_tasks
+                from minilm.tasks import load_tasks
 
                 outcomes[c.where].out += f"{len(load_tasks(loop / 'tasks.yaml'))} task(s) loaded"
             continue

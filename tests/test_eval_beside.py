@@ -25,7 +25,7 @@ from test_evaluate import reference_loglik
 
 from minilm import checkpoint as C
 from minilm.eval_log import EvalInbox, append_records, eval_metrics, read_records, scored_keys
-from minilm.evaluate import load_tasks, read_hellaswag
+from minilm.tasks import load_tasks, read_hellaswag
 from ray_jobs import demo_tasks
 from ray_jobs.cli import UsageError, parse_eval_resources
 from ray_jobs.evaluator import check_best_metric
@@ -58,7 +58,7 @@ def test_each_score_is_forwarded_once_at_its_step_and_none_of_a_step_to_be_redon
          "eval/cloze/acc_norm": 0.25},
         {"optimizer_step": 4, "eval_task": "held", "weights_sha256": "w4", "eval/held/bpb": 1.5,
          "eval/held/nats_per_token": 2.0}]
-    assert inbox.poll(6) == [] and inbox.scored(4) and not inbox.scored(8)
+    assert inbox.poll(6) == [] and inbox.scored([4]) and not inbox.scored([8])
     assert inbox.latest == {"eval/cloze/acc": 0.5, "eval/cloze/acc_norm": 0.25, "eval/held/bpb": 1.5,
                             "eval/held/nats_per_token": 2.0}
     with open(tmp_path / "eval.jsonl", "a") as f:  # the torn line ends; the scores of step 8 come while at step 6
@@ -96,14 +96,14 @@ def test_errors_and_generations_are_scored_but_carry_no_metric(tmp_path):
     assert eval_metrics(record(4, "held", "bpb", bpb=float("nan"), nats_per_token=2)) == {"eval/held/nats_per_token": 2.0}
     append(tmp_path / "eval.jsonl", gen, err)
     inbox = EvalInbox(tmp_path, ["samples", "cloze"], [], weights=held(4))
-    assert inbox.wait_for(4, timeout_s=5) == [] and inbox.scored(4)  # nothing to forward, and nothing left to wait for
+    assert inbox.wait_for([4], timeout_s=5) == [] and inbox.scored([4])  # nothing to forward, nothing to wait for
 
 
 def test_the_wait_for_the_last_scores_ends_when_they_arrive_or_at_its_limit(tmp_path):
     inbox = EvalInbox(tmp_path, ["cloze"], [], weights=held(20))
-    assert inbox.wait_for(20, timeout_s=0.3, poll_s=0.1) == [] and not inbox.scored(20)
+    assert inbox.wait_for([20], timeout_s=0.3, poll_s=0.1) == [] and not inbox.scored([20])
     append(tmp_path / "eval.jsonl", record(20, "cloze"))
-    assert [r["optimizer_step"] for r in inbox.wait_for(20, timeout_s=60)] == [20]
+    assert [r["optimizer_step"] for r in inbox.wait_for([20], timeout_s=60)] == [20]
 
 
 # ---- the flags --------------------------------------------------------------------------------------

@@ -12,19 +12,10 @@ import torch
 from minilm import checkpoint as C
 from minilm.bpb import evaluate_documents, token_byte_lengths
 from minilm.config import ModelConfig, TrainConfig
-from minilm.evaluate import (
-    ChoiceItem,
-    TaskError,
-    choice_loglikelihoods,
-    choice_metrics,
-    evaluate_checkpoint,
-    fewshot_prefix,
-    load_tasks,
-    read_choice,
-    read_hellaswag,
-)
+from minilm.evaluate import choice_loglikelihoods, choice_metrics, evaluate_checkpoint, fewshot_prefix
 from minilm.model import MiniMindForCausalLM
 from minilm.step import make_grad_scaler, make_optimizer
+from minilm.tasks import ChoiceItem, TaskError, load_tasks, read_choice, read_hellaswag
 from minilm.tokenizer import BOS_ID, save_tokenizer, train_tokenizer
 from ray_jobs import evaluate as cli
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from helpers import ROOT
+from helpers import ROOT, error_lines, run_module, wait_for
 
 from bench import gpu_check as G
 from bench import gpu_plan as P
@@ -183,9 +183,7 @@ def test_stopped_check_keeps_its_results_and_kills_the_part(tmp_path):
     assert first.startswith("# GPU check on"), first
     plan = [proc.stdout.readline() for _ in range(4)]
     assert plan[-1].startswith("total ") and proc.stdout.readline().startswith("[step-26m-compiled] -m bench.gpu_check row")
-    deadline = time.monotonic() + 30
-    while not psutil.Process(proc.pid).children() and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_for(lambda: psutil.Process(proc.pid).children(), proc, "the part to start", timeout=30)
     part = psutil.Process(proc.pid).children()
     assert part, "the part never started"
     time.sleep(1)
@@ -247,8 +245,7 @@ def test_the_headline_rows_come_first_then_the_parts_never_run_on_a_gpu():
 
 
 def test_plan_prints_alone_and_ends_with_its_total():
-    proc = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--plan"], capture_output=True, text=True,
-                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+    proc = run_module("bench.gpu_check", ["--plan"], env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     plan = make_plan("cuda", G.BUDGET["cuda"])
@@ -264,33 +261,25 @@ def test_only_adds_what_the_named_parts_need():
     assert plan.added == ["prepare", "ray-job", "ray-start"]
 
 
-class FakeClock:
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def rehearse(tmp_path, monkeypatch, device: str, budget: float, took, preflight=None):
     """The check's loop with every part a stand-in on a fake clock (no process, no sleep): part `name` takes
     took(name, limit) seconds, capped at its limit and the time left; `preflight(c)` may close gates. Returns the
     parts in the order they ran, the runner and the plan."""
-    clock, ran = FakeClock(), []
+    now, ran = [0.0], []  # the fake clock's time
 
     def fake(c, name):
         seconds = min(took(name, c.r.limits[name]), c.r.limits[name], c.r.left())
-        clock.t += seconds
+        now[0] += seconds
         ran.append(name)
         c.r.parts[name] = Part(name, "ok", wall_s=seconds)
         if name == "preflight" and preflight:
             preflight(c)
 
     monkeypatch.setattr(G, "PART_RUNS", {n: (lambda c, n=n: fake(c, n)) for n in PARTS})
-    runner = Runner(sys.executable, budget_s=budget, work=tmp_path, env={}, clock=clock)
+    runner = Runner(sys.executable, budget_s=budget, work=tmp_path, env={}, clock=lambda: now[0])
     plan = make_plan(device, budget)
     G.run_parts(G.Check(runner, G.GPU if device == "cuda" else G.CPU, device, tmp_path, {}), plan)
-    assert clock.t <= budget + 1e-9  # never past the budget
+    assert now[0] <= budget + 1e-9  # never past the budget
     return ran, runner, plan
 
 
@@ -354,7 +343,7 @@ def test_a_bad_bundle_is_one_error_line_and_a_result_file(tmp_path, where, says)
     env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "MINILM_COMMAND_S": "120"}
     proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--device", "cpu", "--bundle", str(folder),
                            "--only", "prepare"], capture_output=True, text=True, timeout=120, env=env)
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    errors = error_lines(proc.stderr)
     assert len(errors) == 1 and errors[0].startswith("error: bench/gpu_check.sh: ") and says in errors[0]
     assert proc.returncode == 1, proc.stdout + proc.stderr
     result = json.loads((out / "gpu_check.json").read_text())
@@ -367,8 +356,8 @@ def test_a_bad_bundle_is_one_error_line_and_a_result_file(tmp_path, where, says)
 
 
 def test_unknown_part_is_one_error_line():
-    proc = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--device", "cpu", "--only", "nope"],
-                          capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = run_module("bench.gpu_check", ["--device", "cpu", "--only", "nope"],
+                      env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 2 and proc.stderr.startswith("error: --only: unknown part(s) nope; parts: ")
     assert len(proc.stderr.strip().splitlines()) == 1
 
@@ -419,11 +408,10 @@ def test_wrap_ddp_buffer_flag_by_torch_version(monkeypatch, flag):
     def fake_init(self, module, device_ids=None, **kwargs):
         seen.update(kwargs)
 
-    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-              inspect.Parameter("module", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-              inspect.Parameter("device_ids", inspect.Parameter.KEYWORD_ONLY, default=None),
-              inspect.Parameter(flag, inspect.Parameter.KEYWORD_ONLY, default=True)]
-    fake_init.__signature__ = inspect.Signature(params)
+    Param = inspect.Parameter
+    fake_init.__signature__ = inspect.Signature([
+        Param("self", Param.POSITIONAL_OR_KEYWORD), Param("module", Param.POSITIONAL_OR_KEYWORD),
+        Param("device_ids", Param.KEYWORD_ONLY, default=None), Param(flag, Param.KEYWORD_ONLY, default=True)])
     fake = type("FakeDDP", (), {"__init__": fake_init})
     monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel", fake)
     trainer.wrap_ddp(torch.nn.Linear(2, 2), torch.device("cpu"))

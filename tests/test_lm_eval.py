@@ -12,7 +12,8 @@ import sys
 import pytest
 from test_hf_export import make_checkpoint
 
-from minilm.evaluate import choice_loglikelihoods, read_hellaswag
+from minilm.evaluate import choice_loglikelihoods
+from minilm.tasks import read_hellaswag
 from minilm.tokenizer import load_tokenizer
 from ray_jobs import evaluate, export
 

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import bitwise_equal
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from minilm import loss
@@ -296,8 +297,7 @@ def test_moe_model_trains_all_parameters():
     ids = torch.randint(0, 256, (2, 9))
     out = model(ids, labels=ids)
     (out.loss + out.aux_loss).backward()
-    missing = [n for n, p in model.named_parameters() if p.grad is None]
-    assert missing == []
+    assert [n for n, p in model.named_parameters() if p.grad is None] == []
 
 
 # ---- state dict -----------------------------------------------------------------------------------
@@ -414,9 +414,7 @@ def test_modes_change_forward_not_weights():
     with torch.no_grad():
         c, d = model(ids).logits, model(ids).logits
     assert torch.equal(c, d) and model.aux_loss().item() == 0.0  # eval: deterministic, no aux bookkeeping
-    eval_sd = model.state_dict()
-    assert train_sd.keys() == eval_sd.keys()
-    assert all(torch.equal(train_sd[k], eval_sd[k]) for k in train_sd)  # the weights do not depend on the mode
+    assert bitwise_equal(train_sd, model.state_dict())  # the weights do not depend on the mode
 
 
 @pytest.mark.parametrize("start_training", [True, False])

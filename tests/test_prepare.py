@@ -6,6 +6,7 @@ the tests that tokenize use one local Ray for the module (tests marked `ray`).
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import tree
+from helpers import ROOT, tree
 
 from minilm import tokenizer as T
 from minilm.data import DataError, SequenceStore, file_sha256, open_prepared
@@ -25,7 +26,6 @@ from ray_jobs import prepare as PR
 from ray_jobs import prepare_inputs as PI
 from ray_jobs import prepare_pipeline as PP
 
-ROOT = Path(__file__).resolve().parents[1]
 SEQ = 16
 
 
@@ -286,8 +286,6 @@ def test_text_field_and_bom(tmp_path):
 
 def test_progress_bar_only_on_a_terminal():
     """On a terminal, a tqdm bar of input bytes with documents and tokens; through a pipe, the messages alone."""
-    import io
-
     class Tty(io.StringIO):
         def isatty(self):
             return True

@@ -47,7 +47,7 @@ def test_after_a_rollback_the_abandoned_branchs_scores_are_never_the_new_runs(tm
                       weights=lambda: C.held_weights(folder))
     assert inbox.poll(6) == []
     mark(run, 8, "b8")  # the new run's checkpoint of the same step
-    assert inbox.poll(8) == [] and not inbox.scored(8)  # A's score is not the new run's, nor scores its 8
+    assert inbox.poll(8) == [] and not inbox.scored([8])  # A's score is not the new run's, nor scores its 8
     assert C.scored_checkpoints(folder) == {"checkpoint_00000004"} and C.pinned(folder) == set()
     manager = C.CheckpointManager(C.LocalStorage(run), TrainConfig(), rank=0, device=torch.device("cpu"), keep=1,
                                   keep_unscored=True)
@@ -55,7 +55,7 @@ def test_after_a_rollback_the_abandoned_branchs_scores_are_never_the_new_runs(tm
     assert manager.prune("checkpoint_00000012") == ["checkpoint_00000004"]  # the new 8 waits for its scores
     score(run, 8, "b8", 2.0)
     assert inbox.poll(8) == [{"optimizer_step": 8, "eval_task": "held", "weights_sha256": "b8", "eval/held/bpb": 2.0}]
-    assert inbox.scored(8) and inbox.latest == {"eval/held/bpb": 2.0}
+    assert inbox.scored([8]) and inbox.latest == {"eval/held/bpb": 2.0}
     assert C.scored_checkpoints(folder) == {"checkpoint_00000008"}
     # A's better best no longer holds: the new run's worse score replaces it
     assert C.update_best(folder, "held/bpb", "checkpoint_00000008", 8, 2.0, "b8")
@@ -72,7 +72,7 @@ def test_an_older_eval_log_without_weights_is_read_and_matched_to_nothing(tmp_pa
     folder = C.RunFolder(run)
     assert C.scored_checkpoints(folder) == set() and C.pinned(folder) == {"checkpoint_00000004"}
     inbox = EvalInbox(run, ["held"], [], weights=lambda: C.held_weights(folder))
-    assert inbox.poll(8) == [] and not inbox.scored(4)
+    assert inbox.poll(8) == [] and not inbox.scored([4])
 
 
 # ---- small gaps ----------------------------------------------------------------------------------------------

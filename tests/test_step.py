@@ -3,14 +3,20 @@ non-finite steps are skipped and, repeated, stop the run."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import subprocess
+import sys
 
 import pytest
 import torch
+import torch.distributed as dist
+from helpers import ROOT, NoHostReads
 
 from minilm import step as S
 from minilm.config import ModelConfig, TrainConfig
-from minilm.model import CausalLMOutput, MiniMindForCausalLM
+from minilm.distributed import Collectives, leave_process_group
+from minilm.model import CausalLMOutput, MiniMindForCausalLM, MoEFeedForward
 from minilm.step import (
     MUON_MAX_SHARE,
     NonFiniteGuard,
@@ -67,11 +73,7 @@ def run_steps(micro: int, use_moe: bool, coef: float, steps: int = 2, lr: float 
     grads: list[list[torch.Tensor]] = []
     opt.register_step_pre_hook(
         lambda o, args, kwargs: grads.append([p.grad.clone() for g in o.param_groups for p in g["params"]]))
-    scaler = fp32_scaler()
-    metrics = []
-    for s in range(steps):
-        data = batch(8, seed=100 + s)
-        metrics.append(optimizer_step(model, opt, scaler, list(data.split(micro)), lr=lr, grad_clip=1.0))
+    metrics = [step(model, batch(8, seed=100 + s).split(micro), opt, lr=lr) for s in range(steps)]
     return model, metrics, grads
 
 
@@ -232,94 +234,62 @@ class InfLoss(torch.nn.Module):
 
 
 def test_inf_loss_skips_step():
-    inner = make_model()
-    model, data = InfLoss(inner), batch(4, seed=4)
-    before = params_of(inner)
+    model, data = InfLoss(make_model()), batch(4, seed=4)
+    before = params_of(model.inner)
     m = step(model, [data])
     assert m.skipped and not torch.isfinite(m.loss)
-    assert all(torch.equal(before[k], p) for k, p in inner.named_parameters())
+    assert all(torch.equal(before[k], p) for k, p in model.inner.named_parameters())
 
 
-def fake_metrics(skipped: bool, loss: float = float("inf")) -> StepMetrics:
+def feed(guard, steps, skipped: bool = True, loss: float = float("inf"), **kw) -> NonFiniteGuard:
+    """guard.update at each of `steps` with the metrics of a step (skipped or not) of that loss."""
     t = torch.tensor(loss)
-    return StepMetrics(loss=t, lm_loss=t, aux_loss=torch.tensor(0.0), grad_norm=torch.tensor(float("nan")),
-                       lr=1e-3, skipped=torch.tensor(skipped), sequences=8, tokens=128)
+    metrics = StepMetrics(loss=t, lm_loss=t, aux_loss=torch.tensor(0.0), grad_norm=torch.tensor(float("nan")),
+                          lr=1e-3, skipped=torch.tensor(skipped), sequences=8, tokens=128)
+    for step in steps:
+        guard.update(metrics, step, **kw)
+    return guard
 
 
 def test_guard_trips_after_k_in_a_row_and_check_names_the_steps():
-    guard = NonFiniteGuard(3)
-    guard.update(fake_metrics(False), 9)
-    guard.update(fake_metrics(True), 10)
-    guard.update(fake_metrics(True), 11)
+    guard = feed(feed(NonFiniteGuard(3), [9], skipped=False), [10, 11])
     guard.check()  # two in a row: no trip yet
     assert not guard.tripped()
-    guard.update(fake_metrics(True), 12)
+    feed(guard, [12])
     assert guard.tripped()
-    guard.update(fake_metrics(False), 13)  # a later good step does not undo the trip the ranks will act on
+    feed(guard, [13], skipped=False)  # a later good step does not undo the trip the ranks will act on
     with pytest.raises(NonFiniteLossError, match=r"3 optimizer steps in a row \(10\.\.12\)") as ei:
         guard.check()
     assert "--lr" in str(ei.value)  # tells the user what to do
 
 
 def test_guard_resets_on_good_step():
-    guard = NonFiniteGuard(3)
-    for step in (0, 1):
-        guard.update(fake_metrics(True), step)
-    guard.update(fake_metrics(False), 2)
+    guard = feed(feed(NonFiniteGuard(3), [0, 1]), [2], skipped=False)
     assert int(guard.in_a_row) == 0 and int(guard.skipped_total) == 2
-    guard.update(fake_metrics(True), 3)
-    guard.update(fake_metrics(True), 4)
-    guard.check()
-    guard.update(fake_metrics(True), 5)
+    feed(guard, [3, 4]).check()
+    feed(guard, [5])
     with pytest.raises(NonFiniteLossError, match=r"\(3\.\.5\)"):
         guard.check()
 
 
 def test_guard_ignores_scaler_overflow_with_finite_loss():
-    guard = NonFiniteGuard(2)
-    for step in range(10):  # GradScaler calibration: skipped steps with a finite loss
-        guard.update(fake_metrics(True, loss=3.0), step, scaler_enabled=True)
+    # GradScaler calibration: skipped steps with a finite loss
+    guard = feed(NonFiniteGuard(2), range(10), loss=3.0, scaler_enabled=True)
     assert int(guard.in_a_row) == 0 and int(guard.skipped_total) == 10 and not guard.tripped()
-    guard.update(fake_metrics(True), 10, scaler_enabled=True)
-    guard.update(fake_metrics(True), 11, scaler_enabled=True)
+    feed(guard, [10, 11], scaler_enabled=True)
     with pytest.raises(NonFiniteLossError):
         guard.check()
 
 
 def test_guard_state_dict_round_trip():
-    guard = NonFiniteGuard(3)
-    guard.update(fake_metrics(True), 20)
-    guard.update(fake_metrics(True), 21)
+    guard = feed(NonFiniteGuard(3), [20, 21])
     resumed = NonFiniteGuard(3)
     resumed.load_state_dict(guard.state_dict())
     assert resumed.state_dict() == guard.state_dict() == {"skipped_total": 2, "in_a_row": 2,
                                                            "first_step_in_a_row": 20}
-    resumed.update(fake_metrics(True), 22)
+    feed(resumed, [22])
     with pytest.raises(NonFiniteLossError, match=r"\(20\.\.22\)"):
         resumed.check()
-
-
-class NoHostReads:
-    """Fails any Python-level read of a tensor's value (`bool`, `item`, `tolist`, `float`, `int`): on a GPU each
-    one would make the host wait for the queued kernels."""
-
-    NAMES = ("__bool__", "item", "tolist", "__float__", "__int__", "__index__")
-
-    def __enter__(self):
-        self.saved = {name: getattr(torch.Tensor, name) for name in self.NAMES}
-
-        def refuse(name):
-            def read(t, *args, **kwargs):
-                raise AssertionError(f"the step read a tensor back to the host ({name})")
-            return read
-
-        for name in self.NAMES:
-            setattr(torch.Tensor, name, refuse(name))
-        return self
-
-    def __exit__(self, *exc):
-        for name, f in self.saved.items():
-            setattr(torch.Tensor, name, f)
 
 
 @pytest.mark.parametrize("inject_inf", [False, True])
@@ -355,9 +325,13 @@ def test_resolve_dtype():
     assert not make_grad_scaler(torch.float32, "cpu").is_enabled()
 
 
-def test_auto_on_a_cpu_without_native_bf16_is_fp32_without_timing_a_matmul(monkeypatch):
+def cpu_without_native_bf16(monkeypatch):
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+
+
+def test_auto_on_a_cpu_without_native_bf16_is_fp32_without_timing_a_matmul(monkeypatch):
+    cpu_without_native_bf16(monkeypatch)
     monkeypatch.setattr(torch, "randn", lambda *a, **k: pytest.fail("the probe timed a matmul"))
     assert resolve_dtype("auto", "cpu") == torch.float32
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)  # native: the probe times it
@@ -376,11 +350,6 @@ def test_optimizer_auto_is_muon_while_newton_schulz_takes_at_most_half_a_step(ns
         assert f"Newton-Schulz {ns_s:.2f} s = {ns_s / step_s:.0%} of a step" in why, why
     else:
         assert "on a GPU" in why
-
-
-def cpu_without_native_bf16(monkeypatch):
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
 
 
 def test_optimizer_auto_times_newton_schulz_on_a_cpu_where_it_dominates_adamw_else_muon(monkeypatch):
@@ -428,8 +397,6 @@ def test_weight_decay_only_on_matrices():
 
 
 def test_collectives_are_identity_without_distributed():
-    from minilm.distributed import Collectives
-
     v = torch.tensor([1.0, 2.0])
     c = Collectives("cpu")
     assert torch.equal(c.mean(v), v) and torch.equal(c.sum(v), v) and c.world_size == 1
@@ -452,9 +419,6 @@ def test_a_row_of_seq_len_plus_one_feeds_and_scores_seq_len_positions():
 def test_wrap_ddp_makes_the_gradients_views_of_its_buckets(tmp_path):
     # gradient_as_bucket_view: the gradients live in DDP's buckets (no copy into them and back each step), so far
     # fewer storages than parameters hold them; the step is the unwrapped model's.
-    import torch.distributed as dist
-
-    from minilm.distributed import leave_process_group
     from minilm.trainer import wrap_ddp
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
@@ -485,8 +449,6 @@ class CountingNoSync(torch.nn.Module):
         return self.inner(*args, **kwargs)
 
     def no_sync(self):
-        import contextlib
-
         self.skipped_syncs += 1
         return contextlib.nullcontext()
 
@@ -540,16 +502,9 @@ def test_speed_options_are_validated_and_configure_backends_is_a_cpu_no_op():
 def test_importing_the_model_leaves_torch_dynamo_unloaded_and_compiling_keeps_the_experts_eager():
     """torch._dynamo costs ~1 s of CPU at import: every Ray worker and rank imports the model, few compile. The
     experts' eager mark is applied when prepare_model compiles (their slices have data-dependent sizes)."""
-    import subprocess
-    import sys
-
-    from helpers import ROOT
-
     probe = "import sys, minilm.model, ray_jobs.worker; print('torch._dynamo' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.stdout.strip() == "False", proc.stderr[-2000:]
-
-    from minilm.model import MoEFeedForward
 
     model = make_model()
     prepare_model(model, TrainConfig(compile=True), "cpu")  # block.compile() is lazy: nothing compiles until a forward

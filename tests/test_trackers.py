@@ -33,10 +33,10 @@ ROOT = TESTS.parent
 FIRST_STEPS, CHECKPOINT_STEP, REDO_STEPS = (4, 8, 12), 8, (12, 16, 20)
 # A fixed code version (code_dir: not a checkout; git_commit given): the subprocess's HPARAMS equal this process's
 # even when a commit lands on the repository during the run (test_hparams_flatten_and_code_version reads git).
-HPARAMS = T.run_hparams({"hidden_size": 64, "num_hidden_layers": 2, "use_moe": True},
-                        {"lr": 1e-3, "betas": [0.9, 0.95], "global_batch_size": 32},
-                        world_size=2, data_fingerprint="fp-123", tokenizer_sha256="tok-456", code_dir=TESTS,
-                        git_commit="0123456789abcdef0123456789abcdef01234567")
+HPARAMS = {**T.run_hparams({"hidden_size": 64, "num_hidden_layers": 2, "use_moe": True},
+                           {"lr": 1e-3, "betas": [0.9, 0.95], "global_batch_size": 32},
+                           world_size=2, data_fingerprint="fp-123", tokenizer_sha256="tok-456", code_dir=TESTS),
+           "git_commit": "0123456789abcdef0123456789abcdef01234567"}
 OPTIONS = {"mlflow_experiment": "tests", "wandb_project": "minilm-tests"}
 
 
@@ -93,12 +93,13 @@ def interrupted_and_resumed(run_dir: Path, kinds: list[str], crash: str, env: di
     metrics_log = MetricsLog(run_dir / "metrics.jsonl")
     metrics_log.truncate_after(state["optimizer_step"])
     said: list[str] = []
-    with T.open_trackers(kinds, run_dir=run_dir, run_name="run1", start_step=state["optimizer_step"],
-                         resume_state=state["trackers"], hparams={**HPARAMS, "world_size": 4}, options=OPTIONS,
-                         say=said.append) as trackers:
-        assert trackers.state_dict() == state["trackers"]  # the same tracker runs, not new ones
-        for step in REDO_STEPS:
-            log_step(trackers, metrics_log, reported(step, attempt=1), step)
+    trackers = T.open_trackers(kinds, run_dir=run_dir, run_name="run1", start_step=state["optimizer_step"],
+                               resume_state=state["trackers"], hparams={**HPARAMS, "world_size": 4}, options=OPTIONS,
+                               say=said.append)
+    assert trackers.state_dict() == state["trackers"]  # the same tracker runs, not new ones
+    for step in REDO_STEPS:
+        log_step(trackers, metrics_log, reported(step, attempt=1), step)
+    trackers.close("finished")
     for kind in kinds:
         if kind != "tensorboard":
             assert any(line.startswith(f"{kind}: continuing") and "steps 9-12" in line for line in said), said
@@ -489,13 +490,13 @@ def test_redone_steps_skipped_failures_reported_and_sidecar_kept(tmp_path):
     assert trackers.state_dict() == {"version": 1, "wandb": {"run_id": "w1", "project": "p"},
                                      "mlflow": {"run_id": "r1"}}
     trackers.close("killed")
-    assert backend.closed == "killed" and not trackers
+    assert backend.closed == "killed" and not trackers.backends
 
 
 def test_no_tracker_is_a_no_op(tmp_path):
     trackers = T.open_trackers(["none"], run_dir=tmp_path, run_name="r", resume_state={"mlflow": {"run_id": "x"}})
     trackers.log({"loss": 1.0}, 1)
-    assert not trackers and trackers.state_dict() == {"version": 1, "mlflow": {"run_id": "x"}}
+    assert not trackers.backends and trackers.state_dict() == {"version": 1, "mlflow": {"run_id": "x"}}
     trackers.close()
     assert list(tmp_path.iterdir()) == []
 

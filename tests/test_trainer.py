@@ -279,14 +279,14 @@ def test_checkpoint_and_evaluation_time_stay_out_of_the_next_intervals_tokens_pe
     for _ in range(4):  # four steps of 512 tokens in one second
         clock[0] += 0.25
         step += 1
-        meter.add(512)
+        meter.tokens += 512
     first = meter.rates(step, data_wait_s=0.0)
     clock[0] += 10.0  # the checkpoint and validation of this log step
     meter.restart(data_wait_s=0.0)
     for _ in range(4):
         clock[0] += 0.25
         step += 1
-        meter.add(512)
+        meter.tokens += 512
     second = meter.rates(step, data_wait_s=0.0)
     assert first["tokens_per_s"] == second["tokens_per_s"] == 2048
     assert second["mfu"] == 2048 / 1e6
@@ -294,12 +294,12 @@ def test_checkpoint_and_evaluation_time_stay_out_of_the_next_intervals_tokens_pe
 
 @pytest.mark.slow
 def test_validation_reports_val_loss_and_val_bpb_as_scored_independently(run_data, tmp_path):
-    """val_loss and val_bpb of the last step against minilm.bpb.score_rows and the model's own loss, computed here
-    on the held-out rows (split_ids) of the final weights."""
+    """val_loss and val_bpb of the last step against minilm.bpb.evaluate_documents and the model's own loss, computed
+    here on the held-out rows (split_ids) of the final weights."""
     import numpy as np
 
     from minilm import data as D
-    from minilm.bpb import bits_per_byte, score_rows, token_byte_lengths
+    from minilm.bpb import bits_per_byte, evaluate_documents, token_byte_lengths
 
     trainer, _, lines = run_local(run_data, tmp_path / "val", val_samples=32, max_steps=8)
     last = metrics(tmp_path / "val")[-1]
@@ -309,9 +309,10 @@ def test_validation_reports_val_loss_and_val_bpb_as_scored_independently(run_dat
     rows = torch.from_numpy(D.SequenceStore(prepared).take(val_ids)).long()
     model = trainer.raw_model.eval()
     with torch.no_grad():
-        nats, nbytes = score_rows(model, rows, torch.as_tensor(token_byte_lengths(prepared.tokenizer_path)))
+        scored = evaluate_documents(model, rows.tolist(), token_byte_lengths(prepared.tokenizer_path), prefix=[],
+                                    window=rows.shape[1])  # each row one window
         loss = model(rows, labels=rows).loss
-    assert last["val_bpb"] == pytest.approx(bits_per_byte(float(nats), int(nbytes)), rel=1e-5)
+    assert last["val_bpb"] == pytest.approx(bits_per_byte(scored["nats"], scored["bytes"]), rel=1e-5)
     assert last["val_loss"] == pytest.approx(float(loss), rel=1e-5)
     assert np.isfinite(last["val_bpb"]) and last["val_bpb"] > 0
 
