@@ -85,9 +85,7 @@ def follow(args: argparse.Namespace, tasks: list) -> int:
     from .evaluator import Evaluator
 
     resources = parse_eval_resources(args.resources)
-    folder = C.RunFolder(args.run_dir)
-    if not folder.local.is_dir():
-        raise TaskError(f"--run-dir {args.run_dir}: no such folder")
+    folder = local_run_folder(args.run_dir)
     ensure_ray()
     evaluator = Evaluator(args.run_dir, args.tasks, tasks, resources, folder.local.name, best_metric=None,
                           tokenizer=args.tokenizer, output=Path(args.output)).start()
@@ -119,13 +117,19 @@ def evaluate_one(path: str, tasks: list, done: set[tuple], args: argparse.Namesp
         table.row(r["step"], f"{r['task']:<20} {format_scores(r)}")
 
 
-def run_checkpoints(run: str) -> list[str]:
-    """The checkpoint folders of a local run folder, oldest first (each is verified when it is loaded)."""
+def local_run_folder(run: str) -> C.RunFolder:
+    """--run-dir, which both ways of scoring read on this machine: a remote URI is refused, not opened."""
     if "://" in run:
         raise TaskError(f"--run-dir {run}: only a local run folder can be evaluated (copy it here first)")
     folder = C.RunFolder(run)
     if not folder.local.is_dir():
         raise TaskError(f"--run-dir {run}: no such folder")
+    return folder
+
+
+def run_checkpoints(run: str) -> list[str]:
+    """The checkpoint folders of a local run folder, oldest first (each is verified when it is loaded)."""
+    folder = local_run_folder(run)
     names = folder.checkpoints()
     if not names:
         raise TaskError(f"--run-dir {run} holds no checkpoint (checkpoint_XXXXXXXX folders)")

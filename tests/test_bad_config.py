@@ -218,6 +218,9 @@ CASES = [
     ("evaluate", ["--checkpoint", "nowhere", "--tasks", "tasks.yaml", "--output", "o.jsonl"],
      "error: checkpoint nowhere does not exist"),
     ("evaluate", ["--run-dir", "nowhere", "--tasks", "tasks.yaml", "--output", "o.jsonl"], "error: … no such folder…"),
+    *[("evaluate", ["--run-dir", "s3://bucket/run1", *follow, "--tasks", "tasks.yaml", "--output", "o.jsonl"],
+       "error: --run-dir s3://bucket/run1: only a local run folder can be evaluated (copy it here first)")
+      for follow in ([], ["--follow"])],
     ("evaluate", ["--checkpoint", ".", "--tasks", "missing.yaml", "--output", "o.jsonl"],
      "error: task list missing.yaml does not exist"),
     ("plot", ["--run-dir", "{tmp}/run"], "error: {tmp}/run: no such run folder"),
