@@ -302,11 +302,6 @@ def accumulation_steps(global_batch_size: int, micro_batch_size: int, world_size
     return -(-per_rank // micro_batch_size)
 
 
-def valid_world_sizes(global_batch_size: int, micro_batch_size: int, limit: int = 1024) -> list[int]:
-    """Every world size that keeps the global batch: 1 to one sequence per worker (uneven sizes take uneven slices)."""
-    return list(range(1, min(global_batch_size, limit) + 1)) if micro_batch_size >= 1 else []
-
-
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 

@@ -1,5 +1,5 @@
 """How tokenized documents become training rows of `row_len` (seq_len + 1) ids: the layouts, as pure functions.
-MiniMind's padded rows, packed rows, and BOS-aligned best-fit rows (each document read from its BOS, as prompted).
+Packed rows, and BOS-aligned best-fit rows (each document read from its BOS, as prompted).
 """
 
 from __future__ import annotations
@@ -11,23 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .safety import redact
-from .tokenizer import BOS_ID, EOS_ID, PAD_ID
-
-
-def padded_document_rows(docs: Iterable[Sequence[int]], row_len: int, *, bos_id: int = BOS_ID,
-                         eos_id: int = EOS_ID, pad_id: int = PAD_ID) -> tuple[np.ndarray, np.ndarray]:
-    """(rows, labels), both int64 (n_docs, row_len): MiniMind's `[BOS] + doc[:row_len - 2] + [EOS]`, padded; labels
-    -100 at padded positions."""
-    if row_len < 2:
-        raise ValueError(f"row_len must be >= 2 (BOS and EOS), got {row_len}")
-    docs = list(docs)
-    rows = np.full((len(docs), row_len), pad_id, dtype=np.int64)
-    labels = np.full((len(docs), row_len), -100, dtype=np.int64)
-    for i, doc in enumerate(docs):
-        ids = [bos_id, *doc[: row_len - 2], eos_id]
-        rows[i, : len(ids)] = ids
-        labels[i, : len(ids)] = ids
-    return rows, labels
+from .tokenizer import BOS_ID, EOS_ID
 
 
 def pack_documents(docs: Iterable[Sequence[int]], seq_len: int, eos_id: int = EOS_ID) -> tuple[np.ndarray, int]:
@@ -40,14 +24,6 @@ def pack_documents(docs: Iterable[Sequence[int]], seq_len: int, eos_id: int = EO
     stream = np.concatenate(parts) if parts else np.zeros(0, np.int32)
     n = len(stream) // (seq_len + 1)
     return stream[: n * (seq_len + 1)].reshape(n, seq_len + 1), len(stream) - n * (seq_len + 1)
-
-
-def packed_rows(docs: Iterable[Sequence[int]], row_len: int, *, eos_id: int = EOS_ID,
-                bos_id: int | None = None) -> tuple[np.ndarray, int]:
-    """(rows, dropped tail tokens): minilm's packing; with `bos_id`, each document starts with a BOS too."""
-    if bos_id is not None:
-        docs = ([bos_id, *doc] for doc in docs)
-    return pack_documents(docs, row_len - 1, eos_id=eos_id)
 
 
 @dataclass
@@ -173,11 +149,3 @@ def rows_note(manifest: dict, where: str) -> str | None:
             f"it trains, but `python -m ray_jobs.prepare` (--rows best-fit, the default) is the recommended "
             f"format (docs/quality.md)")
 
-
-def document_starts(rows: np.ndarray, *, bos_id: int = BOS_ID, eos_id: int = EOS_ID) -> np.ndarray:
-    """Bool (n, row_len): True where a document begins: at a BOS, or right after an EOS (and at position 0)."""
-    rows = np.asarray(rows)
-    starts = rows == bos_id
-    starts[:, 1:] |= rows[:, :-1] == eos_id
-    starts[:, 0] = True
-    return starts

@@ -1,10 +1,9 @@
-"""Row builders (minilm.rows) and document-masked attention: MiniMind's padded rows, minilm's packing,
+"""Row builders (minilm.rows) and document-masked attention: minilm's packing,
 BOS-aligned best-fit rows (property tests of the rule), and a model that does not attend across a
 document boundary when `document_mask` is on."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -16,38 +15,12 @@ from minilm.rows import (
     BestFitStats,
     best_fit_rows,
     bos_aligned_rows,
-    document_starts,
     iter_bos_aligned_rows,
-    pack_documents,
-    packed_rows,
-    padded_document_rows,
     rows_note,
 )
 
-BOS, EOS, PAD = 1, 2, 0
+BOS, EOS = 1, 2
 docs_strategy = st.lists(st.lists(st.integers(3, 99), min_size=0, max_size=60), min_size=0, max_size=40)
-
-
-def test_padded_rows_are_minimind_rows():
-    docs = [[5, 6, 7], [8] * 10, []]
-    rows, labels = padded_document_rows(docs, 8)
-    assert rows.tolist() == [[BOS, 5, 6, 7, EOS, PAD, PAD, PAD],
-                             [BOS, 8, 8, 8, 8, 8, 8, EOS],  # doc[:L - 2], then EOS: the tail is never trained on
-                             [BOS, EOS, PAD, PAD, PAD, PAD, PAD, PAD]]
-    assert labels.tolist() == [[BOS, 5, 6, 7, EOS, -100, -100, -100],
-                               [BOS, 8, 8, 8, 8, 8, 8, EOS],
-                               [BOS, EOS, -100, -100, -100, -100, -100, -100]]
-
-
-@settings(max_examples=100, deadline=None)
-@given(docs=docs_strategy, row_len=st.integers(2, 30))
-def test_packed_rows_are_minilm_packing(docs, row_len):
-    rows, dropped = packed_rows(docs, row_len)
-    want, want_dropped = pack_documents(docs, row_len - 1)
-    assert np.array_equal(rows, want) and dropped == want_dropped
-    rows, dropped = packed_rows(docs, row_len, bos_id=BOS)
-    want, want_dropped = pack_documents([[BOS, *d] for d in docs], row_len - 1)
-    assert np.array_equal(rows, want) and dropped == want_dropped
 
 
 def segments(row: list[int]) -> list[list[int]]:
@@ -159,11 +132,6 @@ def test_rows_stream_with_a_bounded_buffer():
     assert len(consumed) <= 16 + 32  # the window plus at most a row's worth of tokens, not the corpus
     rest = list(it)
     assert len(rest) + 1 == bos_aligned_rows(docs, 32, buffer_docs=16)[0].shape[0]
-
-
-def test_document_starts():
-    rows = np.array([[5, 6, EOS, 7, 8, EOS, BOS, 9], [BOS, 5, EOS, BOS, 6, 6, 6, 6]])
-    assert document_starts(rows).astype(int).tolist() == [[1, 0, 0, 1, 0, 0, 1, 0], [1, 0, 0, 1, 0, 0, 0, 0]]
 
 
 # ---- document-masked attention --------------------------------------------------------------------
