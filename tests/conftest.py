@@ -63,23 +63,11 @@ def ray_address(test_cache):
     if ray.is_initialized():  # a test before leaked one (ray.get_gpu_ids() and the like start a 2-CPU Ray)
         pytest.fail(f"a Ray already runs in this process ({ray.cluster_resources().get('CPU')} CPUs): a test before "
                     "the session's Ray tests started it and did not shut it down", pytrace=False)
-    # A one-node Ray is never drained, so Ray Train's preemption watcher (an actor a run, ~3 CPU-s to start on 2
-    # cores) has nothing to watch here; the drains of tests/test_elastic.py's cluster keep it. Set before Ray starts,
-    # so that job drivers, which inherit the raylet's environment, have it too.
-    before = os.environ.get(PREEMPTION_WATCHER_ENV)
-    os.environ[PREEMPTION_WATCHER_ENV] = "0"
     # address="local": never join another Ray that happens to run on the machine
     ray.init(address="local", num_cpus=8, include_dashboard=True, log_to_driver=False, logging_level="ERROR")
     address = ray.get_runtime_context().gcs_address
     yield address
     ray.shutdown()
-    if before is None:
-        os.environ.pop(PREEMPTION_WATCHER_ENV, None)
-    else:
-        os.environ[PREEMPTION_WATCHER_ENV] = before
-
-
-PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
 
 
 @pytest.fixture(scope="session")
