@@ -53,7 +53,7 @@ class ResumeState:
 # ---- writing -------------------------------------------------------------------------------------
 
 def write_folder(path: Path, writers: dict[str, Callable[[Path], str]], step: int | None, hooks=None,
-                 kind: str = "checkpoint", shown: Path | None = None) -> None:
+                 kind: str = "checkpoint", shown: Path | None = None) -> Path:
     """Write each file of the new folder `path` (a writer returns its SHA-256), then COMPLETE.json naming them with
     their hashes, then the folder fsynced: once the marker exists, so do the bytes it vouches for. A failed write is
     one CheckpointError line naming the step, the folder (`shown`, if staged elsewhere) and the file, and no marker."""
@@ -72,6 +72,7 @@ def write_folder(path: Path, writers: dict[str, Callable[[Path], str]], step: in
         fsio.write_atomic(path / MARKER, marker, mode=0o640)
     except (OSError, SafetensorError) as e:
         raise CheckpointError(write_error(shown or path, step, name, e)) from None
+    return path
 
 
 def is_disk_full(e: BaseException) -> bool:
@@ -173,13 +174,12 @@ def write_resume_state(path: str | os.PathLike, snap: ResumeState, hooks=None) -
     """A complete resume checkpoint of `snap` in the (new, empty or missing) folder `path`; a failed write leaves
     no marker."""
     state = {"format_version": STATE_FORMAT, **snap.state}
-    write_folder(Path(path), {
+    return write_folder(Path(path), {
         "model.safetensors": lambda f: write_safetensors(f, snap.model_state),
         "optimizer.pt": lambda f: torch_save(snap.optimizer_state, f),
         "scaler.pt": lambda f: torch_save(snap.scaler_state, f),
         "state.json": lambda f: write_bytes(f, json.dumps(state, indent=2, sort_keys=True).encode()),
     }, state.get("optimizer_step"), hooks)
-    return Path(path)
 
 
 # ---- reading ---------------------------------------------------------------------------------------
@@ -343,12 +343,10 @@ def write_weights_export(path: str | os.PathLike, model_state: dict[str, torch.T
     if tokenizer_path is not None:
         writers["tokenizer.json"] = lambda f: write_bytes(f, Path(tokenizer_path).read_bytes())
     if minimind_pth:
-        half = {k: v.half() for k, v in model_state.items()}
-        writers[f"pretrain_{config.hidden_size}{'_moe' if config.use_moe else ''}.pth"] = lambda f: torch_save(half, f)
-    if in_place:
-        write_folder(Path(path), writers, step, kind="weights")
-        return Path(path)
-    return write_export(Path(path), writers, "weights", step)
+        writers[f"pretrain_{config.hidden_size}{'_moe' if config.use_moe else ''}.pth"] = \
+            lambda f: torch_save({k: v.half() for k, v in model_state.items()}, f)
+    return write_folder(Path(path), writers, step, kind="weights") if in_place else \
+        write_export(Path(path), writers, "weights", step)
 
 
 def open_weights(path: str | os.PathLike, device: str | torch.device = "cpu"):
@@ -404,13 +402,11 @@ def open_tokenizer(path: Path, config: ModelConfig, trained_sha256: str | None =
 
 def load_pretrained(path: str | os.PathLike, device: str = "cpu", dtype: torch.dtype = torch.float32):
     """(model in eval mode, tokenizer or None) from a weights export folder."""
-    model, _ = open_weights(path, device)
-    tokenizer = None
-    if (Path(path) / "tokenizer.json").is_file():
-        from tokenizers import Tokenizer
+    from tokenizers import Tokenizer
 
-        tokenizer = Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
-    return model.to(dtype=dtype), tokenizer
+    model, _ = open_weights(path, device)
+    tokenizer = Path(path) / "tokenizer.json"
+    return model.to(dtype=dtype), Tokenizer.from_file(str(tokenizer)) if tokenizer.is_file() else None
 
 
 __all__ = ["MARKER", "RESUME_FILES", "STATE_FORMAT", "STATE_KEYS", "CheckpointError", "ResumeState", "check_output", "export_weights",

@@ -53,8 +53,7 @@ class StateSnapshot:
     pinned and filled with non-blocking copies on the current stream, complete at an event the writer waits on."""
 
     def __init__(self, device: torch.device | str):
-        self.device = torch.device(device)
-        self.pinned = self.device.type == "cuda" and torch.cuda.is_available()
+        self.pinned = torch.device(device).type == "cuda" and torch.cuda.is_available()
         self.buffers: dict[str, torch.Tensor] = {}
 
     def _copy(self, key: str, obj: Any) -> Any:

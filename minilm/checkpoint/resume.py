@@ -21,7 +21,7 @@ import pyarrow.fs as pafs
 from ..config import ModelConfig
 from ..errors import UsageError
 from ..fsio import fsync_dir, loads, pid_alive, write_atomic
-from .files import MARKER, CheckpointError, parse_marker, parse_state, verify
+from .files import MARKER, CheckpointError, parse_marker, parse_state, read_state, verify
 
 LEASE = "lease.json"
 CHECKPOINT_NAME = re.compile(r"checkpoint_\d{8}(_\d+)?")  # not Ray's checkpoint_manager_snapshot.json
@@ -105,12 +105,6 @@ class RunFolder:
             raise CheckpointError(f"checkpoint {self.display}/{name} is on remote storage: load it in a Ray worker")
         with self.download(self._path(name)) as path:
             yield Path(path)
-
-    def state(self, origin: str) -> dict[str, Any]:
-        """state.json of a checkpoint of this folder (a name) or anywhere on this machine (a path)."""
-        if "/" in origin:
-            return parse_state((Path(origin) / "state.json").read_bytes(), origin)
-        return parse_state(self.read(f"{origin}/state.json") or b"", f"{self.display}/{origin}")
 
     def sync(self, name: str) -> None:
         """Local storage: fsync every file of a checkpoint written by another writer (Ray's copy), then its folders."""
@@ -376,7 +370,9 @@ def check_origin(folder: RunFolder | None, origin: str | None, model_config: Mod
     --optimizer auto becomes the checkpoint's optimizer."""
     if origin is None:
         return None
-    state = (folder or RunFolder(".")).state(origin)
+    # a checkpoint anywhere on this machine (a path), or of the run folder (a name)
+    state = read_state(origin) if "/" in origin else \
+        parse_state(folder.read(f"{origin}/state.json") or b"", f"{folder.display}/{origin}")
     if train_config.optimizer == "auto":  # the checkpoint's, untimed: its optimizer state fits that optimizer only
         train_config.optimizer = state["train_config"].get("optimizer", "adamw")  # no field: before Muon
     for c in check_resume(state, origin, model_config, train_config, data_fingerprint, allow_config_change):
