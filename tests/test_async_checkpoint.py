@@ -58,7 +58,7 @@ def test_the_streaming_safetensors_writer_writes_safetensors_bytes_and_their_has
 def test_a_resume_checkpoint_is_hashed_as_written_and_verifies(tmp_path):
     model, optimizer, scaler = trained_state()
     path = save_resume_state(tmp_path / "c", model=model, optimizer=optimizer, scaler=scaler,
-                               state={"optimizer_step": 1})
+                             state={"optimizer_step": 1})
     marker = json.loads((path / C.MARKER).read_text())["files"]
     assert marker == {name: D.file_sha256(path / name) for name in C.RESUME_FILES}
     C.verify(path)
@@ -100,7 +100,7 @@ def test_the_manager_writes_one_save_at_a_time_and_its_checkpoint_loads_as_the_l
     loaded = C.load_resume_state(tmp_path / "run" / "checkpoint_00000002")
     assert all(torch.equal(loaded.model_state[k], v) for k, v in model.state_dict().items())
     sync = save_resume_state(tmp_path / "sync", model=model, optimizer=optimizer, scaler=scaler,
-                               state={"optimizer_step": 2, "checkpoint_index": 2})
+                             state={"optimizer_step": 2, "checkpoint_index": 2})
     assert_same_checkpoint(sync, tmp_path / "run" / "checkpoint_00000002")  # the snapshot's files hold the live state's
 
 

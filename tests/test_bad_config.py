@@ -340,7 +340,7 @@ def test_resuming_with_other_data_or_model_is_refused_before_start(ray_address, 
              "train_config": tcfg.to_dict(), "data_fingerprint": "0" * 64, **RESUME_POSITION}
     ckpt = tmp_path / "runs" / "old" / "checkpoint_00000002"
     save_resume_state(ckpt, model=model, optimizer=make_optimizer(model, tcfg),
-                        scaler=make_grad_scaler(torch.float32, "cpu"), state=state)
+                      scaler=make_grad_scaler(torch.float32, "cpu"), state=state)
     before = sorted(str(p) for p in tmp_path.rglob("*"))
     code = pretrain.main(["--data", str(data), *TINY, "--run-dir", str(tmp_path / "runs" / "old")])
     err = capsys.readouterr().err
@@ -376,8 +376,8 @@ def test_resuming_with_another_schedule_or_optimizer_needs_allow_config_change(r
     state = {"optimizer_step": 2, "global_batch_size": 16, "model_config": cfg.to_dict(), "dtype": "float32",
              "train_config": tcfg.to_dict(), "data_fingerprint": prepared_fp, "val_samples": 0, **RESUME_POSITION}
     save_resume_state(tmp_path / "runs" / "r" / "checkpoint_00000002", model=model,
-                        optimizer=make_optimizer(model, tcfg), scaler=make_grad_scaler(torch.float32, "cpu"),
-                        state=state)
+                      optimizer=make_optimizer(model, tcfg), scaler=make_grad_scaler(torch.float32, "cpu"),
+                      state=state)
     base = ["--data", str(data), "--hidden-size", "64", "--num-hidden-layers", "2", "--vocab-size", "256",
             "--seq-len", "32", "--micro-batch-size", "4", "--global-batch-size", "16", "--max-steps", "4",
             "--warmup-steps", "1", "--run-dir", str(tmp_path / "runs" / "r")]

@@ -255,7 +255,7 @@ def write_checkpoint(path, model, tok_path, step: int):
     state = {"optimizer_step": step, "model_config": model.config.to_dict(), "train_config": tcfg.to_dict(),
              "tokenizer_sha256": C.file_sha256(tok_path), **RESUME_POSITION}
     return save_resume_state(path, model=model, optimizer=make_optimizer(model, tcfg),
-                               scaler=make_grad_scaler(torch.float32, "cpu"), state=state)
+                             scaler=make_grad_scaler(torch.float32, "cpu"), state=state)
 
 
 @pytest.fixture

@@ -409,8 +409,7 @@ def load_pretrained(path: str | os.PathLike, device: str = "cpu", dtype: torch.d
     return model.to(dtype=dtype), Tokenizer.from_file(str(tokenizer)) if tokenizer.is_file() else None
 
 
-__all__ = ["MARKER", "RESUME_FILES", "STATE_FORMAT", "STATE_KEYS", "CheckpointError", "ResumeState", "check_output", "export_weights",
-           "file_sha256", "is_disk_full", "load_pretrained", "load_resume_state", "model_tensors",
-           "open_tokenizer", "open_weights",
-           "read_state", "verify", "write_bytes", "write_error", "write_export",
+__all__ = ["MARKER", "RESUME_FILES", "STATE_FORMAT", "STATE_KEYS", "CheckpointError", "ResumeState", "check_output",
+           "export_weights", "file_sha256", "is_disk_full", "load_pretrained", "load_resume_state", "model_tensors",
+           "open_tokenizer", "open_weights", "read_state", "verify", "write_bytes", "write_error", "write_export",
            "write_resume_state", "write_safetensors", "write_weights_export"]

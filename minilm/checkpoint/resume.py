@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -138,9 +139,8 @@ class RunFolder:
 
 
 def _free(name: str, sep: str, taken: list[str]) -> str:
-    """`name`, or `name<sep><k>` with the first k that is not `taken`."""
-    k = next(k for k in range(len(taken) + 1) if (f"{name}{sep}{k}" if k else name) not in taken)
-    return f"{name}{sep}{k}" if k else name
+    """`name`, else `name<sep>1`, `name<sep>2`, ...: the first not in `taken`."""
+    return next(n for k in itertools.count() if (n := f"{name}{sep}{k}" if k else name) not in taken)
 
 
 # ---- one live run per folder ----------------------------------------------------------------------

@@ -26,7 +26,7 @@ from minilm.testing import FaultHooks
 
 def save(path: Path, step: int, model, optimizer, scaler, hooks=None) -> Path:
     return save_resume_state(path, model=model, optimizer=optimizer, scaler=scaler,
-                               state={"optimizer_step": step, "note": "unit test"}, hooks=hooks)
+                             state={"optimizer_step": step, "note": "unit test"}, hooks=hooks)
 
 
 @contextlib.contextmanager
