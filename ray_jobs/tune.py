@@ -306,7 +306,7 @@ def check_metric(metric: str | None, plan: RunPlan) -> str:
 
 def metric_mode(metric: str) -> str:
     """Tune's mode: losses are minimised; a score of --eval-tasks as the best checkpoint is chosen."""
-    return C.metric_mode(metric) if metric.startswith("eval/") else "min"
+    return C.canonical(metric)[1] if metric.startswith("eval/") else "min"
 
 
 def check_capacity(concurrent: int, workers: int, cpus_per_worker: float, use_gpu: str, eval_cpus: float = 0) -> None:

@@ -127,6 +127,9 @@ class RayStorage:
         finally:
             shutil.rmtree(save.path, ignore_errors=True)
 
+    def written(self, save: C.PendingSave) -> None:
+        """Nothing: `report` gave the save to Ray, which uploads it once it is written."""
+
     def upload_when_written(self, save: C.PendingSave, name: str):
         """Ray's upload function for a save still being written: wait for the writer (its error fails the run),
         copy the folder into storage, hand it back to the manager, remove the staging folder."""

@@ -222,3 +222,19 @@ def assert_quoted(quoted: list[str], printed: str) -> None:
     printed_forms = {output_form(line) for line in printed.splitlines()}
     missing = [line for line in quoted if line.strip() != "..." and output_form(line) not in printed_forms]
     assert not missing, f"quoted but not printed in this form: {missing}\nprinted:\n{printed[-3000:]}"
+
+
+def save_resume_state(path, *, model, optimizer, scaler, state: dict, hooks=None) -> Path:
+    """A complete resume checkpoint of a live model, optimizer and scaler (what the manager writes from a snapshot)."""
+    from minilm import checkpoint as C
+
+    live = C.ResumeState(C.model_tensors(model.state_dict()), optimizer.state_dict(), scaler.state_dict(), state)
+    return C.write_resume_state(path, live, hooks)
+
+
+def write_marker(path, files) -> None:
+    """A COMPLETE.json vouching for `files` as they are now: an edited checkpoint made to look whole."""
+    from minilm import checkpoint as C
+
+    marker = {"kind": "checkpoint", "files": {name: C.file_sha256(Path(path) / name) for name in files}}
+    (Path(path) / C.MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True))

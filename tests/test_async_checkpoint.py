@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import metrics, trained_state
+from helpers import metrics, save_resume_state, trained_state
 from inprocess import STEPS, checkpoint_weights, configs, run_local, torchrun, train_flags
 from reference import check_run, replay
 from safetensors import safe_open
@@ -57,8 +57,8 @@ def test_the_streaming_safetensors_writer_writes_safetensors_bytes_and_their_has
 
 def test_a_resume_checkpoint_is_hashed_as_written_and_verifies(tmp_path):
     model, optimizer, scaler = trained_state()
-    path = C.save_resume_state(tmp_path / "c", model=model, optimizer=optimizer, scaler=scaler,
-                               state={"optimizer_step": 1})
+    path = save_resume_state(tmp_path / "c", model=model, optimizer=optimizer, scaler=scaler,
+                             state={"optimizer_step": 1})
     marker = json.loads((path / C.MARKER).read_text())["files"]
     assert marker == {name: D.file_sha256(path / name) for name in C.RESUME_FILES}
     C.verify(path)
@@ -70,14 +70,14 @@ def test_the_snapshot_reuses_its_buffers_and_holds_the_state_of_its_step():
     model, optimizer, scaler = trained_state()
     snapshots = StateSnapshot("cpu")
     assert not snapshots.pinned
-    first = snapshots.take(model, optimizer, scaler)
+    first = snapshots.take(model, optimizer, scaler, {})
     ptrs = {k: v.data_ptr() for k, v in snapshots.buffers.items()}
     before = {k: v.clone() for k, v in first.model_state.items()}
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert first.model_state["lm_head.weight"].data_ptr() != first.model_state["model.embed_tokens.weight"].data_ptr()
     optimizer_step(model, optimizer, scaler, [torch.randint(0, 256, (2, 17))], lr=1e-3, grad_clip=1.0)
     assert all(torch.equal(before[k], v) for k, v in first.model_state.items())  # training moved on, the copy did not
-    second = snapshots.take(model, optimizer, scaler)
+    second = snapshots.take(model, optimizer, scaler, {})
     assert {k: v.data_ptr() for k, v in snapshots.buffers.items()} == ptrs  # no new allocation
     assert all(torch.equal(second.model_state[k], v) for k, v in model.state_dict().items())
     live = optimizer.state_dict()["state"]
@@ -99,8 +99,8 @@ def test_the_manager_writes_one_save_at_a_time_and_its_checkpoint_loads_as_the_l
     manager.wait()
     loaded = C.load_resume_state(tmp_path / "run" / "checkpoint_00000002")
     assert all(torch.equal(loaded.model_state[k], v) for k, v in model.state_dict().items())
-    sync = C.save_resume_state(tmp_path / "sync", model=model, optimizer=optimizer, scaler=scaler,
-                               state={"optimizer_step": 2, "checkpoint_index": 2})
+    sync = save_resume_state(tmp_path / "sync", model=model, optimizer=optimizer, scaler=scaler,
+                             state={"optimizer_step": 2, "checkpoint_index": 2})
     assert_same_checkpoint(sync, tmp_path / "run" / "checkpoint_00000002")  # the snapshot's files hold the live state's
 
 

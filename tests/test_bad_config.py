@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from fixtures.make_checkpoint_fixture import train_args
-from helpers import make_prepared, matches, tree
+from helpers import make_prepared, matches, save_resume_state, tree, write_marker
 from test_best_checkpoint import marked, update
 from test_checkpoint_compat import CHECKPOINT, FORMATS, edit_state, resumable_copy
 from test_plot import write_run
@@ -63,7 +63,7 @@ def weights_folder(name: str, config_of):
                           num_key_value_heads=2)
         weights = C.export_weights(tmp / name, MiniMindForCausalLM(cfg), cfg)
         (weights / "config.json").write_text(json.dumps(config_of(cfg.to_dict())))
-        C.write_marker(weights, ["model.safetensors", "config.json"])
+        write_marker(weights, ["model.safetensors", "config.json"])
     return named(name, write)
 
 
@@ -332,7 +332,6 @@ def test_at_least_25_cases():
 def test_resuming_with_other_data_or_model_is_refused_before_start(ray_address, data, tmp_path, capsys):
     import torch
 
-    from minilm import checkpoint as C
     from minilm.config import ModelConfig, TrainConfig
     from minilm.model import MiniMindForCausalLM
     from minilm.step import make_grad_scaler, make_optimizer
@@ -343,8 +342,8 @@ def test_resuming_with_other_data_or_model_is_refused_before_start(ray_address, 
     state = {"optimizer_step": 2, "global_batch_size": 16, "model_config": cfg.to_dict(),
              "train_config": tcfg.to_dict(), "data_fingerprint": "0" * 64, **RESUME_POSITION}
     ckpt = tmp_path / "runs" / "old" / "checkpoint_00000002"
-    C.save_resume_state(ckpt, model=model, optimizer=make_optimizer(model, tcfg),
-                        scaler=make_grad_scaler(torch.float32, "cpu"), state=state)
+    save_resume_state(ckpt, model=model, optimizer=make_optimizer(model, tcfg),
+                      scaler=make_grad_scaler(torch.float32, "cpu"), state=state)
     before = sorted(str(p) for p in tmp_path.rglob("*"))
     code = pretrain.main(["--data", str(data), *TINY, "--run-dir", str(tmp_path / "runs" / "old")])
     err = capsys.readouterr().err
@@ -368,7 +367,6 @@ def test_resuming_with_another_schedule_or_optimizer_needs_allow_config_change(r
 
     import torch
 
-    from minilm import checkpoint as C
     from minilm.config import ModelConfig, TrainConfig
     from minilm.model import MiniMindForCausalLM
     from minilm.step import make_grad_scaler, make_optimizer
@@ -380,9 +378,9 @@ def test_resuming_with_another_schedule_or_optimizer_needs_allow_config_change(r
     model = MiniMindForCausalLM(cfg)
     state = {"optimizer_step": 2, "global_batch_size": 16, "model_config": cfg.to_dict(), "dtype": "float32",
              "train_config": tcfg.to_dict(), "data_fingerprint": prepared_fp, "val_samples": 0, **RESUME_POSITION}
-    C.save_resume_state(tmp_path / "runs" / "r" / "checkpoint_00000002", model=model,
-                        optimizer=make_optimizer(model, tcfg), scaler=make_grad_scaler(torch.float32, "cpu"),
-                        state=state)
+    save_resume_state(tmp_path / "runs" / "r" / "checkpoint_00000002", model=model,
+                      optimizer=make_optimizer(model, tcfg), scaler=make_grad_scaler(torch.float32, "cpu"),
+                      state=state)
     base = ["--data", str(data), "--hidden-size", "64", "--num-hidden-layers", "2", "--vocab-size", "256",
             "--seq-len", "32", "--micro-batch-size", "4", "--global-batch-size", "16", "--max-steps", "4",
             "--warmup-steps", "1", "--run-dir", str(tmp_path / "runs" / "r")]
@@ -417,12 +415,14 @@ def test_a_precision_change_is_refused_unless_it_is_fp32_bf16():
     cfg = ModelConfig()
     state = {"global_batch_size": 64, "model_config": cfg.to_dict(), "data_fingerprint": "f",
              "train_config": TrainConfig(dtype="bf16").to_dict()}
-    for asked, refused in (("fp16", True), ("fp32", False), ("bf16", False), ("auto", False)):
-        problems = C.resume_problems(state, cfg, TrainConfig(dtype=asked), "f")
-        assert bool(problems) == refused, (asked, problems)
-    assert "dtype fp16 != bf16 in the checkpoint" in C.resume_problems(state, cfg, TrainConfig(dtype="fp16"), "f")[0]
-    changes = C.config_changes(state, TrainConfig(dtype="fp32"))
-    assert [(c.name, c.before, c.after, c.safe) for c in changes] == [("dtype", "bf16", "fp32", False)]
+    def changes(dtype: str):
+        return C.check_resume(state, "c", cfg, TrainConfig(dtype=dtype), "f", allow_config_change=True)
+
+    for asked in ("fp32", "bf16", "auto"):
+        changes(asked)
+    with pytest.raises(C.CheckpointError, match="dtype fp16 != bf16 in the checkpoint"):
+        changes("fp16")
+    assert [(c.name, c.before, c.after, c.safe) for c in changes("fp32")] == [("dtype", "bf16", "fp32", False)]
     assert C.config_changes(state, TrainConfig(dtype="auto")) == []
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from fixtures.make_checkpoint_fixture import CHECKPOINT_STEP, RESUMED_TO, fixture_tokens, train_args
-from helpers import metrics
+from helpers import metrics, write_marker
 from inprocess import checkpoint_weights, run_local
 from reference import expected_global_batch
 from safetensors.torch import load_file
@@ -78,7 +78,7 @@ def edit_state(checkpoint: Path, edit) -> None:
     state = json.loads((checkpoint / "state.json").read_text())
     edit(state)
     (checkpoint / "state.json").write_text(json.dumps(state))
-    C.write_marker(checkpoint, C.RESUME_FILES)
+    write_marker(checkpoint, C.RESUME_FILES)
 
 
 def test_a_run_begun_with_adamw_is_refused_by_optimizer_muon_with_the_flag_that_continues_it(tmp_path, capsys):

@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from helpers import save_resume_state
 
 from minilm import checkpoint as C
 from minilm.bpb import evaluate_documents, token_byte_lengths
@@ -244,8 +245,8 @@ def write_checkpoint(path, model, tok_path, step: int):
     tcfg = TrainConfig(seq_len=32, micro_batch_size=8, global_batch_size=8, max_steps=10, warmup_steps=1)
     state = {"optimizer_step": step, "model_config": model.config.to_dict(), "train_config": tcfg.to_dict(),
              "tokenizer_sha256": C.file_sha256(tok_path), **RESUME_POSITION}
-    return C.save_resume_state(path, model=model, optimizer=make_optimizer(model, tcfg),
-                               scaler=make_grad_scaler(torch.float32, "cpu"), state=state)
+    return save_resume_state(path, model=model, optimizer=make_optimizer(model, tcfg),
+                             scaler=make_grad_scaler(torch.float32, "cpu"), state=state)
 
 
 @pytest.fixture

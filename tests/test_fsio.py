@@ -26,9 +26,8 @@ CFG = ModelConfig(vocab_size=256, hidden_size=32, num_hidden_layers=1, num_atten
 def write_checkpoint(path: Path, model_config: dict | None = None) -> Path:
     """A complete resume checkpoint of a tiny model; `model_config` is what its state.json says (hashed as written)."""
     model = MiniMindForCausalLM(CFG)
-    return C.write_resume_state(path, model_state=C.model_tensors(model.state_dict()), optimizer_state={},
-                                scaler_state={}, state={"optimizer_step": 1,
-                                                        "model_config": model_config or CFG.to_dict()})
+    state = {"optimizer_step": 1, "model_config": model_config or CFG.to_dict()}
+    return C.write_resume_state(path, C.ResumeState(C.model_tensors(model.state_dict()), {}, {}, state))
 
 
 def test_a_file_minilm_writes_is_created_new_never_truncated_nor_written_through_a_link(tmp_path):

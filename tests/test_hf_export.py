@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import save_resume_state
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from minilm.checkpoint import MARKER, load_pretrained, save_resume_state, verify
+from minilm.checkpoint import MARKER, load_pretrained, verify
 from minilm.config import ModelConfig
 from minilm.model import MiniMindForCausalLM
 from minilm.tokenizer import save_tokenizer, train_tokenizer

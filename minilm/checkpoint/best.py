@@ -49,11 +49,6 @@ def canonical(metric: str) -> tuple[str, str]:
     return f"eval/{task}/{name}", mode
 
 
-def metric_mode(metric: str) -> str:
-    """"max" when a higher value of `metric` is better, "min" when a lower one is; MetricError for anything else."""
-    return canonical(metric)[1]
-
-
 def read_best(folder: RunFolder) -> dict | None:
     """best.json (None when there is none); a damaged one is one CheckpointError line naming it."""
     raw = folder.read(BEST)
@@ -62,7 +57,7 @@ def read_best(folder: RunFolder) -> dict | None:
     where = f"{folder.display}/{BEST}"
     try:
         best = loads(raw)
-    except (ValueError, RecursionError) as e:
+    except ValueError as e:
         raise CheckpointError(f"{where} is unreadable ({e}): fix or delete it (the next evaluation writes it "
                               f"again)") from None
     fields = {"checkpoint": (str, "a string"), "step": (int, "an integer"), "metric": (str, "a string"),
@@ -164,7 +159,7 @@ def _pending_owners(folder: RunFolder) -> dict[str, dict[str, str | None]]:
     try:
         pending = loads(folder.read(PENDING) or b"null")
         owners = pending.get("owners", {"": pending["checkpoints"]})
-    except (ValueError, RecursionError, TypeError, KeyError, AttributeError):
+    except (ValueError, TypeError, KeyError, AttributeError):
         return {}
     if not isinstance(owners, dict):
         return {}
@@ -213,5 +208,5 @@ def resolve(path: str) -> str:
     return str(chosen)
 
 
-__all__ = ["BEST", "PENDING", "MetricError", "canonical", "held_weights", "metric_mode", "pinned", "read_best",
+__all__ = ["BEST", "PENDING", "MetricError", "canonical", "held_weights", "pinned", "read_best",
            "read_pending", "resolve", "scored_checkpoints", "update_best", "weights_sha256", "write_pending"]

@@ -11,7 +11,7 @@ import json
 import os
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,12 +39,24 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete or corrupt, or cannot be written; the message names the folder and file."""
 
 
+@dataclass
+class ResumeState:
+    """What a checkpoint holds: loaded (`load_resume_state`), or a snapshot of the live state to be written."""
+
+    model_state: dict[str, torch.Tensor]
+    optimizer_state: dict
+    scaler_state: dict
+    state: dict[str, Any] = field(default_factory=dict)  # state.json's content
+    event: Any = None  # a snapshot on CUDA: its copies are complete once this event is
+
+
 # ---- writing -------------------------------------------------------------------------------------
 
 def write_folder(path: Path, writers: dict[str, Callable[[Path], str]], step: int | None, hooks=None,
-                 kind: str = "checkpoint", shown: Path | None = None) -> None:
-    """Write each file of the new folder `path` (a writer returns its SHA-256), then the marker; a failed write is one
-    CheckpointError line naming the step, the folder (`shown`, if staged elsewhere) and the file, and no marker."""
+                 kind: str = "checkpoint", shown: Path | None = None) -> Path:
+    """Write each file of the new folder `path` (a writer returns its SHA-256), then COMPLETE.json naming them with
+    their hashes, then the folder fsynced: once the marker exists, so do the bytes it vouches for. A failed write is
+    one CheckpointError line naming the step, the folder (`shown`, if staged elsewhere) and the file, and no marker."""
     name = path.name
     try:
         path.mkdir(mode=0o750, parents=True)  # a new folder: never one (or a link) that was there before
@@ -56,17 +68,11 @@ def write_folder(path: Path, writers: dict[str, Callable[[Path], str]], step: in
         name = MARKER
         if hooks:
             hooks.before_marker(path, step)
-        write_marker(path, list(digests), digests, kind)
+        marker = json.dumps({"kind": kind, "files": digests}, indent=2, sort_keys=True)
+        fsio.write_atomic(path / MARKER, marker, mode=0o640)
     except (OSError, SafetensorError) as e:
         raise CheckpointError(write_error(shown or path, step, name, e)) from None
-
-
-def write_marker(path: Path, files: list[str] | tuple[str, ...], digests: dict[str, str] | None = None,
-                 kind: str = "checkpoint") -> None:
-    """COMPLETE.json naming `files` with their SHA-256 (`digests`, taken as written; else read here), then the
-    folder fsynced: once the marker exists, so do the bytes it vouches for."""
-    marker = {"kind": kind, "files": {name: (digests or {}).get(name) or file_sha256(path / name) for name in files}}
-    fsio.write_atomic(path / MARKER, json.dumps(marker, indent=2, sort_keys=True), mode=0o640)
+    return path
 
 
 def is_disk_full(e: BaseException) -> bool:
@@ -158,30 +164,22 @@ def write_safetensors(f: Path, tensors: dict[str, torch.Tensor], metadata: dict[
     return _write(f, fill)
 
 
-def model_tensors(state_dict: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+def model_tensors(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The model's state dict as safetensors takes it: on the CPU, each key its own copy (tied weights share
     storage, which safetensors refuses)."""
-    return {k: (v.detach().to(dtype) if dtype else v.detach()).cpu().contiguous().clone() for k, v in state_dict.items()}
+    return {k: v.detach().cpu().contiguous().clone() for k, v in state_dict.items()}
 
 
-def write_resume_state(path: str | os.PathLike, *, model_state: dict[str, torch.Tensor], optimizer_state: dict,
-                       scaler_state: dict, state: dict[str, Any], hooks=None) -> Path:
-    """A complete resume checkpoint in the (new, empty or missing) folder `path`; a failed write leaves no marker."""
-    state = {"format_version": STATE_FORMAT, **state}
-    write_folder(Path(path), {
-        "model.safetensors": lambda f: write_safetensors(f, model_state),
-        "optimizer.pt": lambda f: torch_save(optimizer_state, f),
-        "scaler.pt": lambda f: torch_save(scaler_state, f),
+def write_resume_state(path: str | os.PathLike, snap: ResumeState, hooks=None) -> Path:
+    """A complete resume checkpoint of `snap` in the (new, empty or missing) folder `path`; a failed write leaves
+    no marker."""
+    state = {"format_version": STATE_FORMAT, **snap.state}
+    return write_folder(Path(path), {
+        "model.safetensors": lambda f: write_safetensors(f, snap.model_state),
+        "optimizer.pt": lambda f: torch_save(snap.optimizer_state, f),
+        "scaler.pt": lambda f: torch_save(snap.scaler_state, f),
         "state.json": lambda f: write_bytes(f, json.dumps(state, indent=2, sort_keys=True).encode()),
     }, state.get("optimizer_step"), hooks)
-    return Path(path)
-
-
-def save_resume_state(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                      scaler: torch.amp.GradScaler, state: dict[str, Any], hooks=None) -> Path:
-    """`write_resume_state` of a live model, optimizer and scaler."""
-    return write_resume_state(path, model_state=model_tensors(model.state_dict()), optimizer_state=optimizer.state_dict(),
-                              scaler_state=scaler.state_dict(), state=state, hooks=hooks)
 
 
 # ---- reading ---------------------------------------------------------------------------------------
@@ -193,7 +191,7 @@ def parse_marker(raw: bytes | None, where: Path | str, weights: bool = True) -> 
         raise CheckpointError(f"checkpoint {where} is incomplete: {MARKER} is missing (the write did not finish)")
     try:
         files = fsio.loads(raw)["files"]
-    except (ValueError, KeyError, TypeError, RecursionError) as e:
+    except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"checkpoint {where}: {MARKER} is unreadable ({type(e).__name__}: {str(e)[:80]})") from None
     if not (isinstance(files, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in files.items())
             and ("model.safetensors" in files or not weights)):
@@ -222,9 +220,8 @@ def verify(path: str | os.PathLike, once_per_node: bool = False) -> None:
     for name in files:
         if not (path / name).is_file():
             raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing")
-    stamp = None
-    if once_per_node:
-        stamp = fsio.NodeStamp(cache_root() / "verified-checkpoints", path, hashlib.sha256(raw).hexdigest())
+    stamp = fsio.NodeStamp(cache_root() / "verified-checkpoints", path, hashlib.sha256(raw).hexdigest()) \
+        if once_per_node else None
     with stamp or contextlib.nullcontext():
         for name, digest in files.items():
             if (stamp is None or stamp.known(name) != [digest]) and file_sha256(path / name) != digest:
@@ -233,23 +230,14 @@ def verify(path: str | os.PathLike, once_per_node: bool = False) -> None:
                 stamp.vouch(name, digest)
 
 
-@dataclass
-class ResumeState:
-    model_state: dict[str, torch.Tensor]
-    optimizer_state: dict
-    scaler_state: dict
-    state: dict[str, Any]
-
-
-def load_resume_state(path: str | os.PathLike, map_location: str | torch.device = "cpu",
-                      keys: tuple[str, ...] = (), once_per_node: bool = False) -> ResumeState:
+def load_resume_state(path: str | os.PathLike, keys: tuple[str, ...] = (), once_per_node: bool = False) -> ResumeState:
     """`verify`, then load (weights_only: never arbitrary objects); `keys`: what state.json must hold."""
     path = Path(path)
     verify(path, once_per_node)
     try:
         return ResumeState(
-            model_state=load_file(str(path / "model.safetensors"), device=str(map_location)),
-            optimizer_state=torch.load(path / "optimizer.pt", map_location=map_location, weights_only=True),
+            model_state=load_file(str(path / "model.safetensors")),
+            optimizer_state=torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True),
             scaler_state=torch.load(path / "scaler.pt", map_location="cpu", weights_only=True),
             state=read_state(path, keys),
         )
@@ -271,7 +259,7 @@ def parse_state(raw: bytes, where, keys: tuple[str, ...] = STATE_KEYS) -> dict[s
     """A checkpoint's state.json in today's spelling; one CheckpointError line when this version cannot use it."""
     try:
         state = fsio.loads(raw)
-    except (ValueError, RecursionError) as e:
+    except ValueError as e:
         raise CheckpointError(f"checkpoint {where}: state.json is unreadable ({e})") from None
     if not isinstance(state, dict) or not isinstance(state.get("train_config", {}), dict):
         raise CheckpointError(f"checkpoint {where}: state.json is not a mapping of minilm's fields")
@@ -335,7 +323,7 @@ def export_weights(path: str | os.PathLike, model: torch.nn.Module, config: Mode
     was_training = model.training
     model.eval()
     try:
-        state = model_tensors(model.state_dict(), dtype)
+        state = model_tensors(model.state_dict())
     finally:
         model.train(was_training)
     return write_weights_export(path, state, config, tokenizer_path, dtype, step, minimind_pth=minimind_pth)
@@ -344,22 +332,21 @@ def export_weights(path: str | os.PathLike, model: torch.nn.Module, config: Mode
 def write_weights_export(path: str | os.PathLike, model_state: dict[str, torch.Tensor], config: ModelConfig,
                          tokenizer_path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float16,
                          step: int | None = None, *, in_place: bool = False, minimind_pth: bool = False) -> Path:
-    """Half-precision safetensors + config.json (+ tokenizer.json, + MiniMind's `pretrain_<hidden>[_moe].pth`).
-    `in_place`: into a checkpoint's own (new) `weights/` folder, which needs no staging of its own."""
+    """Safetensors in `dtype` + config.json (+ tokenizer.json, + MiniMind's `pretrain_<hidden>[_moe].pth` in fp16) of
+    a `model_tensors` state. `in_place`: into a checkpoint's own (new) `weights/` folder, needing no staging."""
     metadata = {"format": "pt", "dtype": str(dtype).removeprefix("torch.")}
+    model_state = {k: v.to(dtype) for k, v in model_state.items()}
     writers = {
-        "model.safetensors": lambda f: write_safetensors(f, {k: v.to(dtype) for k, v in model_state.items()}, metadata),
+        "model.safetensors": lambda f: write_safetensors(f, model_state, metadata),
         "config.json": lambda f: write_bytes(f, json.dumps(config.to_dict(), indent=2, sort_keys=True).encode()),
     }
     if tokenizer_path is not None:
         writers["tokenizer.json"] = lambda f: write_bytes(f, Path(tokenizer_path).read_bytes())
     if minimind_pth:
-        half = {k: v.detach().half().cpu() for k, v in model_state.items()}
-        writers[f"pretrain_{config.hidden_size}{'_moe' if config.use_moe else ''}.pth"] = lambda f: torch_save(half, f)
-    if in_place:
-        write_folder(Path(path), writers, step, kind="weights")
-        return Path(path)
-    return write_export(Path(path), writers, "weights", step)
+        writers[f"pretrain_{config.hidden_size}{'_moe' if config.use_moe else ''}.pth"] = \
+            lambda f: torch_save({k: v.half() for k, v in model_state.items()}, f)
+    return write_folder(Path(path), writers, step, kind="weights") if in_place else \
+        write_export(Path(path), writers, "weights", step)
 
 
 def open_weights(path: str | os.PathLike, device: str | torch.device = "cpu"):
@@ -415,17 +402,14 @@ def open_tokenizer(path: Path, config: ModelConfig, trained_sha256: str | None =
 
 def load_pretrained(path: str | os.PathLike, device: str = "cpu", dtype: torch.dtype = torch.float32):
     """(model in eval mode, tokenizer or None) from a weights export folder."""
-    model, _ = open_weights(path, device)
-    tokenizer = None
-    if (Path(path) / "tokenizer.json").is_file():
-        from tokenizers import Tokenizer
+    from tokenizers import Tokenizer
 
-        tokenizer = Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
-    return model.to(dtype=dtype), tokenizer
+    model, _ = open_weights(path, device)
+    tokenizer = Path(path) / "tokenizer.json"
+    return model.to(dtype=dtype), Tokenizer.from_file(str(tokenizer)) if tokenizer.is_file() else None
 
 
 __all__ = ["MARKER", "RESUME_FILES", "STATE_FORMAT", "STATE_KEYS", "CheckpointError", "ResumeState", "check_output",
            "export_weights", "file_sha256", "is_disk_full", "load_pretrained", "load_resume_state", "model_tensors",
-           "open_tokenizer", "open_weights",
-           "read_state", "save_resume_state", "verify", "write_bytes", "write_error", "write_export", "write_marker",
+           "open_tokenizer", "open_weights", "read_state", "verify", "write_bytes", "write_error", "write_export",
            "write_resume_state", "write_safetensors", "write_weights_export"]

@@ -53,8 +53,7 @@ class StateSnapshot:
     pinned and filled with non-blocking copies on the current stream, complete at an event the writer waits on."""
 
     def __init__(self, device: torch.device | str):
-        self.device = torch.device(device)
-        self.pinned = self.device.type == "cuda" and torch.cuda.is_available()
+        self.pinned = torch.device(device).type == "cuda" and torch.cuda.is_available()
         self.buffers: dict[str, torch.Tensor] = {}
 
     def _copy(self, key: str, obj: Any) -> Any:
@@ -69,25 +68,18 @@ class StateSnapshot:
             return type(obj)(self._copy(f"{key}/{i}", v) for i, v in enumerate(obj))
         return copy.deepcopy(obj)
 
-    def take(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler, live: bool = False) -> Snapshot:
+    def take(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler, state: dict,
+             live: bool = False) -> F.ResumeState:
         """The state as of now, in this object's buffers (valid until the next `take`), or with `live` (sync mode)
-        the state itself."""
+        the state itself; `state`: state.json's content."""
         if live:
-            return Snapshot(F.model_tensors(model.state_dict()), optimizer.state_dict(), scaler.state_dict())
-        snap = Snapshot(self._copy("model", dict(model.state_dict())), self._copy("optimizer", optimizer.state_dict()),
-                        copy.deepcopy(scaler.state_dict()))
+            return F.ResumeState(F.model_tensors(model.state_dict()), optimizer.state_dict(), scaler.state_dict(), state)
+        snap = F.ResumeState(self._copy("model", dict(model.state_dict())), self._copy("optimizer", optimizer.state_dict()),
+                             copy.deepcopy(scaler.state_dict()), state)
         if self.pinned:
             snap.event = torch.cuda.Event()
             snap.event.record()
         return snap
-
-
-@dataclass
-class Snapshot:
-    model_state: dict[str, torch.Tensor]
-    optimizer_state: dict
-    scaler_state: dict
-    event: Any = None  # CUDA: the copies are complete once this event is
 
 
 @dataclass(frozen=True)
@@ -96,18 +88,16 @@ class WeightsExport:
 
     config: ModelConfig
     tokenizer_path: Path | None = None
-    dtype: torch.dtype = torch.float16
 
 
 class PendingSave:
-    """A checkpoint being written into its staging folder: `wait()` for it (raises its error); `then(fn)` runs `fn(path)`
-    once it is complete (on the writer's thread, or here if it already is); the storage calls `published(name)`."""
+    """A checkpoint being written into its staging folder: `wait()` for it (raises its error, its publication's
+    included); the storage calls `published(name)` once it is in the run folder."""
 
     def __init__(self, path: Path, step: int, blocking: bool, on_published: Callable[[str], None]):
         self.path, self.step, self.blocking, self.published = Path(path), step, blocking, on_published
         self.error: BaseException | None = None
-        self._done, self._lock = threading.Event(), threading.Lock()
-        self._then: list[Callable[[Path], None]] | None = []
+        self._done = threading.Event()
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -121,24 +111,9 @@ class PendingSave:
             raise self.error
         return self.path
 
-    def then(self, fn: Callable[[Path], None]) -> None:
-        with self._lock:
-            if self._then is not None:
-                return self._then.append(fn)
-        self._run([fn])
-
     def finish(self, error: BaseException | None) -> None:
-        with self._lock:
-            then, self._then, self.error = self._then, None, error
-        self._run(then)
+        self.error = error
         self._done.set()
-
-    def _run(self, then: list[Callable[[Path], None]]) -> None:
-        try:
-            for fn in then if self.error is None else ():
-                fn(self.path)
-        except BaseException as e:  # publishing failed: the save did
-            self.error = e
 
 
 class Storage(Protocol):
@@ -150,22 +125,22 @@ class Storage(Protocol):
     def report(self, metrics: dict, save: PendingSave | None) -> None:
         """Every rank at every log step; rank 0's save is published once complete, then `save.published(name)`."""
 
+    def written(self, save: PendingSave) -> None:
+        """On rank 0's writer thread, once `save` is complete: publish it now, or leave it to `report`."""
+
 
 class LocalStorage:
-    """A local run folder: a complete checkpoint is renamed into it; metrics go nowhere else."""
+    """A local run folder: a complete checkpoint is renamed into it by its writer; metrics go nowhere else."""
 
     def __init__(self, run_dir: str | os.PathLike | None):
         self.folder = RunFolder(str(run_dir)) if run_dir else None
         self.staging = Path(run_dir) if run_dir else Path(".")
 
     def report(self, metrics: dict, save: PendingSave | None) -> None:
-        if save is not None:
-            save.then(lambda staged: save.published(self.move_in(staged, save.step)))
+        """Nothing: metrics go nowhere else, and `written` publishes a save."""
 
-    def move_in(self, staged: Path, step: int) -> str:
-        name = self.folder.next_name(step)
-        publish(staged, self.folder.local / name)
-        return name
+    def written(self, save: PendingSave) -> None:
+        save.published(publish(save.path, self.folder.local / self.folder.next_name(save.step)).name)
 
 
 class CheckpointManager:
@@ -228,28 +203,28 @@ class CheckpointManager:
         self.wait_s, self.save_s = wait_s, time.perf_counter() - t0 - wait_s
 
     def _start(self, step, model, optimizer, scaler, state, export, blocking) -> PendingSave:
-        snap = self.snapshot.take(model, optimizer, scaler, live=blocking)
+        snap = self.snapshot.take(model, optimizer, scaler, state, live=blocking)
         path = staging_dir(self.storage.staging, f"{step:08d}")
         if path.exists():  # this process's own failed save of the step (rmtree refuses a link)
             shutil.rmtree(path, ignore_errors=True)
         save = PendingSave(path, step, blocking, self.published)
-        self._thread = threading.Thread(target=self._write, args=(save, snap, state, export),
+        self._thread = threading.Thread(target=self._write, args=(save, snap, export),
                                         name=f"minilm-checkpoint-writer-{step}", daemon=True)
         self.pending = save
         self._thread.start()
         return save
 
-    def _write(self, save: PendingSave, snap: Snapshot, state: dict, export: WeightsExport | None) -> None:
+    def _write(self, save: PendingSave, snap: F.ResumeState, export: WeightsExport | None) -> None:
         error = None
         try:
             if snap.event is not None:
                 snap.event.synchronize()
-            F.write_resume_state(save.path, model_state=snap.model_state, optimizer_state=snap.optimizer_state,
-                               scaler_state=snap.scaler_state, state=state, hooks=self.hooks)
+            F.write_resume_state(save.path, snap, self.hooks)
             if export is not None:
                 F.write_weights_export(save.path / "weights", snap.model_state, export.config, export.tokenizer_path,
-                                     export.dtype, step=save.step, in_place=True)
-        except BaseException as e:  # handed to whoever waits for this save
+                                       step=save.step, in_place=True)
+            self.storage.written(save)
+        except BaseException as e:  # a failed write or publication: handed to whoever waits for this save
             error = e
         save.finish(error)
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -14,14 +15,14 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pyarrow.fs as pafs
 
 from ..config import ModelConfig
 from ..errors import UsageError
 from ..fsio import fsync_dir, loads, pid_alive, write_atomic
-from .files import MARKER, CheckpointError, parse_marker, parse_state, verify
+from .files import MARKER, CheckpointError, parse_marker, parse_state, read_state, verify
 
 LEASE = "lease.json"
 CHECKPOINT_NAME = re.compile(r"checkpoint_\d{8}(_\d+)?")  # not Ray's checkpoint_manager_snapshot.json
@@ -76,10 +77,7 @@ class RunFolder:
 
     def next_name(self, step: int) -> str:
         """checkpoint_<step>, or checkpoint_<step>_<k> when that exists (a step redone after a fall-back)."""
-        taken, name, k = set(self.checkpoints()), f"checkpoint_{step:08d}", 0
-        while (f"{name}_{k}" if k else name) in taken:
-            k += 1
-        return f"{name}_{k}" if k else name
+        return _free(f"checkpoint_{step:08d}", "_", self.checkpoints())
 
     def complete(self, name: str, once_per_node: bool = False) -> None:
         """CheckpointError unless `name` is complete: hashed when local, every file there on object storage."""
@@ -91,14 +89,12 @@ class RunFolder:
         if missing:
             raise CheckpointError(f"checkpoint {self.display}/{name} is incomplete: {missing[0]} is missing")
 
-    def newest_complete(self, say=print) -> str | None:
-        """The newest complete checkpoint; says what it skips."""
+    def newest_complete(self) -> str | None:
+        """The newest complete checkpoint (what it passes over, the loading process says)."""
         for name in reversed(self.checkpoints()):
-            try:
+            with contextlib.suppress(CheckpointError):
                 self.complete(name, once_per_node=True)
                 return name
-            except CheckpointError as e:
-                say(f"skipping checkpoint: {e}")
         return None
 
     @contextlib.contextmanager
@@ -111,12 +107,6 @@ class RunFolder:
         with self.download(self._path(name)) as path:
             yield Path(path)
 
-    def state(self, origin: str) -> dict[str, Any]:
-        """state.json of a checkpoint of this folder (a name) or anywhere on this machine (a path)."""
-        if "/" in origin:
-            return parse_state((Path(origin) / "state.json").read_bytes(), origin)
-        return parse_state(self.read(f"{origin}/state.json") or b"", f"{self.display}/{origin}")
-
     def sync(self, name: str) -> None:
         """Local storage: fsync every file of a checkpoint written by another writer (Ray's copy), then its folders."""
         if self.local is None:
@@ -128,10 +118,8 @@ class RunFolder:
 
     def move_aside(self, names: list[str], copies: tuple[str, ...] = ()) -> str:
         """Move `names` (and copy `copies`) into abandoned-<time>/: nothing is deleted, nothing is continued."""
-        dest, taken, k = f"abandoned-{time.strftime('%Y%m%d-%H%M%S')}", set(self.names()), 0
-        while (f"{dest}-{k}" if k else dest) in taken:  # a second start within the same second: its own folder
-            k += 1
-        dest = f"{dest}-{k}" if k else dest
+        # a second start within the same second: its own folder
+        dest = _free(f"abandoned-{time.strftime('%Y%m%d-%H%M%S')}", "-", self.names())
         self.fs.create_dir(self._path(dest))
         for rel in copies:
             if self.fs.get_file_info(self._path(rel)).type == pafs.FileType.File:
@@ -148,6 +136,11 @@ class RunFolder:
         with contextlib.suppress(CheckpointError, OSError):
             return bool(parse_marker(self.read(f"{name}/{MARKER}"), name))
         return False
+
+
+def _free(name: str, sep: str, taken: list[str]) -> str:
+    """`name`, else `name<sep>1`, `name<sep>2`, ...: the first not in `taken`."""
+    return next(n for k in itertools.count() if (n := f"{name}{sep}{k}" if k else name) not in taken)
 
 
 # ---- one live run per folder ----------------------------------------------------------------------
@@ -267,7 +260,7 @@ def decide_resume(folder: RunFolder | None, resume: str, abandon_newer: bool = F
     a checkpoint older than others of the folder, would leave a branch that pruning and `auto` mix with the new one:
     refused, unless `abandon_newer`, whose move (and, starting fresh, the run's logs') `apply` makes."""
     if resume == "auto":  # (what it passes over, the loading process says)
-        return ResumeDecision(folder.newest_complete(lambda _: None) if folder is not None else None)
+        return ResumeDecision(folder.newest_complete() if folder is not None else None)
     names = folder.checkpoints() if folder is not None else []
     origin = None
     if resume != "never":
@@ -303,8 +296,7 @@ FIXED = {"global_batch_size": " (the global batch is the invariant of a run)", "
          "optimizer": " (its state has no counterpart in the other optimizer): continue it with --optimizer {was}"}
 
 
-@dataclass(frozen=True)
-class ConfigChange:
+class ConfigChange(NamedTuple):
     name: str
     before: Any
     after: Any
@@ -339,10 +331,11 @@ def config_changes(state: dict[str, Any], train_config) -> list[ConfigChange]:
     return changes
 
 
-def resume_problems(state: dict[str, Any], model_config: ModelConfig, train_config, data_fingerprint: str) -> list[str]:
-    """Why a run with these configs cannot continue from a checkpoint's state.json (empty: it can)."""
-    problems = []
-    before, dtype = checkpoint_dtype(state), train_config.dtype
+def check_resume(state: dict[str, Any], where, model_config: ModelConfig, train_config, data_fingerprint: str,
+                 allow_config_change: bool) -> list[ConfigChange]:
+    """Refuse (one CheckpointError line) a resume that cannot work or would silently change the run; the changes
+    it makes (safe ones, and with `allow_config_change` the others)."""
+    problems, before, dtype = [], checkpoint_dtype(state), train_config.dtype
     if dtype != "auto" and before and dtype != before and "fp16" in (dtype, before):
         problems.append(f"dtype {dtype} != {before} in the checkpoint (fp16's GradScaler state has no counterpart "
                         f"in bf16 or fp32; only fp32 <-> bf16 can change mid-run, with --allow-config-change)")
@@ -359,14 +352,6 @@ def resume_problems(state: dict[str, Any], model_config: ModelConfig, train_conf
     if state["data_fingerprint"] != data_fingerprint:
         problems.append(f"the data fingerprint {data_fingerprint[:12]} differs from the checkpoint's "
                         f"{state['data_fingerprint'][:12]} (other --data, or data made with another tokenizer)")
-    return problems
-
-
-def check_resume(state: dict[str, Any], where, model_config: ModelConfig, train_config, data_fingerprint: str,
-                 allow_config_change: bool) -> list[ConfigChange]:
-    """Refuse (one CheckpointError line) a resume that cannot work or would silently change the run; the changes
-    it makes (safe ones, and with `allow_config_change` the others)."""
-    problems = resume_problems(state, model_config, train_config, data_fingerprint)
     if problems:
         raise CheckpointError(f"cannot resume from {where}: " + "; ".join(problems) + " (use another --run-dir to "
                               "start a new run)")
@@ -385,7 +370,9 @@ def check_origin(folder: RunFolder | None, origin: str | None, model_config: Mod
     --optimizer auto becomes the checkpoint's optimizer."""
     if origin is None:
         return None
-    state = (folder or RunFolder(".")).state(origin)
+    # a checkpoint anywhere on this machine (a path), or of the run folder (a name)
+    state = read_state(origin) if "/" in origin else \
+        parse_state(folder.read(f"{origin}/state.json") or b"", f"{folder.display}/{origin}")
     if train_config.optimizer == "auto":  # the checkpoint's, untimed: its optimizer state fits that optimizer only
         train_config.optimizer = state["train_config"].get("optimizer", "adamw")  # no field: before Muon
     for c in check_resume(state, origin, model_config, train_config, data_fingerprint, allow_config_change):
@@ -393,5 +380,5 @@ def check_origin(folder: RunFolder | None, origin: str | None, model_config: Mod
     return state
 
 
-__all__ = ["LEASE", "PREDATED_VALUES", "ConfigChange", "Lease", "ResumeDecision", "RunFolder", "decide_resume", "check_origin", "check_resume", "checkpoint_dtype",
-           "config_changes", "resume_problems", "resumed_dtype"]
+__all__ = ["LEASE", "PREDATED_VALUES", "ConfigChange", "Lease", "ResumeDecision", "RunFolder", "decide_resume",
+           "check_origin", "check_resume", "checkpoint_dtype", "config_changes", "resumed_dtype"]

@@ -12,6 +12,7 @@ import pickle
 import shutil
 
 import pytest
+from helpers import save_resume_state, write_marker
 from runs import is_complete, pretrain, tiny_args
 
 from minilm import checkpoint as C
@@ -86,12 +87,12 @@ def test_a_checkpoint_with_a_code_running_pickle_is_refused_unrun(tmp_path, shel
 
     model = MiniMindForCausalLM(ModelConfig(vocab_size=256, hidden_size=64, num_hidden_layers=1,
                                             num_attention_heads=4, num_key_value_heads=2))
-    ckpt = C.save_resume_state(tmp_path / "evil", model=model, optimizer=make_optimizer(model, TrainConfig()),
-                               scaler=make_grad_scaler(torch.float32, "cpu"), state={"optimizer_step": 1})
+    ckpt = save_resume_state(tmp_path / "evil", model=model, optimizer=make_optimizer(model, TrainConfig()),
+                             scaler=make_grad_scaler(torch.float32, "cpu"), state={"optimizer_step": 1})
     C.load_resume_state(ckpt)  # loads as written
     flag = tmp_path / "payload-ran"
     write({"state": RunsCode(flag, shell)}, ckpt / "optimizer.pt")
-    C.write_marker(ckpt, C.RESUME_FILES)
+    write_marker(ckpt, C.RESUME_FILES)
     C.verify(ckpt)  # the hashes match the new files
     with pytest.raises(C.CheckpointError, match="could not be loaded: UnpicklingError"):
         C.load_resume_state(ckpt)

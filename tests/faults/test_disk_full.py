@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import trained_state
+from helpers import save_resume_state, trained_state
 
 from minilm import checkpoint as C
 from minilm import fsio
@@ -25,8 +25,8 @@ from minilm.testing import FaultHooks
 
 
 def save(path: Path, step: int, model, optimizer, scaler, hooks=None) -> Path:
-    return C.save_resume_state(path, model=model, optimizer=optimizer, scaler=scaler,
-                               state={"optimizer_step": step, "note": "unit test"}, hooks=hooks)
+    return save_resume_state(path, model=model, optimizer=optimizer, scaler=scaler,
+                             state={"optimizer_step": step, "note": "unit test"}, hooks=hooks)
 
 
 @contextlib.contextmanager
