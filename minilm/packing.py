@@ -42,10 +42,7 @@ class PackResult:
     documents: int = 0
     stream_tokens: int = 0  # document tokens plus one EOS per document
     dropped_tail_tokens: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return self.num_sequences * (self.seq_len + 1)
+    num_tokens = property(lambda self: self.num_sequences * (self.seq_len + 1))
 
 
 class ShardWriter:
@@ -69,14 +66,11 @@ class ShardWriter:
         self._max_id = np.iinfo(self.dtype).max
         self.result = PackResult(seq_len=seq_len, token_dtype=token_dtype)
         self._carry = np.zeros(0, self.dtype)  # fewer than row_len tokens, waiting for the rest of their row
-        self._file = None
-        self._hash = None
-        self._rows_in_shard = 0
+        self._file = self._hash = None  # the token file being written, and its sha256 so far
         self._closed = False
 
     def add_document(self, ids: Sequence[int]) -> None:
-        doc = np.asarray(ids, dtype=np.int64)
-        self.add_stream(np.append(doc, self.eos_id), documents=1)
+        self.add_stream(np.append(np.asarray(ids, dtype=np.int64), self.eos_id), documents=1)
 
     def add_stream(self, tokens: np.ndarray, documents: int = 0, stream_tokens: int | None = None) -> None:
         """Append tokens that already carry an EOS after each document (`documents` of them); `stream_tokens`:
@@ -91,14 +85,13 @@ class ShardWriter:
         self.result.stream_tokens += len(tokens) if stream_tokens is None else stream_tokens
         self.result.documents += documents
         buf = np.concatenate([self._carry, tokens]) if len(self._carry) else tokens
-        rows = len(buf) // self.row_len
-        pos = 0
-        while rows:
-            take = min(rows, self.rows_per_shard - self._rows_in_shard)
-            self._write(buf[pos: pos + take * self.row_len])
-            pos += take * self.row_len
-            rows -= take
-        self._carry = buf[pos:].copy()
+        pos, end = 0, len(buf) - len(buf) % self.row_len
+        while pos < end:  # up to the end of the current token file at a time
+            room = self.rows_per_shard - (self.result.shards[-1]["num_sequences"] if self._file else 0)
+            take = min(end - pos, room * self.row_len)
+            self._write(buf[pos: pos + take])
+            pos += take
+        self._carry = buf[end:].copy()
 
     def _write(self, tokens: np.ndarray) -> None:
         if self._file is None:
@@ -113,9 +106,8 @@ class ShardWriter:
         shard = self.result.shards[-1]
         shard["num_sequences"] += n
         shard["bytes"] += len(data)
-        self._rows_in_shard += n
         self.result.num_sequences += n
-        if self._rows_in_shard == self.rows_per_shard:
+        if shard["num_sequences"] == self.rows_per_shard:
             self._finish_shard()
 
     def _finish_shard(self) -> None:
@@ -123,7 +115,7 @@ class ShardWriter:
         os.fsync(self._file.fileno())
         self._file.close()
         self.result.shards[-1]["sha256"] = self._hash.hexdigest()
-        self._file, self._hash, self._rows_in_shard = None, None, 0
+        self._file = self._hash = None
 
     def close(self) -> PackResult:
         """Finish the last token file (whole rows only; the tail is dropped and counted) and return the totals."""

@@ -27,10 +27,6 @@ from .prepare_inputs import RecordReader, SkipWarnings, resolve_inputs
 from .prepare_pipeline import Progress, _si, tokenize_and_pack
 
 
-class _Terminated(BaseException):
-    """SIGTERM, turned into an exception so the temporary output folder is removed."""
-
-
 def build_parser() -> ArgumentParser:
     p = ArgumentParser(
         prog="python -m ray_jobs.prepare",
@@ -82,8 +78,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace, argv: list[str], progress: Progress | None = None,
         stats: dict | None = None) -> dict:
-    """Prepare the dataset `args` describe; `stats` is filled in as the run goes (a Ray it started is known even
-    when it fails)."""
+    """Prepare the dataset `args` describe and return its manifest; `stats` is filled in as the run goes (a Ray it
+    started is known even when it fails)."""
     from minilm import packing
     from minilm import tokenizer as T
     from minilm.data import PreparedData, file_sha256, record_verified
@@ -129,9 +125,7 @@ def run(args: argparse.Namespace, argv: list[str], progress: Progress | None = N
             writer.abort()
         out.abort()
     stats["elapsed_s"] = time.perf_counter() - t_start
-    stats["documents"] = reader.documents
-    stats["tokens"] = result.stream_tokens
-    return {"manifest": manifest, "stats": stats, "reader": reader}
+    return manifest
 
 
 def _tokenizer(args: argparse.Namespace, sources: list, tok_path: Path, skip_warn: SkipWarnings, stats: dict):
@@ -157,13 +151,11 @@ def _writer(args: argparse.Namespace, folder: Path, tokenizer: dict):
     from minilm import packing
     from minilm.data import token_dtype_for
 
-    dtype = token_dtype_for(tokenizer["vocab_size"])
+    kw = {"eos_id": tokenizer["eos_token_id"], "token_dtype": token_dtype_for(tokenizer["vocab_size"])}
     if args.rows == "packed":
-        return packing.ShardWriter(folder, args.seq_len, args.rows_per_shard, eos_id=tokenizer["eos_token_id"],
-                                   token_dtype=dtype)
-    return packing.BosAlignedShardWriter(folder, args.seq_len, args.rows_per_shard,
-                                         eos_id=tokenizer["eos_token_id"], bos_id=tokenizer["bos_token_id"],
-                                         token_dtype=dtype, split_long=args.rows == "best-fit")
+        return packing.ShardWriter(folder, args.seq_len, args.rows_per_shard, **kw)
+    return packing.BosAlignedShardWriter(folder, args.seq_len, args.rows_per_shard, **kw,
+                                         bos_id=tokenizer["bos_token_id"], split_long=args.rows == "best-fit")
 
 
 def _manifest(args, argv, sources, reader: RecordReader, writer, result, tokenizer: dict) -> dict:
@@ -227,21 +219,19 @@ def main(argv: list[str] | None = None) -> int:
     from minilm.packing import OutputError
     from minilm.tokenizer import TokenizerError
 
-    def on_term(signum, frame):
-        raise _Terminated()
-
     in_main = threading.current_thread() is threading.main_thread()
-    old_term = signal.signal(signal.SIGTERM, on_term) if in_main else None
+    # SIGTERM raises KeyboardInterrupt too, so the temporary output folder is removed
+    old_term = signal.signal(signal.SIGTERM, signal.default_int_handler) if in_main else None
     progress = Progress()
     stats: dict = {}
     try:
-        outcome = run(args, argv, progress, stats)
+        manifest = run(args, argv, progress, stats)
     except (UsageError, OutputError, TokenizerError) as e:
         progress.message(f"error: {e}")
         if getattr(e, "hint", None):
             progress.message(f"hint: {e.hint}")
         return EXIT_USAGE
-    except (KeyboardInterrupt, _Terminated):
+    except KeyboardInterrupt:
         progress.message(f"interrupted: nothing was written to {args.output}")
         return EXIT_INTERRUPTED
     except Exception as e:
@@ -256,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             import ray
 
             ray.shutdown()
-    progress.message(summary_line(args.output, outcome["manifest"], outcome["stats"]))
+    progress.message(summary_line(args.output, manifest, stats))
     return 0
 
 

@@ -37,8 +37,7 @@ class _Inputs:
 
     def __init__(self, exclude: Path | None, warn: Callable[[str], None]):
         self.sources: list[Source] = []
-        self.seen: dict[Path, str] = {}
-        self.visited: set[Path] = set()
+        self.seen: dict[Path, str] = {}  # the inputs and the folders walked, resolved
         self.ignored: dict[str, list[str]] = {}
         self.warn = warn
         self.exclude = exclude.resolve() if exclude is not None else None
@@ -59,9 +58,9 @@ class _Inputs:
         self.sources.append(Source(path=p, display=display, kind=kind, bytes=size))
 
     def walk(self, d: Path, display: str, top: str) -> None:
-        if d.resolve() in self.visited:  # a symlink loop, or a folder reached twice
+        if d.resolve() in self.seen:  # a symlink loop, or a folder reached twice
             return
-        self.visited.add(d.resolve())
+        self.seen[d.resolve()] = display
         for child in sorted(d.iterdir(), key=lambda c: c.name):
             shown = os.path.join(display, child.name)
             if child.name.startswith(".") or self.excluded(child):
@@ -111,8 +110,6 @@ def resolve_inputs(specs: list[str], exclude: Path | None = None,
             for m in matches:
                 found.add_path(m, explicit=False, top=spec)
         else:
-            if not os.path.exists(spec):
-                raise UsageError(f"input {spec} does not exist")
             found.add_path(spec, explicit=True, top=spec)
     for top, names in found.ignored.items():
         more = f" and {len(names) - 3} more" if len(names) > 3 else ""
@@ -147,11 +144,9 @@ def _check_text(value, field_name: str) -> str | Bad:
 def _read_jsonl(src: Source, text_field: str) -> Iterator[tuple[str, str | Bad, float]]:
     with open(src.path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
-            if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
-                raw = raw[3:]
-            line = raw.rstrip(b"\r\n")
-            if line.strip():
-                yield f"{src.display}:{lineno}", _jsonl_record(line, text_field), len(raw)
+            raw = raw.removeprefix(b"\xef\xbb\xbf") if lineno == 1 else raw
+            if raw.strip():
+                yield f"{src.display}:{lineno}", _jsonl_record(raw.rstrip(b"\r\n"), text_field), len(raw)
 
 
 def _jsonl_record(line: bytes, text_field: str) -> str | Bad:
@@ -172,9 +167,7 @@ def _jsonl_record(line: bytes, text_field: str) -> str | Bad:
 
 
 def _read_txt(src: Source, text_field: str) -> Iterator[tuple[str, str | Bad, float]]:
-    raw = src.path.read_bytes()
-    if raw.startswith(b"\xef\xbb\xbf"):
-        raw = raw[3:]
+    raw = src.path.read_bytes().removeprefix(b"\xef\xbb\xbf")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -185,15 +178,17 @@ def _read_txt(src: Source, text_field: str) -> Iterator[tuple[str, str | Bad, fl
         yield f"{src.display}:1", text, len(raw)
 
 
-def _read_columnar(src: Source, text_field: str, batches: Iterator, names: list[str], col_type,
-                   num_rows: int) -> Iterator[tuple[str, str | Bad, float]]:
+def _read_columnar(src: Source, text_field: str, schema, num_rows: int,
+                   batches: Callable[[], Iterator]) -> Iterator[tuple[str, str | Bad, float]]:
+    """The rows of `schema`'s column `text_field`, read from `batches()` (tables or record batches)."""
     import pyarrow as pa
 
     share = src.bytes / max(1, num_rows)  # each row's share of the input's size, for the progress bar
-    if text_field not in names:
+    names = schema.names
+    col_type = schema.field(text_field).type if text_field in names else None
+    if col_type is None:
         bad = Bad("missing_text_field", f"no {text_field!r} column (columns: {', '.join(names[:8]) or 'none'})")
-    elif not (pa.types.is_string(col_type) or pa.types.is_large_string(col_type) or pa.types.is_binary(col_type)
-              or pa.types.is_large_binary(col_type) or str(col_type) in ("string_view", "binary_view")):
+    elif str(col_type) not in ("string", "large_string", "binary", "large_binary", "string_view", "binary_view"):
         bad = Bad("non_string_text", f"column {text_field!r} has type {col_type}, not string")
     else:
         bad = None
@@ -202,21 +197,14 @@ def _read_columnar(src: Source, text_field: str, batches: Iterator, names: list[
             yield f"{src.display}: row {row}", bad, share
         return
     row = 0
-    for batch in batches:
-        col = batch.column(text_field) if isinstance(batch, pa.Table) else batch.column(
-            batch.schema.get_field_index(text_field))
-        for value in col.cast(pa.large_binary()).to_pylist():
+    for batch in batches():
+        for value in batch.column(text_field).cast(pa.large_binary()).to_pylist():
             row += 1
-            where = f"{src.display}: row {row}"
-            if value is None:
-                yield where, Bad("non_string_text", f"{text_field!r} is null, not a string"), share
-                continue
             try:
-                text = value.decode("utf-8")
+                rec = _check_text(value if value is None else value.decode("utf-8"), text_field)
             except UnicodeDecodeError as e:
-                yield where, Bad("invalid_utf8", _utf8_detail(value, e)[1]), share
-                continue
-            yield where, _check_text(text, text_field), share
+                rec = Bad("invalid_utf8", _utf8_detail(value, e)[1])
+            yield f"{src.display}: row {row}", rec, share
 
 
 def _read_parquet(src: Source, text_field: str) -> Iterator[tuple[str, str | Bad, float]]:
@@ -227,11 +215,9 @@ def _read_parquet(src: Source, text_field: str) -> Iterator[tuple[str, str | Bad
         schema = pf.schema_arrow
     except Exception as e:  # pyarrow raises ArrowInvalid / OSError for a file that is not parquet
         raise UsageError(f"{src.display}: not a readable parquet file ({e})") from None
-    cols = [text_field] if text_field in schema.names else []
-    col_type = schema.field(text_field).type if cols else None
-    batches = pf.iter_batches(batch_size=8192, columns=cols) if cols else iter(())
     try:
-        yield from _read_columnar(src, text_field, batches, schema.names, col_type, pf.metadata.num_rows)
+        yield from _read_columnar(src, text_field, schema, pf.metadata.num_rows,
+                                  lambda: pf.iter_batches(batch_size=8192, columns=[text_field]))
     except OSError as e:
         raise UsageError(f"{src.display}: cannot read parquet data ({e})") from None
 
@@ -250,10 +236,8 @@ def _read_hf(src: Source, text_field: str) -> Iterator[tuple[str, str | Bad, flo
             datasets.enable_progress_bars()
     if not isinstance(ds, datasets.Dataset):
         raise UsageError(f"{src.display}: is a {type(ds).__name__}, not a single Dataset; pass one split's folder")
-    names = list(ds.column_names)
-    col_type = ds.data.schema.field(text_field).type if text_field in names else None
-    batches = ds.with_format("arrow").iter(batch_size=8192) if text_field in names else iter(())
-    yield from _read_columnar(src, text_field, batches, names, col_type, ds.num_rows)
+    yield from _read_columnar(src, text_field, ds.data.schema, ds.num_rows,
+                              lambda: ds.with_format("arrow").iter(batch_size=8192))
 
 
 # Each reader yields (where, text or Bad, input bytes the record took) for every record of one input.
@@ -280,7 +264,7 @@ class RecordReader:
     the first bad record (an empty text never is) raises UsageError naming file:line."""
 
     def __init__(self, sources: list[Source], text_field: str, on_bad: str,
-                 warn: Callable[[str, str], None] | None = None):
+                 warn: Callable[[str, str], None] = lambda where, detail: None):
         self.sources = sources
         self.text_field = text_field
         self.on_bad = on_bad
@@ -294,7 +278,7 @@ class RecordReader:
         self.per_source = [{"documents": 0, "skipped": 0} for _ in sources]
         self._current = 0
 
-    def _skip(self, src: Source, where: str, bad: Bad) -> None:
+    def _skip(self, where: str, bad: Bad) -> None:
         if self.on_bad == "error" and bad.reason != "empty_text":
             raise UsageError(f"{where}: {bad.detail}",
                             hint="pass --on-bad-record skip to skip bad records (they are counted in the manifest)")
@@ -302,38 +286,34 @@ class RecordReader:
         self.per_source[self._current]["skipped"] += 1
         if len(self.examples) < 100:
             self.examples.append(f"{where}: {bad.detail}")
-        if self.warn is not None:
-            self.warn(where, bad.detail)
+        self.warn(where, bad.detail)
 
     def __iter__(self) -> Iterator[tuple[str, int]]:
         for i, src in enumerate(self.sources):
             self._current = i
-            records = 0
             done_before = self.input_bytes
             for where, rec, raw_bytes in self._read(src):
-                records += 1
                 self.input_bytes += raw_bytes
                 if isinstance(rec, Bad):
-                    self._skip(src, where, rec)
+                    self._skip(where, rec)
                     continue
                 try:
                     nbytes = len(rec.encode("utf-8"))
                 except UnicodeEncodeError as e:  # a lone surrogate, from a \ud800 escape in JSON
-                    self._skip(src, where, Bad("invalid_utf8", f"{self.text_field!r} holds a lone surrogate "
-                                                               f"{rec[e.start]!r}: not valid Unicode"))
+                    self._skip(where, Bad("invalid_utf8", f"{self.text_field!r} holds a lone surrogate "
+                                                        f"{rec[e.start]!r}: not valid Unicode"))
                     continue
                 self.per_source[i]["documents"] += 1
                 self.documents += 1
                 self.text_bytes += nbytes
                 yield rec, nbytes
             self.input_bytes = done_before + src.bytes
-            if records == 0:
+            if not any(self.per_source[i].values()):  # no record, usable or skipped
                 if self.on_bad == "error":
                     raise UsageError(f"{src.display}: the input is empty (no records)",
                                     hint="remove it, or pass --on-bad-record skip to skip empty inputs")
                 self.empty_inputs.append(src.display)
-                if self.warn is not None:
-                    self.warn(src.display, "the input is empty (no records)")
+                self.warn(src.display, "the input is empty (no records)")
 
     def _read(self, src: Source) -> Iterator[tuple[str, str | Bad, float]]:
         try:

@@ -10,6 +10,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import suppress
+from itertools import chain
 
 from .prepare_inputs import RecordReader
 
@@ -81,15 +82,8 @@ def _encode_block(texts: list[str], tokenizer_json: str, tokenizer_sha256: str, 
 
         tok = _TOKENIZER_CACHE[tokenizer_sha256] = Tokenizer.from_str(tokenizer_json)
     encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # _fast (no offsets) since tokenizers 0.20
-    encodings = encode(texts, add_special_tokens=False)
-    ends = np.cumsum(np.fromiter((len(e.ids) + 1 for e in encodings), dtype=np.int64, count=len(encodings)))
-    flat = np.empty(int(ends[-1]) if len(ends) else 0, dtype=np.int32)
-    start = 0
-    for e, end in zip(encodings, ends, strict=True):
-        flat[start: end - 1] = e.ids
-        start = int(end)
-    flat[ends - 1] = eos_id
-    return flat
+    return np.fromiter(chain.from_iterable(e.ids + [eos_id] for e in encode(texts, add_special_tokens=False)),
+                       dtype=np.int32)
 
 
 def start_ray(num_cpus: int | None, warn: Callable[[str], None] = lambda m: None) -> bool:
@@ -111,40 +105,35 @@ def start_ray(num_cpus: int | None, warn: Callable[[str], None] = lambda m: None
     return True
 
 
-def _blocks(reader: RecordReader) -> Iterator[tuple[list[str], int, float]]:
-    """Blocks (texts, text_bytes, input bytes read up to the block's end), in input order."""
+def _blocks(reader: RecordReader) -> Iterator[tuple[list[str], float]]:
+    """Blocks (texts, input bytes read up to the block's end), in input order."""
     texts: list[str] = []
     block_bytes = 0
     for text, nbytes in reader:
         texts.append(text)
         block_bytes += nbytes
         if block_bytes >= BLOCK_BYTES or len(texts) >= BLOCK_DOCS:
-            yield texts, block_bytes, reader.input_bytes
+            yield texts, reader.input_bytes
             texts, block_bytes = [], 0
     if texts:
-        yield texts, block_bytes, reader.input_bytes
+        yield texts, reader.input_bytes
 
 
 def tokenize_and_pack(reader: RecordReader, writer, tokenizer_json: str, tokenizer_sha256: str,
                       eos_id: int, num_cpus: int | None, progress: Progress, stats: dict) -> None:
     """Encode the records in Ray tasks and feed `writer` in input order; Ray starts once the first block is read,
     so bad inputs at the start fail fast without it."""
-    in_flight: deque = deque()  # (ref, documents, text_bytes, input bytes read), in input order
-    done = {"documents": 0, "text_bytes": 0}
+    in_flight: deque = deque()  # (ref, documents, input bytes read), in input order
     encode = tok_ref = None
     progress.begin(sum(s.bytes for s in reader.sources), "prepare: reading")
 
     def finish_oldest() -> None:
-        import ray
-
-        ref, documents, text_bytes, read = in_flight.popleft()
+        ref, documents, read = in_flight.popleft()
         writer.add_stream(ray.get(ref), documents=documents)
-        done["documents"] += documents
-        done["text_bytes"] += text_bytes
         progress.update(read, writer.result.documents, writer.result.stream_tokens)
 
     try:
-        for texts, text_bytes, read in _blocks(reader):
+        for texts, read in _blocks(reader):
             if encode is None:
                 import ray
 
@@ -152,23 +141,18 @@ def tokenize_and_pack(reader: RecordReader, writer, tokenizer_json: str, tokeniz
                 progress.restart("prepare: starting Ray")
                 stats["started_ray"] = start_ray(num_cpus, lambda m: progress.message(f"warning: {m}"))
                 stats["ray_start_s"] = time.perf_counter() - t0
-                cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
-                stats["window"] = window = min(MAX_WINDOW, WINDOW_PER_CPU * cpus)
+                window = min(MAX_WINDOW, WINDOW_PER_CPU * max(1, int(ray.cluster_resources().get("CPU", 1))))
                 encode = ray.remote(num_cpus=1)(_encode_block)
                 tok_ref = ray.put(tokenizer_json)  # once: each task gets a reference, each worker parses it once
                 progress.restart("prepare")
-            in_flight.append((encode.remote(texts, tok_ref, tokenizer_sha256, eos_id), len(texts), text_bytes, read))
+            in_flight.append((encode.remote(texts, tok_ref, tokenizer_sha256, eos_id), len(texts), read))
             while len(in_flight) >= window:
                 finish_oldest()
         while in_flight:
             finish_oldest()
     finally:
-        if in_flight:  # an error or an interrupt: the tasks still queued are not needed
-            import ray
-
-            for ref, *_ in in_flight:
-                with suppress(Exception):  # never hide the error that got us here
-                    ray.cancel(ref)
-    if done["documents"] != reader.documents:
-        raise RuntimeError(f"{reader.documents} documents were read but {done['documents']} came back from Ray")
-    stats["text_bytes"] = done["text_bytes"]
+        for ref, *_ in in_flight:  # an error or an interrupt: the tasks still queued are not needed
+            with suppress(Exception):  # never hide the error that got us here
+                ray.cancel(ref)
+    if writer.result.documents != reader.documents:
+        raise RuntimeError(f"{reader.documents} documents were read but {writer.result.documents} came back from Ray")

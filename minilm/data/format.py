@@ -43,11 +43,8 @@ def token_dtype_for(vocab_size: int) -> str:
 
 
 def file_sha256(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 @dataclass(frozen=True)
@@ -58,45 +55,16 @@ class PreparedData:
     manifest: dict
     uri: str | None = None
 
-    @property
-    def location(self) -> str:
-        return self.uri if self.uri is not None else str(self.path)
-
-    @property
-    def num_sequences(self) -> int:
-        return int(self.manifest["num_sequences"])
-
-    @property
-    def seq_len(self) -> int:
-        return int(self.manifest["seq_len"])
-
-    @property
-    def fingerprint(self) -> str:
-        return str(self.manifest["fingerprint"])
-
-    @property
-    def tokenizer_sha256(self) -> str:
-        return str(self.manifest["tokenizer"]["sha256"])
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.manifest["tokenizer"]["vocab_size"])
-
-    @property
-    def token_dtype(self) -> np.dtype:
-        return TOKEN_DTYPES[self.manifest["token_dtype"]]
-
-    @property
-    def num_bytes(self) -> int:
-        return sum(int(s["bytes"]) for s in self.manifest["shards"])
-
-    @property
-    def tokenizer_path(self) -> Path:
-        return self._local() / TOKENIZER_FILE
-
-    @property
-    def shard_paths(self) -> list[Path]:
-        return [self._local() / s["file"] for s in self.manifest["shards"]]
+    location = property(lambda self: self.uri if self.uri is not None else str(self.path))
+    num_sequences = property(lambda self: int(self.manifest["num_sequences"]))
+    seq_len = property(lambda self: int(self.manifest["seq_len"]))
+    fingerprint = property(lambda self: str(self.manifest["fingerprint"]))
+    tokenizer_sha256 = property(lambda self: str(self.manifest["tokenizer"]["sha256"]))
+    vocab_size = property(lambda self: int(self.manifest["tokenizer"]["vocab_size"]))
+    token_dtype = property(lambda self: TOKEN_DTYPES[self.manifest["token_dtype"]])
+    num_bytes = property(lambda self: sum(int(s["bytes"]) for s in self.manifest["shards"]))
+    tokenizer_path = property(lambda self: self._local() / TOKENIZER_FILE)
+    shard_paths = property(lambda self: [self._local() / s["file"] for s in self.manifest["shards"]])
 
     def _local(self) -> Path:
         if self.path is None:
@@ -113,10 +81,9 @@ def _files(manifest: dict) -> list[tuple[str, int | None, str]]:
 
 def check_manifest(manifest, where: str) -> None:
     """Refuse a manifest that is malformed, of another format, or inconsistent with itself."""
-    if not isinstance(manifest, dict):
-        raise DataError(f"{where}: format {type(manifest).__name__!r} is not {FORMAT!r}")
-    if manifest.get("format") != FORMAT:
-        raise DataError(f"{where}: format {manifest.get('format')!r} is not {FORMAT!r}")
+    got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+    if got != FORMAT:
+        raise DataError(f"{where}: format {got!r} is not {FORMAT!r}")
     missing = [k for k in ("seq_len", "num_sequences", "shards", "tokenizer", "fingerprint", "token_dtype")
                if k not in manifest]
     if missing:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import time
 from collections import OrderedDict
+from contextlib import suppress
 
 import numpy as np
 
@@ -84,10 +85,8 @@ class SequenceStore:
             os.close(self._fds.popitem()[1])
 
     def __del__(self):
-        try:
+        with suppress(Exception):
             self.close()
-        except Exception:
-            pass
 
     def __getstate__(self):  # a store sent to another process opens its own files there
         return {k: v for k, v in self.__dict__.items() if k != "_fds"}
