@@ -7,6 +7,7 @@ import gc
 import os
 import time
 from collections import deque
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -132,8 +133,6 @@ def init_from_torchrun(backend: str | None = None, timeout_s: float | None = Non
     else:
         device = torch.device("cpu")
     if world_size > 1 and not dist.is_initialized():
-        from datetime import timedelta
-
         dist.init_process_group(backend or ("nccl" if device.type == "cuda" else "gloo"),
                                 timeout=timedelta(seconds=collective_timeout_s(device.type, timeout_s)))
     return rank, world_size, device

@@ -382,8 +382,7 @@ class MiniMindForCausalLM(nn.Module):
                 drop = sorted_p.cumsum(-1) - sorted_p > top_p  # keep the smallest set reaching top_p
                 sorted_p = sorted_p.masked_fill(drop, 0.0)
                 nxt = sorted_i.gather(-1, torch.multinomial(sorted_p, 1, generator=generator))
-            ids = torch.cat([ids, nxt], dim=1)
-            x = nxt
+            ids, x = torch.cat([ids, nxt], dim=1), nxt
             if eos_token_id is not None and bool((nxt == eos_token_id).all()):
                 break
         return ids
