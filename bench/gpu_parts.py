@@ -261,12 +261,12 @@ def fit_trainer(name: str, args, device, backend: str) -> tuple[dict, int]:
 
         def all_reduce(self, tensor, op=None, async_op=False):
             GroupCollectives.calls += 1
-            tensor = self.to_device(tensor)
+            tensor = tensor.to(self.device)
             return tensor, dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM, async_op=async_op)
 
         def broadcast_from_rank0(self, tensor):
             GroupCollectives.calls += 1
-            tensor = self.to_device(tensor.clone())
+            tensor = tensor.clone().to(self.device)
             dist.broadcast(tensor, src=0)
             return tensor
 

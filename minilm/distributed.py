@@ -7,7 +7,7 @@ import gc
 import os
 import time
 from collections import deque
-from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -24,37 +24,21 @@ class Collectives:
         self.device = torch.device(device)
         self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
-    def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.to(self.device)
-
     def all_reduce(self, tensor: torch.Tensor, op=None, async_op: bool = False):
         """All-reduce `tensor` (moved to the training device first); returns (tensor, work or None)."""
-        tensor = self.to_device(tensor)
+        tensor = tensor.to(self.device)
         if self.world_size == 1:
             return tensor, None
-        work = dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM, async_op=async_op)
-        return tensor, work
+        return tensor, dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM, async_op=async_op)
 
     def broadcast_from_rank0(self, tensor: torch.Tensor) -> torch.Tensor:
-        tensor = self.to_device(tensor.clone())
+        tensor = tensor.clone().to(self.device)
         if self.world_size > 1:
             dist.broadcast(tensor, src=0)
         return tensor
 
     def sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return self.all_reduce(tensor.clone())[0]
-
-    def mean(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self.sum(tensor) / self.world_size
-
-
-@dataclass
-class _Pending:
-    step: int
-    device_flags: torch.Tensor
-    work: object | None
-    host_copy: torch.Tensor | None = None  # CUDA: the result copied to pinned memory, complete at `event`
-    event: object | None = None
 
 
 class FlagAgreement:
@@ -64,7 +48,9 @@ class FlagAgreement:
     def __init__(self, collectives: Collectives, names: tuple[str, ...], delay: int = AGREEMENT_DELAY):
         self.c, self.names, self.delay = collectives, names, delay
         self.cuda = collectives.device.type == "cuda"
-        self.pending: deque[_Pending] = deque()
+        # (flags, what completes them): CUDA, a pinned host copy and its event; else the device flags and the
+        # all-reduce's work (None when not distributed)
+        self.pending: deque[tuple[torch.Tensor, object | None]] = deque()
 
     def push(self, step: int, host_flags: list[bool], device_flags: list[torch.Tensor] = ()) -> list[str]:
         host = torch.tensor([float(bool(f)) for f in host_flags], dtype=torch.float32, device="cpu")
@@ -74,34 +60,30 @@ class FlagAgreement:
         if device_flags:
             flags = torch.cat([flags, torch.stack([f.reshape(()).float() for f in device_flags])])
         flags, work = self.c.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True)
-        pending = _Pending(step, flags, work)
         if self.cuda:
             if work is not None:
                 work.wait()  # NCCL: the current stream waits for the all-reduce; the host does not
-            pending.host_copy = torch.empty(flags.shape, dtype=flags.dtype, device="cpu", pin_memory=True)
-            pending.host_copy.copy_(flags, non_blocking=True)
-            pending.event = torch.cuda.Event()
-            pending.event.record()
-        self.pending.append(pending)
+            host_copy = torch.empty(flags.shape, dtype=flags.dtype, device="cpu", pin_memory=True)
+            host_copy.copy_(flags, non_blocking=True)
+            flags, work = host_copy, torch.cuda.Event()  # read on the host once this event completes
+            work.record()
+        self.pending.append((flags, work))
         if len(self.pending) <= self.delay:
             return []
-        return self._read(self.pending.popleft())
+        return self._read(*self.pending.popleft())
 
-    def _read(self, p: _Pending) -> list[str]:
+    def _read(self, flags: torch.Tensor, done) -> list[str]:
         if self.cuda:
-            p.event.synchronize()
-            values = p.host_copy.tolist()
-        else:
-            if p.work is not None:
-                p.work.wait()
-            values = p.device_flags.tolist()
-        return [name for name, v in zip(self.names, values, strict=True) if v > 0]
+            done.synchronize()
+        elif done is not None:
+            done.wait()
+        return [name for name, v in zip(self.names, flags.tolist(), strict=True) if v > 0]
 
     def drain(self) -> list[str]:
         """Wait for every pending all-reduce (before the process group goes away); the union of their flags."""
         reasons: list[str] = []
         while self.pending:
-            reasons += [r for r in self._read(self.pending.popleft()) if r not in reasons]
+            reasons += [r for r in self._read(*self.pending.popleft()) if r not in reasons]
         return reasons
 
 
@@ -151,8 +133,6 @@ def init_from_torchrun(backend: str | None = None, timeout_s: float | None = Non
     else:
         device = torch.device("cpu")
     if world_size > 1 and not dist.is_initialized():
-        from datetime import timedelta
-
         dist.init_process_group(backend or ("nccl" if device.type == "cuda" else "gloo"),
                                 timeout=timedelta(seconds=collective_timeout_s(device.type, timeout_s)))
     return rank, world_size, device

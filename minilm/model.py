@@ -246,13 +246,6 @@ class GroupedMM(torch.autograd.Function):
         return grad_x, grad_w, None
 
 
-def keep_experts_eager() -> None:
-    """Run the split dispatch's experts eagerly inside a compiled block: their data-dependent slice sizes would
-    recompile it at every routing change. Not a decorator: `torch.compiler.disable` costs ~1 s of import."""
-    if not getattr(MoEFeedForward._dispatch, "_torchdynamo_disable", False):
-        MoEFeedForward._dispatch = torch.compiler.disable(MoEFeedForward._dispatch)
-
-
 class MiniMindBlock(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -331,13 +324,13 @@ class MiniMindForCausalLM(nn.Module):
         """`labels` (MiniMind's): input_ids' positions, shifted inside. `targets`: each position's next token, as given;
         the loss then comes from `head_loss` and no logits come back. -100 marks a position without a target."""
         hidden, presents = self.model(input_ids, past_key_values, use_cache)
+        logits = loss = None
         if targets is not None:
             loss = head_loss(hidden, self.lm_head.weight, targets, reduction)
-            return CausalLMOutput(None, loss, self.aux_loss(), presents if use_cache else None)
-        logits = self.lm_head(hidden)
-        loss = None
-        if labels is not None:
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+        else:
+            logits = self.lm_head(hidden)
+            if labels is not None:
+                loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
         return CausalLMOutput(logits, loss, self.aux_loss(), presents if use_cache else None)
 
     def moe_layers(self) -> list[MoEFeedForward]:
@@ -389,8 +382,7 @@ class MiniMindForCausalLM(nn.Module):
                 drop = sorted_p.cumsum(-1) - sorted_p > top_p  # keep the smallest set reaching top_p
                 sorted_p = sorted_p.masked_fill(drop, 0.0)
                 nxt = sorted_i.gather(-1, torch.multinomial(sorted_p, 1, generator=generator))
-            ids = torch.cat([ids, nxt], dim=1)
-            x = nxt
+            ids, x = torch.cat([ids, nxt], dim=1), nxt
             if eos_token_id is not None and bool((nxt == eos_token_id).all()):
                 break
         return ids

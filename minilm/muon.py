@@ -57,11 +57,7 @@ class Muon(torch.optim.Optimizer):
                 state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
 
     @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def step(self):
         if getattr(self, "grad_scale", None) is not None:
             raise RuntimeError("Muon takes unscaled gradients: call scaler.unscale_(optimizer) before the step")
         skip = getattr(self, "found_inf", None)
@@ -76,7 +72,6 @@ class Muon(torch.optim.Optimizer):
                 by_shape.setdefault(p.shape, []).append(p)
             for same in by_shape.values():
                 self._muon_step(same, group, skip)
-        return loss
 
     def _muon_step(self, params: list[torch.Tensor], group: dict, skip: torch.Tensor | None) -> None:
         """Muon on same-shape matrices: the arithmetic of one matrix, by foreach ops and batched matmuls."""

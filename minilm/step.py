@@ -4,7 +4,9 @@ the update on the device, and the metrics stay tensors until a log step reads th
 from __future__ import annotations
 
 import contextlib
+import shutil
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -12,7 +14,8 @@ from fractions import Fraction
 import torch
 
 from .config import ModelConfig, TrainConfig
-from .muon import muon_param_groups, native_bf16, orthogonalize
+from .model import MiniMindForCausalLM, MoEFeedForward
+from .muon import Muon, muon_param_groups, native_bf16, orthogonalize
 from .progress import measured_matmul_peak
 
 # The one table of --dtype names (minilm.config.DTYPES, less "auto") and their torch dtypes.
@@ -31,26 +34,17 @@ def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
         if device_type == "cuda":
             # native bf16 only: V100 and T4 emulate it, slower than fp16 with the GradScaler
             return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
-        return torch.bfloat16 if cpu_bf16_is_faster() else torch.float32
+        # A start-up probe: is a bf16 matmul faster than fp32 here? Without native bf16 units (AVX512-BF16 or AMX)
+        # bf16 is emulated, ~10x slower: not worth the seconds a timing takes.
+        if not native_bf16("cpu"):
+            return torch.float32
+        fp32 = measured_matmul_peak(torch.float32, 512, 8)
+        return torch.bfloat16 if measured_matmul_peak(torch.bfloat16, 512, 8) > 1.25 * fp32 else torch.float32
     if name == "fp16" and device_type != "cuda":
         raise ValueError("dtype fp16 needs a CUDA device (CPU autocast supports bf16 or fp32); use --dtype bf16 or fp32")
     if name not in TORCH_DTYPES:
         raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(TORCH_DTYPES)}")
     return TORCH_DTYPES[name]
-
-
-def resolve_dtype_name(name: str, device: torch.device | str) -> str:
-    """`resolve_dtype` as a --dtype name ("auto" resolved on this device)."""
-    return DTYPE_NAMES[resolve_dtype(name, device)]
-
-
-def cpu_bf16_is_faster(size: int = 512, repeats: int = 8) -> bool:
-    """Start-up probe: is a bf16 matmul faster than fp32 on this CPU? Without native bf16 units (AVX512-BF16 or AMX)
-    bf16 is emulated, ~10x slower: not worth the seconds a timing takes."""
-    if not native_bf16("cpu"):
-        return False
-    fp32 = measured_matmul_peak(torch.float32, size, repeats)
-    return measured_matmul_peak(torch.bfloat16, size, repeats) > 1.25 * fp32
 
 
 # --optimizer auto's rule, in one place: Muon reached MiniMind's loss in 0.40-0.56 of AdamW's steps (docs/quality.md),
@@ -73,13 +67,10 @@ def time_muon(model_cfg: ModelConfig, train_cfg: TrainConfig, world_size: int = 
     """On this CPU: one Newton-Schulz pass over the model's Muon matrices (one matrix of each shape timed, times how
     many there are: a pass over all of them took 25-36 s at the default shape; the better of a warm-up pass and a
     second), and one rank's forward + backward of a step, its FLOPs at the measured matmul rate of the run's dtype."""
-    from .model import MiniMindForCausalLM
-
     with torch.device("meta"):  # shapes only: Newton-Schulz's time does not depend on the values
         model = MiniMindForCausalLM(model_cfg)
-    counts: dict[torch.Size, int] = {}
-    for p in muon_param_groups(model, lr=1.0, muon_lr=1.0, weight_decay=0.0, embedding_lr_ratio=1.0)[0]["params"]:
-        counts[p.shape] = counts.get(p.shape, 0) + 1
+    groups = muon_param_groups(model, lr=1.0, muon_lr=1.0, weight_decay=0.0, embedding_lr_ratio=1.0)
+    counts = Counter(p.shape for p in groups[0]["params"])
     one_of_each = [(torch.randn(shape), n) for shape, n in counts.items()]
 
     def one_pass() -> float:
@@ -100,7 +91,7 @@ def resolve_auto(model_cfg: ModelConfig, train_cfg: TrainConfig, device: torch.d
                  world_size: int = 1) -> str:
     """Settle --dtype auto and --optimizer auto in `train_cfg` for this device, once per run (a resume's came from
     its checkpoint already); returns why auto chose the optimizer ("" when it was given)."""
-    train_cfg.dtype = resolve_dtype_name(train_cfg.dtype, device)
+    train_cfg.dtype = DTYPE_NAMES[resolve_dtype(train_cfg.dtype, device)]
     if train_cfg.optimizer != "auto":
         return ""
     timed = (None, None) if torch.device(device).type == "cuda" else time_muon(model_cfg, train_cfg, world_size)
@@ -123,9 +114,7 @@ def make_grad_scaler(dtype: torch.dtype, device_type: str) -> torch.amp.GradScal
 def configure_backends(device: torch.device | str) -> None:
     """TF32 matmuls on CUDA GPUs with TF32 units (Ampere and later): fp32 work several times faster, sums in fp32."""
     device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return
-    if torch.cuda.get_device_capability(device) < (8, 0):
+    if device.type != "cuda" or not torch.cuda.is_available() or torch.cuda.get_device_capability(device) < (8, 0):
         return
     # The legacy setters: setting fp32_precision would make the legacy getters raise (Inductor's autotuning calls them).
     torch.set_float32_matmul_precision("high")
@@ -138,16 +127,14 @@ def prepare_model(model: torch.nn.Module, cfg: TrainConfig, device: torch.device
     inner = model.model  # MiniMindModel
     inner.activation_checkpointing = bool(cfg.activation_checkpointing)
     if cfg.compile:
-        if torch.device(device).type == "cpu":
-            # Inductor compiles C++ for CPU kernels; without a compiler the first step would fail.
-            import shutil
-
-            if not any(shutil.which(cc) for cc in ("c++", "g++", "clang++")):
-                raise RuntimeError("compile on CPU needs a C++ compiler (c++, g++ or clang++) on PATH; "
-                                   "install one or run without --compile")
-        from .model import keep_experts_eager
-
-        keep_experts_eager()
+        # Inductor compiles C++ for CPU kernels; without a compiler the first step would fail.
+        if torch.device(device).type == "cpu" and not any(shutil.which(cc) for cc in ("c++", "g++", "clang++")):
+            raise RuntimeError("compile on CPU needs a C++ compiler (c++, g++ or clang++) on PATH; "
+                               "install one or run without --compile")
+        # The split dispatch's experts run eagerly inside a compiled block: their data-dependent slice sizes would
+        # recompile it at every routing change. Not a decorator: `torch.compiler.disable` costs ~1 s of import.
+        if not getattr(MoEFeedForward._dispatch, "_torchdynamo_disable", False):
+            MoEFeedForward._dispatch = torch.compiler.disable(MoEFeedForward._dispatch)
         for block in inner.layers:
             block.compile()
     return model
@@ -156,15 +143,12 @@ def prepare_model(model: torch.nn.Module, cfg: TrainConfig, device: torch.device
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     """AdamW with weight decay on matrices only; with `cfg.optimizer == "muon"`, `minilm.muon.Muon`."""
     if cfg.optimizer == "muon":
-        from .muon import Muon, muon_param_groups
-
         groups = muon_param_groups(model, lr=cfg.lr, muon_lr=cfg.muon_lr, weight_decay=cfg.weight_decay,
                                    embedding_lr_ratio=cfg.embedding_lr_ratio)
         return Muon(groups, lr=cfg.lr, momentum=cfg.muon_momentum, betas=tuple(cfg.betas))
     params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     # The fused kernel (CPU and CUDA) is faster than foreach: AdamW is memory-bound.
     fused = bool(params) and all(p.device.type in ("cpu", "cuda") for p in params)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), fused=fused)
@@ -201,8 +185,7 @@ def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sca
     shares = list(shares) if shares is not None else [Fraction(n, sum(rows)) for n in rows]
     device_type = micro_batches[0].device.type
     set_lr(optimizer, lr)
-    lm_sum = torch.zeros((), device=micro_batches[0].device)
-    aux_sum = torch.zeros((), device=micro_batches[0].device)
+    sums = torch.zeros(2, device=micro_batches[0].device)  # lm_loss and aux_loss, each x its micro-batch's rows
     for i, (input_ids, share) in enumerate(zip(micro_batches, shares, strict=True)):
         last = i == len(micro_batches) - 1
         # DDP all-reduces gradients in backward; skip that on all micro-steps but the last.
@@ -213,8 +196,7 @@ def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sca
             # x share x W (DDP divides by W): the all-reduced gradient is the global batch's mean loss's, exactly.
             loss = (out.loss + out.aux_loss) / float(1 / (Fraction(share) * world_size))
             scaler.scale(loss).backward()
-        lm_sum += out.loss.detach().float() * input_ids.shape[0]
-        aux_sum += out.aux_loss.detach().float() * input_ids.shape[0]
+        sums += torch.stack([out.loss, out.aux_loss]).detach().float() * input_ids.shape[0]
 
     # Gradients are scaled (fp16); bring them to true units before clipping against grad_clip.
     scaler.unscale_(optimizer)
@@ -228,7 +210,7 @@ def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sca
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
 
-    lm_loss, aux_loss = lm_sum / sum(rows), aux_sum / sum(rows)
+    lm_loss, aux_loss = sums / sum(rows)
     return StepMetrics(loss=lm_loss + aux_loss, lm_loss=lm_loss, aux_loss=aux_loss, grad_norm=grad_norm.detach(),
                        lr=lr, skipped=skipped, sequences=sum(rows),
                        tokens=sum(rows) * (micro_batches[0].shape[1] - 1), share=float(sum(shares)))
@@ -256,8 +238,7 @@ class NonFiniteGuard:
         zero = torch.zeros((), dtype=torch.int64, device=device)
         self.skipped_total, self.in_a_row, self.first_step_in_a_row = (zero.clone() for _ in range(3))
         self.tripped_at, self.trip_first_step = zero.clone(), zero.clone()  # the run of steps that tripped
-        self.trip_loss = torch.zeros((), dtype=torch.float32, device=device)
-        self.trip_grad_norm = torch.zeros((), dtype=torch.float32, device=device)
+        self.trip_loss, self.trip_grad_norm = (torch.zeros((), dtype=torch.float32, device=device) for _ in range(2))
 
     def update(self, metrics: StepMetrics, optimizer_step: int, scaler_enabled: bool = False) -> None:
         skipped = metrics.skipped
@@ -285,11 +266,11 @@ class NonFiniteGuard:
                 f"{tripped_at}) had a non-finite loss or gradient norm (last loss {float(self.trip_loss):.4g}, "
                 f"grad_norm {float(self.trip_grad_norm):.4g}); lower --lr, add --warmup-steps, or check the data")
 
+    STATE = ("skipped_total", "in_a_row", "first_step_in_a_row")  # the counters a checkpoint keeps
+
     def state_dict(self) -> dict:
-        return {"skipped_total": int(self.skipped_total), "in_a_row": int(self.in_a_row),
-                "first_step_in_a_row": int(self.first_step_in_a_row)}
+        return {name: int(getattr(self, name)) for name in self.STATE}
 
     def load_state_dict(self, state: dict) -> None:
-        self.skipped_total.fill_(int(state["skipped_total"]))
-        self.in_a_row.fill_(int(state["in_a_row"]))
-        self.first_step_in_a_row.fill_(int(state["first_step_in_a_row"]))
+        for name in self.STATE:
+            getattr(self, name).fill_(int(state[name]))

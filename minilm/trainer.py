@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,7 @@ import torch
 
 from . import checkpoint as C
 from . import data as D
+from . import step as S
 from .bpb import bits_per_byte, token_byte_lengths
 from .config import ModelConfig, TrainConfig, accumulation_steps
 from .distributed import Collectives
@@ -25,17 +27,6 @@ from .options import RunOptions, StepPlan, plan_steps
 from .policy import LoopPolicy
 from .progress import Meter, MetricsLog, format_log_line, peak_flops
 from .schedule import get_lr
-from .step import (
-    TORCH_DTYPES,
-    NonFiniteGuard,
-    autocast,
-    configure_backends,
-    make_grad_scaler,
-    make_optimizer,
-    optimizer_step,
-    prepare_model,
-    resolve_auto,
-)
 from .testing import FaultHooks
 from .timeline import WorldSizeTimeline
 from .trackers import Trackers, open_trackers, run_hparams
@@ -92,8 +83,8 @@ class Trainer:
         self.hooks = hooks or FaultHooks.from_dict(run.test_hooks) or FaultHooks()
         self.rank, self.world_size, self.device = launcher.rank, launcher.world_size, torch.device(launcher.device)
         # the entry points resolved "auto" already, once for every rank; an in-process run resolves it here
-        self.optimizer_why = resolve_auto(model_cfg, train_cfg, self.device, self.world_size) or run.optimizer_why
-        self.dtype = TORCH_DTYPES[train_cfg.dtype]
+        self.optimizer_why = S.resolve_auto(model_cfg, train_cfg, self.device, self.world_size) or run.optimizer_why
+        self.dtype = S.TORCH_DTYPES[train_cfg.dtype]
         self.accumulation = accumulation_steps(train_cfg.global_batch_size, train_cfg.micro_batch_size,
                                                self.world_size)  # rank 0's micro-batches, the most of any rank
         self.shares = [w for *_, w in D.rank_micro_batches(train_cfg.global_batch_size, train_cfg.micro_batch_size,
@@ -105,15 +96,15 @@ class Trainer:
         self.step, self.run_id = 0, run.run_id or f"{run.name}-{int(time.time())}"
         self.collectives = Collectives(self.device)
 
-        configure_backends(self.device)  # TF32 on Ampere+ GPUs
+        S.configure_backends(self.device)  # TF32 on Ampere+ GPUs
         torch.manual_seed(train_cfg.seed)  # identical initial weights on every rank
         # --compile and --activation-checkpointing act in place: state-dict keys, checkpoints and DDP are unchanged
-        self.raw_model = prepare_model((model or MiniMindForCausalLM(model_cfg)).to(self.device), train_cfg,
+        self.raw_model = S.prepare_model((model or MiniMindForCausalLM(model_cfg)).to(self.device), train_cfg,
                                        self.device)
         self.model: torch.nn.Module = self.raw_model  # DDP-wrapped below when world_size > 1
-        self.optimizer = make_optimizer(self.raw_model, train_cfg)
-        self.scaler = make_grad_scaler(self.dtype, self.device.type)
-        self.guard = NonFiniteGuard(train_cfg.max_nonfinite_steps, self.device)
+        self.optimizer = S.make_optimizer(self.raw_model, train_cfg)
+        self.scaler = S.make_grad_scaler(self.dtype, self.device.type)
+        self.guard = S.NonFiniteGuard(train_cfg.max_nonfinite_steps, self.device)
         self.trackers = Trackers([])
         self.metrics_log = MetricsLog(Path(run.run_dir) / "metrics.jsonl") if run.run_dir and self.rank == 0 else None
         self.timeline = WorldSizeTimeline(run.run_dir) if run.run_dir and self.rank == 0 else None
@@ -124,7 +115,7 @@ class Trainer:
                                                export=C.WeightsExport(model_cfg, data.tokenizer_path),
                                                say=self.log_line, keep_unscored=bool(run.eval_task_names))
         self.token_bytes = None  # val_bpb's byte table, made at the first evaluation
-        self.optimizer_step = optimizer_step
+        self.optimizer_step = S.optimizer_step
         self.start()
         self.hooks.install(self)  # a test's fault hooks go around the stream and the step, never into the loop
 
@@ -188,7 +179,7 @@ class Trainer:
         self.raw_model.load_state_dict(resume.model_state, strict=True)
         # The loaded param groups carry the saved betas / weight decay; this run's config (as predated above) wins.
         configured = [{k: v for k, v in g.items() if k != "params"}
-                      for g in make_optimizer(self.raw_model, self.train_cfg).param_groups]
+                      for g in S.make_optimizer(self.raw_model, self.train_cfg).param_groups]
         self.optimizer.load_state_dict(resume.optimizer_state)
         for group, settings in zip(self.optimizer.param_groups, configured, strict=True):
             group.update(settings)
@@ -346,7 +337,7 @@ class Trainer:
         for start in range(0, len(self.val_ids), m):
             rows = torch.from_numpy(np.ascontiguousarray(self.data.store.take(self.val_ids[start:start + m])))
             rows = rows.to(self.device).long()
-            with autocast(self.device.type, self.dtype):  # seq_len positions fed and scored, the head in chunks
+            with S.autocast(self.device.type, self.dtype):  # seq_len positions fed and scored, the head in chunks
                 nats = model(rows[:, :-1], targets=rows[:, 1:], reduction="none").loss.flatten()
             targets = rows[:, 1:].reshape(-1)
             total[0] += nats.sum()
@@ -382,8 +373,6 @@ class Trainer:
 def wrap_ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     """DDP without buffer broadcasts (RoPE tables are the same everywhere, MoE load is per rank), gradients as views
     into its buckets (a copy and its memory saved)."""
-    import inspect
-
     ddp = torch.nn.parallel.DistributedDataParallel
     no_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(ddp.__init__).parameters
                else {"broadcast_buffers": False})  # torch < 2.13

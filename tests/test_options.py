@@ -14,7 +14,7 @@ from minilm import data as D
 from minilm.cli import UsageError
 from minilm.config import DTYPES, ConfigError, TrainConfig
 from minilm.options import RunOptions, build_configs, plan_steps
-from minilm.step import DTYPE_NAMES, TORCH_DTYPES, resolve_dtype_name
+from minilm.step import DTYPE_NAMES, TORCH_DTYPES, resolve_dtype
 from minilm.train import LocalOptions
 from minilm.train import build_parser as train_parser
 from ray_jobs.cli import ELASTIC_MAX_FAILURES, RayOptions
@@ -164,7 +164,8 @@ def test_plan_steps_names_what_does_not_fit():
 def test_one_dtype_table():
     assert DTYPES == ("auto", *TORCH_DTYPES)
     assert {DTYPE_NAMES[d]: d for d in DTYPE_NAMES} == TORCH_DTYPES
-    assert resolve_dtype_name("fp32", "cpu") == "fp32" and resolve_dtype_name("auto", "cpu") in ("fp32", "bf16")
+    assert DTYPE_NAMES[resolve_dtype("fp32", "cpu")] == "fp32"
+    assert DTYPE_NAMES[resolve_dtype("auto", "cpu")] in ("fp32", "bf16")
     dtype_flag = next(a for a in train_parser()._actions if a.dest == "dtype")
     assert dtype_flag.choices == list(DTYPES) and TORCH_DTYPES["bf16"] is torch.bfloat16
 

@@ -37,7 +37,7 @@ SCALER_NAN_AT = (2,)  # the scaler sees the NaN gradient as an overflow: it skip
 
 @pytest.fixture
 def fp16_on_cpu(monkeypatch):
-    monkeypatch.setattr("minilm.step.resolve_dtype_name", lambda name, device: "fp16" if name == "fp16" else "fp32")
+    monkeypatch.setattr("minilm.step.resolve_dtype", lambda name, device: torch.float16 if name == "fp16" else torch.float32)
     # MFU's probe times an fp16 matmul, which a CPU emulates slowly; MFU is not what these runs check
     monkeypatch.setattr(T, "peak_flops", lambda device, dtype: 1e12)
 
