@@ -38,7 +38,7 @@ from .errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, UsageError
 from .model import MiniMindForCausalLM
 from .options import RunOptions, add_run_flags, build_configs, load_yaml, option
 from .rows import rows_note
-from .run import Launch, RunPlan, check_run, claim, dry_run_done
+from .run import DRY_RUN, Launch, RunPlan, check_run, claim
 from .step import TORCH_DTYPES, NonFiniteLossError, resolve_auto
 from .testing import FaultHooks
 from .testing import from_env as hooks_from_env
@@ -167,9 +167,7 @@ class LocalLaunch(Launch):
         return C.RunFolder(opts.run_dir) if opts.run_dir else None
 
     def resolve(self, plan: RunPlan) -> None:  # on rank 0, which hands its answer to the others (agreed_auto)
-        cfg = plan.train_cfg
-        cfg.dtype = C.resumed_dtype(cfg.dtype, plan.state)
-        plan.opts.optimizer_why = resolve_auto(plan.model_cfg, cfg, self.device, self.world_size)
+        plan.opts.optimizer_why = resolve_auto(plan.model_cfg, plan.train_cfg, self.device, self.world_size)
 
 
 def start(argv: list[str] | None) -> tuple[Trainer | None, RunPlan]:
@@ -200,7 +198,7 @@ def start(argv: list[str] | None) -> tuple[Trainer | None, RunPlan]:
         raise refused
     if plan.opts.dry_run:  # every check passed (rank 0's under torchrun): no Trainer
         if rank == 0:
-            dry_run_done(say)
+            say(DRY_RUN)
         return None, plan
     train_cfg = plan.train_cfg
     if world_size > 1:
