@@ -145,8 +145,7 @@ class RayLaunch(run_plan.Launch):
 
     @staticmethod
     def world_sizes(opts: RayOptions) -> range:
-        min_w, max_w = opts.workers
-        return range(min_w, max_w + 1)
+        return range(opts.workers[0], opts.workers[1] + 1)
 
     def check_cluster(self, plan: RunPlan) -> None:
         opts = plan.opts

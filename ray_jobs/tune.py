@@ -93,10 +93,8 @@ def parse_search(spec: str) -> SearchDim:
 
 
 def search_space(specs: list[str], yaml_search: dict | None) -> dict[str, SearchDim]:
-    dims: dict[str, SearchDim] = {}
-    for spec in [f"{name}={value}" for name, value in (yaml_search or {}).items()] + specs:  # flags win over YAML
-        dim = parse_search(spec)
-        dims[dim.name] = dim
+    specs = [f"{name}={value}" for name, value in (yaml_search or {}).items()] + specs  # flags win over YAML
+    dims = {dim.name: dim for dim in map(parse_search, specs)}
     if not dims:
         raise UsageError("nothing to search: give at least one --search NAME=SPEC (e.g. lr=loguniform:1e-4:3e-3)")
     return dims
@@ -155,11 +153,10 @@ def collect(results, dims: dict[str, SearchDim], metric: str) -> list[dict]:
         m = r.metrics or {}
         step = m.get("optimizer_step", 0)
         status = "ERROR" if r.error else ("DONE" if step and step >= m.get("total_steps", math.inf) else "STOPPED")
-        row = {"trial": Path(r.path).name if r.path else "?", **{d: params.get(d) for d in dims},
-               "steps": step, "loss": m.get("loss"), "val_loss": m.get("val_loss"), "val_bpb": m.get("val_bpb"),
-               metric: m.get(metric), "tokens_per_s": m.get("tokens_per_s"), "status": status}
-        row["_records"] = reported_records(r.metrics_dataframe)
-        rows.append(row)
+        rows.append({"trial": Path(r.path).name if r.path else "?", **{d: params.get(d) for d in dims},
+                     "steps": step, "loss": m.get("loss"), "val_loss": m.get("val_loss"), "val_bpb": m.get("val_bpb"),
+                     metric: m.get(metric), "tokens_per_s": m.get("tokens_per_s"), "status": status,
+                     "_records": reported_records(r.metrics_dataframe)})
     sign = -1 if metric_mode(metric) == "max" else 1  # the best first
     rows.sort(key=lambda r: (r[metric] is None or (isinstance(r[metric], float) and math.isnan(r[metric])),
                              sign * r[metric] if r[metric] is not None else math.inf))
