@@ -128,7 +128,7 @@ class RayLaunch(run_plan.Launch):
                       file=sys.stderr, flush=True)
             opts.storage_path = str(Path(opts.storage_path).expanduser().resolve())
             opts.run_dir = str(Path(opts.storage_path) / opts.name)
-        self.eval_tasks = check_eval_options(opts, Path(opts.run_dir) if opts.run_dir else None)
+        self.eval_tasks = check_eval_options(opts)
 
     def open_data(self, model_cfg: ModelConfig, train_cfg: TrainConfig, opts: RayOptions, notes: list):
         if self.demo:
@@ -199,7 +199,7 @@ def plan_run(args: argparse.Namespace, concurrent_runs: int = 1, reserved_cpus: 
     return run_plan.plan_run(configs, RayLaunch(demo, concurrent_runs, reserved_cpus, sweep), lambda m: print(m, flush=True))
 
 
-def check_eval_options(opts: RayOptions, run_dir: Path | None) -> list:
+def check_eval_options(opts: RayOptions) -> list:
     """--eval-tasks read and checked (every item) before any work, and what rank 0 needs to know of them."""
     if not opts.eval_tasks:
         return []
@@ -207,7 +207,7 @@ def check_eval_options(opts: RayOptions, run_dir: Path | None) -> list:
 
     from .evaluator import check_best_metric
 
-    if run_dir is None:
+    if opts.run_dir is None:
         raise UsageError(f"--eval-tasks needs a local or shared --storage-path, where the evaluation tasks read the "
                          f"checkpoints (not {redact(opts.storage_path)}); score a remote run's checkpoints with "
                          f"python -m ray_jobs.evaluate after copying them")
