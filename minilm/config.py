@@ -115,8 +115,8 @@ def _rough(n: int) -> str:
 class _Config:
     """What both configs share: one ConfigError naming every problem, and plain dicts in and out."""
 
-    def validate(self, **kwargs) -> typing.Self:
-        problems = self.problems(**kwargs)
+    def validate(self) -> typing.Self:
+        problems = self.problems()
         if problems:
             raise ConfigError(problems)
         return self
@@ -132,13 +132,6 @@ class _Config:
             what = cls.__name__.removesuffix("Config").lower()
             raise ConfigError([f"unknown {what} config field(s): {', '.join(unknown)} (known: {', '.join(sorted(known))})"])
         return cls(**d)
-
-
-def _default_intermediate_size(hidden_size: int) -> int:
-    # MiniMind's SwiGLU width: ~pi * hidden, rounded up to a multiple of 64.
-    if hidden_size > MAX_NUMBERS:  # a mistyped size, refused by problems(); past a float's range it still is one
-        return hidden_size * 4
-    return math.ceil(hidden_size * math.pi / 64) * 64
 
 
 @dataclass
@@ -165,8 +158,11 @@ class ModelConfig(_Config):
     document_mask: bool = False
 
     def __post_init__(self) -> None:
-        if self.intermediate_size is None and isinstance(self.hidden_size, int) and self.hidden_size > 0:
-            self.intermediate_size = _default_intermediate_size(self.hidden_size)
+        # MiniMind's SwiGLU width: ~pi * hidden, rounded up to a multiple of 64; a mistyped size (refused by
+        # problems()) takes 4 x hidden, which past a float's range still is one
+        h = self.hidden_size
+        if self.intermediate_size is None and isinstance(h, int) and h > 0:
+            self.intermediate_size = h * 4 if h > MAX_NUMBERS else math.ceil(h * math.pi / 64) * 64
 
     @property
     def head_dim(self) -> int:
@@ -254,24 +250,18 @@ class TrainConfig(_Config):
         return frozenset({"muon_lr", "muon_momentum", "embedding_lr_ratio"}) if self.optimizer == "adamw" \
             else frozenset()
 
-    def problems(self, world_size: int | None = None, total_steps: int | None = None) -> list[str]:
+    def problems(self) -> list[str]:
         p = _type_problems(self)
         if p:
             return p
         p = _range_problems(self, TRAIN_RANGES)
-        if world_size is not None and _is_int(self.micro_batch_size) and _is_int(self.global_batch_size) and \
-                self.micro_batch_size >= 1 and self.global_batch_size >= 1:
-            try:
-                accumulation_steps(self.global_batch_size, self.micro_batch_size, world_size)
-            except ConfigError as e:
-                p.extend(e.problems)
         for name, choices in CHOICES.items():
             if getattr(self, name) not in choices:
                 p.append(f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
         betas = tuple(self.betas) if isinstance(self.betas, (list, tuple)) else ()
         if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas):
             p.append(f"betas must be two numbers in [0, 1), got {self.betas!r}")
-        return p + self.steps_problems(total_steps if total_steps is not None else self.max_steps)
+        return p + self.steps_problems(self.max_steps)
 
     def steps_problems(self, total_steps: int | None) -> list[str]:
         """What a run of `total_steps` optimizer steps (None: not known yet) finds wrong with this config."""

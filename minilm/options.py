@@ -93,15 +93,15 @@ class RunOptions:
         return {"mlflow_uri": self.mlflow_uri, "wandb_project": self.wandb_project, "group": self.tracker_group}
 
     def validate(self) -> RunOptions:  # each field's type and minimum
-        hints = typing.get_type_hints(type(self))
+        kinds = field_kinds(type(self))
         for f in dataclasses.fields(self):
             low, value = f.metadata.get("minimum"), getattr(self, f.name)
-            if value is None and f.metadata.get("help") and type(None) not in typing.get_args(hints[f.name]):
+            if value is None and f.metadata.get("help") and type(None) not in kinds[f.name]:
                 raise UsageError(f"{flag(f.name)} needs a value, got null (leave it out for the default, "
                                  f"{field_default(f)})")
             if low is None or value is None:
                 continue
-            if int in typing.get_args(hints[f.name]) or hints[f.name] is int:
+            if int in kinds[f.name]:
                 if not isinstance(value, int) or isinstance(value, bool) or value < low:
                     raise UsageError(f"{flag(f.name)} must be an integer >= {low}, got {value!r}")
             elif isinstance(value, int) and abs(value) >= 1e300:  # a float field takes an int; this one would overflow
@@ -143,7 +143,7 @@ def flag_fields(cls: type[RunOptions]) -> list[dataclasses.Field]:
 def add_run_flags(parser: argparse.ArgumentParser, cls: type[RunOptions], skip: Iterable[str] = ()) -> None:
     """One flag per field of `cls` with a help text (but those in `skip`), then those of the two configs
     (`add_config_flags`), each defaulting to None so that `build_configs` tells a given value from a default."""
-    hints = typing.get_type_hints(cls)
+    kinds = field_kinds(cls)
     group = parser.add_argument_group("run")
     for f in flag_fields(cls):
         if f.name in skip:
@@ -153,8 +153,7 @@ def add_run_flags(parser: argparse.ArgumentParser, cls: type[RunOptions], skip: 
                   **meta["argparse"]}
         aliases = kwargs.pop("aliases", [])
         if "action" not in kwargs:
-            base = [t for t in typing.get_args(hints[f.name]) if t is not type(None)] or [hints[f.name]]
-            kwargs["type"] = str if meta["convert"] else base[0]
+            kwargs["type"] = str if meta["convert"] else (kinds[f.name] - {type(None)}).pop()
         group.add_argument(flag(f.name), *aliases, **kwargs)
     add_config_flags(parser)
 
@@ -248,29 +247,26 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def add_config_flags(parser: argparse.ArgumentParser, preset: dict | None = None) -> None:
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per ModelConfig / TrainConfig field (--hidden-size...), defaulting to None so that `build_configs`
     tells a given value from a default; the help is config.FIELD_HELP's, with the default and the demo preset's."""
-    preset = DEMO_PRESET if preset is None else preset
     for cls, title in ((ModelConfig, "model"), (TrainConfig, "training")):
         group = parser.add_argument_group(f"{title} config (every field of {cls.__name__})")
-        hints = typing.get_type_hints(cls)
+        kinds = field_kinds(cls)
         for f in dataclasses.fields(cls):
             default = field_default(f)
             text = with_default(FIELD_HELP[f.name], " ".join(map(str, default)) if f.name == "betas" else default)
-            if f.name in preset and preset[f.name] != default:
-                text = f"{text[:-1]}; {preset[f.name]} on the built-in demo corpus)"
-            hint = hints[f.name]
+            if f.name in DEMO_PRESET and DEMO_PRESET[f.name] != default:
+                text = f"{text[:-1]}; {DEMO_PRESET[f.name]} on the built-in demo corpus)"
             kwargs: dict = {"default": None, "dest": f.name, "help": text}
-            if hint is bool:
+            if kinds[f.name] == {bool}:
                 kwargs["action"] = argparse.BooleanOptionalAction
             elif f.name == "betas":
                 kwargs.update(nargs=2, type=float, metavar=("BETA1", "BETA2"))
             elif f.name in CHOICES:
                 kwargs.update(choices=list(CHOICES[f.name]))
             else:
-                base = [t for t in typing.get_args(hint) if t is not type(None)] or [hint]
-                kwargs["type"] = base[0]
+                kwargs["type"] = (kinds[f.name] - {type(None)}).pop()
             group.add_argument(flag(f.name), **kwargs)
 
 

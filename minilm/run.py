@@ -47,7 +47,6 @@ class RunPlan:
 class Launch:
     """What differs between launchers; `plan_run` calls these in this order. Checks raise; only `act` has effects."""
 
-    plan_class = RunPlan  # the launcher's RunPlan (Ray's adds the workers' config)
     writes_config = True  # RUN/CONFIG at each start (a sweep's folder: no, each trial's has one)
 
     def check(self, model_cfg: ModelConfig, train_cfg: TrainConfig, opts: RunOptions) -> None:
@@ -69,19 +68,13 @@ class Launch:
 
     def resolve(self, plan: RunPlan) -> None:
         """Settle --dtype auto and --optimizer auto once for every rank, given the checkpoint it continues
-        (`plan.state`; check_origin gave a resume the checkpoint's optimizer)."""
+        (`plan.state`: a resume keeps its dtype, and check_origin gave it the checkpoint's optimizer)."""
 
     def act(self, plan: RunPlan) -> None:
         """The launcher's own side effects, once every check has passed."""
 
 
-DRY_RUN = "dry run: every check passed; nothing was started or written"
-
-
-def dry_run_done(say=print) -> int:
-    """What a command given --dry-run ends with, once its plan (and its own checks) passed: one line, exit 0."""
-    say(DRY_RUN)
-    return 0
+DRY_RUN = "dry run: every check passed; nothing was started or written"  # --dry-run's last line, exit 0
 
 
 def plan_run(configs: Configs, launch: Launch, say=print) -> RunPlan:
@@ -104,7 +97,7 @@ def check_run(configs: Configs, launch: Launch) -> RunPlan:
     where = f"{redact(data.location)}: " if hasattr(data, "location") else ""  # PreparedData's, maybe a URI
     steps = plan_steps(train_cfg, data.num_sequences, launch.world_sizes(opts), where=where)
     opts.trackers = check_trackers(opts.tracker, opts.tracker_settings(), run_dir=opts.run_dir)
-    return launch.plan_class(model_cfg, train_cfg, opts, data, steps, [n for n in notes if n])
+    return RunPlan(model_cfg, train_cfg, opts, data, steps, [n for n in notes if n])
 
 
 def claim(plan: RunPlan, launch: Launch, say=print) -> None:
@@ -126,6 +119,7 @@ def claim(plan: RunPlan, launch: Launch, say=print) -> None:
                                     plan.data.fingerprint, opts.allow_config_change, say)
         if opts.dry_run:  # the precision and optimizer (probes that time), the move and the launcher's effects: no checks
             return
+        plan.train_cfg.dtype = C.resumed_dtype(plan.train_cfg.dtype, plan.state)
         launch.resolve(plan)
         decision.apply(plan.folder, say)
         launch.act(plan)

@@ -35,12 +35,10 @@ from .distributed import (
     leave_process_group,
 )
 from .errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, UsageError
-from .model import MiniMindForCausalLM
 from .options import RunOptions, add_run_flags, build_configs, load_yaml, option
 from .rows import rows_note
-from .run import Launch, RunPlan, check_run, claim, dry_run_done
+from .run import DRY_RUN, Launch, RunPlan, check_run, claim
 from .step import TORCH_DTYPES, NonFiniteLossError, resolve_auto
-from .testing import FaultHooks
 from .testing import from_env as hooks_from_env
 from .trackers import TrackerError
 from .trainer import Dataset, Preempted, Trainer
@@ -79,27 +77,6 @@ def sequences_from_tokens(tokens: np.ndarray, seq_len: int) -> torch.Tensor:
     if n == 0:
         raise ValueError(f"{len(tokens)} tokens do not fill one sequence of seq_len + 1 = {seq_len + 1}")
     return torch.as_tensor(np.asarray(tokens[: n * (seq_len + 1)], dtype=np.int64).reshape(n, seq_len + 1))
-
-
-def train(model_cfg: ModelConfig, train_cfg: TrainConfig, sequences: torch.Tensor, *, device: str = "cpu",
-          log=print, model: MiniMindForCausalLM | None = None, run_dir: str | os.PathLike | None = None,
-          hooks: FaultHooks | None = None) -> tuple[MiniMindForCausalLM, list[dict]]:
-    """Train on `sequences` (N, seq_len + 1) in this process, world size 1; returns the model and the metrics
-    of every log step (`train_cfg.log_every`)."""
-    model_cfg.validate()
-    train_cfg.validate()  # seq_len is the rows': not checked against the model
-    if sequences.shape[1] > model_cfg.max_position_embeddings:
-        raise ConfigError([f"rows of {sequences.shape[1]} tokens exceed max_position_embeddings "
-                           f"({model_cfg.max_position_embeddings})"])
-    data = Dataset.in_memory(torch.as_tensor(sequences).numpy())
-    launcher = LocalLauncher(data, train_cfg.micro_batch_size, device=device, run_dir=run_dir, say=log)
-    trainer = Trainer(model_cfg, train_cfg, RunOptions(name="in-process", run_dir=str(run_dir) if run_dir else None),
-                      data, launcher, hooks=hooks, model=model)
-    try:
-        trainer.fit()
-    finally:
-        trainer.close("finished")
-    return trainer.raw_model, trainer.history
 
 
 def build_parser() -> ArgumentParser:
@@ -167,9 +144,7 @@ class LocalLaunch(Launch):
         return C.RunFolder(opts.run_dir) if opts.run_dir else None
 
     def resolve(self, plan: RunPlan) -> None:  # on rank 0, which hands its answer to the others (agreed_auto)
-        cfg = plan.train_cfg
-        cfg.dtype = C.resumed_dtype(cfg.dtype, plan.state)
-        plan.opts.optimizer_why = resolve_auto(plan.model_cfg, cfg, self.device, self.world_size)
+        plan.opts.optimizer_why = resolve_auto(plan.model_cfg, plan.train_cfg, self.device, self.world_size)
 
 
 def start(argv: list[str] | None) -> tuple[Trainer | None, RunPlan]:
@@ -200,7 +175,7 @@ def start(argv: list[str] | None) -> tuple[Trainer | None, RunPlan]:
         raise refused
     if plan.opts.dry_run:  # every check passed (rank 0's under torchrun): no Trainer
         if rank == 0:
-            dry_run_done(say)
+            say(DRY_RUN)
         return None, plan
     train_cfg = plan.train_cfg
     if world_size > 1:

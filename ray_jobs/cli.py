@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 from minilm.cli import DEMO_PRESET, ArgumentParser, UsageError, command, fail, load_yaml  # noqa: F401  (re-exported)
 from minilm.options import TIMEOUT_HELP, RunOptions, option
-from minilm.safety import redact
 
 from .ray_compat import quiet_token_auth_notice
 
@@ -125,9 +124,6 @@ class RayOptions(RunOptions):
             return self.max_failures
         low, high = self.workers
         return ELASTIC_MAX_FAILURES if low < high else 0
-
-
-redact_uri = redact  # the old name: minilm.safety.redact is the one redaction
 
 
 def available_cores() -> int:

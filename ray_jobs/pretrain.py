@@ -36,11 +36,12 @@ from minilm.options import (
 )
 from minilm.progress import MetricsLog, format_duration
 from minilm.rows import rows_note
-from minilm.safety import check_name, join_uri
+from minilm.run import RunPlan
+from minilm.safety import check_name, join_uri, redact
 from minilm.timeline import TIMELINE, WorldSizeTimeline, format_timeline
 from minilm.trackers import TrackerError
 
-from .cli import RayOptions, apply_run_dir, available_cores, ensure_ray, redact_uri
+from .cli import RayOptions, apply_run_dir, available_cores, ensure_ray
 from .elastic import SHARED_STORAGE_HINT, nodes_missing_path
 from .ray_compat import CONTROLLER_POLL_ENV, JOB_DRIVER_ENV
 
@@ -70,27 +71,24 @@ def main(argv: list[str] | None = None) -> int:
     return run(build_parser().parse_args(argv))
 
 
-class RunPlan(run_plan.RunPlan):
-    """minilm.run's plan with what a Ray run adds: the train_loop_config every worker gets."""
+def worker_config(plan: RunPlan) -> dict:
+    """The train_loop_config every worker of the plan's run (or Tune trial) gets, one object."""
+    run_opts = dataclasses.replace(plan.opts)
+    run_opts.run_id = f"{run_opts.name}-{int(time.time())}"
+    run_opts.storage_dir = redact(join_uri(run_opts.storage_path.split("?", 1)[0], run_opts.name))
+    shown, hidden = without_secrets(RunSpec(plan.model_cfg, plan.train_cfg, run_opts, plan.steps).to_dict())
+    if hidden:  # the dashboard shows train_loop_config: the credentials travel in the object store instead
+        import ray
 
-    def config(self, opts: RayOptions | None = None) -> dict:
-        """The train_loop_config every worker gets, one object; `opts` for a run of its own (a Tune trial)."""
-        run_opts = dataclasses.replace(opts or self.opts)
-        run_opts.run_id = f"{run_opts.name}-{int(time.time())}"
-        run_opts.storage_dir = redact_uri(join_uri(run_opts.storage_path.split("?", 1)[0], run_opts.name))
-        shown, hidden = without_secrets(RunSpec(self.model_cfg, self.train_cfg, run_opts, self.steps).to_dict())
-        if hidden:  # the dashboard shows train_loop_config: the credentials travel in the object store instead
-            import ray
-
-            shown["secrets"] = ray.put(hidden)
-        return shown
+        shown["secrets"] = ray.put(hidden)
+    return shown
 
 
 def without_secrets(config: dict) -> tuple[dict, dict]:
     """A RunSpec dict with every credential redacted, and the values it hid (`worker.with_secrets` restores them)."""
     run = config["run"]
-    hidden = {k: v for k, v in run.items() if isinstance(v, str) and redact_uri(v) != v}
-    return {**config, "run": {**run, **{k: redact_uri(v) for k, v in hidden.items()}}}, hidden
+    hidden = {k: v for k, v in run.items() if isinstance(v, str) and redact(v) != v}
+    return {**config, "run": {**run, **{k: redact(v) for k, v in hidden.items()}}}, hidden
 
 
 def check_options(model_cfg: ModelConfig, train_cfg: TrainConfig, opts: RayOptions) -> None:
@@ -106,8 +104,6 @@ RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's list of the che
 class RayLaunch(run_plan.Launch):
     """pretrain's side of the run plan; for --cpus-per-worker auto, `concurrent_runs` share the cluster (Tune
     trials) and their other actors hold `reserved_cpus`."""
-
-    plan_class = RunPlan
 
     def __init__(self, demo: bool, concurrent_runs: int = 1, reserved_cpus: float = 0.0, sweep: bool = False):
         self.demo, self.concurrent_runs, self.reserved_cpus = demo, concurrent_runs, reserved_cpus
@@ -132,7 +128,7 @@ class RayLaunch(run_plan.Launch):
                       file=sys.stderr, flush=True)
             opts.storage_path = str(Path(opts.storage_path).expanduser().resolve())
             opts.run_dir = str(Path(opts.storage_path) / opts.name)
-        self.eval_tasks = check_eval_options(opts, Path(opts.run_dir) if opts.run_dir else None)
+        self.eval_tasks = check_eval_options(opts)
 
     def open_data(self, model_cfg: ModelConfig, train_cfg: TrainConfig, opts: RayOptions, notes: list):
         if self.demo:
@@ -149,8 +145,7 @@ class RayLaunch(run_plan.Launch):
 
     @staticmethod
     def world_sizes(opts: RayOptions) -> range:
-        min_w, max_w = opts.workers
-        return range(min_w, max_w + 1)
+        return range(opts.workers[0], opts.workers[1] + 1)
 
     def check_cluster(self, plan: RunPlan) -> None:
         opts = plan.opts
@@ -169,17 +164,18 @@ class RayLaunch(run_plan.Launch):
         if plan.train_cfg.dtype == "fp16" and not uses_gpu(opts):
             raise UsageError("--dtype fp16 needs GPU workers (CPU autocast supports bf16 or fp32); this run has none: "
                              "use --dtype bf16, fp32 or auto")
-        if self.eval_tasks:
-            check_eval_resources(opts.eval_resources)
+        if self.eval_tasks and not nodes_with(opts.eval_resources):  # a scoring no node can run would wait forever
+            spec = ",".join(f"{k}={v:g}" for k, v in opts.eval_resources.items())
+            raise UsageError(f"--eval-resources {spec}: no node of this Ray cluster has that much (ray status shows "
+                             f"what each node offers)")
         plan.eval_tasks = self.eval_tasks
 
     def folder(self, opts: RayOptions) -> C.RunFolder:
         return C.RunFolder(join_uri(opts.storage_path, opts.name),
-                           display=redact_uri(join_uri(opts.storage_path.split("?", 1)[0], opts.name)))
+                           display=redact(join_uri(opts.storage_path.split("?", 1)[0], opts.name)))
 
     def resolve(self, plan: RunPlan) -> None:  # one precision and optimizer for every rank and restart
         cfg = plan.train_cfg
-        cfg.dtype = C.resumed_dtype(cfg.dtype, plan.state)
         if "auto" in (cfg.dtype, cfg.optimizer):
             cfg.dtype, cfg.optimizer, plan.opts.optimizer_why = probe_auto(plan)
 
@@ -203,7 +199,7 @@ def plan_run(args: argparse.Namespace, concurrent_runs: int = 1, reserved_cpus: 
     return run_plan.plan_run(configs, RayLaunch(demo, concurrent_runs, reserved_cpus, sweep), lambda m: print(m, flush=True))
 
 
-def check_eval_options(opts: RayOptions, run_dir: Path | None) -> list:
+def check_eval_options(opts: RayOptions) -> list:
     """--eval-tasks read and checked (every item) before any work, and what rank 0 needs to know of them."""
     if not opts.eval_tasks:
         return []
@@ -211,9 +207,9 @@ def check_eval_options(opts: RayOptions, run_dir: Path | None) -> list:
 
     from .evaluator import check_best_metric
 
-    if run_dir is None:
+    if opts.run_dir is None:
         raise UsageError(f"--eval-tasks needs a local or shared --storage-path, where the evaluation tasks read the "
-                         f"checkpoints (not {redact_uri(opts.storage_path)}); score a remote run's checkpoints with "
+                         f"checkpoints (not {redact(opts.storage_path)}); score a remote run's checkpoints with "
                          f"python -m ray_jobs.evaluate after copying them")
     try:
         tasks = load_tasks(opts.eval_tasks)  # every item read and checked before any training starts
@@ -222,14 +218,6 @@ def check_eval_options(opts: RayOptions, run_dir: Path | None) -> list:
     opts.eval_best = check_best_metric(opts.eval_best, tasks)
     opts.eval_task_names, opts.eval_wait_s = [t.name for t in tasks], opts.eval_wait_minutes * 60
     return tasks
-
-
-def check_eval_resources(resources: dict[str, float]) -> None:
-    """An evaluation task that no node could ever run would wait forever: refused before training starts."""
-    if not nodes_with(resources):
-        spec = ",".join(f"{k}={v:g}" for k, v in resources.items())
-        raise UsageError(f"--eval-resources {spec}: no node of this Ray cluster has that much (ray status shows what "
-                         f"each node offers)")
 
 
 def auto_cpus_per_worker(workers: int, local: bool, opts: RayOptions, reserved_cpus: float = 0.0) -> float:
@@ -284,17 +272,20 @@ def nodes_with(resources: dict[str, float]) -> list[dict]:
 def run(args: argparse.Namespace) -> int:
     plan = plan_run(args)
     try:
-        return run_plan.dry_run_done() if plan.opts.dry_run else start(plan)
+        if plan.opts.dry_run:
+            print(run_plan.DRY_RUN)
+            return 0
+        return start(plan)
     finally:
         plan.release()
 
 
 def start(plan: RunPlan) -> int:
     opts = plan.opts
-    trainer = make_trainer(plan.config(), opts)
+    trainer = make_trainer(worker_config(plan), opts)
     console = quiet_console(plan)
-    print(f"run {opts.name}: storage {redact_uri(join_uri(opts.storage_path, opts.name))}, "
-          f"data {redact_uri(opts.data_dir)} "
+    print(f"run {opts.name}: storage {redact(join_uri(opts.storage_path, opts.name))}, "
+          f"data {redact(opts.data_dir)} "
           f"({plan.data.num_sequences} sequences, {plan.steps.steps_per_epoch} steps per epoch), "
           f"workers {opts.num_workers} x {opts.cpus_per_worker:g} CPU(s)"
           + (f"; Ray's own messages: {console.log_path}" if console.installed else ""), flush=True)

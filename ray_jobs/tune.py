@@ -28,11 +28,11 @@ from minilm import data as D
 from minilm.cli import command, note
 from minilm.config import ConfigError, ModelConfig, TrainConfig
 from minilm.options import plan_steps
-from minilm.run import dry_run_done, write_config
-from minilm.safety import check_name, join_uri
+from minilm.run import DRY_RUN, RunPlan, write_config
+from minilm.safety import check_name, join_uri, redact
 
-from .cli import UsageError, load_yaml, redact_uri
-from .pretrain import USER_ERRORS, RunPlan, check_options, plan_run
+from .cli import UsageError, load_yaml
+from .pretrain import USER_ERRORS, check_options, plan_run
 from .pretrain import build_parser as pretrain_parser
 
 SEARCHABLE = {"lr": float, "warmup_steps": int, "min_lr_ratio": float, "schedule": str, "decay_fraction": float,
@@ -93,10 +93,8 @@ def parse_search(spec: str) -> SearchDim:
 
 
 def search_space(specs: list[str], yaml_search: dict | None) -> dict[str, SearchDim]:
-    dims: dict[str, SearchDim] = {}
-    for spec in [f"{name}={value}" for name, value in (yaml_search or {}).items()] + specs:  # flags win over YAML
-        dim = parse_search(spec)
-        dims[dim.name] = dim
+    specs = [f"{name}={value}" for name, value in (yaml_search or {}).items()] + specs  # flags win over YAML
+    dims = {dim.name: dim for dim in map(parse_search, specs)}
     if not dims:
         raise UsageError("nothing to search: give at least one --search NAME=SPEC (e.g. lr=loguniform:1e-4:3e-3)")
     return dims
@@ -126,7 +124,7 @@ def trial(params: dict, plan: RunPlan, sweep_dir: str) -> None:
     from ray import tune
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    from .pretrain import RAY_SNAPSHOT, make_trainer, start_evaluator
+    from .pretrain import RAY_SNAPSHOT, make_trainer, start_evaluator, worker_config
 
     m, t = apply_params(plan.model_cfg, plan.train_cfg, params)
     if t.optimizer == "auto":  # searched: the sweep's own choice, resolved once on the driver like every run's
@@ -142,7 +140,7 @@ def trial(params: dict, plan: RunPlan, sweep_dir: str) -> None:
     write_config(trial_plan, folder)  # for ray_jobs.pretrain --config
     evaluator = start_evaluator(trial_plan)  # --eval-tasks: the trial's checkpoints scored beside it
     try:
-        make_trainer(trial_plan.config(opts), opts, callbacks=[TuneReportCallback()]).fit()
+        make_trainer(worker_config(trial_plan), opts, callbacks=[TuneReportCallback()]).fit()
     finally:
         if evaluator is not None:
             evaluator.finish(opts.eval_wait_s)
@@ -155,11 +153,10 @@ def collect(results, dims: dict[str, SearchDim], metric: str) -> list[dict]:
         m = r.metrics or {}
         step = m.get("optimizer_step", 0)
         status = "ERROR" if r.error else ("DONE" if step and step >= m.get("total_steps", math.inf) else "STOPPED")
-        row = {"trial": Path(r.path).name if r.path else "?", **{d: params.get(d) for d in dims},
-               "steps": step, "loss": m.get("loss"), "val_loss": m.get("val_loss"), "val_bpb": m.get("val_bpb"),
-               metric: m.get(metric), "tokens_per_s": m.get("tokens_per_s"), "status": status}
-        row["_records"] = reported_records(r.metrics_dataframe)
-        rows.append(row)
+        rows.append({"trial": Path(r.path).name if r.path else "?", **{d: params.get(d) for d in dims},
+                     "steps": step, "loss": m.get("loss"), "val_loss": m.get("val_loss"), "val_bpb": m.get("val_bpb"),
+                     metric: m.get(metric), "tokens_per_s": m.get("tokens_per_s"), "status": status,
+                     "_records": reported_records(r.metrics_dataframe)})
     sign = -1 if metric_mode(metric) == "max" else 1  # the best first
     rows.sort(key=lambda r: (r[metric] is None or (isinstance(r[metric], float) and math.isnan(r[metric])),
                              sign * r[metric] if r[metric] is not None else math.inf))
@@ -183,7 +180,7 @@ def write_results(rows: list[dict], dims: dict[str, SearchDim], plan: RunPlan, o
     best = next((r for r in rows if r["status"] != "ERROR"), None)
     if best is not None:
         m, t = apply_params(plan.model_cfg, plan.train_cfg, {d: best[d] for d in dims})
-        best_cfg = {**m.to_dict(), **t.to_dict(), "data": redact_uri(plan.opts.data_dir)}  # give --data's secret again
+        best_cfg = {**m.to_dict(), **t.to_dict(), "data": redact(plan.opts.data_dir)}  # give --data's secret again
         (out / "best.yaml").write_text(f"# best trial {best['trial']} of sweep {plan.opts.name} by {metric}\n"
                                        + yaml.safe_dump(best_cfg, sort_keys=True))
         print(f"best: {best['trial']} -> {out / 'best.yaml'}  (python -m ray_jobs.pretrain --config {out / 'best.yaml'})")
@@ -338,15 +335,16 @@ def sweep(plan: RunPlan, dims, num_samples, concurrent, scheduler, grace, metric
     sweep_path = join_uri(plan.opts.storage_path, plan.opts.name)  # before a URI's ?query
     restore = tune.Tuner.can_restore(sweep_path)
     if restore and resume != "auto":
-        raise UsageError(f"sweep {plan.opts.name} already exists under {redact_uri(plan.opts.storage_path)}: add "
+        raise UsageError(f"sweep {plan.opts.name} already exists under {redact(plan.opts.storage_path)}: add "
                          f"--resume auto to continue it, or choose another --run-dir")
     if plan.opts.dry_run:
-        return dry_run_done()
+        print(DRY_RUN)
+        return 0
     shipped = dataclasses.replace(plan, lease=None)  # the lease stays with this driver
     trainable = tune.with_resources(tune.with_parameters(trial, plan=shipped, sweep_dir=sweep_path),
                                     {"CPU": TRIAL_CPUS})
     if restore:
-        print(f"resuming sweep {plan.opts.name} from {redact_uri(sweep_path)}", flush=True)
+        print(f"resuming sweep {plan.opts.name} from {redact(sweep_path)}", flush=True)
         tuner = tune.Tuner.restore(sweep_path, trainable=trainable, resume_errored=True)
     else:
         sched = None

@@ -101,28 +101,28 @@ def test_each_config_rule_reports_its_message(cls, overrides, message):
 def test_defaults_are_valid():
     assert ModelConfig().validate().problems() == []
     assert ModelConfig(use_moe=True).validate().problems() == []
-    assert TrainConfig().validate(world_size=4, total_steps=100).problems(world_size=4) == []
+    assert TrainConfig().validate().problems() == [] and accumulation_steps(64, 16, 4) == 1
+    assert TrainConfig().steps_problems(100) == []
 
 
 def test_warmup_checked_against_total_steps_argument():
     cfg = TrainConfig(warmup_steps=50)
-    cfg.validate(total_steps=51)
-    with pytest.raises(ConfigError, match=r"warmup_steps \(50\) must be smaller than the total optimizer steps \(50\)"):
-        cfg.validate(total_steps=50)
+    assert cfg.steps_problems(51) == []
+    assert cfg.steps_problems(50) == ["warmup_steps (50) must be smaller than the total optimizer steps (50)"]
 
 
 def test_world_size_not_dividing_takes_uneven_slices():
     # 64 sequences per step, micro-batch 4: any world size 1..64 keeps them (uneven sizes take uneven slices)
-    cfg = TrainConfig(global_batch_size=64, micro_batch_size=4)
-    cfg.validate(world_size=8)
-    cfg.validate(world_size=3)
+    accumulation_steps(64, 4, 8)
+    accumulation_steps(64, 4, 3)
     with pytest.raises(ConfigError) as ei:
-        cfg.validate(world_size=65)
+        accumulation_steps(64, 4, 65)
     (problem,) = ei.value.problems
     assert "world size 65" in problem
     assert "world sizes that keep it: 1-64" in problem
     # micro_batch_size need not divide the global batch: a smaller last micro-batch
-    assert TrainConfig(global_batch_size=30, micro_batch_size=8).validate(world_size=4).problems(world_size=4) == []
+    assert TrainConfig(global_batch_size=30, micro_batch_size=8).validate().problems() == []
+    assert accumulation_steps(30, 8, 4) == 1
 
 
 def test_accumulation_steps():

@@ -182,7 +182,7 @@ def test_the_driver_start_line_shows_the_storage_without_its_secrets(monkeypatch
     monkeypatch.setattr(pretrain, "plan_run", lambda args: plan)
     monkeypatch.setattr(pretrain, "make_trainer", lambda config, opts: SimpleNamespace(fit=lambda: None))
     monkeypatch.setattr(pretrain, "quiet_console", lambda plan: SimpleNamespace(installed=False))
-    monkeypatch.setattr(pretrain.RunPlan, "config", lambda self: {})
+    monkeypatch.setattr(pretrain, "worker_config", lambda plan: {})
     monkeypatch.setattr(pretrain.RunPlan, "release", lambda self: None)
     monkeypatch.setattr(pretrain, "summarize", lambda *a: None)
     assert pretrain.run(None) == 0

@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from minilm.config import ConfigError, ModelConfig, TrainConfig
+from minilm.options import RunOptions
 from minilm.schedule import get_lr
-from minilm.train import sequences_from_tokens, train
+from minilm.train import LocalLauncher, sequences_from_tokens
+from minilm.trainer import Dataset, Trainer
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, vocab_size=256,
             max_position_embeddings=128)
@@ -35,6 +37,21 @@ def test_cli_runs_and_exits_zero():
     assert [line.split()[3] for line in lines] == [f"{i}/5" for i in range(1, 6)]
     assert "done: finished at optimizer step 5/5" in r.stdout
     assert "Traceback" not in r.stderr
+
+
+def train(model_cfg: ModelConfig, train_cfg: TrainConfig, sequences: torch.Tensor, log) -> tuple:
+    """The Trainer on `sequences` (N, seq_len + 1) in this process, world size 1: the model and the metrics of
+    every log step."""
+    model_cfg.validate()
+    train_cfg.validate()
+    data = Dataset.in_memory(sequences.numpy())
+    trainer = Trainer(model_cfg, train_cfg, RunOptions(name="in-process"), data,
+                      LocalLauncher(data, train_cfg.micro_batch_size, say=log))
+    try:
+        trainer.fit()
+    finally:
+        trainer.close("finished")
+    return trainer.raw_model, trainer.history
 
 
 def repeated_sequences(rows: int = 64, distinct: int = 4, seq_len: int = 32) -> torch.Tensor:
