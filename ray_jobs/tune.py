@@ -39,6 +39,7 @@ SEARCHABLE = {"lr": float, "warmup_steps": int, "min_lr_ratio": float, "schedule
               "global_batch_size": int, "grad_clip": float, "router_aux_loss_coef": float, "weight_decay": float,
               "optimizer": str, "muon_lr": float, "muon_momentum": float, "embedding_lr_ratio": float}
 KINDS = ("loguniform", "uniform", "choice", "grid")  # grid: every value, x --num-samples
+SCHEDULERS = ("asha", "none")
 TUNE_KEYS = frozenset({"search", "num_samples", "max_concurrent_trials", "workers_per_trial", "scheduler",
                        "grace_steps", "metric"})
 
@@ -234,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-samples", type=int, default=None, help="trials, or repeats of the grid (default 4)")
     g.add_argument("--max-concurrent-trials", type=int, default=None, help="trials run at once (default 1)")
     g.add_argument("--workers-per-trial", type=int, default=None, help="Ray Train workers per trial (default 1)")
-    g.add_argument("--scheduler", choices=["asha", "none"], default=None,
+    g.add_argument("--scheduler", choices=SCHEDULERS, default=None,
                    help="asha: stop the trials that fall behind at each rung; none: run every trial to its end "
                         "(default asha)")
     g.add_argument("--grace-steps", type=int, default=None, help="ASHA: optimizer steps before a trial can stop "
@@ -266,6 +267,8 @@ def run(args: argparse.Namespace) -> int:
                          f"got {', '.join(map(repr, counts))}")
     num_samples, concurrent, workers = counts[:3]
     scheduler = sweep_opts["scheduler"] or "asha"
+    if scheduler not in SCHEDULERS:  # a YAML value argparse did not see
+        raise UsageError(f"--scheduler must be one of {', '.join(SCHEDULERS)}, got {scheduler!r}")
     if num_samples < 1 or concurrent < 1 or workers < 1:
         raise UsageError("--num-samples, --max-concurrent-trials and --workers-per-trial must be >= 1")
     args.num_workers = str(workers)

@@ -45,6 +45,7 @@ def setup_files(tmp: Path) -> dict[str, str]:
     (tmp / "tasks.yaml").write_text("tasks:\n  - {name: held, kind: bpb, path: held.jsonl}\n")
     (tmp / "null-resume.yaml").write_text("resume: ~\n")
     (tmp / "sweep.yaml").write_text('num_samples: "4"\nsearch:\n  lr: choice:1e-3,2e-3\n')
+    (tmp / "sweep-scheduler.yaml").write_text("scheduler: hyperband\nsearch:\n  lr: choice:1e-3,2e-3\n")
     return {"tmp": str(tmp)}
 
 
@@ -163,6 +164,7 @@ CASES = [
      "  - warmup_steps (4) must be smaller than the total optimizer steps (4)"),
     ("tune", ["--config", "{tmp}/sweep.yaml"], "error: --num-samples, --max-concurrent-trials, --workers-per-trial, "
      "--grace-steps: whole numbers, got '4', 1, 1, 1"),
+    ("tune", ["--config", "{tmp}/sweep-scheduler.yaml"], "error: --scheduler must be one of asha, none, got 'hyperband'"),
     # From here: a message opening with "error: " is the whole of stderr (one ending in "…": its first line)
     ("train", ["--random-tokens", "2000", "--keep-checkpoints", "0"],
      "error: --keep-checkpoints must be an integer >= 1, got 0"),
