@@ -89,12 +89,14 @@ class RunFolder:
         if missing:
             raise CheckpointError(f"checkpoint {self.display}/{name} is incomplete: {missing[0]} is missing")
 
-    def newest_complete(self) -> str | None:
-        """The newest complete checkpoint (what it passes over, the loading process says)."""
+    def newest_complete(self, say=print) -> str | None:
+        """The newest complete checkpoint; says what it skips."""
         for name in reversed(self.checkpoints()):
-            with contextlib.suppress(CheckpointError):
+            try:
                 self.complete(name, once_per_node=True)
                 return name
+            except CheckpointError as e:
+                say(f"skipping checkpoint: {e}")
         return None
 
     @contextlib.contextmanager
@@ -260,7 +262,7 @@ def decide_resume(folder: RunFolder | None, resume: str, abandon_newer: bool = F
     a checkpoint older than others of the folder, would leave a branch that pruning and `auto` mix with the new one:
     refused, unless `abandon_newer`, whose move (and, starting fresh, the run's logs') `apply` makes."""
     if resume == "auto":  # (what it passes over, the loading process says)
-        return ResumeDecision(folder.newest_complete() if folder is not None else None)
+        return ResumeDecision(folder.newest_complete(lambda _: None) if folder is not None else None)
     names = folder.checkpoints() if folder is not None else []
     origin = None
     if resume != "never":
