@@ -157,10 +157,12 @@ def code_version(code_dir: str | os.PathLike | None = None) -> dict[str, Any]:
     root = Path(code_dir) if code_dir else Path(__file__).resolve().parents[1]
     if not (root / ".git").exists():  # not some unrelated repository that happens to enclose an install
         return {}
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10,
+                              check=True).stdout.strip()
+
     try:
-        commit, dirty = (subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10,
-                                        check=True).stdout.strip()
-                         for args in (("rev-parse", "HEAD"), ("status", "--porcelain", "--untracked-files=no")))
+        commit, dirty = git("rev-parse", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
         return {}
     return {"git_commit": commit, "git_dirty": bool(dirty)} if commit else {}
@@ -183,6 +185,8 @@ class Trackers:
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         """Log one reported step (a step at or below a tracker's high water, redone after a crash, is not)."""
+        if not self.backends:  # a run without trackers: nothing to flatten
+            return
         scalars = flatten_metrics(metrics)
         before = [b.high_water for b in self.backends]
         for backend in self.backends:

@@ -75,13 +75,18 @@ def worker_config(plan: RunPlan) -> dict:
     """The train_loop_config every worker of the plan's run (or Tune trial) gets, one object."""
     run_opts = dataclasses.replace(plan.opts)
     run_opts.run_id = f"{run_opts.name}-{int(time.time())}"
-    run_opts.storage_dir = redact(join_uri(run_opts.storage_path.split("?", 1)[0], run_opts.name))
+    run_opts.storage_dir = printable_run_dir(run_opts)
     shown, hidden = without_secrets(RunSpec(plan.model_cfg, plan.train_cfg, run_opts, plan.steps).to_dict())
     if hidden:  # the dashboard shows train_loop_config: the credentials travel in the object store instead
         import ray
 
         shown["secrets"] = ray.put(hidden)
     return shown
+
+
+def printable_run_dir(opts: RayOptions) -> str:
+    """STORAGE/NAME as messages name it: without the URI's ?query (the storage's options) and its credentials."""
+    return redact(join_uri(opts.storage_path.split("?", 1)[0], opts.name))
 
 
 def without_secrets(config: dict) -> tuple[dict, dict]:
@@ -171,8 +176,7 @@ class RayLaunch(run_plan.Launch):
         plan.eval_tasks = self.eval_tasks
 
     def folder(self, opts: RayOptions) -> C.RunFolder:
-        return C.RunFolder(join_uri(opts.storage_path, opts.name),
-                           display=redact(join_uri(opts.storage_path.split("?", 1)[0], opts.name)))
+        return C.RunFolder(join_uri(opts.storage_path, opts.name), display=printable_run_dir(opts))
 
     def resolve(self, plan: RunPlan) -> None:  # one precision and optimizer for every rank and restart
         cfg = plan.train_cfg
