@@ -71,17 +71,38 @@ def reference_rows(path: Path) -> np.ndarray:
 
 def run_module(module: str, args: list[str], env: dict | None = None, timeout: float = 300,
                check: bool = False) -> subprocess.CompletedProcess:
+    proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     try:
-        proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True,
-                              text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as e:  # what it printed says where it hung
-        tail = [(b or b"").decode(errors="replace")[-4000:] if isinstance(b, bytes) else (b or "")[-4000:]
-                for b in (e.stdout, e.stderr)]
-        raise AssertionError(f"{module} ran past {timeout} s\nstdout:\n{tail[0]}\nstderr:\n{tail[1]}") from None
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:  # where its processes wait, and what it printed, say where it hung
+        stacks = stack_dumps(proc.pid)
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"{module} ran past {timeout} s\nstacks:\n{stacks}\nstderr:\n{err[-2000:]}\n"
+                             f"stdout:\n{out[-2000:]}") from None
     if check and proc.returncode != 0:
-        raise AssertionError(f"{module} exited {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\n"
-                             f"stderr:\n{proc.stderr[-4000:]}")
-    return proc
+        raise AssertionError(f"{module} exited {proc.returncode}\nstdout:\n{out[-4000:]}\nstderr:\n{err[-4000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def stack_dumps(driver_pid: int) -> str:
+    """The Python stacks (py-spy, from the dev extra) of a hung driver and of its Ray processes that run user code
+    (a Tune trial, a Train controller, worker or sync actor, the scoring): the threads in our code, Train's or Tune's."""
+    import psutil
+
+    ours = ("ImplicitFunc", "_QueueActor", "Train", "SynchronizationActor", "DatasetManager", "Evaluat", "score")
+    titles = {driver_pid: "driver"} | {p.pid: p.info["cmdline"][0] for p in psutil.process_iter(["cmdline"])
+                                       if any(w in " ".join(p.info["cmdline"] or [])[:60] for w in ours)}
+    dumps = []
+    for pid, title in titles.items():
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+            dump = subprocess.run([Path(sys.executable).with_name("py-spy"), "dump", "--pid", str(pid)],
+                                  capture_output=True, text=True, timeout=30).stdout
+            threads = [t for t in dump.split("\nThread ")[1:]
+                       if any(w in t for w in ("minilm", "ray_jobs", "(active)", "ray/train", "ray/tune"))]
+            dumps.append(f"== {pid} {title}\n" + "\n".join("Thread " + t.strip() for t in threads))
+    return "\n".join(dumps)
 
 
 def metrics(run_dir: Path) -> list[dict]:
