@@ -199,19 +199,29 @@ EVAL_VOCAB = ("--vocab-size", "320")
 
 
 @pytest.mark.ray
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_scores_beside_training_leave_the_weights_bitwise_and_arrive_once(ray_address, run_data, run_storage,
-                                                                         tmp_path):
+@pytest.mark.slow  # 3 runs: one without evaluation, one scored beside and SIGKILLed, its resubmission
+@pytest.mark.timeout(900)
+def test_scores_beside_a_killed_and_resubmitted_driver_arrive_once_and_leave_the_weights_bitwise(
+        ray_address, run_data, run_storage, tmp_path):
     listing, rows = write_task_list(tmp_path / "tasks")
     pretrain(ray_address, tiny_args(run_data, run_storage, "without", *EVAL_VOCAB))
-    proc = pretrain(ray_address, tiny_args(run_data, run_storage, "beside", *EVAL_VOCAB, "--eval-tasks",
-                                           str(listing), "--eval-resources", "CPU=1"))
-    run_dir = run_storage / "beside"
-    # Training never reads a score: the weights are the run's without evaluation, bit for bit
+    args = tiny_args(run_data, run_storage, "beside", *EVAL_VOCAB, "--eval-tasks", str(listing), "--eval-resources",
+                     "CPU=1")
+    run_dir, log = run_storage / "beside", tmp_path / "driver.log"
+    proc = start_pretrain(ray_address, args, capture=False, log=log, MINILM_TEST_STEP_DELAY_S="1")
+    wait_for(lambda: eval_pairs(run_dir) and is_complete(run_dir / "checkpoint_00000008"), proc,
+             "a checkpoint was scored and checkpoint 8 was complete")
+    proc.send_signal(signal.SIGKILL)  # later checkpoints: being scored, or not yet handed out
+    proc.wait(30)
+    wait_until_workers_exit()
+    assert not (run_dir / f"checkpoint_{STEPS:08d}").exists()
+    before = eval_pairs(run_dir)
+    assert len(set(before)) == len(before)
+    again = pretrain(ray_address, args)
+    # Training never reads a score (and resumes exactly): the weights are the run's without evaluation, bit for bit
     assert bitwise_equal(final_weights(run_storage, "beside"), final_weights(run_storage, "without"))
     want = [(s, t) for s in CHECKPOINTS for t in ("cloze", "held")]
-    assert eval_pairs(run_dir) == want, proc.stdout[-3000:]  # every checkpoint scored, once
+    assert eval_pairs(run_dir) == want, (before, again.stdout[-3000:])  # every checkpoint scored, once
     assert forwarded(run_dir) == want  # and in metrics.jsonl once, at its checkpoint's step
     last = {r["eval_task"]: r for r in metrics(run_dir) if r.get("optimizer_step") == STEPS and "eval_task" in r}
     assert set(last["cloze"]) >= {"eval/cloze/acc", "eval/cloze/acc_norm"} and "eval/held/bpb" in last["held"]
@@ -234,33 +244,12 @@ def test_scores_beside_training_leave_the_weights_bitwise_and_arrive_once(ray_ad
     scores = {r["optimizer_step"]: r["eval/cloze/acc_norm"] for r in metrics(run_dir) if r.get("eval_task") == "cloze"}
     assert best["metric"] == "eval/cloze/acc_norm" and best["value"] == max(scores.values())
     assert scores[best["step"]] == best["value"] and (run_dir / best["checkpoint"]).is_dir()
-    assert f"eval  step {STEPS}: cloze acc " in proc.stdout
-    assert [line for line in proc.stdout.splitlines() if line.startswith("warning")] == []
+    assert f"eval  step {STEPS}: cloze acc " in again.stdout
+    console = log.read_text() + again.stdout
+    assert [line for line in console.splitlines() if line.startswith("warning") and "fault injection" not in line] == []
     # docs/evaluation.md's lines (the demo's tasks, cloze and comments: here cloze and held)
     assert_quoted([line.replace("comments", "held") for line in quoted_block("docs/evaluation.md", "eval  step")],
-                  proc.stdout)
-
-
-@pytest.mark.ray
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_a_killed_driver_resubmitted_scores_each_checkpoint_once(ray_address, run_data, run_storage, tmp_path):
-    listing, _ = write_task_list(tmp_path / "tasks")
-    args = tiny_args(run_data, run_storage, "beside-kill", *EVAL_VOCAB, "--eval-tasks", str(listing))
-    run_dir = run_storage / "beside-kill"
-    proc = start_pretrain(ray_address, args, capture=False, log=tmp_path / "driver.log", MINILM_TEST_STEP_DELAY_S="1")
-    wait_for(lambda: eval_pairs(run_dir) and is_complete(run_dir / "checkpoint_00000008"), proc,
-             "a checkpoint was scored and checkpoint 8 was complete")
-    proc.send_signal(signal.SIGKILL)  # later checkpoints: being scored, or not yet handed out
-    proc.wait(30)
-    wait_until_workers_exit()
-    assert not (run_dir / f"checkpoint_{STEPS:08d}").exists()
-    before = eval_pairs(run_dir)
-    assert len(set(before)) == len(before)
-    again = pretrain(ray_address, args)
-    want = [(s, t) for s in CHECKPOINTS for t in ("cloze", "held")]
-    assert eval_pairs(run_dir) == want, (before, again.stdout[-3000:])
-    assert forwarded(run_dir) == want
+                  console)
 
 
 @pytest.mark.ray
