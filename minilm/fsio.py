@@ -49,7 +49,7 @@ def read_jsonl(path: str | os.PathLike, offset: int = 0, *, live: bool = False, 
     for n, line in enumerate(data[:end].decode("utf-8", "replace").split("\n"), 1):
         try:
             value = record(loads(line)) if line.strip() else None
-        except (ValueError, KeyError, TypeError, RecursionError):  # RecursionError: nesting past the stack
+        except (ValueError, KeyError, TypeError):  # `loads` makes nesting past the stack a ValueError
             value = bad_line(n) if bad_line else None
         if value is not None:
             records.append(value)
@@ -208,7 +208,7 @@ class NodeStamp:
         self._lock.__enter__()
         try:
             saved = loads(self.path.read_text())
-        except (OSError, ValueError, RecursionError):
+        except (OSError, ValueError):
             saved = None
         ours = isinstance(saved, dict) and saved.get("fingerprint") == self.fingerprint
         self.saved = saved["files"] if ours and isinstance(saved.get("files"), dict) else {}

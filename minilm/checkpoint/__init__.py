@@ -1,7 +1,6 @@
 """Checkpoints, one owner: `manager` (when and how), `files` (the folder on disk), `resume` (the run folder and
 which checkpoint a run continues), `best` (the best checkpoint and what pruning keeps)."""
 
-from . import best, files, resume  # noqa: F401
 from .best import *  # noqa: F403
 from .files import *  # noqa: F403
 from .manager import *  # noqa: F403

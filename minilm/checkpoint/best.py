@@ -149,7 +149,7 @@ def write_pending(folder: RunFolder, names: list[str], scored: tuple[str, ...] =
         owners = {o: {n: sha for n, sha in e.items() if (n, sha) not in done and (sha is None or held.get(n, sha) == sha)}
                   for o, e in owners.items()}
         owners = {o: e for o, e in owners.items() if e}
-        union = sorted(set().union(*owners.values())) if owners else []
+        union = sorted(set().union(*owners.values()))
         folder.write(PENDING, json.dumps({"checkpoints": union, "owners": owners}, indent=2, sort_keys=True).encode())
 
 

@@ -103,7 +103,7 @@ class PendingSave:
         return self._done.is_set()
 
     def failed(self) -> bool:
-        return self._done.is_set() and self.error is not None
+        return self.done() and self.error is not None
 
     def wait(self) -> Path:
         self._done.wait()

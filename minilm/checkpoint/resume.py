@@ -269,7 +269,7 @@ def decide_resume(folder: RunFolder | None, resume: str, abandon_newer: bool = F
         path = Path(resume).expanduser().resolve()
         verify(path, once_per_node=True)  # missing, partial or corrupt: refused before any work starts
         origin = str(path)
-        if folder is not None and folder.local is not None and path.parent == folder.local:
+        if folder is not None and path.parent == folder.local:
             names = [n for n in names if n > path.name]
     if not names:
         return ResumeDecision(origin)
