@@ -83,8 +83,8 @@ def ray_cluster(ray_address):
     yield ray
 
 
-def prep(capsys, *args) -> tuple[int, str]:
-    """Run the CLI in this process: (exit status, stderr).
+def prep(capsys, *args, code: int = 0) -> str:
+    """Run the CLI in this process, check its exit status is `code`; its stderr.
 
     Without --rows, the packed layout: these tests check reading, sharding and hashing against rows that are
     easy to compute (`expected_rows`); the best-fit default and bos-aligned have tests of their own below.
@@ -92,8 +92,10 @@ def prep(capsys, *args) -> tuple[int, str]:
     args = [str(a) for a in args]
     if "--rows" not in args:
         args += ["--rows", "packed"]
-    code = PR.main(args)
-    return code, capsys.readouterr().err
+    got = PR.main(args)
+    err = capsys.readouterr().err
+    assert got == code, err
+    return err
 
 
 def cli(*args, env=None, timeout=180) -> subprocess.CompletedProcess:
@@ -202,8 +204,7 @@ INPUT_ERRORS = [
 def test_bad_input_is_one_clear_error(capsys, tmp_path, write, args, needles):
     write(tmp_path)
     before = tree(tmp_path)
-    code, err = prep(capsys, "--input", *[a.format(tmp=tmp_path) for a in args], "--output", tmp_path / "out")
-    assert code == 2
+    err = prep(capsys, "--input", *[a.format(tmp=tmp_path) for a in args], "--output", tmp_path / "out", code=2)
     assert_clean_error(err, *[n.format(tmp=tmp_path) for n in needles])
     assert tree(tmp_path) == before  # no output, no temporary folder left behind
 
@@ -213,13 +214,11 @@ def test_existing_output_is_refused(capsys, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "manifest.json").write_text(json.dumps({"num_sequences": 3, "seq_len": 16, "fingerprint": "abc"}))
-    code, err = prep(capsys, "--input", src, "--output", out)
-    assert code == 2
+    err = prep(capsys, "--input", src, "--output", out, code=2)
     assert_clean_error(err, "already holds a prepared dataset", "pass --overwrite")
     (out / "manifest.json").unlink()
     (out / "mine.txt").write_text("keep me")
-    code, err = prep(capsys, "--input", src, "--output", out, "--overwrite")
-    assert code == 2
+    err = prep(capsys, "--input", src, "--output", out, "--overwrite", code=2)
     assert_clean_error(err, "refusing to replace it")
     assert (out / "mine.txt").read_text() == "keep me"
 
@@ -321,9 +320,8 @@ def test_record_reader_counts_input_bytes(mixed_inputs):
 def test_every_token_of_every_document_in_order(ray_cluster, capsys, tmp_path, tok, tok_path):
     src = write_jsonl(tmp_path / "corpus.jsonl", DOCS)
     out = tmp_path / "out"
-    code, err = prep(capsys, "--input", src, "--output", out, "--tokenizer", tok_path, "--seq-len", SEQ,
-                     "--rows-per-shard", 7)
-    assert code == 0, err
+    err = prep(capsys, "--input", src, "--output", out, "--tokenizer", tok_path, "--seq-len", SEQ,
+               "--rows-per-shard", 7)
     rows, dropped = expected_rows(tok, DOCS)
     np.testing.assert_array_equal(read_all(out), rows)
     m = manifest_of(out)
@@ -350,11 +348,11 @@ def test_every_token_of_every_document_in_order(ray_cluster, capsys, tmp_path, t
 def test_same_input_same_bytes(ray_cluster, capsys, tmp_path, tok_path, monkeypatch):
     src = write_jsonl(tmp_path / "corpus.jsonl", DOCS * 3)
     args = ["--input", src, "--seq-len", SEQ, "--rows-per-shard", 20, "--vocab-size", 300]
-    assert prep(capsys, *args, "--output", tmp_path / "a")[0] == 0
+    prep(capsys, *args, "--output", tmp_path / "a")
     # other block sizes (many Ray tasks, some of one document) must not change a byte
     monkeypatch.setattr(PP, "BLOCK_BYTES", 3000)
     monkeypatch.setattr(PP, "BLOCK_DOCS", 7)
-    assert prep(capsys, *args, "--output", tmp_path / "b")[0] == 0
+    prep(capsys, *args, "--output", tmp_path / "b")
     ma, mb = manifest_of(tmp_path / "a"), manifest_of(tmp_path / "b")
     assert ma["fingerprint"] == mb["fingerprint"]
     assert ma["shards"] == mb["shards"] and len(ma["shards"]) > 1
@@ -378,9 +376,8 @@ def test_skip_mode_counts_every_reason(ray_cluster, capsys, tmp_path, tok, tok_p
     src = tmp_path / "corpus.jsonl"
     src.write_bytes(("\n".join(lines) + "\n").encode() + b'{"text": "\xff"}\n')
     (tmp_path / "empty.jsonl").write_text("")
-    code, err = prep(capsys, "--input", src, tmp_path / "empty.jsonl", "--output", tmp_path / "out",
-                     "--tokenizer", tok_path, "--seq-len", SEQ, "--on-bad-record", "skip")
-    assert code == 0, err
+    err = prep(capsys, "--input", src, tmp_path / "empty.jsonl", "--output", tmp_path / "out",
+               "--tokenizer", tok_path, "--seq-len", SEQ, "--on-bad-record", "skip")
     m = manifest_of(tmp_path / "out")
     want = {"malformed_json": 2, "not_an_object": 1, "missing_text_field": 1, "non_string_text": 2,
             "invalid_utf8": 2, "empty_text": 1}
@@ -400,8 +397,7 @@ def test_skip_mode_counts_every_reason(ray_cluster, capsys, tmp_path, tok, tok_p
 def test_every_input_format(ray_cluster, capsys, tmp_path, tok, tok_path, mixed_inputs):
     root, expected = mixed_inputs
     out = tmp_path / "out"
-    code, err = prep(capsys, "--input", root, "--output", out, "--tokenizer", tok_path, "--seq-len", SEQ)
-    assert code == 0, err
+    err = prep(capsys, "--input", root, "--output", out, "--tokenizer", tok_path, "--seq-len", SEQ)
     assert "warning: ignoring 1 file(s) of unsupported type" in err
     m = manifest_of(out)
     assert [i["format"] for i in m["inputs"]] == ["jsonl", "txt", "parquet", "hf", "jsonl", "txt"]
@@ -410,12 +406,10 @@ def test_every_input_format(ray_cluster, capsys, tmp_path, tok, tok_path, mixed_
     # a glob over the same files, and the files one by one, give the same dataset
     files = [root / "a.jsonl", root / "b.txt", root / "c.parquet", root / "d_hf", root / "e" / "nested.jsonl",
              root / "e" / "z.txt"]
-    assert prep(capsys, "--input", *files, "--output", tmp_path / "one", "--tokenizer", tok_path,
-                "--seq-len", SEQ)[0] == 0
+    prep(capsys, "--input", *files, "--output", tmp_path / "one", "--tokenizer", tok_path, "--seq-len", SEQ)
     assert manifest_of(tmp_path / "one")["fingerprint"] == m["fingerprint"]
-    code, err = prep(capsys, "--input", str(root / "*.jsonl"), str(root / "e" / "*"), "--output", tmp_path / "glob",
-                     "--tokenizer", tok_path, "--seq-len", SEQ)
-    assert code == 0, err
+    err = prep(capsys, "--input", str(root / "*.jsonl"), str(root / "e" / "*"), "--output", tmp_path / "glob",
+               "--tokenizer", tok_path, "--seq-len", SEQ)
     want = expected[:10] + expected[-11:]
     assert manifest_of(tmp_path / "glob")["documents_read"] == len(want)
     np.testing.assert_array_equal(read_all(tmp_path / "glob"), expected_rows(tok, want)[0])
@@ -424,18 +418,16 @@ def test_every_input_format(ray_cluster, capsys, tmp_path, tok, tok_path, mixed_
 @pytest.mark.ray
 def test_text_field_option(ray_cluster, capsys, tmp_path, tok, tok_path):
     src = write_jsonl(tmp_path / "c.jsonl", DOCS[:50], field="content")
-    code, err = prep(capsys, "--input", src, "--output", tmp_path / "out", "--tokenizer", tok_path,
-                     "--seq-len", SEQ, "--text-field", "content")
-    assert code == 0, err
+    prep(capsys, "--input", src, "--output", tmp_path / "out", "--tokenizer", tok_path,
+         "--seq-len", SEQ, "--text-field", "content")
     np.testing.assert_array_equal(read_all(tmp_path / "out"), expected_rows(tok, DOCS[:50])[0])
 
 
 @pytest.mark.ray
 def test_empty_text_is_skipped_and_counted_even_in_error_mode(ray_cluster, capsys, tmp_path, tok, tok_path):
     src = write_jsonl(tmp_path / "c.jsonl", DOCS[:20] + [""] + DOCS[20:40])
-    code, err = prep(capsys, "--input", src, "--output", tmp_path / "out", "--tokenizer", tok_path,
-                     "--seq-len", SEQ)
-    assert code == 0, err
+    err = prep(capsys, "--input", src, "--output", tmp_path / "out", "--tokenizer", tok_path,
+               "--seq-len", SEQ)
     m = manifest_of(tmp_path / "out")
     assert m["skipped_by_reason"] == {"empty_text": 1} and m["documents_read"] == 40
     assert "skipped 1 record(s) (empty_text 1)" in err
@@ -446,9 +438,8 @@ def test_empty_text_is_skipped_and_counted_even_in_error_mode(ray_cluster, capsy
 @pytest.mark.ray
 def test_too_little_text_for_one_sequence(ray_cluster, capsys, tmp_path, tok_path):
     src = write_jsonl(tmp_path / "c.jsonl", ["tiny"])
-    code, err = prep(capsys, "--input", src, "--output", tmp_path / "out", "--tokenizer", tok_path,
-                     "--seq-len", 512)
-    assert code == 2
+    err = prep(capsys, "--input", src, "--output", tmp_path / "out", "--tokenizer", tok_path,
+               "--seq-len", 512, code=2)
     assert_clean_error(err, "fewer than one sequence of seq_len + 1 = 513")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl"]
 
@@ -457,13 +448,12 @@ def test_too_little_text_for_one_sequence(ray_cluster, capsys, tmp_path, tok_pat
 def test_overwrite(ray_cluster, capsys, tmp_path, tok_path):
     src = write_jsonl(tmp_path / "c.jsonl", DOCS)
     args = ["--input", src, "--output", tmp_path / "out", "--tokenizer", tok_path, "--seq-len", SEQ]
-    assert prep(capsys, *args)[0] == 0
+    prep(capsys, *args)
     first = manifest_of(tmp_path / "out")
-    code, err = prep(capsys, *args)
-    assert code == 2
+    err = prep(capsys, *args, code=2)
     assert_clean_error(err, "already holds a prepared dataset", "--overwrite")
     write_jsonl(src, DOCS[:60])
-    assert prep(capsys, *args, "--overwrite")[0] == 0
+    prep(capsys, *args, "--overwrite")
     second = manifest_of(tmp_path / "out")
     assert second["documents_read"] == 60 and second["fingerprint"] != first["fingerprint"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl", "out"]
@@ -505,9 +495,8 @@ def test_failure_midway_leaves_nothing(ray_cluster, capsys, tmp_path, tok_path, 
         return real(path, mode, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "open", interrupted)
-    code, err = prep(capsys, "--input", src, "--output", tmp_path / "out", "--tokenizer", tok_path,
-                     "--seq-len", SEQ)
-    assert code == 130
+    err = prep(capsys, "--input", src, "--output", tmp_path / "out", "--tokenizer", tok_path,
+               "--seq-len", SEQ, code=130)
     assert "interrupted: nothing was written to" in err and "Traceback" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl"]
 
@@ -545,9 +534,7 @@ def test_killed_prepare_leaves_no_dataset(ray_cluster, capsys, tmp_path, tok_pat
         open_prepared(tmp_path / "out")
     with pytest.raises(DataError, match="no manifest.json"):
         open_prepared(temp)  # even the leftover is refused
-    code, err = prep(capsys, "--input", src, "--output", tmp_path / "out", "--tokenizer", tok_path,
-                     "--seq-len", SEQ)
-    assert code == 0, err
+    prep(capsys, "--input", src, "--output", tmp_path / "out", "--tokenizer", tok_path, "--seq-len", SEQ)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl", "out"]
 
 
@@ -595,9 +582,8 @@ def test_bos_aligned_rows_start_at_a_document_and_follow_the_best_fit_rule(ray_c
 
     seq = 31
     src = write_jsonl(tmp_path / "corpus.jsonl", DOCS)
-    code, err = prep(capsys, "--input", src, "--output", tmp_path / "out", "--seq-len", seq, "--tokenizer", tok_path,
-                     "--rows", "bos-aligned")
-    assert code == 0, err
+    err = prep(capsys, "--input", src, "--output", tmp_path / "out", "--seq-len", seq, "--tokenizer", tok_path,
+               "--rows", "bos-aligned")
     rows, m = read_all(tmp_path / "out"), manifest_of(tmp_path / "out")
     docs = [tok.encode(d, add_special_tokens=False).ids for d in DOCS]
     expected, fit = bos_aligned_rows(docs, seq + 1)
