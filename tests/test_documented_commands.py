@@ -42,9 +42,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
-from helpers import ROOT, assert_quoted, free_port, make_prepared, quoted_block, sigterm_kept, tree  # noqa: E402
+from helpers import ROOT, assert_quoted, free_port, make_prepared, quoted_block, sigterm_kept, tree
 
 DOCS = ("README.md", *(f"docs/{p.name}" for p in sorted((ROOT / "docs").glob("*.md"))), "cluster/README.md")
 

@@ -165,13 +165,10 @@ def test_auto_picks_grouped_only_where_the_sync_free_kernel_is(monkeypatch):
         assert moe.uses_grouped_dispatch(x)
     assert moe.uses_grouped_dispatch(x.bfloat16())
 
-    capability = {"value": (9, 0)}
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["value"])
-    assert grouped_mm_kernel_on(torch.device("cuda", 0))
-    capability["value"] = (10, 0)
-    assert grouped_mm_kernel_on(torch.device("cuda", 0))
-    capability["value"] = (8, 0)  # A100: the op's fallback, a loop that reads the offsets on the host
-    assert not grouped_mm_kernel_on(torch.device("cuda", 0))
+    # sm90 and sm100 have the kernel; an A100 (8.0) has the op's fallback, which reads the offsets on the host
+    for capability, kernel in [((9, 0), True), ((10, 0), True), ((8, 0), False)]:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert grouped_mm_kernel_on(torch.device("cuda", 0)) is kernel, capability
     assert not grouped_mm_kernel_on(torch.device("cpu"))
     moe.float()  # _apply re-reads the weights' device: CPU
     assert not moe.grouped_kernel

@@ -219,13 +219,15 @@ def test_existing_dataset_is_refused_unless_overwrite(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tok"]
 
 
-def test_incomplete_dataset_needs_overwrite(tmp_path):
+@pytest.mark.parametrize("incomplete", [False, True], ids=["empty-is-used", "incomplete-needs-overwrite"])
+def test_an_empty_folder_is_used_and_an_incomplete_dataset_needs_overwrite(tmp_path, incomplete):
     final = tmp_path / "tok"
     final.mkdir()
-    (final / "shard-00000.bin").write_bytes(b"x")
-    with pytest.raises(P.OutputError, match="incomplete prepared dataset"):
-        P.AtomicOutput(final)
-    finished(P.AtomicOutput(final, overwrite=True))
+    if incomplete:
+        (final / "shard-00000.bin").write_bytes(b"x")
+        with pytest.raises(P.OutputError, match="incomplete prepared dataset"):
+            P.AtomicOutput(final)
+    finished(P.AtomicOutput(final, overwrite=incomplete))
     assert open_prepared(final).num_sequences == 8
 
 
@@ -240,13 +242,6 @@ def test_foreign_folder_is_never_replaced(tmp_path):
     (tmp_path / "afile").write_text("x")
     with pytest.raises(P.OutputError, match="not a directory"):
         P.AtomicOutput(tmp_path / "afile", overwrite=True)
-
-
-def test_empty_existing_folder_is_used(tmp_path):
-    final = tmp_path / "tok"
-    final.mkdir()
-    finished(P.AtomicOutput(final))
-    assert open_prepared(final).num_sequences == 8
 
 
 def test_stale_temp_folders_are_removed(tmp_path):

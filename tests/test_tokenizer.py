@@ -43,13 +43,11 @@ def tok():
 
 def test_special_token_ids(tok):
     assert T.special_ids(tok) == {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
-    assert tok.id_to_token(0) == "<|endoftext|>"
-    assert tok.id_to_token(1) == "<|im_start|>"
-    assert tok.id_to_token(2) == "<|im_end|>"
+    assert [tok.id_to_token(i) for i in range(3)] == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     assert tok.get_vocab_size() == 300 == T.vocab_size_of(tok)
     # literal special-token strings in a text encode to their ids (MiniMind's pretrain data has them)
-    assert tok.encode("<|im_start|>hi<|im_end|>").ids[0] == 1
-    assert tok.encode("<|im_start|>hi<|im_end|>").ids[-1] == 2
+    ids = tok.encode("<|im_start|>hi<|im_end|>").ids
+    assert (ids[0], ids[-1]) == (1, 2)
     # nothing is added around a document: packing adds the EOS itself
     assert 2 not in tok.encode("plain text").ids
 
