@@ -198,7 +198,7 @@ def test_remote_uri_is_read_remotely_and_copied_once(tmp_path, cache, monkeypatc
     assert D.open_local(str(path)).path == path  # a local path is used where it is
 
 
-def test_damaged_copy_is_made_again(tmp_path, cache):
+def test_damaged_copy_is_made_again(tmp_path):
     path = dataset(tmp_path)
     local = D.open_local(f"file://{path}")
     (local.path / "shard-00001.bin").unlink()

@@ -76,13 +76,6 @@ def tok(tok_path):
     return T.load_tokenizer(tok_path)
 
 
-@pytest.fixture(scope="module")
-def ray_cluster(ray_address):
-    import ray
-
-    yield ray
-
-
 def prep(capsys, *args, code: int = 0) -> str:
     """Run the CLI in this process, check its exit status is `code`; its stderr.
 
@@ -204,7 +197,8 @@ INPUT_ERRORS = [
 def test_bad_input_is_one_clear_error(capsys, tmp_path, write, args, needles):
     write(tmp_path)
     before = tree(tmp_path)
-    err = prep(capsys, "--input", *[a.format(tmp=tmp_path) for a in args], "--output", tmp_path / "out", code=2)
+    inputs = [a.format(tmp=tmp_path) for a in args]
+    err = prep(capsys, "--input", *inputs, "--output", tmp_path / "out", code=2)
     assert_clean_error(err, *[n.format(tmp=tmp_path) for n in needles])
     assert tree(tmp_path) == before  # no output, no temporary folder left behind
 
@@ -260,7 +254,7 @@ def test_directory_walk_reads_every_format_in_sorted_order(mixed_inputs):
     assert [c["documents"] for c in reader.per_source] == [10, 1, 13, 15, 10, 1]
 
 
-def test_globs_and_repeats(mixed_inputs, tmp_path):
+def test_globs_and_repeats(mixed_inputs):
     root, _ = mixed_inputs
     warnings = []
     sources = PI.resolve_inputs([str(root / "**" / "*.jsonl"), str(root / "a.jsonl")], warn=warnings.append)
@@ -317,7 +311,7 @@ def test_record_reader_counts_input_bytes(mixed_inputs):
 # ---- full runs (Ray) ----------------------------------------------------------------------------------
 
 @pytest.mark.ray
-def test_every_token_of_every_document_in_order(ray_cluster, capsys, tmp_path, tok, tok_path):
+def test_every_token_of_every_document_in_order(ray_address, capsys, tmp_path, tok, tok_path):
     src = write_jsonl(tmp_path / "corpus.jsonl", DOCS)
     out = tmp_path / "out"
     err = prep(capsys, "--input", src, "--output", out, "--tokenizer", tok_path, "--seq-len", SEQ,
@@ -345,7 +339,7 @@ def test_every_token_of_every_document_in_order(ray_cluster, capsys, tmp_path, t
 
 
 @pytest.mark.ray
-def test_same_input_same_bytes(ray_cluster, capsys, tmp_path, tok_path, monkeypatch):
+def test_same_input_same_bytes(ray_address, capsys, tmp_path, monkeypatch):
     src = write_jsonl(tmp_path / "corpus.jsonl", DOCS * 3)
     args = ["--input", src, "--seq-len", SEQ, "--rows-per-shard", 20, "--vocab-size", 300]
     prep(capsys, *args, "--output", tmp_path / "a")
@@ -366,7 +360,7 @@ def test_same_input_same_bytes(ray_cluster, capsys, tmp_path, tok_path, monkeypa
 
 
 @pytest.mark.ray
-def test_skip_mode_counts_every_reason(ray_cluster, capsys, tmp_path, tok, tok_path):
+def test_skip_mode_counts_every_reason(ray_address, capsys, tmp_path, tok, tok_path):
     good = DOCS[:40]
     lines = [json.dumps({"text": d}) for d in good]
     bad = ['{"text": "a" "b"}', '[1, 2]', '{"body": "x"}', '{"text": 3}', '{"text": null}',
@@ -394,7 +388,7 @@ def test_skip_mode_counts_every_reason(ray_cluster, capsys, tmp_path, tok, tok_p
 
 
 @pytest.mark.ray
-def test_every_input_format(ray_cluster, capsys, tmp_path, tok, tok_path, mixed_inputs):
+def test_every_input_format(ray_address, capsys, tmp_path, tok, tok_path, mixed_inputs):
     root, expected = mixed_inputs
     out = tmp_path / "out"
     err = prep(capsys, "--input", root, "--output", out, "--tokenizer", tok_path, "--seq-len", SEQ)
@@ -416,7 +410,7 @@ def test_every_input_format(ray_cluster, capsys, tmp_path, tok, tok_path, mixed_
 
 
 @pytest.mark.ray
-def test_text_field_option(ray_cluster, capsys, tmp_path, tok, tok_path):
+def test_text_field_option(ray_address, capsys, tmp_path, tok, tok_path):
     src = write_jsonl(tmp_path / "c.jsonl", DOCS[:50], field="content")
     prep(capsys, "--input", src, "--output", tmp_path / "out", "--tokenizer", tok_path,
          "--seq-len", SEQ, "--text-field", "content")
@@ -424,7 +418,7 @@ def test_text_field_option(ray_cluster, capsys, tmp_path, tok, tok_path):
 
 
 @pytest.mark.ray
-def test_empty_text_is_skipped_and_counted_even_in_error_mode(ray_cluster, capsys, tmp_path, tok, tok_path):
+def test_empty_text_is_skipped_and_counted_even_in_error_mode(ray_address, capsys, tmp_path, tok, tok_path):
     src = write_jsonl(tmp_path / "c.jsonl", DOCS[:20] + [""] + DOCS[20:40])
     err = prep(capsys, "--input", src, "--output", tmp_path / "out", "--tokenizer", tok_path,
                "--seq-len", SEQ)
@@ -436,7 +430,7 @@ def test_empty_text_is_skipped_and_counted_even_in_error_mode(ray_cluster, capsy
 
 
 @pytest.mark.ray
-def test_too_little_text_for_one_sequence(ray_cluster, capsys, tmp_path, tok_path):
+def test_too_little_text_for_one_sequence(ray_address, capsys, tmp_path, tok_path):
     src = write_jsonl(tmp_path / "c.jsonl", ["tiny"])
     err = prep(capsys, "--input", src, "--output", tmp_path / "out", "--tokenizer", tok_path,
                "--seq-len", 512, code=2)
@@ -445,7 +439,7 @@ def test_too_little_text_for_one_sequence(ray_cluster, capsys, tmp_path, tok_pat
 
 
 @pytest.mark.ray
-def test_overwrite(ray_cluster, capsys, tmp_path, tok_path):
+def test_overwrite(ray_address, capsys, tmp_path, tok_path):
     src = write_jsonl(tmp_path / "c.jsonl", DOCS)
     args = ["--input", src, "--output", tmp_path / "out", "--tokenizer", tok_path, "--seq-len", SEQ]
     prep(capsys, *args)
@@ -462,7 +456,7 @@ def test_overwrite(ray_cluster, capsys, tmp_path, tok_path):
 # ---- atomicity ------------------------------------------------------------------------------------------
 
 @pytest.mark.ray
-def test_failure_midway_leaves_nothing(ray_cluster, capsys, tmp_path, tok_path, monkeypatch):
+def test_failure_midway_leaves_nothing(ray_address, capsys, tmp_path, tok_path, monkeypatch):
     import builtins
 
     src = write_jsonl(tmp_path / "c.jsonl", DOCS * 2)
@@ -514,10 +508,10 @@ def _start_and_wait_for_temp(tmp_path, src, tok_path, env):
 
 
 @pytest.mark.ray
-def test_killed_prepare_leaves_no_dataset(ray_cluster, capsys, tmp_path, tok_path):
+def test_killed_prepare_leaves_no_dataset(ray_address, capsys, tmp_path, tok_path):
     """SIGTERM: the temp folder is removed; SIGKILL: it stays, is never DIR, and the next run clears it."""
     src = write_jsonl(tmp_path / "c.jsonl", DOCS * 20)
-    env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
+    env = {**os.environ, "RAY_ADDRESS": ray_address}
 
     proc, temp = _start_and_wait_for_temp(tmp_path, src, tok_path, env)
     proc.send_signal(signal.SIGTERM)
@@ -539,10 +533,10 @@ def test_killed_prepare_leaves_no_dataset(ray_cluster, capsys, tmp_path, tok_pat
 
 
 @pytest.mark.ray
-def test_cli_end_to_end(ray_cluster, tmp_path, tok_path):
+def test_cli_end_to_end(ray_address, tmp_path, tok_path):
     """The real command line, connecting to the running Ray through RAY_ADDRESS."""
     src = write_jsonl(tmp_path / "c.jsonl", DOCS)
-    env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
+    env = {**os.environ, "RAY_ADDRESS": ray_address}
     r = cli("--input", src, "--output", tmp_path / "out", "--tokenizer", tok_path, "--seq-len", SEQ, env=env)
     assert r.returncode == 0, r.stderr
     assert "Traceback" not in r.stderr
@@ -552,7 +546,7 @@ def test_cli_end_to_end(ray_cluster, tmp_path, tok_path):
 
 
 @pytest.mark.ray
-def test_default_rows_are_best_fit_rows_with_nothing_dropped(ray_cluster, tmp_path, tok_path, tok):
+def test_default_rows_are_best_fit_rows_with_nothing_dropped(ray_address, tmp_path, tok_path, tok):
     """The real command line without --rows writes minilm.rows.best_fit_rows of the documents: every document
     from its BOS, long ones split into rows of their own, nothing cropped; the summary says so."""
     from minilm.rows import best_fit_rows
@@ -560,7 +554,7 @@ def test_default_rows_are_best_fit_rows_with_nothing_dropped(ray_cluster, tmp_pa
     seq = 31
     docs_text = DOCS + [" ".join(DOCS[:6])]  # one document longer than a row
     src = write_jsonl(tmp_path / "corpus.jsonl", docs_text)
-    env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
+    env = {**os.environ, "RAY_ADDRESS": ray_address}
     r = cli("--input", src, "--output", tmp_path / "out", "--seq-len", seq, "--tokenizer", tok_path, env=env)
     assert r.returncode == 0, r.stderr
     rows, m = read_all(tmp_path / "out"), manifest_of(tmp_path / "out")
@@ -574,7 +568,7 @@ def test_default_rows_are_best_fit_rows_with_nothing_dropped(ray_cluster, tmp_pa
 
 
 @pytest.mark.ray
-def test_bos_aligned_rows_start_at_a_document_and_follow_the_best_fit_rule(ray_cluster, capsys, tmp_path, tok_path, tok):
+def test_bos_aligned_rows_start_at_a_document_and_follow_the_best_fit_rule(ray_address, capsys, tmp_path, tok_path, tok):
     """--rows bos-aligned: every row starts with BOS; each BOS opens one corpus document, whole and followed by its
     EOS, except the last of a row, which may be cropped (never continued in the next row); the rows equal
     minilm.rows.bos_aligned_rows of the same documents."""
@@ -582,8 +576,8 @@ def test_bos_aligned_rows_start_at_a_document_and_follow_the_best_fit_rule(ray_c
 
     seq = 31
     src = write_jsonl(tmp_path / "corpus.jsonl", DOCS)
-    err = prep(capsys, "--input", src, "--output", tmp_path / "out", "--seq-len", seq, "--tokenizer", tok_path,
-               "--rows", "bos-aligned")
+    err = prep(capsys, "--input", src, "--output", tmp_path / "out", "--seq-len", seq, "--tokenizer",
+               tok_path, "--rows", "bos-aligned")
     rows, m = read_all(tmp_path / "out"), manifest_of(tmp_path / "out")
     docs = [tok.encode(d, add_special_tokens=False).ids for d in DOCS]
     expected, fit = bos_aligned_rows(docs, seq + 1)
