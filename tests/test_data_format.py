@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import ROOT, make_prepared, matches, reference_rows, run_module
+from helpers import ROOT, error_lines, make_prepared, matches, reference_rows, run_module
 
 from minilm import data as D
 from minilm.data import remote as data_remote
@@ -142,7 +142,7 @@ def test_pretrain_refuses_damaged_data_before_it_starts(tmp_path):
     proc = run_module("ray_jobs.pretrain", ["--data", str(path), "--seq-len", str(SEQ), "--vocab-size", "300"],
                       env={**os.environ, "RAY_ADDRESS": ""}, timeout=120)
     assert proc.returncode == 2, proc.stderr
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    errors = error_lines(proc.stderr)
     assert len(errors) == 1 and "shard-00001.bin: sha256" in errors[0], proc.stderr
     assert "Traceback" not in proc.stderr and "Started a local Ray" not in proc.stderr + proc.stdout
 
