@@ -40,8 +40,7 @@ SEARCHABLE = {"lr": float, "warmup_steps": int, "min_lr_ratio": float, "schedule
               "optimizer": str, "muon_lr": float, "muon_momentum": float, "embedding_lr_ratio": float}
 KINDS = ("loguniform", "uniform", "choice", "grid")  # grid: every value, x --num-samples
 SCHEDULERS = ("asha", "none")
-TUNE_KEYS = frozenset({"search", "num_samples", "max_concurrent_trials", "workers_per_trial", "scheduler",
-                       "grace_steps", "metric"})
+SWEEP_KEYS = ("num_samples", "max_concurrent_trials", "workers_per_trial", "scheduler", "grace_steps", "metric")
 
 
 @dataclass(frozen=True)
@@ -131,8 +130,8 @@ def trial(params: dict, plan: RunPlan, sweep_dir: str) -> None:
     if t.optimizer == "auto":  # searched: the sweep's own choice, resolved once on the driver like every run's
         t.optimizer = plan.train_cfg.optimizer
     name = check_name(tune.get_context().get_trial_name(), "trial name")  # it names the trial's folder
-    opts = dataclasses.replace(plan.opts, name=name, optimizer_why=plan.opts.optimizer_why if params.get(
-                               "optimizer", "auto") == "auto" else "",
+    optimizer_why = plan.opts.optimizer_why if params.get("optimizer", "auto") == "auto" else ""
+    opts = dataclasses.replace(plan.opts, name=name, optimizer_why=optimizer_why,
                                storage_path=join_uri(plan.opts.storage_path, plan.opts.name, "trials"),
                                run_dir=str(Path(sweep_dir) / "trials" / name) if plan.run_dir else None)
     folder = C.RunFolder(join_uri(opts.storage_path, name))
@@ -258,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     file_values = load_yaml(args.config)
     dims = search_space(args.search, file_values.pop("search", None))
-    sweep_opts = {k: file_values.pop(k, None) for k in TUNE_KEYS - {"search"}}
+    sweep_opts = {k: file_values.pop(k, None) for k in SWEEP_KEYS}
     sweep_opts.update({k: getattr(args, k) for k in sweep_opts if getattr(args, k) is not None})
     counts = [sweep_opts[k] or default for k, default in (("num_samples", 4), ("max_concurrent_trials", 1),
                                                             ("workers_per_trial", 1), ("grace_steps", 1))]
@@ -309,7 +308,7 @@ def metric_mode(metric: str) -> str:
     return C.canonical(metric)[1] if metric.startswith("eval/") else "min"
 
 
-def check_capacity(concurrent: int, workers: int, cpus_per_worker: float, use_gpu: str, eval_cpus: float = 0) -> None:
+def check_capacity(concurrent: int, workers: int, cpus_per_worker: float, use_gpu: str, eval_cpus: float) -> None:
     import ray
 
     cluster = ray.cluster_resources()
