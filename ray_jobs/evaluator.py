@@ -194,6 +194,3 @@ def ray_error_line(e: BaseException) -> str:
         return f"{type(cause).__name__}: {redact(' '.join(str(cause).split()))[:300]}"
     lines = [line for line in str(e).splitlines() if line.strip()]
     return redact(lines[-1].strip() if lines else type(e).__name__)[:300]
-
-
-__all__ = ["Evaluator", "check_best_metric", "score_checkpoint"]

@@ -31,7 +31,6 @@ PANELS = (
     ("world_size", "world size", "workers"),
     ("val_bpb", "held-out bits per byte", "val_bpb"),
 )
-X_LABEL = "optimizer step"
 
 
 class PlotError(Exception):
@@ -97,7 +96,7 @@ def figure_for_runs(runs: list[RunCurves]) -> Figure:
     for ax, (metric, title, ylabel) in zip(axes, PANELS, strict=False):
         ax.set_title(title)
         ax.set_ylabel(ylabel)
-        ax.set_xlabel(X_LABEL)
+        ax.set_xlabel("optimizer step")
         ax.tick_params(labelbottom=True)  # sharex hides inner tick labels; every panel keeps its step axis
         ax.grid(True, alpha=0.3)
         for i, run in enumerate(runs):
