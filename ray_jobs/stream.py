@@ -46,17 +46,14 @@ class RankStream(D.LocalRankStream):
         super().__init__(None, order, total_steps, micro_batch_size, device)
         self.data_dir, self._batches = str(data_dir), None
 
-    def _start(self):
-        ds = rank_dataset(self.order, self.num_steps * self.order.per_rank, self.data_dir, self.m,
-                          node_id=ray.get_runtime_context().get_node_id())
-        # One batch per optimizer step, numpy: the sample ids stay on the host, the rows are copied to the device here.
-        return iter(ds.iter_batches(batch_size=self.order.per_rank, prefetch_batches=PREFETCH_BATCHES, batch_format="numpy",
-                                    drop_last=False))
-
     def next_step(self) -> tuple[list, np.ndarray]:
         t0 = time.perf_counter()
         if self._batches is None:
-            self._batches = self._start()
+            ds = rank_dataset(self.order, self.num_steps * self.order.per_rank, self.data_dir, self.m,
+                              node_id=ray.get_runtime_context().get_node_id())
+            # One batch per optimizer step, numpy: the sample ids stay on the host, the rows go to the device here.
+            self._batches = iter(ds.iter_batches(batch_size=self.order.per_rank, prefetch_batches=PREFETCH_BATCHES,
+                                                 batch_format="numpy", drop_last=False))
         batch = next(self._batches)
         self.data_wait_s += time.perf_counter() - t0
         return self.micro_batches(batch["input_ids"]), batch["sample_id"]
