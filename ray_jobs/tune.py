@@ -194,11 +194,9 @@ def reported_records(df) -> list[dict]:
         return []
     records = []
     for row in df.to_dict("records"):
-        rec = {}
-        for key, value in row.items():
-            value = value.item() if hasattr(value, "item") else value  # numpy scalars -> int / float
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-                rec[key] = value
+        values = {k: v.item() if hasattr(v, "item") else v for k, v in row.items()}  # numpy scalars -> int / float
+        rec = {k: v for k, v in values.items()
+               if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
         if "optimizer_step" in rec:
             rec["optimizer_step"] = int(rec["optimizer_step"])
             records.append(rec)
