@@ -40,6 +40,7 @@ SEARCHABLE = {"lr": float, "warmup_steps": int, "min_lr_ratio": float, "schedule
               "optimizer": str, "muon_lr": float, "muon_momentum": float, "embedding_lr_ratio": float}
 KINDS = ("loguniform", "uniform", "choice", "grid")  # grid: every value, x --num-samples
 SCHEDULERS = ("asha", "none")
+TRIAL_CPUS = 0.1  # the Tune trial function itself only waits on its TorchTrainer
 SWEEP_KEYS = ("num_samples", "max_concurrent_trials", "workers_per_trial", "scheduler", "grace_steps", "metric")
 
 
@@ -321,9 +322,6 @@ def check_capacity(concurrent: int, workers: int, cpus_per_worker: float, use_gp
     if use_gpu == "true" and concurrent * workers > cluster.get("GPU", 0):
         raise UsageError(f"{concurrent} concurrent trials x {workers} workers need {concurrent * workers} GPUs; "
                          f"the cluster has {cluster.get('GPU', 0):g}")
-
-
-TRIAL_CPUS = 0.1  # the Tune trial function itself only waits on its TorchTrainer
 
 
 def sweep(plan: RunPlan, dims, num_samples, concurrent, scheduler, grace, metric, resume: str) -> int:
