@@ -61,16 +61,15 @@ def main(argv: list[str] | None = None) -> int:
             if config.use_moe and not config.norm_topk_prob and config.num_experts_per_tok > 1:
                 print("note: llama.cpp always renormalises the top-k router weights; with norm_topk_prob false "
                       "its output will differ from transformers' and vLLM's")
-            return 0
-        if args.format == "gguf":
+        elif args.format == "gguf":
             out = export_gguf(args.output, model.state_dict(), config, tokenizer, dtype=args.dtype)
             print(f"gguf: {out / GGUF_FILE} ({gguf_arch(config)}, {params}): llama-cli -m, llama_cpp.Llama")
-            return 0
-        out = C.export_weights(args.output, model, config, tokenizer, dtype=TORCH_DTYPES[args.dtype],
-                               minimind_pth=args.format == "minimind")
-        print(f"weights: {out} ({params})")
-        for pth in out.glob("*.pth"):
-            print(f"minimind: {pth}")
+        else:
+            out = C.export_weights(args.output, model, config, tokenizer, dtype=TORCH_DTYPES[args.dtype],
+                                   minimind_pth=args.format == "minimind")
+            print(f"weights: {out} ({params})")
+            for pth in out.glob("*.pth"):
+                print(f"minimind: {pth}")
     except OSError as e:
         return fail(f"cannot write {args.output}: {e}")
     return 0
