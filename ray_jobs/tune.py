@@ -41,6 +41,8 @@ SEARCHABLE = {"lr": float, "warmup_steps": int, "min_lr_ratio": float, "schedule
 KINDS = ("loguniform", "uniform", "choice", "grid")  # grid: every value, x --num-samples
 SCHEDULERS = ("asha", "none")
 TRIAL_CPUS = 0.1  # the Tune trial function itself only waits on its TorchTrainer
+# The sweep's counts and their defaults (--grace-steps: --log-every's, once the plan has it).
+COUNTS = (("num_samples", 4), ("max_concurrent_trials", 1), ("workers_per_trial", 1), ("grace_steps", 1))
 SWEEP_KEYS = ("num_samples", "max_concurrent_trials", "workers_per_trial", "scheduler", "grace_steps", "metric")
 
 
@@ -258,17 +260,17 @@ def run(args: argparse.Namespace) -> int:
     dims = search_space(args.search, file_values.pop("search", None))
     sweep_opts = {k: file_values.pop(k, None) for k in SWEEP_KEYS}
     sweep_opts.update({k: getattr(args, k) for k in sweep_opts if getattr(args, k) is not None})
-    counts = [sweep_opts[k] or default for k, default in (("num_samples", 4), ("max_concurrent_trials", 1),
-                                                            ("workers_per_trial", 1), ("grace_steps", 1))]
+    counts = [default if sweep_opts[k] is None else sweep_opts[k] for k, default in COUNTS]
     if not all(isinstance(n, int) and not isinstance(n, bool) for n in counts):  # a YAML "4", or 2.5
         raise UsageError(f"--num-samples, --max-concurrent-trials, --workers-per-trial, --grace-steps: whole numbers, "
                          f"got {', '.join(map(repr, counts))}")
+    for (key, _), n in zip(COUNTS, counts, strict=True):
+        if n < 1:  # 0 is no default: it is refused like any other count below 1
+            raise UsageError(f"--{key.replace('_', '-')} must be >= 1, got {n}")
     num_samples, concurrent, workers = counts[:3]
     scheduler = sweep_opts["scheduler"] or "asha"
     if scheduler not in SCHEDULERS:  # a YAML value argparse did not see
         raise UsageError(f"--scheduler must be one of {', '.join(SCHEDULERS)}, got {scheduler!r}")
-    if num_samples < 1 or concurrent < 1 or workers < 1:
-        raise UsageError("--num-samples, --max-concurrent-trials and --workers-per-trial must be >= 1")
     args.num_workers = str(workers)
     args.name = args.name or time.strftime("sweep-%Y%m%d-%H%M%S")
     resume_sweep, args.resume = args.resume, "auto"  # a restored trial continues its own latest checkpoint
@@ -280,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
         check_space(dims, plan)
         eval_cpus = plan.opts.eval_resources.get("CPU", 0) if plan.eval_tasks else 0  # one scoring per trial at a time
         check_capacity(concurrent, workers, plan.opts.cpus_per_worker, plan.opts.use_gpu, eval_cpus)
-        grace = sweep_opts["grace_steps"] or max(1, plan.train_cfg.log_every)
+        grace = counts[3] if sweep_opts["grace_steps"] is not None else max(1, plan.train_cfg.log_every)
         return sweep(plan, dims, num_samples, concurrent, scheduler, grace, metric, resume_sweep)
     finally:
         plan.release()

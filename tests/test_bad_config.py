@@ -165,6 +165,8 @@ CASES = [
     ("tune", ["--config", "{tmp}/sweep.yaml"], "error: --num-samples, --max-concurrent-trials, --workers-per-trial, "
      "--grace-steps: whole numbers, got '4', 1, 1, 1"),
     ("tune", ["--config", "{tmp}/sweep-scheduler.yaml"], "error: --scheduler must be one of asha, none, got 'hyperband'"),
+    *[("tune", ["--search", "lr=choice:1e-3", flag, "0"], f"error: {flag} must be >= 1, got 0")  # not the default
+      for flag in ("--num-samples", "--grace-steps")],
     # From here: a message opening with "error: " is the whole of stderr (one ending in "…": its first line)
     ("train", ["--random-tokens", "2000", "--keep-checkpoints", "0"],
      "error: --keep-checkpoints must be an integer >= 1, got 0"),
