@@ -40,11 +40,13 @@ class Evaluator:
     """The driver's watcher of one local run folder; `start()` before training, `finish()` after it."""
 
     def __init__(self, run_dir: str | Path, tasks_file: str, tasks: list[Task], resources: dict[str, float],
-                 run_name: str, best_metric: str | None, tokenizer: str | None = None, say=print,
+                 run_name: str, best_metric: str | None, tokenizer: str | None = None, say=None,
                  output: Path | None = None):
         self.folder = C.RunFolder(run_dir)
         self.tasks_file, self.tasks, self.resources = tasks_file, tasks, resources
-        self.run_name, self.best_metric, self.tokenizer, self.say = run_name, best_metric, tokenizer, say
+        self.run_name, self.best_metric, self.tokenizer = run_name, best_metric, tokenizer
+        # each line as it happens, also into a pipe or a Ray job's log (print alone would hold them in its buffer)
+        self.say = say or (lambda line: print(line, flush=True))
         self.output = output or Path(run_dir) / EVAL_LOG
         self.done = scored_keys(self.output)  # (step, weights SHA-256, fingerprint) of every score in eval.jsonl
         self.seen: set[str] = set()  # checkpoint folders looked at (scored, handed out, or nothing left to score)

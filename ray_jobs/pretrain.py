@@ -325,8 +325,7 @@ def start_evaluator(plan: RunPlan):
           f"{','.join(f'{k}={v:g}' for k, v in opts.eval_resources.items())} per checkpoint; scores to "
           f"{plan.run_dir / 'eval.jsonl'}" + (f", best by {opts.eval_best}" if opts.eval_best else ""), flush=True)
     return Evaluator(plan.run_dir, opts.eval_tasks, plan.eval_tasks, opts.eval_resources, opts.name, opts.eval_best,
-                     tokenizer=str(tokenizer) if tokenizer is not None and tokenizer.is_file() else None,
-                     say=lambda m: print(m, flush=True)).start()
+                     tokenizer=str(tokenizer) if tokenizer is not None and tokenizer.is_file() else None).start()
 
 
 def quiet_console(plan: RunPlan):
