@@ -43,7 +43,7 @@ SCHEDULERS = ("asha", "none")
 TRIAL_CPUS = 0.1  # the Tune trial function itself only waits on its TorchTrainer
 # The sweep's counts and their defaults (--grace-steps: --log-every's, once the plan has it).
 COUNTS = (("num_samples", 4), ("max_concurrent_trials", 1), ("workers_per_trial", 1), ("grace_steps", 1))
-SWEEP_KEYS = ("num_samples", "max_concurrent_trials", "workers_per_trial", "scheduler", "grace_steps", "metric")
+SWEEP_KEYS = (*dict(COUNTS), "scheduler", "metric")  # the sweep's own settings, from flags or --config
 
 
 @dataclass(frozen=True)
