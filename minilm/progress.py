@@ -32,9 +32,10 @@ GPU_PEAK_BF16 = {
 
 
 def measured_matmul_peak(dtype: torch.dtype = torch.float32, n: int = 1024, repeats: int = 5,
-                         device: torch.device | str = "cpu") -> float:
+                         device: torch.device | str = "cpu", budget_s: float = 1.0) -> float:
     """Best-of-`repeats` FLOP/s of an n x n matmul in `dtype` on `device`: MFU's reference where no data sheet
-    applies. On a GPU each repeat runs it 10 times between synchronisations, so launch latency does not count."""
+    applies. On a GPU each repeat runs it 10 times between synchronisations, so launch latency does not count. No
+    repeat starts after `budget_s` of them: an emulated bf16 matmul (a CPU without bf16 units) takes seconds each."""
     device = torch.device(device)
     a, b = torch.randn(2, n, n, generator=torch.Generator().manual_seed(0)).to(device=device, dtype=dtype)
     cuda = device.type == "cuda"
@@ -42,14 +43,17 @@ def measured_matmul_peak(dtype: torch.dtype = torch.float32, n: int = 1024, repe
     a @ b  # warm-up: thread pool, kernel selection
     if cuda:
         torch.cuda.synchronize(device)
-    best = float("inf")
+    best, spent = float("inf"), 0.0
     for _ in range(repeats):
         t0 = time.perf_counter()
         for _ in range(inner):
             a @ b
         if cuda:
             torch.cuda.synchronize(device)
-        best = min(best, (time.perf_counter() - t0) / inner)
+        took = time.perf_counter() - t0
+        best, spent = min(best, took / inner), spent + took
+        if spent > budget_s:
+            break
     return 2 * n**3 / best
 
 

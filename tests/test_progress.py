@@ -74,7 +74,15 @@ def test_measured_peak_is_the_best_repeat(monkeypatch):
     # Repeats take 4, 2, 3 s (after the warm-up): the best, 2 s, counts.
     clock = itertools.chain([0.0, 4.0, 10.0, 12.0, 20.0, 23.0])
     monkeypatch.setattr(progress.time, "perf_counter", lambda: next(clock))
-    assert measured_matmul_peak(torch.float32, n=64, repeats=3) == 2 * 64**3 / 2.0
+    assert measured_matmul_peak(torch.float32, n=64, repeats=3, budget_s=60) == 2 * 64**3 / 2.0
+
+
+def test_measured_peak_starts_no_repeat_past_its_budget(monkeypatch):
+    # Repeats of 0.5, 0.25, 0.5, 0.125 s, a 1 s budget: the third ends past it, so the fourth (the best) never runs.
+    clock = itertools.chain([0.0, 0.5, 1.0, 1.25, 2.0, 2.5, 3.0, 3.125])
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: next(clock))
+    assert measured_matmul_peak(torch.float32, n=64, repeats=4, budget_s=1.0) == 2 * 64**3 / 0.25
+    assert next(clock) == 3.0  # the fourth repeat's clock readings were never taken
 
 
 def test_measured_peak_on_this_cpu_is_plausible():
