@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 
 import pytest
 import torch
@@ -74,20 +75,35 @@ def test_measured_peak_is_the_best_repeat(monkeypatch):
     # Repeats take 4, 2, 3 s (after the warm-up): the best, 2 s, counts.
     clock = itertools.chain([0.0, 4.0, 10.0, 12.0, 20.0, 23.0])
     monkeypatch.setattr(progress.time, "perf_counter", lambda: next(clock))
-    assert measured_matmul_peak(torch.float32, n=64, repeats=3, budget_s=60) == 2 * 64**3 / 2.0
-
-
-def test_measured_peak_starts_no_repeat_past_its_budget(monkeypatch):
-    # Repeats of 0.5, 0.25, 0.5, 0.125 s, a 1 s budget: the third ends past it, so the fourth (the best) never runs.
-    clock = itertools.chain([0.0, 0.5, 1.0, 1.25, 2.0, 2.5, 3.0, 3.125])
-    monkeypatch.setattr(progress.time, "perf_counter", lambda: next(clock))
-    assert measured_matmul_peak(torch.float32, n=64, repeats=4, budget_s=1.0) == 2 * 64**3 / 0.25
-    assert next(clock) == 3.0  # the fourth repeat's clock readings were never taken
+    assert measured_matmul_peak(torch.float32, n=64, repeats=3) == 2 * 64**3 / 2.0
 
 
 def test_measured_peak_on_this_cpu_is_plausible():
     flops = measured_matmul_peak(torch.float32, n=256, repeats=3)
     assert 1e8 < flops < 1e14  # 0.1 GFLOP/s .. 100 TFLOP/s: a real measurement of a CPU, not a constant
+
+
+def test_a_bf16_step_on_this_cpu_runs_below_its_measured_peak():
+    # The peak is measured with the model's own op: on a CPU without bf16 units a bf16 `a @ b` runs ~20x slower than
+    # F.linear, and MFU against it printed bf16 steps at 200-350%.
+    from minilm.config import ModelConfig
+    from minilm.model import MiniMindForCausalLM
+
+    model = MiniMindForCausalLM(ModelConfig(hidden_size=128, num_hidden_layers=2, vocab_size=512))
+    tokens = torch.randint(0, 512, (4, 64), generator=torch.Generator().manual_seed(0))
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(tokens, labels=tokens).loss
+        loss.backward()
+
+    step()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        step()
+    tokens_per_s = 3 * tokens.numel() / (time.perf_counter() - t0)
+    mfu = model.estimate_mfu(tokens_per_s, 64, measured_matmul_peak(torch.bfloat16))
+    assert 0 < mfu < 1, f"MFU {mfu:.0%}: the peak is below what the model's matmuls reach"
 
 
 def test_metrics_log_drops_the_steps_to_be_redone_and_a_torn_line(tmp_path):
