@@ -229,10 +229,12 @@ def quoted_block(doc: str, first: str) -> list[str]:
 
 
 def output_form(line: str) -> str:
-    """A console line with what changes from run to run masked: quoted text, paths, durations, numbers, dtypes."""
+    """A console line with what changes from run to run masked: quoted text, paths, durations, numbers, dtypes and
+    the optimizer (`--optimizer auto` picks by the machine's own timings)."""
     line = re.sub(r"'[^']*'|\"[^\"]*\"", "Q", line)
     line = re.sub(r"\S*[/~]\S*", "P", line)
     line = re.sub(r"\b(bfloat16|float32|float16)\b", "D", line)
+    line = re.sub(r"\b(muon|adamw)\b", "O", line)
     line = re.sub(r"\b\d+(\.\d+)?(h\d+m|m\d+s|s)\b", "T", line)
     line = re.sub(r"\d[\d,]*(\.\d+)?(e[+-]\d+)?", "N", line)
     return " ".join(line.split())

@@ -85,7 +85,8 @@ def test_resume_at_another_world_size_under_torchrun(run_data, tmp_path, uninter
     assert (f"resumed run ws at optimizer step 6 (epoch 0, 96 samples): world size {before} -> {after}, "
             f"accumulation {acc[before]} -> {acc[after]}") in second.stdout
     check_run(replay(*configs(), run_data, ids, STEPS), checkpoint_weights(run_dir), metrics(run_dir))
-    assert max_rel_diff(checkpoint_weights(run_dir), uninterrupted["weights"]) < 1e-5
+    # each within 1e-5 of the replay (the uninterrupted run: test_an_uninterrupted_run_is_the_reference_replay)
+    assert max_rel_diff(checkpoint_weights(run_dir), uninterrupted["weights"]) < 2e-5
 
 
 AT_FINALIZATION = """
