@@ -65,15 +65,18 @@ def choose_optimizer(ns_s: float | None, step_s: float | None) -> tuple[str, str
 
 def time_muon(model_cfg: ModelConfig, train_cfg: TrainConfig, world_size: int = 1) -> tuple[float, float]:
     """On this CPU: one Newton-Schulz pass over the model's Muon matrices (one matrix of each shape timed, times how
-    many there are: a pass over all of them took 25-36 s at the default shape; the better of a warm-up pass and a
-    second), and one rank's forward + backward of a step, its FLOPs at the measured matmul rate of the run's dtype."""
-    with torch.device("meta"):  # shapes only: Newton-Schulz's time does not depend on the values
-        model = MiniMindForCausalLM(model_cfg)
+    many there are: a pass over all of them took 25-36 s at the default shape), and one rank's forward + backward of
+    a step (one micro-batch timed, times the rank's micro-batches); each the better of a warm-up and a second.
+    Timed, not estimated from FLOPs: with AMX a bf16 step ran at a fifth of the matmul peak, not near it."""
+    model = MiniMindForCausalLM(model_cfg)
     groups = muon_param_groups(model, lr=1.0, muon_lr=1.0, weight_decay=0.0, embedding_lr_ratio=1.0)
     counts = Counter(p.shape for p in groups[0]["params"])
     one_of_each = [(torch.randn(shape), n) for shape, n in counts.items()]
+    rows = -(-train_cfg.global_batch_size // world_size)  # rank 0's share, the largest
+    micro = min(train_cfg.micro_batch_size, rows)
+    ids = torch.randint(model_cfg.vocab_size, (micro, train_cfg.seq_len + 1))
 
-    def one_pass() -> float:
+    def newton_schulz() -> float:
         total = 0.0
         for g, n in one_of_each:
             t0 = time.perf_counter()
@@ -81,10 +84,16 @@ def time_muon(model_cfg: ModelConfig, train_cfg: TrainConfig, world_size: int = 
             total += (time.perf_counter() - t0) * n
         return total
 
-    ns_s = min(one_pass(), one_pass())  # the first warms up; another process's work only ever adds time
-    tokens = -(-train_cfg.global_batch_size // world_size) * train_cfg.seq_len  # rank 0's share, the largest
-    rate = measured_matmul_peak(TORCH_DTYPES[train_cfg.dtype])
-    return ns_s, model.flops_per_token(train_cfg.seq_len) * tokens / rate
+    def forward_backward() -> float:
+        t0 = time.perf_counter()
+        with autocast("cpu", TORCH_DTYPES[train_cfg.dtype]):
+            out = model(ids[:, :-1], targets=ids[:, 1:])
+        (out.loss + out.aux_loss).backward()
+        return time.perf_counter() - t0
+
+    # the better of two: the first warms up, and another process's work only ever adds time
+    ns_s = min(newton_schulz(), newton_schulz())
+    return ns_s, min(forward_backward(), forward_backward()) * -(-rows // micro)
 
 
 def resolve_auto(model_cfg: ModelConfig, train_cfg: TrainConfig, device: torch.device | str,
