@@ -74,7 +74,8 @@ def time_muon(model_cfg: ModelConfig, train_cfg: TrainConfig, world_size: int = 
     one_of_each = [(torch.randn(shape), n) for shape, n in counts.items()]
     rows = -(-train_cfg.global_batch_size // world_size)  # rank 0's share, the largest
     micro = min(train_cfg.micro_batch_size, rows)
-    ids = torch.randint(model_cfg.vocab_size, (micro, train_cfg.seq_len + 1))
+    # at most the model's positions: an in-process Trainer takes its rows' length from the data, not from seq_len
+    ids = torch.randint(model_cfg.vocab_size, (micro, min(train_cfg.seq_len, model_cfg.max_position_embeddings) + 1))
 
     def newton_schulz() -> float:
         total = 0.0
