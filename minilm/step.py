@@ -4,6 +4,7 @@ the update on the device, and the metrics stay tensors until a log step reads th
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import time
 from collections import Counter
@@ -63,19 +64,32 @@ def choose_optimizer(ns_s: float | None, step_s: float | None) -> tuple[str, str
     return name, f"auto: Newton-Schulz {ns_s:.2f} s = {share:.0%} of a step, muon up to {MUON_MAX_SHARE:.0%}"
 
 
+def check_memory(model_cfg: ModelConfig) -> None:
+    """A CPU run's weights, gradients and AdamW moments (16 bytes a parameter) must fit in the memory this machine has
+    free: past it, the kernel kills the process while the model is built or steps, with no error line."""
+    need, free = 16 * model_cfg.num_params(), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    with contextlib.suppress(OSError, StopIteration):  # Linux's estimate of what can be had without swapping
+        with open("/proc/meminfo") as f:
+            free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    if need > free:
+        raise MemoryError(f"{model_cfg.num_params() / 1e9:.2f}B parameters need ~{need / 2**30:.0f} GiB for weights, "
+                          f"gradients and optimizer state; this machine has {free / 2**30:.0f} GiB free")
+
+
 def time_muon(model_cfg: ModelConfig, train_cfg: TrainConfig, world_size: int = 1) -> tuple[float, float]:
     """On this CPU: one Newton-Schulz pass over the model's Muon matrices (one matrix of each shape timed, times how
     many there are: a pass over all of them took 25-36 s at the default shape), and one rank's forward + backward of
-    a step (one micro-batch timed, times the rank's micro-batches); each the better of a warm-up and a second.
-    Timed, not estimated from FLOPs: with AMX a bf16 step ran at a fifth of the matmul peak, not near it."""
+    a step (one sequence timed, times the rank's sequences: a probe never needs more memory or time than a step);
+    each the better of a warm-up and a second. Timed, not estimated from FLOPs: with AMX a bf16 step ran at a fifth
+    of the matmul peak, not near it."""
+    check_memory(model_cfg)
     model = MiniMindForCausalLM(model_cfg)
     groups = muon_param_groups(model, lr=1.0, muon_lr=1.0, weight_decay=0.0, embedding_lr_ratio=1.0)
     counts = Counter(p.shape for p in groups[0]["params"])
     one_of_each = [(torch.randn(shape), n) for shape, n in counts.items()]
     rows = -(-train_cfg.global_batch_size // world_size)  # rank 0's share, the largest
-    micro = min(train_cfg.micro_batch_size, rows)
     # at most the model's positions: an in-process Trainer takes its rows' length from the data, not from seq_len
-    ids = torch.randint(model_cfg.vocab_size, (micro, min(train_cfg.seq_len, model_cfg.max_position_embeddings) + 1))
+    ids = torch.randint(model_cfg.vocab_size, (1, min(train_cfg.seq_len, model_cfg.max_position_embeddings) + 1))
 
     def newton_schulz() -> float:
         total = 0.0
@@ -94,7 +108,7 @@ def time_muon(model_cfg: ModelConfig, train_cfg: TrainConfig, world_size: int = 
 
     # the better of two: the first warms up, and another process's work only ever adds time
     ns_s = min(newton_schulz(), newton_schulz())
-    return ns_s, min(forward_backward(), forward_backward()) * -(-rows // micro)
+    return ns_s, min(forward_backward(), forward_backward()) * rows
 
 
 def resolve_auto(model_cfg: ModelConfig, train_cfg: TrainConfig, device: torch.device | str,

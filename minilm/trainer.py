@@ -97,6 +97,8 @@ class Trainer:
         self.collectives = Collectives(self.device)
 
         S.configure_backends(self.device)  # TF32 on Ampere+ GPUs
+        if self.device.type == "cpu":
+            S.check_memory(model_cfg)
         torch.manual_seed(train_cfg.seed)  # identical initial weights on every rank
         # --compile and --activation-checkpointing act in place: state-dict keys, checkpoints and DDP are unchanged
         self.raw_model = S.prepare_model((model or MiniMindForCausalLM(model_cfg)).to(self.device), train_cfg,

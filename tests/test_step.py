@@ -371,8 +371,8 @@ def test_optimizer_auto_times_newton_schulz_on_a_cpu_where_it_dominates_adamw_el
 
 def test_optimizer_auto_times_the_real_forward_backward_of_each_micro_batch_of_rank_0(monkeypatch):
     """The step is timed on the model under the run's autocast, not estimated from its FLOPs at the matmul peak (a
-    fifth of the real bf16 step on an AMX CPU): a forward made 50 ms slower adds 50 ms to each of rank 0's 3
-    micro-batches (5 rows of the global 10 at world size 2, in micro-batches of 2)."""
+    fifth of the real bf16 step on an AMX CPU): one sequence is timed, so a forward made 50 ms slower adds 50 ms for
+    each of rank 0's 5 sequences (of the global 10 at world size 2)."""
     model_cfg = ModelConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
                             vocab_size=256)
     cfg = TrainConfig(seq_len=8, micro_batch_size=2, global_batch_size=10, dtype="bf16")
@@ -386,8 +386,17 @@ def test_optimizer_auto_times_the_real_forward_backward_of_each_micro_batch_of_r
 
     monkeypatch.setattr(MiniMindForCausalLM, "forward", slow_forward)
     _, slowed = S.time_muon(model_cfg, cfg, world_size=2)
-    assert seen == [((2, 8), True)] * 2  # a warm-up and the timed one
-    assert slowed >= 3 * 0.05 > unchanged
+    assert seen == [((1, 8), True)] * 2  # a warm-up and the timed one
+    assert slowed >= 5 * 0.05 > unchanged
+
+
+def test_a_model_past_this_machines_memory_is_refused_before_the_probe_builds_it(monkeypatch):
+    """152,608 layers (a fuzzed config: under the config's bound) got the process killed mid-build: now a line."""
+    monkeypatch.setattr(S, "MiniMindForCausalLM", lambda *a: pytest.fail("the model was built"))
+    with pytest.raises(MemoryError, match=r"^1125.42B parameters need ~16770 GiB for weights, gradients and optimizer "
+                                          r"state; this machine has \d+ GiB free$"):
+        S.time_muon(ModelConfig(num_hidden_layers=152608), TrainConfig())
+    S.check_memory(ModelConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
 
 
 def test_optimizer_auto_is_muon_on_a_gpu_and_a_given_optimizer_stays_without_timing(monkeypatch):
