@@ -67,12 +67,13 @@ def choose_optimizer(ns_s: float | None, step_s: float | None) -> tuple[str, str
 def check_memory(model_cfg: ModelConfig) -> None:
     """A CPU run's weights, gradients and AdamW moments (16 bytes a parameter) must fit in the memory this machine has
     free: past it, the kernel kills the process while the model is built or steps, with no error line."""
-    need, free = 16 * model_cfg.num_params(), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    params = model_cfg.num_params()
+    need, free = 16 * params, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     with contextlib.suppress(OSError, StopIteration):  # Linux's estimate of what can be had without swapping
         with open("/proc/meminfo") as f:
             free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     if need > free:
-        raise MemoryError(f"{model_cfg.num_params() / 1e9:.2f}B parameters need ~{need / 2**30:.0f} GiB for weights, "
+        raise MemoryError(f"{params / 1e9:.2f}B parameters need ~{need / 2**30:.0f} GiB for weights, "
                           f"gradients and optimizer state; this machine has {free / 2**30:.0f} GiB free")
 
 

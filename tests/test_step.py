@@ -369,7 +369,7 @@ def test_optimizer_auto_times_newton_schulz_on_a_cpu_where_it_dominates_adamw_el
     assert (cfg.optimizer, cfg.dtype) == ("muon", "fp32")
 
 
-def test_optimizer_auto_times_the_real_forward_backward_of_each_micro_batch_of_rank_0(monkeypatch):
+def test_optimizer_auto_times_a_real_forward_backward_per_sequence_of_rank_0(monkeypatch):
     """The step is timed on the model under the run's autocast, not estimated from its FLOPs at the matmul peak (a
     fifth of the real bf16 step on an AMX CPU): one sequence is timed, so a forward made 50 ms slower adds 50 ms for
     each of rank 0's 5 sequences (of the global 10 at world size 2)."""
