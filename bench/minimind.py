@@ -202,13 +202,14 @@ def split_flags(flags: list[str]) -> tuple[list[str], list[str]]:
 
 
 def run_minilm(data: Path, flags: list[str], steps: int, seed: int, args, run_dir: Path, env: dict,
-               curve: int = 0) -> tuple[dict, float, list]:
-    """`python -m minilm.train` on `data`; (its final fp32 weights, wall seconds, [(step, seconds since the command
-    started, checkpoint)] of `curve` checkpoints along the run)."""
+               curve: int = 0, ray: bool = False) -> tuple[dict, float, list]:
+    """`python -m minilm.train` (`ray`: the 1-worker Ray job) on `data`; (its final fp32 weights, wall seconds,
+    [(step, seconds since the command started, checkpoint)] of `curve` checkpoints along the run)."""
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     every = max(1, steps // curve) if curve else steps
-    cmd = [sys.executable, "-m", "minilm.train", "--data", str(data), "--run-dir", str(run_dir),
+    launch = ["ray_jobs.pretrain", "--num-workers", "1", "--cpus-per-worker", str(args.threads)] if ray else ["minilm.train"]
+    cmd = [sys.executable, "-m", *launch, "--data", str(data), "--run-dir", str(run_dir),
            "--hidden-size", str(args.hidden_size), "--num-hidden-layers", str(args.num_hidden_layers),
            "--seq-len", str(args.seq_len), "--vocab-size", str(ModelConfig.vocab_size),  # MiniMind's, not the data's
            "--micro-batch-size", str(args.batch_size), "--global-batch-size", str(args.batch_size), "--lr",
@@ -314,7 +315,7 @@ def bench_corpus(name: str, seed: int, runs: list[str], args, work: Path, checko
         tag = re.sub(r"[^A-Za-z0-9]+", "-", run).strip("-") + ("" if budget == "steps" else f"-{budget}")
         curve = args.curve if budget == "steps" else 0
         state, wall, points = run_minilm(prepared[tuple(prep_flags)], train_flags, steps, seed, args,
-                                         cwork / f"run-{tag}", env, curve)
+                                         cwork / f"run-{tag}", env, curve, ray=run.split()[0] == "ray")
         return Result(name, seed, run, steps, steps * per_step, wall, budget=budget, curve=points if curve else None), state
 
     # Runs go `--parallel` at a time (each with `--threads`), MiniMind's first, beside minilm's defaults: the
@@ -372,9 +373,10 @@ def print_summary(results: list[Result]) -> None:
             else:  # no curve and no wall run: the walls were within 2%
                 wall_ce = steps.ce
             reach = steps.to_minimind_s
-            rows.append([mm.corpus, mm.seed, run[:40], f"{steps.ce / mm.ce:.4f}", f"{wall_ce / mm.ce:.4f}",
+            rate = (steps.steps / steps.train_s) / (mm.steps / mm.train_s)  # both from their commands' wall
+            rows.append([mm.corpus, mm.seed, run[:40], f"{rate:.3f}", f"{steps.ce / mm.ce:.4f}", f"{wall_ce / mm.ce:.4f}",
                          f"{reach / mm.train_s:.3f}" if reach is not None else f"> {steps.train_s / mm.train_s:.3f}"])
-    print("\n" + table(["corpus", "seed", "run", "CE/MM equal steps", "CE/MM equal wall", "time to MM CE / MM wall"],
+    print("\n" + table(["corpus", "seed", "run", "tokens/s / MM", "CE/MM equal steps", "CE/MM equal wall", "time to MM CE / MM wall"],
                        rows, left=3))
 
 
@@ -384,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--corpus", default=",".join(CORPORA), help=f"comma-separated, from {', '.join(CORPORA)}")
     p.add_argument("--kjv", metavar="FILE", help="the output of `bible -f \"Gen1:1-Rev22:21\"` (default: run it)")
     p.add_argument("--runs", default="minimind,minilm",
-                   help="comma-separated: minimind, minilm, or 'minilm --flag value ...' (minilm with more flags)")
+                   help="comma-separated: minimind, minilm (`minilm.train`), ray (the 1-worker Ray job), either "
+                        "followed by its flags ('minilm --flag value ...')")
     p.add_argument("--seeds", default="42", help="comma-separated seeds (split, init, order)")
     p.add_argument("--budgets", action=argparse.BooleanOptionalAction, default=True,
                    help="also run the last minilm run at MiniMind's real tokens and wall time (default: on)")
@@ -408,8 +411,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.curve < 0:
             raise BenchError(f"--curve must be >= 0 (checkpoints along minilm's run; 0: none), got {args.curve}")
         runs, corpora = ([x.strip() for x in flag.split(",") if x.strip()] for flag in (args.runs, args.corpus))
-        for r in (r for r in runs if r != "minimind" and r.split()[0] != "minilm"):
-            raise BenchError(f"--runs: {r!r}: a run is minimind, minilm, or minilm followed by its flags")
+        for r in (r for r in runs if r != "minimind" and r.split()[0] not in ("minilm", "ray")):
+            raise BenchError(f"--runs: {r!r}: a run is minimind, or minilm or ray followed by its flags")
         for c in (c for c in corpora if c not in CORPORA):
             raise BenchError(f"--corpus: unknown corpus {c!r}; choose from {', '.join(CORPORA)}")
         # Scoring uses --threads too: a score computed while another bench's run trains must not take its core.

@@ -59,11 +59,14 @@ def checkout(tmp_path):
 def test_minimind_and_minilm_are_trained_on_the_same_documents_and_scored_alike(ray_address, checkout, tmp_path):
     env = {**os.environ, "MINILM_BENCH_RESULTS": str(tmp_path), "RAY_ADDRESS": ray_address}
     work = tmp_path / "work"
-    args = [*TINY, "--minimind", str(checkout), "--work", str(work), "--runs", "minimind,minilm"]
+    args = [*TINY, "--minimind", str(checkout), "--work", str(work), "--runs", "minimind,minilm,ray"]
     proc = run_module("bench.minimind", args, env=env, timeout=300, check=True)
     result = json.loads((tmp_path / "minimind.json").read_text())
     runs = {r["run"]: r for r in result["results"]}
-    assert list(runs) == ["minimind", "minilm"] and runs["minimind"]["steps"] == runs["minilm"]["steps"] == 4
+    assert list(runs) == ["minimind", "minilm", "ray"]
+    assert runs["minimind"]["steps"] == runs["minilm"]["steps"] == runs["ray"]["steps"] == 4
+    # the Ray job trained what minilm.train trained: the same documents, seed and flags
+    assert runs["ray"]["ce"] == pytest.approx(runs["minilm"]["ce"], rel=1e-4)
     for r in runs.values():
         assert 0 < r["ce"] < 20 and 0 < r["bpb"] < 20 and r["train_s"] > 0
     flags = json.loads((work / "minimind" / "out" / "flags.json").read_text())
@@ -80,6 +83,7 @@ def test_minimind_and_minilm_are_trained_on_the_same_documents_and_scored_alike(
     assert [step for step, _, _ in runs["minilm"]["curve"]] == [1, 2, 3, 4]
     assert 0 < runs["minilm"]["to_minimind_s"] <= runs["minilm"]["curve"][0][1] < runs["minilm"]["train_s"]
     assert "minilm reaches MiniMind's final CE" in proc.stdout and "time to MM CE / MM wall" in proc.stdout
+    assert "tokens/s / MM" in proc.stdout and "ray reaches MiniMind's final CE" in proc.stdout
     # The stand-in's weights are minilm's seeded init: MiniMind's score is that of an untrained model.
     assert runs["minimind"]["ce"] > runs["minilm"]["ce"]
     again = run_module("bench.minimind", [*args[:-1], "minimind"], env=env, timeout=120, check=True)
@@ -91,7 +95,7 @@ def test_minimind_and_minilm_are_trained_on_the_same_documents_and_scored_alike(
     (["--minimind", "/nonexistent/minimind"], "error: --minimind /nonexistent/minimind: no such folder"),
     (["--minimind", "{tmp}", "--corpus", "wiki"], "error: --corpus: unknown corpus 'wiki'"),
     (["--minimind", "{tmp}", "--curve", "-1"], "error: --curve must be >= 0"),
-    (["--minimind", "{tmp}", "--runs", "minimind,nanogpt"], "error: --runs: 'nanogpt': a run is minimind, minilm"),
+    (["--minimind", "{tmp}", "--runs", "minimind,nanogpt"], "error: --runs: 'nanogpt': a run is minimind, or minilm or ray"),
     (["--minimind", "{tmp}"], "error: --minimind {tmp}: no model/ folder: not a MiniMind checkout"),
 ])
 def test_bad_invocation_is_one_error_line(tmp_path, args, message):
