@@ -192,7 +192,7 @@ class LoopMuon(torch.optim.Optimizer):
         x = x / (x.norm() + 1e-7)
         for _ in range(group["ns_steps"]):
             gram = x @ x.T
-            x = a * x + (b * gram + c * gram @ gram) @ x
+            x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)  # a x + (b A + c A^2) x
         update = (x.T if wide else x).to(p.dtype) * max(1.0, p.shape[0] / p.shape[1]) ** 0.5
         self._commit(buf, new_buf, skip)
         self._commit(p, p * (1 - lr * group["weight_decay"]) - lr * update, skip)
