@@ -1,5 +1,6 @@
 """Fused projections (minilm.model.project: q|k|v and gate|up as one matmul each over the separate Linears' weights)
-against the unfused math, with MiniMind's state-dict keys; "auto" fuses on CUDA only; bench.step times both."""
+against the unfused math, with MiniMind's state-dict keys; the GQA path (`Attention.gqa`): both paths equal, the
+chooser picks the faster, and only a CUDA device is timed."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from cuda_standin import CudaRules
 from test_model import TINY, expected_keys, make_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from minilm import model as M
-from minilm.model import apply_rope
+from minilm.config import ModelConfig
+from minilm.model import Attention, apply_rope, choose_gqa, resolve_gqa
 
 
 class Matmuls(TorchDispatchMode):
@@ -107,4 +110,56 @@ def test_bench_step_times_fused_and_split_projections_side_by_side(tmp_path, mon
     rows = json.loads((tmp_path / "step.json").read_text())["results"][0]["rows"]
     assert [(r["config"], r["projections"]) for r in rows] == [("dense", "fused"), ("dense split", "split")]
     assert seen == {"fused", "split"} and M.PROJECTIONS == "auto"  # the process's default, as it was
+
+
+# ---- GQA: SDPA's enable_gqa or K/V repeated -----------------------------------------------------------
+
+def test_choose_gqa_takes_the_faster_path_by_its_best_time_the_paths_alternating():
+    calls = []
+
+    def timer(times):
+        def seconds(path):
+            calls.append(path)
+            return times[path][sum(c == path for c in calls) - 1]
+        return seconds
+
+    assert choose_gqa(timer({"sdpa": [9.0, 1.0, 5.0], "repeat": [2.0, 2.0, 2.0]})) == "sdpa"  # a slow first call
+    assert calls == ["sdpa", "repeat"] * 3
+    calls.clear()
+    assert choose_gqa(timer({"sdpa": [3.0, 3.0, 3.0], "repeat": [4.0, 2.5, 9.0]})) == "repeat"
+
+
+def test_both_gqa_paths_give_the_same_outputs_and_gradients(monkeypatch):
+    calls = []
+    repeat = torch.Tensor.repeat_interleave
+    monkeypatch.setattr(torch.Tensor, "repeat_interleave", lambda *a, **k: calls.append(1) or repeat(*a, **k))
+    model = make_model(num_attention_heads=8, num_key_value_heads=2).train()
+    ids = torch.randint(0, 256, (2, 13), generator=torch.Generator().manual_seed(3))
+    runs = []
+    for path in ("sdpa", "repeat"):
+        monkeypatch.setattr(Attention, "gqa", path)
+        calls.clear()
+        model.zero_grad(set_to_none=True)
+        loss = model(ids[:, :-1], targets=ids[:, 1:]).loss
+        loss.backward()
+        assert len(calls) == (0 if path == "sdpa" else 4)  # K and V in each of 2 layers
+        runs.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    torch.testing.assert_close(runs[1][0], runs[0][0], rtol=1e-6, atol=0)
+    for name, g in runs[0][1].items():
+        torch.testing.assert_close(runs[1][1][name], g, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_resolve_gqa_times_both_paths_on_cuda_only(monkeypatch):
+    monkeypatch.setattr(Attention, "gqa", "auto")
+    cfg = ModelConfig(**TINY)
+    timed = []
+    monkeypatch.setattr(M, "choose_gqa", lambda seconds: timed.append([seconds(p) > 0 for p in ("sdpa", "repeat")])
+                        or "repeat")
+    assert resolve_gqa(cfg, 2, 16, torch.float32, torch.device("cpu")) == "sdpa" and Attention.gqa == "auto"
+    assert resolve_gqa(ModelConfig(**TINY, document_mask=True), 2, 16, torch.float32, torch.device("cuda")) == "repeat"
+    assert timed == []  # nothing timed on CPU, nor with a mask (which always repeats)
+    with CudaRules():
+        assert resolve_gqa(cfg, 2, 16, torch.float32, torch.device("cuda")) == "repeat"
+    assert timed == [[True, True]] and Attention.gqa == "repeat"
+    assert resolve_gqa(cfg, 2, 16, torch.float32, torch.device("cuda")) == "repeat" and len(timed) == 1  # once
 
