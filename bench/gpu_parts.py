@@ -140,8 +140,9 @@ def sdpa_kernel(cfg, batch: int, seq: int, dtype, device) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from minilm.model import MiniMindForCausalLM
+    from minilm.model import MiniMindForCausalLM, resolve_gqa
 
+    gqa = resolve_gqa(cfg, batch, seq, dtype, device)  # "auto" timed on CUDA first: the kernel profiled is the run's
     model = MiniMindForCausalLM(type(cfg)(**{**cfg.to_dict(), "num_hidden_layers": 1})).to(device).train()
     ids = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device=device)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -150,7 +151,7 @@ def sdpa_kernel(cfg, batch: int, seq: int, dtype, device) -> dict:
     ran = {SDPA_OPS[k] for k in (e.key.removeprefix("aten::") for e in prof.key_averages()) if k in SDPA_OPS}
     return {"kernel": " + ".join(sorted(ran)) or "none found", "batch": batch, "seq": seq, "dtype": str(dtype),
             "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
-            "document_mask": cfg.document_mask}
+            "document_mask": cfg.document_mask, "gqa": gqa}
 
 
 def profiled_step(step, i: int, device) -> dict:

@@ -11,6 +11,7 @@ import sys
 import torch
 
 from minilm import loss as L
+from minilm import model as M
 from minilm.config import ModelConfig, TrainConfig
 from minilm.model import MiniMindForCausalLM, MoEFeedForward
 from minilm.progress import datasheet_peak, measured_matmul_peak
@@ -41,12 +42,12 @@ def random_batches(args, n: int, device: torch.device) -> list[torch.Tensor]:
             for _ in range(n)]
 
 
-def stepper(model, optimizer, batches, dtype, dispatch: str = "auto"):
+def stepper(model, optimizer, batches, dtype, dispatch: str = "auto", projections: str = "auto"):
     """step(i): optimizer step i on batches[i], done when its loss is on the host."""
     scaler = make_grad_scaler(dtype, batches[0].device.type)
 
     def step(i: int) -> None:
-        MoEFeedForward.dispatch = dispatch
+        MoEFeedForward.dispatch, M.PROJECTIONS = dispatch, projections
         float(optimizer_step(model, optimizer, scaler, [batches[i]], lr=1e-4, grad_clip=1.0, dtype=dtype).loss)
     return step
 
@@ -64,16 +65,18 @@ def figures(model, times: list[float], args, peak: float, sheet: float | None) -
             "max_expert_share": float(load.max()) if load is not None else None}
 
 
-def configs(args) -> list[tuple[str, int, int, str, bool, str]]:
-    """(name, experts, top-k, dispatch, compile, optimizer): dense, each MoE, each compiled, each further optimizer."""
+def configs(args) -> list[tuple[str, int, int, str, bool, str, str]]:
+    """(name, experts, top-k, dispatch, compile, optimizer, projections): dense, each MoE, each compiled, each
+    further optimizer, each further projections mode."""
     named = args.dispatch != ["auto"]
     moe = [(f"moe {e}x top-{k}" + (f" {d}" if named else ""), e, k, d)
            for e in ([] if args.no_moe else args.experts) for k in args.top_k for d in args.dispatch]
     eager = [("dense", 0, 1, "auto"), *moe]
     compiled = [(f"{c[0]}+compile", *c[1:], True) for c in eager] if args.compile else []
-    first = args.optimizer[0]
-    return ([(*c, False, first) for c in eager] + [(*c, first) for c in compiled]
-            + [(f"dense {opt}", 0, 1, "auto", False, opt) for opt in args.optimizer[1:]])
+    first, proj = args.optimizer[0], args.projections[0]
+    return ([(*c, False, first, proj) for c in eager] + [(*c, first, proj) for c in compiled]
+            + [(f"dense {opt}", 0, 1, "auto", False, opt, proj) for opt in args.optimizer[1:]]
+            + [(f"dense {p}", 0, 1, "auto", False, first, p) for p in args.projections[1:]])
 
 
 def bench_dtype(args, dtype_name: str) -> dict:
@@ -81,22 +84,23 @@ def bench_dtype(args, dtype_name: str) -> dict:
     peak_before = measured_matmul_peak(dtype, n=args.peak_size, repeats=10, device=device)
     batches = random_batches(args, args.warmup + args.steps, device)
     runs, steps = {}, {}
-    for name, experts, top_k, dispatch, compile_, opt in configs(args):
+    for name, experts, top_k, dispatch, compile_, opt, projections in configs(args):
         model, optimizer = build(model_config(args, experts, top_k), TrainConfig(lr=1e-4, compile=compile_,
                                                                                  optimizer=opt), device)
-        runs[name] = (model, experts, top_k, dispatch, compile_)
-        steps[name] = stepper(model, optimizer, batches, dtype, dispatch)
+        runs[name] = (model, experts, top_k, dispatch, compile_, projections)
+        steps[name] = stepper(model, optimizer, batches, dtype, dispatch, projections)
     times = alternate(steps, args.steps, args.warmup, device)
-    MoEFeedForward.dispatch = "auto"  # the process's default, as it was
+    MoEFeedForward.dispatch, M.PROJECTIONS = "auto", "auto"  # the process's defaults, as they were
     peak_after = measured_matmul_peak(dtype, n=args.peak_size, repeats=10, device=device)
     peak = max(peak_before, peak_after)  # the less disturbed by other load on the host
     sheet = datasheet_peak(torch.cuda.get_device_name(device), dtype) if device.type == "cuda" else None
     med = {k: statistics.median(v) for k, v in times.items()}
     rows = []
-    for name, (model, experts, top_k, dispatch, compile_) in runs.items():
+    for name, (model, experts, top_k, dispatch, compile_, projections) in runs.items():
         dense = "dense+compile" if compile_ else "dense"
         rows.append({"config": name, "dtype": dtype_name, "compile": compile_, "experts": experts,
                      "top_k": top_k if experts else None, "dispatch": dispatch if experts else None,
+                     "projections": projections,
                      **figures(model, times[name], args, peak, sheet), "over_dense": med[name] / med[dense],
                      "over_dense_min": min(times[name]) / min(times[dense]),  # > 1: compile made the step faster
                      "compile_speedup": med[name.removesuffix("+compile")] / med[name] if compile_ else None})
@@ -252,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-k", type=int, nargs="+", default=[1], help="the MoE rows' experts per token")
     p.add_argument("--dispatch", nargs="+", choices=["auto", "split", "grouped"], default=["auto"],
                    help="the MoE layer's dispatch(es) to time (minilm.model.MoEFeedForward.dispatch)")
+    p.add_argument("--projections", nargs="+", choices=["auto", "fused", "split"], default=["auto"],
+                   help="q|k|v and gate|up as one matmul each or not (minilm.model.PROJECTIONS): every row's the "
+                        "first; each further one adds a dense row")
     p.add_argument("--no-moe", action="store_true", help="the dense model only (no MoE rows)")
     p.add_argument("--peak-size", type=int, default=None, help="n of the n^3 matmul peak (default 2048 CPU, 8192 GPU)")
     p.add_argument("--estimate", choices=sorted(HARDWARE), default=None,

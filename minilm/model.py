@@ -3,6 +3,9 @@ dicts load both ways with `strict=True`."""
 
 from __future__ import annotations
 
+import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +17,17 @@ from .config import ModelConfig
 from .loss import compute_dtype, head_loss
 
 SDPA_GQA = torch.__version__ >= "2.5"  # scaled_dot_product_attention(..., enable_gqa=True)
+PROJECTIONS = "auto"  # "fused" | "split" | "auto": q|k|v and gate|up as one matmul each (`project`), or one per Linear
+
+
+def project(x: torch.Tensor, *linears: nn.Linear) -> tuple[torch.Tensor, ...]:
+    """x through each bias-free Linear: one matmul over their weights concatenated, or one matmul each; the
+    parameters (state-dict keys, optimizer, exports) are the separate Linears' either way."""
+    # "auto" fuses on CUDA only: on CPU the fused step measured 1-3% slower (bench.step, bench/RESULTS.md).
+    if PROJECTIONS == "split" or PROJECTIONS == "auto" and not x.is_cuda:
+        return tuple(linear(x) for linear in linears)
+    weight = torch.cat([linear.weight for linear in linears])
+    return F.linear(x, weight).split([linear.out_features for linear in linears], dim=-1)
 
 
 @dataclass
@@ -52,6 +66,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
+    # GQA without a mask: "sdpa" (SDPA's enable_gqa reads the shared K/V heads) or "repeat" (K/V copied per query
+    # head, which cuDNN's and the efficient kernels take); "auto": "sdpa" until `resolve_gqa` times both, on CUDA.
+    gqa = "auto"
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -66,9 +84,10 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, past_key_value=None, use_cache=False, attn_mask=None):
         b, t, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
+        q = self.q_norm(q.view(b, t, self.num_heads, self.head_dim))
+        k = self.k_norm(k.view(b, t, self.num_kv_heads, self.head_dim))
+        v = v.view(b, t, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if past_key_value is not None:
             k = torch.cat([past_key_value[0], k], dim=1)
@@ -78,10 +97,10 @@ class Attention(nn.Module):
         mask = attn_mask  # causal and within one document (document_mask)
         if past_key_value is not None and t > 1:  # several new tokens after a cache: causal, offset by the cache
             mask = torch.ones(t, k.shape[2], dtype=torch.bool, device=x.device).tril(k.shape[2] - t)
-        # GQA: SDPA's own without a mask; with one, copies of K and V (some torch versions' masked kernels refuse
-        # GQA, and SDPA would fall back to its slow math path).
+        # GQA: SDPA's own without a mask unless `gqa` is "repeat"; with one, copies of K and V (some torch versions'
+        # masked kernels refuse GQA, and SDPA would fall back to its slow math path).
         rep = self.num_heads // self.num_kv_heads
-        gqa = {"enable_gqa": True} if rep > 1 and SDPA_GQA and mask is None else {}
+        gqa = {"enable_gqa": True} if rep > 1 and SDPA_GQA and mask is None and self.gqa != "repeat" else {}
         if rep > 1 and not gqa:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         causal = mask is None and past_key_value is None  # one new token after a cache attends to all of it
@@ -89,6 +108,38 @@ class Attention(nn.Module):
                                            dropout_p=self.dropout if self.training else 0.0, **gqa)
         y = y.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)
         return self.resid_dropout(self.o_proj(y)), present
+
+
+def choose_gqa(seconds: Callable[[str], float], rounds: int = 3) -> str:
+    """The GQA path ("sdpa" or "repeat") of the lower `seconds(path)`, the best of `rounds`, the paths alternating."""
+    best = {"sdpa": math.inf, "repeat": math.inf}
+    for _ in range(rounds):
+        for path in best:
+            best[path] = min(best[path], seconds(path))
+    return min(best, key=best.get)
+
+
+def resolve_gqa(cfg: ModelConfig, batch: int, seq: int, dtype: torch.dtype, device: torch.device) -> str:
+    """The GQA path a run takes; "auto" resolved once per process on CUDA by timing one attention layer's forward +
+    backward at the run's shape (elsewhere nothing is timed). With a mask K and V are always repeated."""
+    if cfg.document_mask or not SDPA_GQA:
+        return "repeat"
+    if Attention.gqa == "auto" and device.type == "cuda" and cfg.num_attention_heads > cfg.num_key_value_heads:
+        attn = Attention(cfg).to(device)
+        cos, sin = (table.to(device) for table in rope_tables(cfg.head_dim, seq, cfg.rope_theta))
+        x = torch.randn(batch, seq, cfg.hidden_size, device=device, requires_grad=True)
+
+        def seconds(path: str) -> float:
+            Attention.gqa = path
+            torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                attn(x, cos, sin)[0].sum().backward()
+            torch.cuda.synchronize(device)
+            return time.perf_counter() - start
+
+        Attention.gqa = choose_gqa(seconds)
+    return "sdpa" if Attention.gqa == "auto" else Attention.gqa
 
 
 class FeedForward(nn.Module):
@@ -101,7 +152,8 @@ class FeedForward(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project(x, self.gate_proj, self.up_proj)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class MoEFeedForward(nn.Module):

@@ -22,7 +22,7 @@ from .bpb import bits_per_byte, token_byte_lengths
 from .config import ModelConfig, TrainConfig, accumulation_steps
 from .distributed import Collectives
 from .eval_log import EvalInbox
-from .model import MiniMindForCausalLM
+from .model import MiniMindForCausalLM, resolve_gqa
 from .options import RunOptions, StepPlan, plan_steps
 from .policy import LoopPolicy
 from .progress import Meter, MetricsLog, format_log_line, peak_flops
@@ -104,6 +104,7 @@ class Trainer:
         self.raw_model = S.prepare_model((model or MiniMindForCausalLM(model_cfg)).to(self.device), train_cfg,
                                        self.device)
         self.model: torch.nn.Module = self.raw_model  # DDP-wrapped below when world_size > 1
+        self.gqa = resolve_gqa(model_cfg, train_cfg.micro_batch_size, train_cfg.seq_len, self.dtype, self.device)
         self.optimizer = S.make_optimizer(self.raw_model, train_cfg)
         self.scaler = S.make_grad_scaler(self.dtype, self.device.type)
         self.guard = S.NonFiniteGuard(train_cfg.max_nonfinite_steps, self.device)
@@ -136,6 +137,7 @@ class Trainer:
                           f"{self.accumulation} x micro-batch {cfg.micro_batch_size}{self.uneven()}, dtype "
                           f"{str(self.dtype).removeprefix('torch.')}, optimizer {cfg.optimizer}"
                           + (f" ({self.optimizer_why})" if self.optimizer_why else "")
+                          + f", GQA {self.gqa}"
                           + f", {self.raw_model.num_params() / 1e6:.2f}M parameters ({self.raw_model.num_params(active=True) / 1e6:.2f}M active)"
                           + (f", {torch.get_num_threads()} CPU thread(s) per worker" if self.device.type == "cpu"
                              else ""))

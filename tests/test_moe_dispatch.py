@@ -51,8 +51,10 @@ def run(moe, x, dispatch, monkeypatch, dtype=None):
     return y.detach(), moe.aux_loss.detach(), moe.expert_load.clone(), x.grad, grads
 
 
+@pytest.mark.parametrize("projections", ["split", "fused"])  # the split dispatch's experts: gate|up fused or not
 @pytest.mark.parametrize("top_k, norm", [(1, True), (2, True), (2, False)])
-def test_grouped_dispatch_matches_split_fp32(monkeypatch, top_k, norm):
+def test_grouped_dispatch_matches_split_fp32(monkeypatch, top_k, norm, projections):
+    monkeypatch.setattr(model_module, "PROJECTIONS", projections)
     moe = make_moe(top_k, norm)
     x = inputs(3, 11, 32)
     split = run(moe, x, "split", monkeypatch)

@@ -54,6 +54,7 @@ def test_an_uninterrupted_run_is_the_reference_replay(uninterrupted):
               rtol_grad_norm=1e-6)
     assert records[-1]["loss"] < records[0]["loss"]
     assert "starting run uninterrupted fresh: 20 optimizer steps" in uninterrupted["lines"][0]
+    assert ", GQA sdpa, " in uninterrupted["lines"][0]  # the GQA path, named (untimed on CPU: SDPA's enable_gqa)
 
 
 @pytest.mark.slow
