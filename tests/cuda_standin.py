@@ -13,7 +13,12 @@ Inside `CudaRules()`:
   `pin_memory=True`, or the pinned result of a non-blocking `.to("cpu")`): from pageable memory a GPU copies
   synchronously (no overlap), and into pageable memory the host may read the bytes before they land;
 * DDP: `device_ids` are checked as DDP checks them on a GPU, then dropped (the module really is on the CPU);
-* `torch.cuda.Event`, `synchronize` and the memory statistics are stand-ins that do nothing.
+* memory: the bytes of the live storages on the device are counted, with their peak, as
+  `torch.cuda.memory_allocated`, `max_memory_allocated` and `reset_peak_memory_stats` report them; with
+  `CudaRules(memory_limit=BYTES)` (`get_device_properties(...).total_memory`) an allocation past it raises
+  torch.OutOfMemoryError, as the GPU's allocator does. The count is of whole results: an op's own scratch is not;
+* `torch.cuda.get_rng_state`/`set_rng_state` are the CPU generator's (a tensor "on the device" draws from it);
+* `torch.cuda.Event` and `synchronize` are stand-ins that do nothing.
 
 What it records for a test: `set_devices` (the indices set), `collectives` (op, on the device), `copies` (direction,
 non-blocking, host side pinned). `allow` (env CUDA_STANDIN_ALLOW for the runner) names rules only recorded. The tensors keep reporting the CPU as their device: code that branches on a
@@ -27,6 +32,7 @@ import functools
 import os
 import runpy
 import sys
+import types
 
 import torch
 import torch.distributed as dist
@@ -41,6 +47,7 @@ COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor"
 CUDA = torch.device("cuda", 0)
 DEVICE_GET, IS_CUDA_GET = torch.Tensor.device.__get__, torch.Tensor.is_cuda.__get__
 NAME = "NVIDIA H200"  # as torch names the real one: minilm.progress lists its data-sheet peak
+TOTAL_MEMORY = 143771 * 2**20  # an H200's, as torch reports it
 
 
 class CudaViolation(AssertionError):
@@ -150,9 +157,11 @@ class _Spread(TorchDispatchMode):
 
 
 class CudaRules:
-    def __init__(self, allow: tuple[str, ...] = ()):
+    def __init__(self, allow: tuple[str, ...] = (), memory_limit: int | None = None):
         self.allow = allow  # violations recorded, not raised: "pageable-host->device" (a copy without overlap)
+        self.memory_limit, self.peak = memory_limit, 0
         self.device_storages: dict[int, StorageWeakRef] = {}
+        self.device_bytes: dict[int, int] = {}  # each device storage's size when it was made
         self.pinned_storages: dict[int, StorageWeakRef] = {}
         self.set_devices: list[int] = []
         self.collectives: list[tuple[str, bool]] = []
@@ -160,10 +169,34 @@ class CudaRules:
         self.backends: list[str] = []
 
     # ---- where a tensor is
-    @staticmethod
-    def mark(t: torch.Tensor, where: dict) -> None:
+    def mark(self, t: torch.Tensor, where: dict) -> None:
         storage = t.untyped_storage()
         where[storage._cdata] = StorageWeakRef(storage)
+        if where is self.device_storages:
+            self.device_bytes[storage._cdata] = storage.nbytes()
+            self.allocated()
+
+    # ---- memory
+    def memory_allocated(self) -> int:
+        """Bytes of the live device storages (the freed ones leave the tables here)."""
+        for key in [k for k, ref in self.device_storages.items() if ref.expired()]:
+            del self.device_storages[key], self.device_bytes[key]
+        return sum(self.device_bytes.get(k, 0) for k in self.device_storages)
+
+    def allocated(self) -> None:
+        """After an allocation on the device: its peak, or the GPU's error past the limit."""
+        now = self.memory_allocated()
+        if self.memory_limit is not None and now > self.memory_limit:
+            raise torch.OutOfMemoryError(f"CUDA out of memory (stand-in): {now} bytes would be allocated, "
+                                         f"limit {self.memory_limit}")
+        self.peak = max(self.peak, now)
+
+    def reset_peak(self, *_) -> None:
+        self.peak = self.memory_allocated()
+
+    def properties(self, *_):
+        return types.SimpleNamespace(name=NAME, major=9, minor=0, multi_processor_count=132,
+                                     total_memory=self.memory_limit or TOTAL_MEMORY)
 
     @staticmethod
     def _in(t, where: dict) -> bool:
@@ -233,8 +266,11 @@ class CudaRules:
                             ("current_device", lambda: 0), ("get_device_name", lambda *a: NAME),
                             ("get_device_capability", lambda *a: (9, 0)),
                             ("is_bf16_supported", lambda *a, **k: True), ("_lazy_init", lambda: None),
-                            ("synchronize", lambda *a: None), ("reset_peak_memory_stats", lambda *a: None),
-                            ("max_memory_allocated", lambda *a: 1), ("Event", _Event)):
+                            ("synchronize", lambda *a: None), ("reset_peak_memory_stats", self.reset_peak),
+                            ("max_memory_allocated", lambda *a: self.peak),
+                            ("memory_allocated", lambda *a: self.memory_allocated()),
+                            ("get_device_properties", self.properties), ("get_rng_state", lambda *a: torch.get_rng_state()),
+                            ("set_rng_state", lambda state, *a: torch.set_rng_state(state)), ("Event", _Event)):
             self.patch.setattr(c, name, value)
         self.patch.setattr(torch._C, "_cuda_setDevice", self._set_device_index, raising=False)
         # autocast on "cuda" is CPU autocast here (the tensors' real device): the same casts as on the GPU

@@ -80,6 +80,21 @@ def test_non_blocking_copies_need_pinned_host_memory():
                                             "device->host", "device->host"]
 
 
+def test_device_memory_is_counted_with_its_peak_and_a_limit_raises_as_on_a_gpu():
+    with CudaRules(memory_limit=1000):
+        on_device, host = torch.zeros(100, device="cuda"), torch.zeros(1000)  # 400 bytes on the device
+        assert torch.cuda.memory_allocated() == 400 and torch.cuda.get_device_properties(0).total_memory == 1000
+        doubled = on_device * 2
+        on_device.view(10, 10).add_(1)  # a view and an in-place op allocate nothing
+        del doubled
+        assert (torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()) == (400, 800)
+        torch.cuda.reset_peak_memory_stats()
+        assert torch.cuda.max_memory_allocated() == 400
+        with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory"):
+            on_device.repeat(2)  # 400 + 800 bytes
+        assert torch.cuda.memory_allocated() == 400 and host.sum() == 0
+
+
 def run_part(tmp_path, *args, allow: str = "") -> tuple[subprocess.CompletedProcess, dict]:
     """`python tests/cuda_standin.py -m bench.gpu_check ARGS`: a part in its own process, as the check runs it."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]), "PYTHONUNBUFFERED": "1",
