@@ -38,7 +38,9 @@ FIELD_HELP = {
     "schedule": "wsd: warmup, lr held, then a linear decay; cosine: MiniMind's cosine decay",
     "epochs": "passes over the data (when --max-steps is unset)",
     "max_steps": "optimizer steps of the run (unset: --epochs full epochs)",
-    "micro_batch_size": "sequences per forward/backward of one rank",
+    "micro_batch_size": "sequences per forward/backward of one rank; auto: on a GPU the largest whose measured peak "
+                        "memory leaves a tenth of the device free (the least over ranks, probed at every start), "
+                        "on a CPU 16",
     "global_batch_size": "sequences per optimizer step, the same at every world size",
     "grad_clip": "gradient norm clipped to this", "dtype": "autocast precision (auto: bf16 on a GPU with it, "
                                                            "else fp16; on CPUs bf16 where faster, else fp32)",
@@ -79,6 +81,7 @@ def _int_from(low: int):
 # (`_type_problems`); the int fields' tests take a value of any type.
 RULES = {"a positive integer": _int_from(1), "an integer >= 0": _int_from(0), "an integer >= 1": _int_from(1),
          "an integer >= 0 (and < 2**32)": lambda v: _int_from(0)(v) and v < 1 << 32,
+         "an integer >= 1, or auto": lambda v: v == "auto" or _int_from(1)(v),
          "a positive number": lambda v: v > 0, "> 0": lambda v: v > 0, ">= 0": lambda v: v >= 0,
          "in [0, 1)": lambda v: 0 <= v < 1, "in [0, 1]": lambda v: 0 <= v <= 1, "in (0, 1]": lambda v: 0 < v <= 1}
 # Each field's rule; a field that may be unset (None) is checked only when set.
@@ -89,7 +92,8 @@ MODEL_RANGES = {"bos_token_id": "an integer >= 0", "eos_token_id": "an integer >
 TRAIN_RANGES = {"seed": "an integer >= 0 (and < 2**32)", "lr": "a positive number", "muon_lr": "a positive number",
                 "embedding_lr_ratio": "a positive number", "warmup_steps": "an integer >= 0",
                 "min_lr_ratio": "in [0, 1]", "decay_fraction": "in (0, 1]",
-                **dict.fromkeys(("epochs", "max_steps", "micro_batch_size", "global_batch_size", "seq_len", "log_every",
+                "micro_batch_size": "an integer >= 1, or auto",
+                **dict.fromkeys(("epochs", "max_steps", "global_batch_size", "seq_len", "log_every",
                                  "checkpoint_every", "max_nonfinite_steps", "export_every", "eval_every"),
                                 "an integer >= 1"),
                 "val_samples": "an integer >= 0", "grad_clip": "> 0", "weight_decay": ">= 0",
@@ -218,7 +222,7 @@ class TrainConfig(_Config):
     decay_fraction: float = 0.2
     epochs: int = 1
     max_steps: int | None = None
-    micro_batch_size: int = 16
+    micro_batch_size: int | str = 16  # "auto": minilm.microbatch
     global_batch_size: int = 64
     grad_clip: float = 1.0
     dtype: str = "auto"

@@ -265,9 +265,20 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
                 kwargs.update(nargs=2, type=float, metavar=("BETA1", "BETA2"))
             elif f.name in CHOICES:
                 kwargs.update(choices=list(CHOICES[f.name]))
+            elif kinds[f.name] == {int, str}:  # a size or a word: --micro-batch-size auto
+                kwargs.update(type=int_or_word, metavar="N|auto")
             else:
                 kwargs["type"] = (kinds[f.name] - {type(None)}).pop()
             group.add_argument(flag(f.name), **kwargs)
+
+
+def int_or_word(text: str) -> int | str:
+    """An `int | str` field's flag or YAML text (--micro-batch-size 8 or auto): an integer's digits as the int, any
+    other word as is (the config's check names a wrong one)."""
+    try:
+        return int(text)
+    except ValueError:
+        return text
 
 
 def load_yaml(path: str | None) -> dict:
@@ -311,6 +322,8 @@ def yaml_value(key: str, value, path: str):
         f = cls.__dataclass_fields__.get(key)
         if f is not None and not f.metadata.get("convert"):  # a field with a convert parses any value itself
             types = field_kinds(cls)[key]
+    if types == {int, str}:
+        return int_or_word(value) if isinstance(value, str) else value
     if isinstance(value, str) and types & {int, float} and str not in types:
         try:
             return float(value) if float in types else int(value)

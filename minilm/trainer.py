@@ -22,6 +22,7 @@ from .bpb import bits_per_byte, token_byte_lengths
 from .config import ModelConfig, TrainConfig, accumulation_steps
 from .distributed import Collectives
 from .eval_log import EvalInbox
+from .microbatch import resolve_micro_batch, unprobed_micro_batch
 from .model import MiniMindForCausalLM, resolve_gqa
 from .options import RunOptions, StepPlan, plan_steps
 from .policy import LoopPolicy
@@ -63,6 +64,7 @@ class Launcher(Protocol):
     rank: int
     world_size: int
     device: torch.device
+    micro_batch_size: int  # what `batches` cuts a step into: the Trainer sets the resolved --micro-batch-size
     storage: C.Storage  # where checkpoints are published and metrics reported (minilm.checkpoint.manager)
 
     def batches(self, order: D.RankOrder, total_steps: int):
@@ -85,10 +87,6 @@ class Trainer:
         # the entry points resolved "auto" already, once for every rank; an in-process run resolves it here
         self.optimizer_why = S.resolve_auto(model_cfg, train_cfg, self.device, self.world_size) or run.optimizer_why
         self.dtype = S.TORCH_DTYPES[train_cfg.dtype]
-        self.accumulation = accumulation_steps(train_cfg.global_batch_size, train_cfg.micro_batch_size,
-                                               self.world_size)  # rank 0's micro-batches, the most of any rank
-        self.shares = [w for *_, w in D.rank_micro_batches(train_cfg.global_batch_size, train_cfg.micro_batch_size,
-                                                           self.world_size, self.rank)]
         val_ids = D.split_ids(data.num_sequences, train_cfg.val_samples)[1]
         self.val_ids = val_ids[self.rank::self.world_size] if len(val_ids) else None
         steps = steps or plan_steps(train_cfg, data.num_sequences, [self.world_size])  # the entry point's, if given
@@ -104,8 +102,16 @@ class Trainer:
         self.raw_model = S.prepare_model((model or MiniMindForCausalLM(model_cfg)).to(self.device), train_cfg,
                                        self.device)
         self.model: torch.nn.Module = self.raw_model  # DDP-wrapped below when world_size > 1
-        self.gqa = resolve_gqa(model_cfg, train_cfg.micro_batch_size, train_cfg.seq_len, self.dtype, self.device)
+        # with auto, timed at the micro-batch a CPU takes: the probe below measures the path the run takes
+        self.gqa = resolve_gqa(model_cfg, unprobed_micro_batch(train_cfg, self.world_size), train_cfg.seq_len,
+                               self.dtype, self.device)
         self.optimizer = S.make_optimizer(self.raw_model, train_cfg)
+        # auto is probed here, at every start (an elastic resize too), before a checkpoint's state is on the device
+        m, self.micro_batch_why = resolve_micro_batch(self.raw_model, train_cfg, self.device, self.world_size,
+                                                      self.collectives)
+        self.micro_batch_size = launcher.micro_batch_size = m
+        self.accumulation = accumulation_steps(train_cfg.global_batch_size, m, self.world_size)  # rank 0's, the most
+        self.shares = [w for *_, w in D.rank_micro_batches(train_cfg.global_batch_size, m, self.world_size, self.rank)]
         self.scaler = S.make_grad_scaler(self.dtype, self.device.type)
         self.guard = S.NonFiniteGuard(train_cfg.max_nonfinite_steps, self.device)
         self.trackers = Trackers([])
@@ -130,11 +136,14 @@ class Trainer:
             pos = D.DataPosition.at(self.step, self.steps_per_epoch, cfg.global_batch_size)
             self.log_line(f"resumed run {self.run.name} at optimizer step {self.step} (epoch {pos.epoch}, "
                           f"{pos.samples_seen} samples): world size {resumed['world_size']} -> {self.world_size}, "
-                          f"accumulation {resumed['accumulation_steps']} -> {self.accumulation}{self.uneven()}")
+                          f"accumulation {resumed['accumulation_steps']} -> {self.accumulation}{self.uneven()}"
+                          + (f", micro-batch {self.micro_batch_size} ({self.micro_batch_why})" if self.micro_batch_why
+                             else ""))
         else:
             self.log_line(f"starting run {self.run.name} fresh: {self.total_steps} optimizer steps of "
                           f"{cfg.global_batch_size} sequences, world size {self.world_size} x accumulation "
-                          f"{self.accumulation} x micro-batch {cfg.micro_batch_size}{self.uneven()}, dtype "
+                          f"{self.accumulation} x micro-batch {self.micro_batch_size}"
+                          + (f" ({self.micro_batch_why})" if self.micro_batch_why else "") + f"{self.uneven()}, dtype "
                           f"{str(self.dtype).removeprefix('torch.')}, optimizer {cfg.optimizer}"
                           + (f" ({self.optimizer_why})" if self.optimizer_why else "")
                           + f", GQA {self.gqa}"
@@ -318,7 +327,7 @@ class Trainer:
         pos = D.DataPosition.at(self.step, self.steps_per_epoch, cfg.global_batch_size)
         return {
             "optimizer_step": self.step, "epoch": pos.epoch, "samples_seen": pos.samples_seen,
-            "world_size": self.world_size, "micro_batch_size": cfg.micro_batch_size,
+            "world_size": self.world_size, "micro_batch_size": self.micro_batch_size,
             "accumulation_steps": self.accumulation, "global_batch_size": cfg.global_batch_size,
             "total_steps": self.total_steps, "model_config": self.model_cfg.to_dict(), "train_config": cfg.to_dict(),
             "data_fingerprint": self.data.fingerprint, "tokenizer_sha256": self.data.tokenizer_sha256,
@@ -329,7 +338,7 @@ class Trainer:
     @torch.no_grad()
     def validate(self) -> dict:
         """val_loss and val_bpb (minilm.bpb) of the held-out rows: each rank scores every W-th row, sums added."""
-        model, m = self.raw_model, self.train_cfg.micro_batch_size
+        model, m = self.raw_model, self.micro_batch_size
         if self.token_bytes is None:  # the UTF-8 bytes each token id spells; False without a byte-level BPE
             self.token_bytes = False
             with contextlib.suppress(ValueError, OSError, KeyError):

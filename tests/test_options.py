@@ -124,6 +124,20 @@ def test_a_null_or_empty_value_of_an_option_that_needs_one_is_one_line_naming_it
     # end to end (one line and exit 2, not a TypeError from pathlib, as the fuzz test found): test_bad_config.py
 
 
+def test_micro_batch_size_is_a_size_or_auto_from_a_flag_or_the_yaml(tmp_path):
+    from minilm.cli import load_yaml
+
+    for argv, yaml_text, want in ((["--micro-batch-size", "auto"], "", "auto"), (["--micro-batch-size", "8"], "", 8),
+                                  ([], "micro_batch_size: auto\n", "auto"), ([], "micro-batch-size: 8\n", 8),
+                                  ([], "micro_batch_size: '8'\n", 8)):
+        (tmp_path / "c.yaml").write_text(yaml_text)
+        train = build_configs(train_parser().parse_args(argv), load_yaml(str(tmp_path / "c.yaml")), LocalOptions).train
+        assert train.validate().micro_batch_size == want and type(train.micro_batch_size) is type(want), argv
+    assert "auto: on a GPU the largest" in {a.dest: a.help for a in train_parser()._actions}["micro_batch_size"]
+    with pytest.raises(ConfigError, match="micro_batch_size must be an integer >= 1, or auto, got 'max'"):
+        build_configs(train_parser().parse_args(["--micro-batch-size", "max"]), {}, LocalOptions).train.validate()
+
+
 def test_plan_steps_matches_the_arithmetic_on_a_grid():
     grid = itertools.product(range(1, 14), (0, 1, 3), (2, 4, 6), (1, 2), (None, 1, 5), (1, 3), (0, 2), (1, 2, 3, 5))
     checked = 0
