@@ -22,6 +22,7 @@ from .common import model_config as dense_config
 
 MFU_GOALS = {"26m": 0.30, "104m": 0.45}  # compiled bf16, H100/H200 class (nanochat: ~46% at its d18)
 MOE_TARGET = 1.10  # MoE / dense step time on CPU
+SUFFIX = {"off": "", "blocks": "+compile", "model": "+compile-model"}  # a row's name: its --compile mode
 
 
 def model_config(args, experts: int = 0, top_k: int = 1, document_mask: bool = False) -> ModelConfig:
@@ -65,18 +66,19 @@ def figures(model, times: list[float], args, peak: float, sheet: float | None) -
             "max_expert_share": float(load.max()) if load is not None else None}
 
 
-def configs(args) -> list[tuple[str, int, int, str, bool, str, str]]:
-    """(name, experts, top-k, dispatch, compile, optimizer, projections): dense, each MoE, each compiled, each
-    further optimizer, each further projections mode."""
+def configs(args) -> list[tuple[str, int, int, str, str, str, str]]:
+    """(name, experts, top-k, dispatch, compile, optimizer, projections): dense, each MoE, each compiled (each
+    --compile mode), each further optimizer, each further projections mode."""
     named = args.dispatch != ["auto"]
     moe = [(f"moe {e}x top-{k}" + (f" {d}" if named else ""), e, k, d)
            for e in ([] if args.no_moe else args.experts) for k in args.top_k for d in args.dispatch]
     eager = [("dense", 0, 1, "auto"), *moe]
-    compiled = [(f"{c[0]}+compile", *c[1:], True) for c in eager] if args.compile else []
+    modes = (args.compile or ["blocks"]) if args.compile is not None else []  # a bare --compile: blocks
+    compiled = [(c[0] + SUFFIX[mode], *c[1:], mode) for mode in modes for c in eager]
     first, proj = args.optimizer[0], args.projections[0]
-    return ([(*c, False, first, proj) for c in eager] + [(*c, first, proj) for c in compiled]
-            + [(f"dense {opt}", 0, 1, "auto", False, opt, proj) for opt in args.optimizer[1:]]
-            + [(f"dense {p}", 0, 1, "auto", False, first, p) for p in args.projections[1:]])
+    return ([(*c, "off", first, proj) for c in eager] + [(*c, first, proj) for c in compiled]
+            + [(f"dense {opt}", 0, 1, "auto", "off", opt, proj) for opt in args.optimizer[1:]]
+            + [(f"dense {p}", 0, 1, "auto", "off", first, p) for p in args.projections[1:]])
 
 
 def bench_dtype(args, dtype_name: str) -> dict:
@@ -97,13 +99,14 @@ def bench_dtype(args, dtype_name: str) -> dict:
     med = {k: statistics.median(v) for k, v in times.items()}
     rows = []
     for name, (model, experts, top_k, dispatch, compile_, projections) in runs.items():
-        dense = "dense+compile" if compile_ else "dense"
+        dense = "dense" + SUFFIX[compile_]
         rows.append({"config": name, "dtype": dtype_name, "compile": compile_, "experts": experts,
                      "top_k": top_k if experts else None, "dispatch": dispatch if experts else None,
                      "projections": projections,
                      **figures(model, times[name], args, peak, sheet), "over_dense": med[name] / med[dense],
                      "over_dense_min": min(times[name]) / min(times[dense]),  # > 1: compile made the step faster
-                     "compile_speedup": med[name.removesuffix("+compile")] / med[name] if compile_ else None})
+                     "compile_speedup": med[name.removesuffix(SUFFIX[compile_])] / med[name]
+                     if compile_ != "off" else None})
     return {"dtype": dtype_name, "peak_flops": peak, "peak_flops_before": peak_before, "peak_flops_after": peak_after,
             "peak_flops_datasheet": sheet, "rows": rows}
 
@@ -126,7 +129,7 @@ def print_results(results: list[dict], args) -> None:
             print("  warning: MFU > 100%: the peak was measured while the host was busier than during the steps")
         by_name = {r["config"]: r for r in res["rows"]}
         for r in res["rows"]:
-            how = f"{res['dtype']}{', compiled' if r['compile'] else ''}, {r['experts']} experts, top-{r['top_k']}"
+            how = f"{res['dtype']}{', compiled' if r['compile'] != 'off' else ''}, {r['experts']} experts, top-{r['top_k']}"
             if r["experts"]:
                 dispatch = f", {r['dispatch']} dispatch" if r["dispatch"] != "auto" else ""
                 print(f"MoE / dense step time ({how}{dispatch}): {r['over_dense']:.2f}x median, "
@@ -136,7 +139,7 @@ def print_results(results: list[dict], args) -> None:
             if r["dispatch"] == "grouped" and split:
                 print(f"grouped / split dispatch step time ({how}): {r['step_s_median'] / split['step_s_median']:.2f}x"
                       f" median, {r['step_s_min'] / split['step_s_min']:.2f}x best")
-            if r["compile"]:
+            if r["compile"] != "off":
                 print(f"compile speed-up, eager / compiled step ({res['dtype']}, {r['config']}; > 1: compile is "
                       f"faster): {r['compile_speedup']:.2f}x median")
 
@@ -249,7 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per config first (with --compile: compiling)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "both"], default="fp32")
     p.add_argument("--device", default="cpu", help="cpu or cuda (one GPU)")
-    p.add_argument("--compile", action="store_true", help="add rows with torch.compile'd blocks")
+    p.add_argument("--compile", nargs="*", choices=["blocks", "model"], default=None,
+                   help="add rows with torch.compile: blocks (a bare --compile), model (the whole forward and loss), "
+                        "or both")
     p.add_argument("--optimizer", nargs="+", choices=["muon", "adamw"], default=["muon"],
                    help="every row's optimizer (the first, as the loop's); each further one adds a dense row")
     p.add_argument("--experts", type=int, nargs="+", default=[4], help="the MoE rows' expert counts")

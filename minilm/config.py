@@ -15,7 +15,17 @@ from .schedule import SCHEDULES
 DTYPES = ("auto", "bf16", "fp16", "fp32")  # "auto" and the names of minilm.step.TORCH_DTYPES
 OPTIMIZERS = ("auto", "adamw", "muon")  # "auto": minilm.step.choose_optimizer's rule
 CHECKPOINT_MODES = ("async", "sync")  # how rank 0 writes a checkpoint: minilm.checkpoint.manager
-CHOICES = {"schedule": SCHEDULES, "dtype": DTYPES, "checkpoint_mode": CHECKPOINT_MODES, "optimizer": OPTIMIZERS}
+COMPILE_MODES = ("off", "blocks", "model")  # what minilm.step.prepare_model compiles
+CHOICES = {"schedule": SCHEDULES, "dtype": DTYPES, "checkpoint_mode": CHECKPOINT_MODES, "optimizer": OPTIMIZERS,
+           "compile": COMPILE_MODES}
+# A field that was true/false before it had choices: the choices its old false and true mean, so that older YAML,
+# flags (a bare --compile) and checkpoints' state.json keep their meaning.
+WAS_BOOL = {"compile": ("off", "blocks")}
+
+
+def from_bool(name: str, value: Any) -> Any:
+    """`value` of field `name`, an old true/false spelled as today's choice (WAS_BOOL)."""
+    return WAS_BOOL[name][value] if name in WAS_BOOL and isinstance(value, bool) else value
 
 # What each ModelConfig / TrainConfig field means: its flag's help (minilm.options.add_config_flags).
 FIELD_HELP = {
@@ -54,7 +64,8 @@ FIELD_HELP = {
     "seed": "seed of the initial weights and the data order", "weight_decay": "decoupled weight decay",
     "betas": "AdamW's beta1 and beta2", "max_nonfinite_steps": "this many non-finite gradient steps in a row stop "
                                                                "the run",
-    "compile": "torch.compile each transformer block",
+    "compile": "torch.compile: blocks, each transformer block; model, the whole forward with the loss's chunked head "
+               "(one graph); off",
     "activation_checkpointing": "recompute each block in backward: less memory, ~1/3 more compute",
     "optimizer": "muon: Muon for the blocks' weight matrices, AdamW for the rest; adamw: AdamW for everything; "
                  "auto: muon unless its Newton-Schulz, timed at start, costs over half a step (a resume: "
@@ -238,7 +249,7 @@ class TrainConfig(_Config):
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
     max_nonfinite_steps: int = 5
-    compile: bool = False
+    compile: str = "off"
     activation_checkpointing: bool = False
     optimizer: str = "auto"
     muon_lr: float = 0.02
@@ -248,6 +259,7 @@ class TrainConfig(_Config):
     def __post_init__(self) -> None:
         if isinstance(self.betas, list):  # YAML, JSON and state.json give a list
             self.betas = tuple(self.betas)
+        self.compile = from_bool("compile", self.compile)
 
     def inert(self) -> frozenset[str]:
         """The fields that change nothing in this config: Muon's settings when AdamW moves everything."""

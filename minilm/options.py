@@ -17,11 +17,13 @@ from . import data as D
 from .config import (
     CHOICES,
     FIELD_HELP,
+    WAS_BOOL,
     ConfigError,
     ModelConfig,
     TrainConfig,
     check_fits,
     field_kinds,
+    from_bool,
 )
 from .errors import UsageError
 from .safety import redact
@@ -269,6 +271,10 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
                 kwargs.update(type=int_or_word, metavar="N|auto")
             else:
                 kwargs["type"] = (kinds[f.name] - {type(None)}).pop()
+            if f.name in WAS_BOOL:  # its old flags: bare, the old true; --no-X, the old false
+                kwargs.update(nargs="?", const=WAS_BOOL[f.name][1])
+                group.add_argument(f"--no-{flag(f.name)[2:]}", dest=f.name, action="store_const",
+                                   const=WAS_BOOL[f.name][0], help=argparse.SUPPRESS)
             group.add_argument(flag(f.name), **kwargs)
 
 
@@ -317,7 +323,7 @@ def dump_yaml(model: ModelConfig, train: TrainConfig, opts: RunOptions, header: 
 def yaml_value(key: str, value, path: str):
     """A YAML value as its flag would give it: PyYAML reads `lr: 5e-4` and `rope_theta: 1e6` as strings, and a
     number where a string goes (`name: 123`) is that number's text; anything else a flag cannot give is refused."""
-    types = set()
+    value, types = from_bool(key, value), set()
     for cls in (ModelConfig, TrainConfig, RunOptions, *RunOptions.__subclasses__()):  # an entry point's own flags
         f = cls.__dataclass_fields__.get(key)
         if f is not None and not f.metadata.get("convert"):  # a field with a convert parses any value itself

@@ -148,10 +148,11 @@ def configure_backends(device: torch.device | str) -> None:
 
 def prepare_model(model: torch.nn.Module, cfg: TrainConfig, device: torch.device | str) -> torch.nn.Module:
     """Apply `cfg.activation_checkpointing` and `cfg.compile` in place (after `.to(device)`, before DDP); the
-    state-dict keys do not change. Compile is regional: each block, identical, so one compilation serves them all."""
+    state-dict keys do not change. "blocks" is regional: each block, identical, so one compilation serves them all;
+    "model" compiles the whole forward, the loss's chunked head (`minilm.loss.HeadLoss`) in the same graph."""
     inner = model.model  # MiniMindModel
     inner.activation_checkpointing = bool(cfg.activation_checkpointing)
-    if cfg.compile:
+    if cfg.compile != "off":
         # Inductor compiles C++ for CPU kernels; without a compiler the first step would fail.
         if torch.device(device).type == "cpu" and not any(shutil.which(cc) for cc in ("c++", "g++", "clang++")):
             raise RuntimeError("compile on CPU needs a C++ compiler (c++, g++ or clang++) on PATH; "
@@ -160,8 +161,8 @@ def prepare_model(model: torch.nn.Module, cfg: TrainConfig, device: torch.device
         # recompile it at every routing change. Not a decorator: `torch.compiler.disable` costs ~1 s of import.
         if not getattr(MoEFeedForward._dispatch, "_torchdynamo_disable", False):
             MoEFeedForward._dispatch = torch.compiler.disable(MoEFeedForward._dispatch)
-        for block in inner.layers:
-            block.compile()
+        for module in [model] if cfg.compile == "model" else inner.layers:
+            module.compile()
     return model
 
 

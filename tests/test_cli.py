@@ -59,7 +59,8 @@ def test_help_lists_the_new_names_and_every_default(module, _required, new, old,
         assert "default" in formatter._get_help_string(action), (module, action.option_strings)
     if module in ("ray_jobs.pretrain", "minilm.train"):  # model/train flags: a meaning, 0/False defaults, choices
         assert "--warmup-steps WARMUP_STEPS optimizer steps of linear warmup (default: 0)" in text
-        assert "--compile, --no-compile torch.compile each transformer block (default: False)" in text
+        assert "--compile [{off,blocks,model}] torch.compile: blocks, each transformer block; model, the whole " \
+               "forward with the loss's chunked head (one graph); off (default: off)" in text
         assert "--optimizer {auto,adamw,muon}" in text and "--schedule {cosine,wsd}" in text
 
 

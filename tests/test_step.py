@@ -521,9 +521,9 @@ def test_activation_checkpointing_is_off_in_eval_and_generation():
 
 
 def test_speed_options_are_validated_and_configure_backends_is_a_cpu_no_op():
-    assert TrainConfig().compile is False and TrainConfig().activation_checkpointing is False
-    problems = TrainConfig(compile="yes", activation_checkpointing=1).problems()
-    assert any("compile must be true or false" in p for p in problems)
+    assert TrainConfig().compile == "off" and TrainConfig().activation_checkpointing is False
+    assert TrainConfig(compile="yes").problems() == ["compile must be one of off, blocks, model, got 'yes'"]
+    problems = TrainConfig(activation_checkpointing=1).problems()
     assert any("activation_checkpointing must be true or false" in p for p in problems)
     before = torch.get_float32_matmul_precision()
     configure_backends("cpu")

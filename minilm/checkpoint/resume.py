@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import pyarrow.fs as pafs
 
-from ..config import ModelConfig
+from ..config import ModelConfig, from_bool
 from ..errors import UsageError
 from ..fsio import fsync_dir, loads, pid_alive, write_atomic
 from .files import MARKER, CheckpointError, parse_marker, parse_state, read_state, verify
@@ -325,7 +325,7 @@ def config_changes(state: dict[str, Any], train_config) -> list[ConfigChange]:
     config, aside: the optimizer is FIXED, so a field inert here was inert in the checkpoint's run too)."""
     saved, changes = state.get("train_config", {}), []
     for name, after in sorted(train_config.to_dict().items()):
-        before = checkpoint_dtype(state) if name == "dtype" else saved.get(name, after)
+        before = checkpoint_dtype(state) if name == "dtype" else from_bool(name, saved.get(name, after))
         if name == "dtype" and (after == "auto" or before is None):
             continue  # the checkpoint's precision goes on
         if name not in FIXED and name not in train_config.inert() and before != after:
