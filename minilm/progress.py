@@ -78,12 +78,25 @@ def format_duration(seconds: float) -> str:
     return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
 
 
+def cuda_peak_memory(device: torch.device) -> dict[str, float]:
+    """On a CUDA device, the most memory allocated and reserved since the previous call (or the start), in GiB; the
+    peaks then start over. Elsewhere, nothing."""
+    if device.type != "cuda":
+        return {}
+    peaks = {"cuda_peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+             "cuda_peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30}
+    torch.cuda.reset_peak_memory_stats(device)
+    return peaks
+
+
 def format_log_line(m: dict) -> str:
     """MiniMind-style: one line per log interval on rank 0."""
     line = (f"epoch {m['epoch'] + 1}/{m['epochs']} step {m['optimizer_step']}/{m['total_steps']} "
             f"loss {m['loss']:.4f} (lm {m['lm_loss']:.4f} aux {m['aux_loss']:.4f}) lr {m['lr']:.3e} "
             f"grad_norm {m['grad_norm']:.3f} tokens/s {m['tokens_per_s']:,.0f} mfu {100 * m['mfu']:.1f}% "
             f"world {m['world_size']}x{m['accumulation_steps']} eta {format_duration(m['eta_s'])}")
+    if "cuda_peak_allocated_gib" in m:
+        line += f" cuda_peak {m['cuda_peak_allocated_gib']:.2f}/{m['cuda_peak_reserved_gib']:.2f} GiB"
     if m.get("skipped_steps"):
         line += f" skipped {m['skipped_steps']}"
     line += "".join(f" {k} {m[k]:.4f}" for k in ("val_loss", "val_bpb") if k in m)

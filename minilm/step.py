@@ -146,6 +146,18 @@ def configure_backends(device: torch.device | str) -> None:
     torch.backends.cudnn.allow_tf32 = True
 
 
+# PyTorch's allocator with expandable segments grows a segment in place instead of caching blocks of fixed sizes:
+# less memory lost to fragmentation as shapes vary (an uneven last micro-batch, validation).
+CUDA_ALLOC_CONF = "expandable_segments:True"
+
+
+def cuda_alloc_env() -> dict[str, str]:
+    """The allocator setting a CUDA training process starts with (before CUDA does: it is read once): ours, unless
+    the user set one (PYTORCH_CUDA_ALLOC_CONF, or torch's newer PYTORCH_ALLOC_CONF)."""
+    user = {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"} & os.environ.keys()
+    return {} if user else {"PYTORCH_CUDA_ALLOC_CONF": CUDA_ALLOC_CONF}
+
+
 def prepare_model(model: torch.nn.Module, cfg: TrainConfig, device: torch.device | str) -> torch.nn.Module:
     """Apply `cfg.activation_checkpointing` and `cfg.compile` in place (after `.to(device)`, before DDP); the
     state-dict keys do not change. "blocks" is regional: each block, identical, so one compilation serves them all;

@@ -38,7 +38,7 @@ from .errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, UsageError
 from .options import RunOptions, add_run_flags, build_configs, load_yaml, option
 from .rows import rows_note
 from .run import DRY_RUN, Launch, RunPlan, check_run, claim
-from .step import TORCH_DTYPES, NonFiniteLossError, resolve_auto
+from .step import TORCH_DTYPES, NonFiniteLossError, cuda_alloc_env, resolve_auto
 from .testing import from_env as hooks_from_env
 from .trackers import TrackerError
 from .trainer import Dataset, Preempted, Trainer
@@ -151,6 +151,8 @@ def start(argv: list[str] | None) -> tuple[Trainer | None, RunPlan]:
     """Flags -> a Trainer at its first step (rank 0 holding the run folder's lease), or None after --dry-run's checks;
     every user error raises."""
     started_at = time.time()
+    if torch.cuda.is_available():  # before anything starts CUDA, whose allocator reads its settings once
+        os.environ.update(cuda_alloc_env())
     signal.signal(signal.SIGTERM, interrupt)  # until the loop reads its stop flag, a SIGTERM ends the start at once
     args = build_parser().parse_args(argv)
     file_values = load_yaml(args.config)

@@ -26,7 +26,7 @@ from .microbatch import resolve_micro_batch, unprobed_micro_batch
 from .model import MiniMindForCausalLM, resolve_gqa
 from .options import RunOptions, StepPlan, plan_steps
 from .policy import LoopPolicy
-from .progress import Meter, MetricsLog, format_log_line, peak_flops
+from .progress import Meter, MetricsLog, cuda_peak_memory, format_log_line, peak_flops
 from .schedule import get_lr
 from .testing import FaultHooks
 from .timeline import WorldSizeTimeline
@@ -311,6 +311,7 @@ class Trainer:
             "world_size": self.world_size, "accumulation_steps": self.accumulation,
             "skipped_steps": int(self.guard.skipped_total), "checkpoint_s": self.checkpoints.save_s,
             "checkpoint_wait_s": self.checkpoints.wait_s, "redone_steps": self.redone_steps,
+            **cuda_peak_memory(self.device),  # this rank's GPU
         }
         if self.raw_model.config.use_moe:
             metrics["expert_load"] = [[round(float(x), 4) for x in layer] for layer in self.raw_model.expert_load()]

@@ -27,6 +27,9 @@ GAUGES: dict[str, str] = {
     "redone_steps": "Optimizer steps recomputed after restarts and resizes of this run, in all",
     "data_wait_frac": "Fraction of the last log interval spent waiting for data",
     "eta_s": "Estimated seconds to the last step",
+    "cuda_peak_allocated_gib": "GiB of GPU memory tensors held at most over the last log interval (rank 0's GPU)",
+    "cuda_peak_reserved_gib": "GiB of GPU memory PyTorch's allocator reserved at most over the last log interval "
+                              "(rank 0's GPU)",
 }
 
 _gauges: dict | None = None

@@ -38,6 +38,7 @@ from minilm.progress import MetricsLog, format_duration
 from minilm.rows import rows_note
 from minilm.run import RunPlan
 from minilm.safety import check_name, join_uri, redact
+from minilm.step import cuda_alloc_env
 from minilm.timeline import TIMELINE, WorldSizeTimeline, format_timeline
 from minilm.trackers import TrackerError
 
@@ -365,7 +366,7 @@ def make_trainer(config: dict, opts: RayOptions, callbacks=None):
                            checkpoint_config=CheckpointConfig(num_to_keep=None),  # minilm prunes (C.RunFolder.prune)
                            logging_config=LoggingConfig(log_level="WARNING"),  # our log line, not Ray's per report
                            callbacks=callbacks,
-                           worker_runtime_env={"env_vars": worker_env(opts)})
+                           worker_runtime_env={"env_vars": worker_env(opts, use_gpu)})
     return TorchTrainer(train_func, train_loop_config=config, scaling_config=scaling, run_config=run_config,
                         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo", timeout_s=round(
                             collective_timeout_s("cuda" if use_gpu else "cpu", opts.collective_timeout_s))))
@@ -374,17 +375,19 @@ def make_trainer(config: dict, opts: RayOptions, callbacks=None):
 CONTROLLER_POLL_S = "0.1"
 WORKER_ENV = ("MINILM_CACHE", "MINILM_GIT_COMMIT")  # the only MINILM_* settings a worker reads
 # The CUDA, NCCL and torch debugging and tuning settings a user sets in the driver's shell, for every worker.
-WORKER_ENV_GPU = ("TORCH_LOGS", "PYTORCH_CUDA_ALLOC_CONF", "CUDA_LAUNCH_BLOCKING", "TORCHINDUCTOR_COMPILE_THREADS")
+WORKER_ENV_GPU = ("TORCH_LOGS", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "CUDA_LAUNCH_BLOCKING",
+                  "TORCHINDUCTOR_COMPILE_THREADS")
 WORKER_ENV_GPU_PREFIXES = ("NCCL_", "TORCH_NCCL_")
 
 
-def worker_env(opts: RayOptions) -> dict[str, str]:
+def worker_env(opts: RayOptions, use_gpu: bool = False) -> dict[str, str]:
     """What a worker on a running cluster (which does not inherit this shell) must see; never a secret (the
-    dashboard shows runtime env variables)."""
+    dashboard shows runtime env variables). On GPUs, the CUDA allocator's setting (minilm.step.cuda_alloc_env)."""
     threads = str(max(1, int(opts.cpus_per_worker)))
     # Inductor compiles with up to 32 threads per process by default: each rank gets its share of the CPUs.
     env = {"OMP_NUM_THREADS": threads, "TORCHINDUCTOR_COMPILE_THREADS": threads}
     env.update({k: v for k, v in os.environ.items() if k in WORKER_ENV_GPU or k.startswith(WORKER_ENV_GPU_PREFIXES)})
+    env.update(cuda_alloc_env() if use_gpu else {})
     env.update({k: v for k, v in os.environ.items() if (k in WORKER_ENV or k.startswith(("WANDB_", "MLFLOW_")))
                 and not k.endswith(("API_KEY", "TOKEN", "PASSWORD"))})
     if opts.trackers and "MINILM_GIT_COMMIT" not in env:
