@@ -129,7 +129,6 @@ class Result:
     train_s: float
     ce: float = float("nan")
     bpb: float = float("nan")
-    budget: str = "steps"  # steps | tokens | wall | half-wall: what this run is matched to MiniMind's on
     curve: list | None = None  # [(step, seconds since the command started, ce)] of the checkpoints along the run
     to_minimind_s: float | None = None  # when the curve first reaches MiniMind's final CE (None: never)
 
@@ -278,7 +277,7 @@ def record(r: Result, state: dict, results: list[Result], scorer, pool) -> None:
     else:
         r.curve = None  # nothing to reach without MiniMind's run
     ratio = f"  ce / MiniMind {r.ce / ref.ce:.4f}  bpb / MiniMind {r.bpb / ref.bpb:.4f}" if ref else ""
-    print(f"  {r.run:40s} [{r.budget:9s}] steps {r.steps:4d}  tokens {r.real_tokens:9,}  train {r.train_s:6.1f} s"
+    print(f"  {r.run:40s} steps {r.steps:4d}  tokens {r.real_tokens:9,}  train {r.train_s:6.1f} s"
           f"  ce {r.ce:.4f}  bpb {r.bpb:.4f}{ratio}  load {load_average()}", flush=True)
 
 
@@ -307,16 +306,15 @@ def bench_corpus(name: str, seed: int, runs: list[str], args, work: Path, checko
     def scorer(state: dict) -> dict:
         return score(state, model_cfg, held_docs, byte_lengths, args)
 
-    def job(run: str, steps: int, budget: str) -> tuple[Result, dict]:
+    def job(run: str, steps: int) -> tuple[Result, dict]:
         if run == "minimind":
             state, wall = run_minimind(mm, train_jsonl, split, args, seed, cwork / "minimind.log", env)
             return Result(name, seed, run, split.steps, mm_tokens, wall), state
         prep_flags, train_flags = split_flags(shlex.split(run)[1:])
-        tag = re.sub(r"[^A-Za-z0-9]+", "-", run).strip("-") + ("" if budget == "steps" else f"-{budget}")
-        curve = args.curve if budget == "steps" else 0
+        tag = re.sub(r"[^A-Za-z0-9]+", "-", run).strip("-")
         state, wall, points = run_minilm(prepared[tuple(prep_flags)], train_flags, steps, seed, args,
-                                         cwork / f"run-{tag}", env, curve, ray=run.split()[0] == "ray")
-        return Result(name, seed, run, steps, steps * per_step, wall, budget=budget, curve=points if curve else None), state
+                                         cwork / f"run-{tag}", env, args.curve, ray=run.split()[0] == "ray")
+        return Result(name, seed, run, steps, steps * per_step, wall, curve=points if args.curve else None), state
 
     # Runs go `--parallel` at a time (each with `--threads`), MiniMind's first, beside minilm's defaults: the
     # wall times of runs that ran side by side compare on a shared machine. One prepare at a time (each starts a
@@ -332,27 +330,9 @@ def bench_corpus(name: str, seed: int, runs: list[str], args, work: Path, checko
         prepared[flags] = out
     with ThreadPoolExecutor(args.parallel) as pool:
         # Scored once the round is over: a score computed beside a run would slow that run alone.
-        for r, state in list(pool.map(lambda run: job(run, split.steps, "steps"), order)):
-            record(r, state, results, scorer, pool)
-        extra = budget_runs(results, mm_tokens, per_step, split.steps) if args.budgets else []
-        for r, state in list(pool.map(lambda a: job(*a), extra)):
+        for r, state in list(pool.map(lambda run: job(run, split.steps), order)):
             record(r, state, results, scorer, pool)
     return results
-
-
-def budget_runs(results: list[Result], mm_tokens: int, per_step: int, steps: int) -> list[tuple]:
-    """(run, steps, budget) of minilm at MiniMind's real tokens, wall and half its wall (if > 2% off equal steps)."""
-    mm = next((x for x in results if x.run == "minimind"), None)
-    base = next((x for x in results if x.run == "minilm"), None)
-    if not base:
-        return []
-    extra = [("minilm", max(1, round(mm_tokens / per_step)), "tokens")]
-    if mm:
-        wall_steps = max(1, math.floor(steps * mm.train_s / base.train_s))
-        extra.append(("minilm", wall_steps, "wall"))
-    extra = [e for e in extra if abs(e[1] - steps) > 0.02 * steps]
-    # The stretch goal: MiniMind's held-out loss in half its wall time.
-    return extra + ([("minilm", max(1, math.floor(wall_steps / 2)), "half-wall")] if mm else [])
 
 
 def print_summary(results: list[Result]) -> None:
@@ -361,20 +341,13 @@ def print_summary(results: list[Result]) -> None:
     rows = []
     for mm in (r for r in results if r.run == "minimind"):
         for run in dict.fromkeys(r.run for r in results if r.run != "minimind"):
-            mine = {r.budget: r for r in results if r.run == run and (r.corpus, r.seed) == (mm.corpus, mm.seed)}
-            if "steps" not in mine:
-                continue
-            steps = mine["steps"]
-            if "wall" in mine:  # a run planned for MiniMind's wall time
-                wall_ce = mine["wall"].ce
-            elif steps.curve:  # the curve at MiniMind's wall time (no credit for a schedule planned to end there)
-                wall_ce = ce_at([c for c in steps.curve if c[0] < steps.steps] + [(steps.steps, steps.train_s, steps.ce)],
-                                mm.train_s)
-            else:  # no curve and no wall run: the walls were within 2%
-                wall_ce = steps.ce
+            steps = next(r for r in results if r.run == run and (r.corpus, r.seed) == (mm.corpus, mm.seed))
+            # the curve at MiniMind's wall time (no credit for a schedule planned to end there)
+            wall = ce_at([c for c in steps.curve if c[0] < steps.steps] + [(steps.steps, steps.train_s, steps.ce)],
+                         mm.train_s) / mm.ce if steps.curve else None
             reach = steps.to_minimind_s
             rate = (steps.steps / steps.train_s) / (mm.steps / mm.train_s)  # both from their commands' wall
-            rows.append([mm.corpus, mm.seed, run[:40], f"{rate:.3f}", f"{steps.ce / mm.ce:.4f}", f"{wall_ce / mm.ce:.4f}",
+            rows.append([mm.corpus, mm.seed, run[:40], f"{rate:.3f}", f"{steps.ce / mm.ce:.4f}", "-" if wall is None else f"{wall:.4f}",
                          f"{reach / mm.train_s:.3f}" if reach is not None else f"> {steps.train_s / mm.train_s:.3f}"])
     print("\n" + table(["corpus", "seed", "run", "tokens/s / MM", "CE/MM equal steps", "CE/MM equal wall", "time to MM CE / MM wall"],
                        rows, left=3))
@@ -389,8 +362,6 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated: minimind, minilm (`minilm.train`), ray (the 1-worker Ray job), either "
                         "followed by its flags ('minilm --flag value ...')")
     p.add_argument("--seeds", default="42", help="comma-separated seeds (split, init, order)")
-    p.add_argument("--budgets", action=argparse.BooleanOptionalAction, default=True,
-                   help="also run the last minilm run at MiniMind's real tokens and wall time (default: on)")
     p.add_argument("--reuse", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse MiniMind's run of the same corpus, seed and settings from the work folder")
     p.add_argument("--curve", type=int, default=8, help="checkpoints along each minilm run, scored for the "

@@ -40,7 +40,7 @@ STAND_IN = textwrap.dedent('''
 ''')
 
 TINY = ["--corpus", "demo", "--hidden-size", "32", "--num-hidden-layers", "1", "--seq-len", "32", "--batch-size", "2",
-        "--steps", "4", "--held-out", "20", "--threads", "1", "--no-budgets"]
+        "--steps", "4", "--held-out", "20", "--threads", "1"]
 
 
 @pytest.fixture
