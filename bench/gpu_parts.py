@@ -174,8 +174,9 @@ def row_args(argv: list[str]):
     p = parser("row")
     p.add_argument("--name", required=True)
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
-    for flag in ("--compile", "--moe", "--document-mask", "--activation-checkpointing", "--profile"):
+    for flag in ("--moe", "--document-mask", "--activation-checkpointing", "--profile"):
         p.add_argument(flag, action="store_true")  # --moe: 4 experts, top-1; --profile: one more step, profiled
+    p.add_argument("--compile", nargs="?", choices=["off", "blocks", "model"], const="blocks", default="off")
     p.add_argument("--moe-dispatch", choices=["auto", "grouped", "split"], default="auto")
     p.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw")
     p.add_argument("--steps", type=int, default=20)
@@ -196,11 +197,12 @@ def row(argv: list[str]) -> int:
     from minilm.progress import datasheet_peak, measured_matmul_peak
     from minilm.step import TORCH_DTYPES, configure_backends
 
-    from .step import figures, model_config, random_batches, stepper
+    from .step import SUFFIX, figures, model_config, random_batches, stepper
 
     device, dtype, cuda = torch.device(args.device), TORCH_DTYPES[args.dtype], args.device.startswith("cuda")
     configure_backends(device)
-    counts = DynamoCounts() if args.compile else None
+    compiled = args.compile != "off"
+    counts = DynamoCounts() if compiled else None
     peak = measured_matmul_peak(dtype, n=args.peak_size or (8192 if cuda else 2048), repeats=10, device=device)
     cfg = model_config(args, 4 if args.moe else 0, 1, args.document_mask)
     sdpa = sdpa_kernel(cfg, args.micro_batch_size, args.seq_len, dtype, device)
@@ -220,11 +222,11 @@ def row(argv: list[str]) -> int:
     sheet = datasheet_peak(torch.cuda.get_device_name(device), dtype) if cuda else None
     memory = ((torch.cuda.max_memory_allocated(device), "torch.cuda.max_memory_allocated") if cuda else
               (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "the process's max RSS"))
-    result = {"name": args.name, "config": ("moe" if args.moe else "dense") + ("+compile" if args.compile else ""),
+    result = {"name": args.name, "config": ("moe" if args.moe else "dense") + SUFFIX[args.compile],
               "dtype": args.dtype, "compile": args.compile, **figures(model, timed, args, peak, sheet),
               "warmup_s": warm_s, "peak_memory_bytes": memory[0], "peak_memory_of": memory[1],
               # the warm-up steps' time beyond as many steady steps: compilation and autotuning
-              "compile_s": max(0.0, warm_s - args.warmup * statistics.median(timed)) if args.compile else None,
+              "compile_s": max(0.0, warm_s - args.warmup * statistics.median(timed)) if compiled else None,
               "document_mask": args.document_mask, "optimizer": args.optimizer,
               "activation_checkpointing": args.activation_checkpointing, "profile": None, "moe_dispatch": dispatch,
               "sdpa": sdpa, **(counts.read() if counts else dict.fromkeys(("graph_breaks", "graphs", "recompiles")))}

@@ -23,8 +23,8 @@ def describe_row(row: dict) -> str:
             + (f" (of the measured matmul peak: {row['mfu']:.1%})" if sheet else " (of the measured peak)"))
     if row.get("peak_memory_bytes") is not None:
         text += f", peak memory {row['peak_memory_bytes'] / 2**30:.2f} GiB ({row['peak_memory_of']})"
-    if row["compile"]:
-        text += (f", compile {row['compile_s']:.1f} s, {row['graph_breaks']} graph break(s), {row['recompiles']} "
+    if row.get("compile_s") is not None:
+        text += (f", compile ({row['compile']}) {row['compile_s']:.1f} s, {row['graph_breaks']} graph break(s), {row['recompiles']} "
                  f"recompile(s)")
     text += f", MoE dispatch {row['moe_dispatch']}" if row.get("moe_dispatch") else ""
     text += f", SDPA {row['sdpa']['kernel']}" if row.get("sdpa") else ""

@@ -148,6 +148,10 @@ def test_rehearsal_on_the_image_packages_and_the_bundle(gpu_bundle, tmp_path):
         assert (row["sdpa"]["heads"], row["sdpa"]["kv_heads"], row["sdpa"]["document_mask"]) == (
             8, 4, name.startswith("docmask")), name
     assert rows["step-26m-compiled"]["graph_breaks"] == 0 and rows["step-26m-compiled"]["recompiles"] == 0
+    # the headline rows compile the whole model (its loss inside), the other compiled rows each block
+    assert {n: r["compile"] for n, r in rows.items() if n.startswith("step-") and n.endswith("-compiled")} == {
+        "step-26m-compiled": "model", "step-104m-compiled": "model"}
+    assert rows["moe-26m-compiled"]["compile"] == "blocks"
     profile = rows["step-26m-compiled"]["profile"]  # one profiled step: its top ops (CPU here)
     assert profile["of"] == "cpu" and len(profile["top"]) == 10 and all(t["us"] > 0 for t in profile["top"])
     assert (rows["docmask-26m-compiled"]["document_mask"], rows["muon-26m-compiled"]["optimizer"],
@@ -371,9 +375,9 @@ def test_table_without_ray():
     parts["moe-26m-compiled"] = Part("moe-26m-compiled", "stopped", note="stopped by a signal")
     parts.update({name: Part(name, "skipped", note=why) for name in ("prepare", "ray-job", "ray-job-resume")})
     parts["ac-104m-compiled"] = Part("ac-104m-compiled", "left", note="left for a rerun (its 70 s limit did not fit)")
-    row = {"tokens_per_s": 1000.0, "mfu": 0.5, "mfu_datasheet": 0.46, "compile": False, "peak_memory_bytes": 2**30,
+    row = {"tokens_per_s": 1000.0, "mfu": 0.5, "mfu_datasheet": 0.46, "compile": "off", "peak_memory_bytes": 2**30,
            "peak_memory_of": "torch.cuda.max_memory_allocated"}
-    compiled = {**row, "compile": True, "compile_s": 31.0, "graph_breaks": 0, "recompiles": 1}
+    compiled = {**row, "compile": "model", "compile_s": 31.0, "graph_breaks": 0, "recompiles": 1}
     figures = {"rows": {"step-26m-eager": row, "step-104m-eager": row, "step-26m-compiled": compiled,
                         "step-104m-compiled": {**compiled, "mfu_datasheet": 0.44}},
                "trainer_ddp1": {"runs": {"plain": {"tokens_per_s": 960.0}, "ddp": {"tokens_per_s": 950.0}},
@@ -384,7 +388,7 @@ def test_table_without_ray():
     assert table["step 104M bf16 compiled"]["status"] == "BELOW GOAL"  # 44% < 45%
     assert table["step 26M bf16 compiled"]["result"] == (
         "1,000 tok/s, MFU 46.0% (of the measured matmul peak: 50.0%), peak memory 1.00 GiB "
-        "(torch.cuda.max_memory_allocated), compile 31.0 s, 0 graph break(s), 1 recompile(s)")
+        "(torch.cuda.max_memory_allocated), compile (model) 31.0 s, 0 graph break(s), 1 recompile(s)")
     assert table["Trainer in-process (trainer-ddp1's plain run), 26M"]["status"] == "BELOW GOAL"  # 0.96x < 0.97x
     for check in ("Ray job 1 worker, 26M, to half its steps", "  resumed to the end",
                   "Ray job data wait (its Ray Data stream)"):
