@@ -159,8 +159,8 @@ ESTIMATE_SIZES = (("26m", 512, 8, 32), ("104m", 768, 16, 128))
 
 
 def phase_work(cfg: ModelConfig, batch: int, seq: int) -> list[tuple[str, str, float, float]]:
-    """(phase, how it runs, FLOPs, bytes) of one compiled bf16 optimizer step (`prepare_model(compile=True)`: each
-    block one graph, the head and loss eager in chunks, fused AdamW). How: "gemm" and "attention" at their rate
+    """(phase, how it runs, FLOPs, bytes) of one bf16 optimizer step as the GPU check's headline rows run it (`--compile
+    model`: the forward with the chunked head and loss one graph; q|k|v and gate|up fused on CUDA; fused AdamW). How: "gemm" and "attention" at their rate
     (their own reads and writes inside it), "memory" at the bandwidth, "gemm+memory" the two one after the other."""
     n, h, i, v, layers = batch * seq, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_hidden_layers
     kv = cfg.num_key_value_heads * cfg.head_dim
@@ -175,9 +175,10 @@ def phase_work(cfg: ModelConfig, batch: int, seq: int) -> list[tuple[str, str, f
     # backward about twice the forward (~106 GB a step at 104M).
     elementwise = 3 * bf16 * n * layers * (2 * h + 2 * h + 2 * (h + 2 * kv) + 2 * 3 * h + 3 * i)
     attention_flops = layers * 3.5 * 2 * batch * cfg.num_attention_heads * seq * seq * cfg.head_dim  # causal
-    # The eager chunked head: the logits in bf16, their fp32 copy, logsumexp, softmax - one-hot, its bf16 copy (~34
-    # bytes per logit over forward and gradient) between its three matmuls, none overlapping.
-    head_bytes = 34 * n * v + 3 * bf16 * n * h
+    # The chunked head in the compiled graph: its bf16 logits written, read for logsumexp and again for softmax -
+    # one-hot, written as the bf16 gradient and read by its two matmuls (~10 bytes per logit; eager, with its fp32
+    # copies, ~34), between its three matmuls, none overlapping.
+    head_bytes = 10 * n * v + 3 * bf16 * n * h
     # Per parameter: autocast's bf16 copy (read fp32, write bf16), the gradient's cast and accumulation, the clip's
     # norm and scaling, fused AdamW (param, grad, two moments read; param and moments written).
     weight_bytes = params * (f32 + bf16 + bf16 + f32 + 2 * f32 + 3 * f32 + 4 * f32 + 3 * f32)
@@ -186,7 +187,7 @@ def phase_work(cfg: ModelConfig, batch: int, seq: int) -> list[tuple[str, str, f
             ("attention (flash, causal), fwd + bwd", "attention", attention_flops,
              4 * bf16 * n * layers * (h + 2 * kv) * 3),
             ("norms, RoPE, SwiGLU, residual, fwd + bwd", "memory", 0, elementwise),
-            ("head matmuls + chunked cross entropy (eager)", "gemm+memory", 6 * n * h * v, head_bytes),
+            ("head matmuls + chunked cross entropy (compiled)", "gemm+memory", 6 * n * h * v, head_bytes),
             ("embedding lookup + its gradient", "memory", 0, n * h * (f32 + bf16 + f32) + v * h * f32),
             ("weights: bf16 casts, grad, clip, fused AdamW", "memory", 0, weight_bytes)]
 

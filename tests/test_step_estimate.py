@@ -27,7 +27,7 @@ def test_the_phases_count_minilms_matmul_flops_and_add_their_times(hidden, layer
         assert p["time_s"] == p["compute_s"] + p["memory_s"] > 0
         assert p["range_s"][0] < p["time_s"] < p["range_s"][1]
         assert (p["compute_s"] > 0) == (p["runs"] != "memory") and (p["memory_s"] > 0) == ("memory" in p["runs"])
-    head = next(p for p in phases if p["phase"].startswith("head"))  # the eager head: its matmuls, then its memory
+    head = next(p for p in phases if p["phase"].startswith("head"))  # its matmuls, then its memory (not overlapped)
     assert head["compute_s"] > 0 and head["memory_s"] > 0
     gemm = next(p for p in phases if p["runs"] == "gemm")  # at the K = hidden rate, below the large-GEMM ceiling
     assert gemm["compute_s"] > gemm["flops"] / hw["bf16_measured"]
