@@ -81,13 +81,22 @@ def test_the_model_fused_and_split_gives_the_same_loss_and_gradients(monkeypatch
     runs = []
     for mode in ("split", "fused"):
         monkeypatch.setattr(M, "PROJECTIONS", mode)
-        model.zero_grad(set_to_none=True)
-        loss = model(ids[:, :-1], targets=ids[:, 1:]).loss
-        loss.backward()
-        runs.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
-    torch.testing.assert_close(runs[1][0], runs[0][0], rtol=1e-6, atol=0)
-    for name, g in runs[0][1].items():
-        torch.testing.assert_close(runs[1][1][name], g, rtol=1e-5, atol=1e-7, msg=name)
+        runs.append(loss_and_gradients(model, ids))
+    assert_same_run(*runs)
+
+
+def loss_and_gradients(model, ids) -> tuple[torch.Tensor, dict]:
+    model.zero_grad(set_to_none=True)
+    loss = model(ids[:, :-1], targets=ids[:, 1:]).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def assert_same_run(a, b) -> None:
+    """The same loss, and each parameter's gradient, to float rounding."""
+    torch.testing.assert_close(b[0], a[0], rtol=1e-6, atol=0)
+    for name, g in a[1].items():
+        torch.testing.assert_close(b[1][name], g, rtol=1e-5, atol=1e-7, msg=name)
 
 
 def test_auto_keeps_one_matmul_per_linear_on_cpu(monkeypatch):
@@ -139,14 +148,9 @@ def test_both_gqa_paths_give_the_same_outputs_and_gradients(monkeypatch):
     for path in ("sdpa", "repeat"):
         monkeypatch.setattr(Attention, "gqa", path)
         calls.clear()
-        model.zero_grad(set_to_none=True)
-        loss = model(ids[:, :-1], targets=ids[:, 1:]).loss
-        loss.backward()
+        runs.append(loss_and_gradients(model, ids))
         assert len(calls) == (0 if path == "sdpa" else 4)  # K and V in each of 2 layers
-        runs.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
-    torch.testing.assert_close(runs[1][0], runs[0][0], rtol=1e-6, atol=0)
-    for name, g in runs[0][1].items():
-        torch.testing.assert_close(runs[1][1][name], g, rtol=1e-5, atol=1e-7, msg=name)
+    assert_same_run(*runs)
 
 
 def test_resolve_gqa_times_both_paths_on_cuda_only(monkeypatch):
