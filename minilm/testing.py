@@ -67,7 +67,7 @@ class FaultHooks:
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
         if self.hold_file and os.path.exists(self.hold_file):
-            Path(f"{self.hold_file}.rank{rank}").write_text(str(step))  # where this rank is held
+            write_atomic(f"{self.hold_file}.rank{rank}", str(step))  # where this rank is held; never read half-written
             while os.path.exists(self.hold_file):
                 time.sleep(0.05)
 

@@ -70,6 +70,17 @@ def ray_address(test_cache):
     ray.shutdown()
 
 
+@pytest.fixture(autouse=True)
+def no_run_outlives_its_test(request):
+    """A test that fails while its run is held or slowed down leaves the driver and its Ray workers running: they
+    are ended here, after every test on the session's Ray, so the failure stays that test's own."""
+    yield
+    if "ray_address" in request.fixturenames:
+        from runs import end_leftover_runs
+
+        end_leftover_runs()
+
+
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> Path:
     """A prepared dataset: 480 sequences of seq_len 32, vocab 256 (learnable, repetitive text)."""

@@ -39,15 +39,38 @@ def pretrain(ray_address, args, check=True, **env):
     return run_module("ray_jobs.pretrain", args, env=run_env(ray_address, **env), timeout=300, check=check)
 
 
+STARTED: list[subprocess.Popen] = []  # drivers start_pretrain started: end_leftover_runs ends those a test left
+
+
 def start_pretrain(ray_address, args: list[str], capture: bool, log: Path | None = None, **env) -> subprocess.Popen:
     """capture: stdout and stderr through a pipe (read it before it fills); log: into that file instead."""
     cmd, env = [sys.executable, "-m", "ray_jobs.pretrain", *args], run_env(ray_address, **env)
     if log is not None:
         with open(log, "w") as f:  # the driver keeps its own copy of the file descriptor
-            return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+            STARTED.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT))
+            return STARTED[-1]
     out = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) if capture else \
         dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, **out)
+    STARTED.append(subprocess.Popen(cmd, cwd=ROOT, env=env, **out))
+    return STARTED[-1]
+
+
+def end_leftover_runs() -> bool:
+    """Kill the drivers a test left running (a failed test's, held or slowed down) and the session Ray's Train
+    workers that outlive them, so one failure does not starve every later test of CPUs. True if anything was left."""
+    left = [p for p in STARTED if p.poll() is None]
+    STARTED.clear()
+    for p in left:
+        p.kill()
+        p.wait(30)
+    workers = ray_train_workers()
+    if workers:
+        deadline = time.time() + 30  # Ray ends a dead driver's workers itself, usually within seconds
+        while ray_train_workers() and time.time() < deadline:
+            time.sleep(0.5)
+        for w in ray_train_workers():
+            w.kill()
+    return bool(left or workers)
 
 
 
