@@ -47,38 +47,29 @@ def start_pretrain(ray_address, args: list[str], capture: bool, log: Path | None
     cmd, env = [sys.executable, "-m", "ray_jobs.pretrain", *args], run_env(ray_address, **env)
     if log is not None:
         with open(log, "w") as f:  # the driver keeps its own copy of the file descriptor
-            STARTED.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT))
-            return STARTED[-1]
-    out = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) if capture else \
-        dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    STARTED.append(subprocess.Popen(cmd, cwd=ROOT, env=env, **out))
-    return STARTED[-1]
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+    else:
+        out = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) if capture else \
+            dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, **out)
+    STARTED.append(proc)
+    return proc
 
 
-def end_leftover_runs() -> bool:
+def end_leftover_runs() -> None:
     """Kill the drivers a test left running (a failed test's, held or slowed down) and the session Ray's Train
-    workers that outlive them, so one failure does not starve every later test of CPUs. True if anything was left."""
-    left = [p for p in STARTED if p.poll() is None]
+    workers that outlive them, so one failure does not starve every later test of CPUs."""
+    for p in STARTED:
+        if p.poll() is None:
+            p.kill()
+            p.wait(30)
     STARTED.clear()
-    for p in left:
-        p.kill()
-        p.wait(30)
-    workers = ray_train_workers()
-    if workers:
-        deadline = time.time() + 30  # Ray ends a dead driver's workers itself, usually within seconds
-        while ray_train_workers() and time.time() < deadline:
-            time.sleep(0.5)
+    try:
+        wait_until_workers_exit(timeout=30)  # Ray ends a dead driver's workers itself, usually within seconds
+    except AssertionError:
         for w in ray_train_workers():
             w.kill()
-    return bool(left or workers)
 
-
-
-def start_until_checkpoint(ray_address, args: list[str], marker: Path, capture: bool, **env) -> subprocess.Popen:
-    """Start a slowed-down pretrain driver and return once `marker` (a checkpoint's COMPLETE.json) exists."""
-    proc = start_pretrain(ray_address, args, capture, MINILM_TEST_STEP_DELAY_S="0.5", **env)
-    wait_for(marker.is_file, proc, f"{marker.parent.name} was written")
-    return proc
 
 
 def is_complete(checkpoint: Path) -> bool:
