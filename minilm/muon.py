@@ -76,22 +76,33 @@ class Muon(torch.optim.Optimizer):
                 self._muon_step(same, group, skip)
 
     def _muon_step(self, params: list[torch.Tensor], group: dict, skip: torch.Tensor | None) -> None:
-        """Muon on same-shape matrices: the arithmetic of one matrix, by foreach ops and batched matmuls."""
+        """Muon on same-shape matrices: the arithmetic of one matrix, by foreach ops and batched matmuls, in place
+        (a fresh tensor of a matrix's size is page-faulted in again on a CPU). A skipped step (`skip` 1, no host
+        sync) zeroes the gradients and the step's weights, so momentum and matrices keep their values exactly."""
         for p in params:
             if "momentum_buffer" not in self.state[p]:
                 self.state[p]["momentum_buffer"] = torch.zeros_like(p)
         bufs, grads = [self.state[p]["momentum_buffer"] for p in params], [p.grad for p in params]
         beta, lr = group["momentum"], group["lr"]
-        new_bufs = torch._foreach_lerp(bufs, grads, 1 - beta)  # EMA of the gradient
-        directions = torch._foreach_lerp(grads, new_bufs, beta) if group["nesterov"] else new_bufs
-        update = list(orthogonalize(torch.stack(directions), group["ns_steps"]).unbind(0))
+        ema, decay = 1 - beta, 1 - lr * group["weight_decay"]
+        if skip is not None:
+            keep = skip > 0
+            for g in grads:  # filled, not multiplied: a NaN gradient times 0 is still NaN
+                g.masked_fill_(keep, 0.0)
+            ema, lr = (1 - skip) * ema, (1 - skip) * lr
+            decay = torch.where(keep, 1.0, torch.full((), decay, device=skip.device))
+        torch._foreach_lerp_(bufs, grads, ema)  # EMA of the gradient
+        if group["nesterov"]:  # the gradients are not read after the step: they hold the direction
+            torch._foreach_lerp_(grads, bufs, beta)
+        update = list(orthogonalize(torch.stack(grads if group["nesterov"] else bufs), group["ns_steps"]).unbind(0))
         # A tall matrix's orthogonal update has entries ~1/sqrt(cols): scale it up so tall and wide
         # matrices move their outputs alike.
-        update = torch._foreach_mul(update, max(1.0, params[0].shape[0] / params[0].shape[1]) ** 0.5)
-        new_p = torch._foreach_sub(torch._foreach_mul(params, 1 - lr * group["weight_decay"]),
-                                   torch._foreach_mul(update, lr))
-        _commit(bufs, new_bufs, skip)
-        _commit(params, new_p, skip)
+        scale = max(1.0, params[0].shape[0] / params[0].shape[1]) ** 0.5
+        if scale != 1.0:  # x 1.0 would change nothing
+            torch._foreach_mul_(update, scale)
+        torch._foreach_mul_(update, lr)
+        torch._foreach_mul_(params, decay)
+        torch._foreach_sub_(params, update)
 
     def _adamw_step(self, params: list[torch.Tensor], group: dict, skip: torch.Tensor | None) -> None:
         """torch's fused AdamW kernel (minilm.step's AdamW), decoupled decay; `skip` leaves everything as it was."""
@@ -114,16 +125,6 @@ class Muon(torch.optim.Optimizer):
                             found_inf=skip)
         if skip is not None:
             torch._foreach_sub_(steps, [skip] * len(steps))
-
-
-def _commit(olds: list[torch.Tensor], news: list[torch.Tensor], skip: torch.Tensor | None) -> None:
-    """olds <- news, or unchanged where skip is 1 (selected, not blended: NaN in `news` cannot leak)."""
-    if skip is None:
-        torch._foreach_copy_(olds, news)
-        return
-    keep = skip > 0
-    for old, new in zip(olds, news, strict=True):
-        torch.where(keep, old, new, out=old)
 
 
 def muon_param_groups(model: torch.nn.Module, *, lr: float, muon_lr: float, weight_decay: float,
