@@ -89,7 +89,8 @@ class Muon(torch.optim.Optimizer):
             keep = skip > 0
             for g in grads:  # filled, not multiplied: a NaN gradient times 0 is still NaN
                 g.masked_fill_(keep, 0.0)
-            ema, lr = (1 - skip) * ema, (1 - skip) * lr
+            go = 1 - skip
+            ema, lr = go * ema, go * lr
             decay = torch.where(keep, 1.0, torch.full((), decay, device=skip.device))
         torch._foreach_lerp_(bufs, grads, ema)  # EMA of the gradient
         if group["nesterov"]:  # the gradients are not read after the step: they hold the direction

@@ -71,7 +71,6 @@ def end_leftover_runs() -> None:
             w.kill()
 
 
-
 def is_complete(checkpoint: Path) -> bool:
     """A checkpoint folder whose files are all there and match their hashes (not merely a marker copied first)."""
     from minilm.checkpoint import CheckpointError, verify
